@@ -1,0 +1,101 @@
+"""A small causal LM sharing the target's tokenizer drafts a chain, one token at a time.
+
+Also `layerskip`: the target's own first N layers with its final norm and lm_head, a
+training-free draft that shares the target's weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .kv_cache import KVCache
+from .model import ForwardOut, Transformer
+from .proposer import Proposer
+from .sampling import SamplingParams, probs_from_logits, sample
+from .tree import DraftTree
+
+
+@dataclass
+class DraftModelConfig:
+    num_tokens: int = 4  # chain length k
+
+
+class DraftModelProposer(Proposer):
+    name = "draft"
+
+    def __init__(self, model: Transformer, cfg: DraftModelConfig, generator: torch.Generator | None = None) -> None:
+        self.model, self.cfg, self.gen = model, cfg, generator
+        self.max_tree_size = cfg.num_tokens
+        self.cache: KVCache | None = None
+        self.cached = 0  # leading slots of self.cache that hold KV of the true sequence
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return [self.cache] if self.cache is not None else []
+
+    def reserve(self, max_len: int) -> None:
+        self.cache = self.model.new_cache(max_len)
+
+    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+        self.cached = start
+        self.run(tokens[start:-1], logits=False)
+
+    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
+        logits = self.run(tokens[self.cached :])
+        drafted, probs = [], []
+        for i in range(self.cfg.num_tokens):
+            if sp.greedy:
+                drafted.append(int(logits.argmax()))
+            else:
+                probs.append(probs_from_logits(logits, sp))
+                drafted.append(sample(probs[-1], self.gen))
+            if i + 1 < self.cfg.num_tokens:
+                logits = self.run(torch.tensor(drafted[-1:], device=tokens.device))
+        self.cached -= self.cfg.num_tokens - 1  # drafted KV stays in the slots, valid only once accepted
+        draft_probs = torch.stack(probs) if probs else None
+        return DraftTree.chain(torch.tensor(drafted, device=tokens.device), draft_probs)
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+        # slots hold the old pending token, then drafts 1..k-1; the accepted prefix of them is valid
+        self.cached += min(len(path), self.cfg.num_tokens - 1)
+
+    def run(self, tokens: Tensor, logits: bool = True) -> Tensor:
+        """Feed tokens at the next slots; returns the last row's logits."""
+        n, start = tokens.numel(), self.cached
+        positions = torch.arange(start, start + n, device=tokens.device)
+        out = self.model(
+            tokens,
+            positions,
+            self.cache,
+            start,
+            causal_mask(start, n, tokens.device),
+            logit_rows=slice(-1, None) if logits else slice(0, 0),
+        )
+        self.cached += n
+        return out.logits[-1] if logits else out.logits
+
+
+def causal_mask(start: int, n: int, device) -> Tensor | None:
+    """Bool [n, start+n] for n new tokens after `start` cached ones; None where SDPA needs none."""
+    if n == 1 or start == 0:
+        return None
+    return torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+
+
+def layerskip_model(target: Transformer, num_layers: int) -> Transformer:
+    """The target's first num_layers layers + final norm + lm_head, sharing its weights."""
+    total = target.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise ValueError(f"spec.layers must be in [1, {total - 1}] for a {total}-layer target, got {num_layers}")
+    cfg = type(target.config)(**{**vars(target.config), "num_hidden_layers": 0})
+    with torch.device("meta"):
+        draft = Transformer(cfg)
+    draft.config = type(cfg)(**{**vars(cfg), "num_hidden_layers": num_layers})
+    draft.model.embed_tokens, draft.model.norm = target.model.embed_tokens, target.model.norm
+    draft.model.layers = nn.ModuleList(target.model.layers[:num_layers])
+    draft.lm_head = target.lm_head
+    draft.cos, draft.sin = target.cos, target.sin
+    return draft

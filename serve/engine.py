@@ -1,0 +1,152 @@
+"""The speculative engine: prefill (with prefix cache), then propose -> verify -> keep, batch 1.
+
+Plain decoding is the same loop with no proposer: every step verifies an empty tree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .draft_model import causal_mask
+from .metrics import Metrics
+from .model import ForwardOut, Transformer
+from .prefix_cache import PrefixCache
+from .proposer import Proposer
+from .sampling import SamplingParams, pick
+from .tree import DraftTree
+from .verify import verify
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    metrics: Metrics
+    finished_by: str  # "eos" or "length"
+
+
+@dataclass
+class Engine:
+    model: Transformer
+    proposer: Proposer | None = None
+    prefix_cache: PrefixCache | None = None
+    eos_ids: tuple[int, ...] = ()
+    max_seq_len: int = 4096
+    salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
+    cache: object = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.max_seq_len = min(self.max_seq_len, self.model.config.max_position_embeddings)
+        slots = self.max_seq_len + (self.proposer.max_tree_size if self.proposer else 0) + 1
+        self.cache = self.model.new_cache(slots)
+        if self.proposer:
+            self.proposer.reserve(slots)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len == 0:
+            raise ValueError("empty prompt: give at least one token")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if prompt_len + max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
+                f"{self.max_seq_len} tokens; shorten the prompt, lower max_new_tokens, or raise max_seq_len "
+                f"(the model allows {self.model.config.max_position_embeddings})"
+            )
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, sp: SamplingParams) -> Generation:
+        self.check_fits(len(prompt_ids), max_new_tokens)
+        gen = torch.Generator(self.model.device)
+        gen.manual_seed(sp.seed if sp.seed is not None else int(torch.seed()))
+        m = Metrics(prompt_tokens=len(prompt_ids))
+        begin = time.perf_counter()
+        room = len(prompt_ids) + max_new_tokens + 1 + (self.proposer.max_tree_size if self.proposer else 0)
+        tokens = torch.zeros(room, dtype=torch.long, device=self.model.device)
+        tokens[: len(prompt_ids)] = torch.tensor(prompt_ids)
+        p = len(prompt_ids)
+        n = self.prefill(tokens, p, sp, gen, m)
+        self.sync()
+        m.ttft_s = time.perf_counter() - begin
+        finished = self.finish_reason(tokens[p:n], n - p, max_new_tokens)
+        while finished is None:
+            old = n
+            n = self.step(tokens, n, sp, gen, m)
+            finished = self.finish_reason(tokens[old:n], n - p, max_new_tokens)
+        self.sync()
+        m.total_s = time.perf_counter() - begin
+        out = self.truncate(tokens[len(prompt_ids) : n].tolist(), max_new_tokens)
+        m.new_tokens = len(out)
+        return Generation(out, m, finished)
+
+    def prefill(self, tokens: Tensor, p: int, sp: SamplingParams, gen, m: Metrics) -> int:
+        """Run the prompt (minus any prefix-cache hit) and sample the first new token."""
+        caches = [self.cache] + (self.proposer.kv_caches if self.proposer else [])
+        prompt = tokens[:p].tolist()
+        hit = self.prefix_cache.lookup(prompt, self.salt, caches) if self.prefix_cache else 0
+        out = self.forward(
+            tokens[hit:p],
+            torch.arange(hit, p, device=tokens.device),
+            hit,
+            causal_mask(hit, p - hit, tokens.device),
+            logit_rows=slice(-1, None),
+        )
+        tokens[p] = pick(out.logits[-1], sp, gen)
+        if self.proposer:
+            self.proposer.prefill(tokens[: p + 1], hit, out)
+        if self.prefix_cache:
+            self.prefix_cache.insert(prompt, self.salt, caches)
+            m.prefix_queried_tokens, m.prefix_hit_tokens = p, hit
+        return p + 1
+
+    def step(self, tokens: Tensor, n: int, sp: SamplingParams, gen, m: Metrics) -> int:
+        """One target pass over [pending token, draft tree]; returns the new sequence length."""
+        cached = n - 1
+        tree = self.proposer.propose(tokens[:n], sp) if self.proposer else DraftTree.empty(tokens.device)
+        size = len(tree)
+        if size == 0:
+            out = self.forward(tokens[cached:n], torch.arange(cached, n, device=tokens.device), cached, None)
+        else:
+            inputs = torch.cat([tokens[cached:n], tree.tokens])
+            out = self.forward(inputs, tree.positions(cached), cached, tree.attention_mask(cached))
+        verdict = verify(tree, out.logits, sp, gen)
+        path = verdict.path
+        m.record_step(size, len(path))
+        if path:
+            nodes = torch.tensor(path, device=tokens.device)
+            self.cache.keep(n, nodes + n)  # node i sat at slot cached + 1 + i = n + i
+            tokens[n : n + len(path)] = tree.tokens[nodes]
+        end = n + len(path)
+        tokens[end] = verdict.next_token
+        if self.proposer:
+            rows = torch.tensor([0] + [i + 1 for i in path], device=tokens.device)
+            self.proposer.accept(tokens[: end + 1], tree, path, select_rows(out, rows))
+        return end + 1
+
+    def forward(
+        self, inputs: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
+    ) -> ForwardOut:
+        aux = self.proposer.aux_layers if self.proposer else ()
+        return self.model(inputs, positions, self.cache, start, mask, logit_rows, aux)
+
+    def finish_reason(self, new: Tensor, generated: int, max_new: int) -> str | None:
+        if any(t in self.eos_ids for t in new.tolist()):
+            return "eos"
+        return "length" if generated >= max_new else None
+
+    def truncate(self, out: list[int], max_new: int) -> list[int]:
+        for i, t in enumerate(out):
+            if t in self.eos_ids:
+                return out[: i + 1]
+        return out[:max_new]
+
+    def sync(self) -> None:
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def select_rows(out: ForwardOut, rows: Tensor) -> ForwardOut:
+    return ForwardOut(out.logits[rows], out.hidden[rows], [a[rows] for a in out.aux])

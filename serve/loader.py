@@ -1,0 +1,74 @@
+"""Load an HF safetensors folder into the runner, with errors that say what is wrong."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .model import ModelConfig, Transformer
+
+
+def read_hf_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a target folder needs config.json and *.safetensors")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); re-export or re-download the model") from e
+
+
+def weight_files(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}; save the model with save_pretrained()")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is listed in the index but missing; the download is incomplete")
+    return files
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for f in weight_files(folder):
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f} is corrupt or not a safetensors file ({e}); re-create it") from e
+    return state
+
+
+def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    cfg = ModelConfig.from_hf(read_hf_config(folder))
+    state = load_state_dict(folder)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise ValueError(f"{folder}: weights missing for {len(missing)} parameters, e.g. {missing[:3]}")
+    unexpected = sorted(k for k in state.keys() - expected if not k.endswith("rotary_emb.inv_freq"))
+    if unexpected:  # e.g. biases the config does not announce: dropping them would change the logits
+        raise ValueError(f"{folder}: {len(unexpected)} weights have no slot in the runner: {unexpected[:3]}")
+    for name, param in model.state_dict().items():
+        if name in state and state[name].shape != param.shape:
+            raise ValueError(
+                f"{folder}: {name} has shape {tuple(state[name].shape)}, config implies {tuple(param.shape)}"
+            )
+    model.load_state_dict(state, strict=False)
+    model.rope_cache(cfg.max_position_embeddings)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -1,0 +1,65 @@
+"""Per-request counters and timings, named as vLLM names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Metrics:
+    drafts: int = 0  # steps that verified a non-empty draft
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose depth i+1 was accepted
+    target_forward_passes: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+    def record_step(self, draft_size: int, accepted: int) -> None:
+        self.target_forward_passes += 1
+        if draft_size == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += draft_size
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < accepted:
+            self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: Metrics) -> None:
+        """Pool counters over requests (tau is pooled over drafts, not a mean of means)."""
+        for name, value in vars(other).items():
+            if name == "accepted_per_position":
+                self.accepted_per_position = add_lists(self.accepted_per_position, value)
+            else:
+                setattr(self, name, getattr(self, name) + value)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / self.drafts for a in self.accepted_per_position] if self.drafts else []
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.total_s - self.ttft_s) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s else 0.0
+
+
+def add_lists(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]

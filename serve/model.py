@@ -1,0 +1,251 @@
+"""Llama-family transformer in plain PyTorch: Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM.
+
+Batch 1, static KV cache indexed by position, explicit positions and attention mask so
+the same forward serves prefill, decode and tree verification. Parameter names match
+HF transformers, so a safetensors state dict loads as is.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .kv_cache import KVCache
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> ModelConfig:
+        """Build from an HF config.json dict; raises ValueError for architectures we do not run."""
+        mtype = hf.get("model_type", "")
+        if mtype not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"unsupported architecture model_type={mtype!r}; draftsmith's runner supports "
+                f"{', '.join(SUPPORTED_TYPES)}. Convert the model to one of these or pick another target."
+            )
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            model_type=mtype,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or 0,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta") or rope.get("rope_theta", 10000.0),
+            rope_scaling=scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=mtype == "qwen2" or bool(hf.get("attention_bias")),  # Qwen2: q/k/v bias always
+            qk_norm=mtype == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    s = cfg.rope_scaling
+    kind = (s or {}).get("rope_type", (s or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / s["factor"]
+    if kind == "llama3":
+        factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(mid, blended, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [1, heads, n, d]; cos/sin: [n, d] (HF's rotate-half layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, start: int, mask: Tensor | None
+    ) -> Tensor:
+        n = x.shape[1]
+        q = self.q_proj(x).view(1, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(1, n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(1, n, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        end = start + n
+        k_cache[:, :, start:end] = k
+        v_cache[:, :, start:end] = v.transpose(1, 2)
+        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        causal = mask is None and n > 1  # only valid from start == 0; the caller passes a mask otherwise
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, start: int, mask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kc, vc, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class ForwardOut:
+    logits: Tensor  # [rows, vocab], float32
+    hidden: Tensor  # [n, hidden]: final normed hidden states (what the lm_head sees)
+    aux: list[Tensor]  # [n, hidden] each: the residual stream entering each requested layer
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope_cache(cfg.max_position_embeddings)
+
+    def rope_cache(self, max_len: int) -> None:
+        t = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(t, rope_inv_freq(self.config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache.allocate(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, self.dtype, self.device
+        )
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache,
+        start: int,
+        mask: Tensor | None = None,
+        logit_rows: slice | Tensor | None = None,
+        aux_layers: tuple[int, ...] = (),
+    ) -> ForwardOut:
+        """Run tokens [n] at `positions` [n], writing their KV to cache slots [start, start+n).
+
+        mask: bool [n, start+n] (True = attend), required when n > 1 and start > 0.
+        logit_rows: which rows get logits (the lm_head is the costliest single matmul).
+        aux_layers: layer indices whose input residual stream to return (L = last layer's output).
+        """
+        x = self.model.embed_tokens(tokens).unsqueeze(0)
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        attn_mask = None if mask is None else mask.view(1, 1, *mask.shape)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            if i in aux_layers:
+                aux.append(x[0])
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, attn_mask)
+        if len(self.model.layers) in aux_layers:
+            aux.append(x[0])
+        hidden = self.model.norm(x)[0]
+        rows = hidden if logit_rows is None else hidden[logit_rows]
+        return ForwardOut(self.lm_head(rows).float(), hidden, aux)

@@ -1,0 +1,41 @@
+"""The interface every drafter speaks to the engine.
+
+A proposer drafts a tree after each target step and is then told which path the target
+accepted, together with the target's hidden states for the tokens it just verified (what
+EAGLE-style heads feed on). State it keeps per position (a KV cache) is listed in kv_caches
+so the prefix cache saves and restores it with the target's.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .kv_cache import KVCache
+from .model import ForwardOut
+from .sampling import SamplingParams
+from .tree import DraftTree
+
+
+class Proposer:
+    name = "none"
+    aux_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
+    max_tree_size = 0  # upper bound on nodes per proposal (the engine reserves cache slots)
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return []
+
+    def reserve(self, max_len: int) -> None:
+        """Allocate per-sequence state for sequences up to max_len tokens (called once)."""
+
+    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+        """New sequence. tokens: prompt + first generated token; slots [0, start) were restored
+        from the prefix cache; target: the target's outputs for tokens[start:-1]."""
+
+    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
+        """Draft continuations of tokens (the last one is pending: not yet run by the target)."""
+        raise NotImplementedError
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+        """The target accepted tree nodes `path`; tokens now ends with the next pending token.
+        target: the target's outputs for the verified tokens (old pending token, then the path)."""

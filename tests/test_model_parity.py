@@ -1,0 +1,107 @@
+"""Our runner's logits and hidden states match HF transformers (fp32) for each supported family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from draftsmith.serve.loader import load_model
+from transformers import AutoModelForCausalLM
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
+FAMILIES = {
+    "llama": ("llama", {}),
+    "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+}
+SEQ = 100  # past llama3-rope's original 64 positions
+
+
+def causal_mask(start: int, n: int) -> torch.Tensor:
+    """bool [n, start+n]: row i attends to slots <= start+i."""
+    return torch.ones(n, start + n, dtype=torch.bool).tril(diagonal=start)
+
+
+def hf_reference(folder: Path, tokens: torch.Tensor):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    hf.eval()
+    with torch.no_grad():
+        out = hf(input_ids=tokens[None], output_hidden_states=True)
+    return hf, out.logits[0], [h[0] for h in out.hidden_states]
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    scale = max(1.0, ref.abs().max().item())
+    err = (ours - ref).abs().max().item()
+    assert err <= rel * scale, f"max abs error {err:.3g} exceeds {rel} x scale {scale:.3g}"
+
+
+def prefill_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache(len(tokens))
+    return model(tokens, torch.arange(len(tokens)), cache, 0).logits
+
+
+def chunked_logits(model, tokens: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """Prefill tokens[:cuts[0]], then each further chunk with an explicit mask (KV-cache path)."""
+    cache = model.new_cache(len(tokens))
+    rows, bounds = [], [0, *cuts, len(tokens)]
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        mask = None if start == 0 else causal_mask(start, end - start)
+        out = model(tokens[start:end], torch.arange(start, end), cache, start, mask=mask)
+        rows.append(out.logits)
+    return torch.cat(rows)
+
+
+def check_parity(folder: Path, tokens: torch.Tensor, cuts: list[int]) -> None:
+    model = load_model(folder, torch.float32, "cpu")
+    hf, ref_logits, ref_hidden = hf_reference(folder, tokens)
+    assert_close(prefill_logits(model, tokens), ref_logits)
+    assert_close(chunked_logits(model, tokens, cuts), ref_logits)
+
+    n_layers = model.config.num_hidden_layers
+    cache = model.new_cache(len(tokens))
+    out = model(tokens, torch.arange(len(tokens)), cache, 0, aux_layers=(0, 1, n_layers))
+    # HF hidden_states[i] is the input to layer i (i < L); the last entry is after the final norm.
+    assert len(ref_hidden) == n_layers + 1
+    assert_close(out.aux[0], ref_hidden[0])
+    assert_close(out.aux[1], ref_hidden[1])
+    assert_close(out.hidden, ref_hidden[n_layers])
+    with torch.no_grad():
+        assert_close(hf.model.norm(out.aux[2][None])[0], ref_hidden[n_layers])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_parity(family: str, tiny_llama_dir) -> None:
+    model_type, overrides = FAMILIES[family]
+    folder = tiny_llama_dir(model_type, **overrides)
+    tokens = torch.randint(0, 128, (SEQ,), generator=torch.Generator().manual_seed(1))
+    check_parity(folder, tokens, cuts=[37, 38, 50, 71])
+
+
+def test_llama3_rope_is_applied(tiny_llama_dir) -> None:
+    """The scaled config must differ from plain rope past the original context (so parity means something)."""
+    plain = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+    scaled = load_model(tiny_llama_dir("llama", rope_parameters=LLAMA3_ROPE), torch.float32, "cpu")
+    assert scaled.config.rope_scaling["rope_type"] == "llama3"
+    assert not torch.allclose(plain.cos[80], scaled.cos[80])
+
+
+@pytest.mark.slow
+def test_smollm2_parity(smollm2_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = "Speculative decoding drafts several tokens cheaply, then the target verifies them in one pass."
+    tokens = torch.tensor(tok(text)["input_ids"])
+    check_parity(smollm2_dir, tokens, cuts=[len(tokens) // 2, len(tokens) // 2 + 1])

@@ -1,0 +1,145 @@
+"""Target resolution (built-in GGUF, path=, gguf=), its cache, and the loader's error messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from draftsmith.serve import target as target_mod
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.model import ModelConfig, Transformer
+from draftsmith.serve.target import TargetConfig, load_target, resolve_target, torch_dtype
+
+
+def copy_of(folder: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(folder, tmp_path / "model"))
+
+
+def edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_smollm2_folder_is_complete(smollm2_dir: Path) -> None:
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (smollm2_dir / name).is_file(), name
+    cfg = json.loads((smollm2_dir / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30 and cfg["vocab_size"] == 49152
+    assert "quantization_config" not in cfg
+
+
+def test_smollm2_is_converted_once(smollm2_dir: Path, monkeypatch) -> None:
+    mtime = (smollm2_dir / "model.safetensors").stat().st_mtime_ns
+
+    def fail(*args):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(target_mod, "convert_gguf", fail)
+    assert resolve_target(TargetConfig()) == smollm2_dir
+    assert (smollm2_dir / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_load_target_smollm2(smollm2_dir: Path) -> None:
+    model, tok, tid = load_target(TargetConfig(device="cpu"))
+    assert isinstance(model, Transformer) and model.dtype == torch.float32
+    assert tok.decode(tok("hello world")["input_ids"]).endswith("hello world")
+    assert tid.startswith("smollm2-135m@") and len(tid.split("@")[1]) == 8
+
+
+def test_path_without_tokenizer(tiny_llama_dir) -> None:
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_target(TargetConfig(path=str(tiny_llama_dir("llama")), device="cpu"))
+
+
+def test_unknown_target() -> None:
+    with pytest.raises(ValueError, match="smollm2-135m") as e:
+        resolve_target(TargetConfig(name="llama-70b"))
+    assert "'llama-70b'" in str(e.value) and "target.path=" in str(e.value) and "target.gguf=" in str(e.value)
+
+
+def test_missing_path_and_gguf(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        resolve_target(TargetConfig(path=str(tmp_path / "nowhere")))
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        resolve_target(TargetConfig(gguf=str(tmp_path / "absent.gguf")))
+    with pytest.raises(ValueError, match="only one"):
+        resolve_target(TargetConfig(path=str(tmp_path), gguf=str(tmp_path / "x.gguf")))
+
+
+def test_path_is_used_as_is(tiny_llama_dir) -> None:
+    folder = tiny_llama_dir("llama")
+    assert resolve_target(TargetConfig(path=str(folder))) == folder
+
+
+def test_gguf_converted_once_into_cache(tmp_path: Path, monkeypatch) -> None:
+    gguf = tmp_path / "my-model.Q8_0.gguf"
+    gguf.write_bytes(b"GGUF fake")
+    calls = []
+
+    def fake_convert(src: Path, out: Path) -> None:
+        calls.append(src)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / target_mod.DONE).write_text("")
+
+    monkeypatch.setattr(target_mod, "convert_gguf", fake_convert)
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    first = resolve_target(TargetConfig(gguf=str(gguf)))
+    second = resolve_target(TargetConfig(gguf=str(gguf)))
+    assert first == second and calls == [gguf]
+    assert first.parent == tmp_path / "cache" / "targets" and first.name.startswith("gguf-my-model.Q8_0-")
+
+
+def test_failed_conversion_leaves_nothing(tmp_path: Path) -> None:
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf file")
+    cache = tmp_path / "cache"
+    with pytest.raises(Exception):  # noqa: B017 - whatever transformers/gguf raise for a bad file
+        resolve_target(TargetConfig(gguf=str(gguf), cache_dir=str(cache)))
+    assert list((cache / "targets").iterdir()) == []
+
+
+def test_dtype_and_device_helpers() -> None:
+    assert torch_dtype("auto", "cpu") == torch.float32
+    assert torch_dtype("auto", "cuda:0") == torch.bfloat16
+    assert torch_dtype("float16", "cpu") == torch.float16
+    with pytest.raises(ValueError, match="float8"):
+        torch_dtype("float8", "cpu")
+    assert target_mod.pick_device("cpu") == "cpu"
+
+
+def test_corrupt_safetensors(tiny_llama_dir, tmp_path: Path) -> None:
+    folder = copy_of(tiny_llama_dir("llama"), tmp_path)
+    (folder / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(folder)
+
+
+def test_missing_config(tiny_llama_dir, tmp_path: Path) -> None:
+    folder = copy_of(tiny_llama_dir("llama"), tmp_path)
+    (folder / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(folder)
+
+
+def test_unsupported_model_type(tiny_llama_dir, tmp_path: Path) -> None:
+    folder = copy_of(tiny_llama_dir("llama"), tmp_path)
+    edit_config(folder, model_type="gpt2")
+    with pytest.raises(ValueError, match="'gpt2'"):
+        load_model(folder)
+
+
+def test_weights_the_config_does_not_announce(tiny_llama_dir, tmp_path: Path) -> None:
+    folder = copy_of(tiny_llama_dir("qwen2"), tmp_path)  # q/k/v biases
+    edit_config(folder, model_type="llama", attention_bias=False)
+    with pytest.raises(ValueError, match="bias"):
+        load_model(folder)
+
+
+def test_qwen2_always_has_attention_bias() -> None:
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    assert ModelConfig.from_hf({**base, "model_type": "qwen2", "attention_bias": None}).attention_bias
+    assert not ModelConfig.from_hf({**base, "model_type": "mistral"}).attention_bias
