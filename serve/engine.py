@@ -39,8 +39,10 @@ class Engine:
     cache: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.max_seq_len = min(self.max_seq_len, self.model.config.max_position_embeddings)
-        slots = self.max_seq_len + (self.proposer.max_tree_size if self.proposer else 0) + 1
+        tree = self.proposer.max_tree_size if self.proposer else 0
+        # draft nodes sit at positions up to max_seq_len - 2 + tree: all must stay inside the model's rope table
+        self.max_seq_len = min(self.max_seq_len, self.model.config.max_position_embeddings + 1 - max(tree, 1))
+        slots = self.max_seq_len + tree + 1
         self.cache = self.model.new_cache(slots)
         if self.proposer:
             self.proposer.reserve(slots)
@@ -54,14 +56,19 @@ class Engine:
             raise ValueError(
                 f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds the context of "
                 f"{self.max_seq_len} tokens; shorten the prompt, lower max_new_tokens, or raise max_seq_len "
-                f"(the model allows {self.model.config.max_position_embeddings})"
+                f"(the model allows {self.model.config.max_position_embeddings}, less the draft tree's reach)"
             )
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, sp: SamplingParams) -> Generation:
         self.check_fits(len(prompt_ids), max_new_tokens)
         gen = torch.Generator(self.model.device)
-        gen.manual_seed(sp.seed if sp.seed is not None else int(torch.seed()))
+        if sp.seed is not None:
+            gen.manual_seed(sp.seed)
+        else:
+            gen.seed()  # a fresh seed for this generator only: the global RNG is left alone
+        if self.proposer:
+            self.proposer.gen = gen  # drafts are sampled from the request's generator: a seed fixes the whole run
         m = Metrics(prompt_tokens=len(prompt_ids))
         begin = time.perf_counter()
         room = len(prompt_ids) + max_new_tokens + 1 + (self.proposer.max_tree_size if self.proposer else 0)
@@ -86,7 +93,7 @@ class Engine:
         """Run the prompt (minus any prefix-cache hit) and sample the first new token."""
         caches = [self.cache] + (self.proposer.kv_caches if self.proposer else [])
         prompt = tokens[:p].tolist()
-        hit = self.prefix_cache.lookup(prompt, self.salt, caches) if self.prefix_cache else 0
+        hit = self.prefix_cache.lookup(prompt, self.salt, caches) if self.prefix_cache is not None else 0
         out = self.forward(
             tokens[hit:p],
             torch.arange(hit, p, device=tokens.device),
@@ -97,7 +104,7 @@ class Engine:
         tokens[p] = pick(out.logits[-1], sp, gen)
         if self.proposer:
             self.proposer.prefill(tokens[: p + 1], hit, out)
-        if self.prefix_cache:
+        if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, self.salt, caches)
             m.prefix_queried_tokens, m.prefix_hit_tokens = p, hit
         return p + 1

@@ -16,8 +16,9 @@ class Metrics:
     prompt_tokens: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
-    ttft_s: float = 0.0
+    ttft_s: float = 0.0  # summed over requests
     total_s: float = 0.0
+    requests: int = 1  # pooled totals start from Metrics(requests=0)
 
     def record_step(self, draft_size: int, accepted: int) -> None:
         self.target_forward_passes += 1
@@ -52,8 +53,14 @@ class Metrics:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
+    def mean_ttft_s(self) -> float:
+        return self.ttft_s / self.requests if self.requests else 0.0
+
+    @property
     def tpot_s(self) -> float:
-        return (self.total_s - self.ttft_s) / (self.new_tokens - 1) if self.new_tokens > 1 else 0.0
+        """Decode time per output token after the first, pooled over requests."""
+        decoded = self.new_tokens - self.requests
+        return (self.total_s - self.ttft_s) / decoded if decoded > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -35,7 +35,7 @@ class Block:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int = 32, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, block_size: int = 16, max_bytes: int = 1 << 30) -> None:
         self.block_size = block_size
         self.max_bytes = max_bytes
         self.blocks: OrderedDict[int, Block] = OrderedDict()  # LRU first

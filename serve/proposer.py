@@ -8,6 +8,7 @@ so the prefix cache saves and restores it with the target's.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from .kv_cache import KVCache
@@ -20,6 +21,7 @@ class Proposer:
     name = "none"
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
     max_tree_size = 0  # upper bound on nodes per proposal (the engine reserves cache slots)
+    gen: torch.Generator | None = None  # draw random drafts from this; the engine sets the request's generator
 
     @property
     def kv_caches(self) -> list[KVCache]:

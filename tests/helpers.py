@@ -37,3 +37,33 @@ def build_tiny(folder: Path, model_type: str = "llama", seed: int = 0, **overrid
     folder = Path(folder)
     model.save_pretrained(folder)
     return folder
+
+
+def build_tiny_chat_target(folder: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random llama with a real tokenizer (SmolLM2's) and its chat template: CLI tests run on it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    build_tiny(
+        folder,
+        "llama",
+        seed,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=1024,
+        **overrides,
+    )
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def truncated_copy(src: Path, folder: Path, num_layers: int) -> Path:
+    """An HF folder holding src's first num_layers layers (a real small draft LM sharing the tokenizer)."""
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(folder)
+    return Path(folder)

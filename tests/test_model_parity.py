@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from draftsmith.serve.loader import load_model
 from transformers import AutoModelForCausalLM
+
+from draftsmith.serve.loader import load_model
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

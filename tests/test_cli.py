@@ -1,0 +1,162 @@
+"""The command-line contract: draftsmith-generate and draftsmith-eval through their real hydra entry points."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from draftsmith.eval.runner import EvalConfig, run_eval
+from draftsmith.serve.__main__ import GenerateConfig, typed
+from draftsmith.serve.__main__ import run as generate
+from helpers import build_tiny_chat_target
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(smollm2_dir, tmp_path_factory):
+    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
+
+
+def run(module: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=300
+    )
+
+
+def write_prompts(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_generate_prints_text_and_metrics(tiny_target, tmp_path):
+    r = run(
+        "draftsmith.serve",
+        f"target.path={tiny_target}",
+        "spec=ngram",
+        "prompt=Write a haiku",
+        "max_new_tokens=12",
+        "temperature=0",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "[ngram] 12 tokens" in r.stdout and "tau" in r.stdout
+    assert not (tmp_path / "outputs").exists()  # hydra leaves no run folders behind
+
+
+def test_eval_writes_results_and_outputs(tiny_target, tmp_path):
+    prompts = write_prompts(
+        tmp_path / "p.jsonl",
+        [
+            {"id": "a", "category": "writing", "turns": ["Say hello twice.", "Now say it again."]},
+            {"id": "b", "prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"},
+        ],
+    )
+    out = tmp_path / "ev"
+    r = run(
+        "draftsmith.eval",
+        f"target.path={tiny_target}",
+        "spec=ngram",
+        f"prompts={prompts}",
+        "max_new_tokens=8",
+        "prefix_cache=true",
+        f"out={out}",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "results.json").read_text())
+    assert res["prompts"] == 2 and res["max_new_tokens"] == 8 and res["temperature"] == 0.0
+    assert res["baseline"]["method"] == "ar" and res["spec"]["method"] == "ngram"
+    for key in (
+        "tokens_per_s",
+        "speedup",
+        "mean_acceptance_length",
+        "acceptance_rate_per_position",
+        "draft_acceptance_rate",
+        "target_forward_passes",
+        "ttft_ms",
+        "tpot_ms",
+        "new_tokens",
+    ):
+        assert key in res["spec"]
+    assert res["lossless"] == {**res["lossless"], "checked": 3, "identical": 3}
+    assert res["prefix_cache"]["queried_tokens"] > 0 and res["prefix_cache"]["hit_tokens"] > 0  # turn 2 reuses turn 1
+    lines = [json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()]
+    assert {(x["id"], x["turn"], x["method"]) for x in lines} == {
+        ("a", 0, "ar"),
+        ("a", 1, "ar"),
+        ("b", 0, "ar"),
+        ("a", 0, "ngram"),
+        ("a", 1, "ngram"),
+        ("b", 0, "ngram"),
+    }
+    assert all(x["output_ids"] and isinstance(x["text"], str) for x in lines)
+
+
+def compose_config(name: str, overrides: list[str]):
+    """The same hydra config the console scripts see, composed in-process (no interpreter start per case)."""
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        return compose(name, overrides)
+
+
+def eval_in_process(overrides: list[str]):
+    return run_eval(typed(compose_config("eval", overrides), EvalConfig))
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([], "is empty"),
+        (["{not json"], ":1: not valid JSON"),
+        ([{"id": "x"}], ":1: needs `turns`"),
+        ([{"id": "x", "turns": []}], "non-empty list"),
+        ([{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}], "appears more than once"),
+    ],
+)
+def test_eval_refuses_bad_prompt_files_and_writes_nothing(tiny_target, tmp_path, rows, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    out = tmp_path / "ev"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        eval_in_process([f"target.path={tiny_target}", "spec=ngram", f"prompts={path}", f"out={out}"])
+    assert not out.exists()
+
+
+def test_eval_refuses_a_prompt_longer_than_the_context(tiny_target, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "long", "prompt": "word " * 400}])
+    out = tmp_path / "ev"
+    with pytest.raises(ValueError, match="prompt 'long' has .* max_seq_len=128"):
+        eval_in_process([f"target.path={tiny_target}", f"prompts={prompts}", "max_seq_len=128", f"out={out}"])
+    assert not out.exists()
+
+
+def test_eval_needs_one_prompt_source(tmp_path):
+    with pytest.raises(ValueError, match="exactly one of prompts=FILE.jsonl or suite="):
+        eval_in_process([f"out={tmp_path / 'ev'}"])
+    with pytest.raises(ValueError, match="unknown suite 'nope'"):
+        eval_in_process([f"out={tmp_path / 'ev'}", "suite=nope"])
+
+
+@pytest.mark.parametrize(
+    "overrides, error, message",
+    [
+        (["temperature=-1"], ValueError, "temperature must be >= 0"),
+        (["max_new_tokens=0"], ValueError, "max_new_tokens must be > 0"),
+        (["target.name=llama-9000", "target.path=null"], ValueError, "unknown target"),
+        (["spec=draft"], ValueError, "spec=draft needs spec.drafter=DIR"),
+        (["spec=ar", "spec.name=medusa9"], ValueError, "unknown spec 'medusa9'"),
+    ],
+)
+def test_generate_refuses_bad_arguments(tiny_target, overrides, error, message):
+    cfg = compose_config("generate", [f"target.path={tiny_target}", "prompt=hi", *overrides])
+    with pytest.raises(error, match=re.escape(message)):
+        generate(typed(cfg, GenerateConfig))
+
+
+def test_unknown_keys_are_errors_at_the_command_line(tiny_target, tmp_path):
+    r = run("draftsmith.serve", f"target.path={tiny_target}", "prompt=hi", "spec.bogus=1", cwd=tmp_path)
+    assert r.returncode != 0 and "bogus" in r.stderr

@@ -1,0 +1,407 @@
+"""The engine on tiny random Llama targets (fp32, CPU): greedy speculative decoding is lossless for every
+proposer, metrics add up, eos / length / bad input, the prefix cache (target and drafter state), and
+sampling: seeded determinism and a statistical check that speculative sampling matches plain sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.serve import verify as verify_mod
+from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.engine import Engine
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.ngram import NgramConfig, NgramProposer
+from draftsmith.serve.prefix_cache import PrefixCache
+from draftsmith.serve.proposer import Proposer
+from draftsmith.serve.sampling import SamplingParams, probs_from_logits
+from draftsmith.serve.tree import DraftTree
+
+GREEDY = SamplingParams()
+ALPHA = 1e-4
+MAX_NEW = 24
+MAX_SEQ = 128
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    rand = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    return rand + [[5, 6, 7, 8] * 5, [1, 2, 3] * 6 + [1]]  # repeated patterns: n-gram lookup finds drafts
+
+
+PROMPTS = prompts()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and lose a lot to them on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def other(tiny_llama_dir):
+    """Another random model with the same vocabulary: it rarely agrees with the target."""
+    return load_model(tiny_llama_dir("llama", seed=1), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def noisy(tiny_llama_dir):
+    """The target with its weights perturbed: agrees often, not always."""
+    model = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.add_(0.005 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Plain greedy output, and the target KV it leaves, per prompt."""
+    engine = Engine(target, max_seq_len=MAX_SEQ)
+    refs = {}
+    for p in PROMPTS:
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        refs[tuple(p)] = (out, kv_prefix(engine, len(p) + MAX_NEW - 1))
+    return refs
+
+
+def kv_prefix(engine: Engine, n: int) -> list[torch.Tensor]:
+    return [t[:, :, :n].clone() for t in (*engine.cache.k, *engine.cache.v)]
+
+
+def same_kv(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-5) -> bool:
+    return all(torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a, b, strict=True))
+
+
+class OracleTreeProposer(Proposer):
+    """Knows the target's greedy continuation and hides it among decoys in a branching tree, so the
+    accepted path is not contiguous and the engine has to compact the KV cache."""
+
+    name = "oracle-tree"
+    max_tree_size = 6
+
+    def __init__(self, future: list[int], vocab: int) -> None:
+        self.future, self.vocab, self.calls = future, vocab, 0
+
+    def propose(self, tokens: torch.Tensor, sp: SamplingParams) -> DraftTree:
+        t = self.future[tokens.numel() : tokens.numel() + 3]
+        if len(t) < 3:
+            return DraftTree.empty()
+        w = [(x + 1) % self.vocab for x in t]  # decoys: never the target's argmax
+        shape = self.calls % 3
+        self.calls += 1
+        if shape == 0:  # right branch second: path [1, 4, 5]
+            toks, parents = [w[0], t[0], w[1], w[1], t[1], t[2]], [-1, -1, 0, 1, 1, 4]
+        elif shape == 1:  # right branch first, decoy between its levels: path [0, 3, 4]
+            toks, parents = [t[0], w[0], w[1], t[1], t[2], w[1]], [-1, -1, 0, 0, 3, 1]
+        else:  # two right, then a decoy: path [0, 1], the target corrects to t[2]
+            toks, parents = [t[0], t[1], w[2], w[0]], [-1, 0, 1, -1]
+        return DraftTree(torch.tensor(toks), torch.tensor(parents))
+
+
+def make_proposer(name: str, target, other, noisy) -> Proposer:
+    if name == "ngram":
+        return NgramProposer(NgramConfig(num_tokens=4))
+    if name == "draft-other":
+        return DraftModelProposer(other, DraftModelConfig(3))
+    if name == "draft-noisy":
+        return DraftModelProposer(noisy, DraftModelConfig(4))
+    if name == "draft-self":  # the target drafting for itself: every draft is accepted
+        return DraftModelProposer(target, DraftModelConfig(4))
+    assert name == "layerskip"
+    return DraftModelProposer(layerskip_model(target, 1), DraftModelConfig(3))
+
+
+def check_metrics(m, out: list[int], k: int) -> None:
+    """Counters that must add up for any run that stopped on length."""
+    assert m.new_tokens == len(out)
+    app = m.accepted_per_position
+    assert sum(app) == m.accepted_tokens <= m.draft_tokens
+    assert all(a >= b for a, b in zip(app, app[1:], strict=False)), app
+    assert len(app) <= k and (not app or app[0] <= m.drafts)
+    assert m.drafts <= m.target_forward_passes
+    if m.drafts:
+        assert m.mean_acceptance_length == pytest.approx(1 + m.accepted_tokens / m.drafts)
+    else:
+        assert m.mean_acceptance_length == 1.0 and m.accepted_tokens == 0
+    # the prefill emits 1 token, each step accepted + 1; the last step may overshoot by at most k
+    emitted = 1 + m.target_forward_passes + m.accepted_tokens
+    assert m.new_tokens <= emitted <= m.new_tokens + k
+
+
+# ---------------------------------------------------------------- greedy: lossless for every proposer
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-other", "draft-noisy", "draft-self", "layerskip"])
+def test_greedy_speculative_equals_plain(name, target, other, noisy, plain):
+    proposer = make_proposer(name, target, other, noisy)
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    accepted = passes = plain_passes = 0
+    for p in PROMPTS:
+        ref, ref_kv = plain[tuple(p)]
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == ref.output_ids, (name, p)
+        assert out.finished_by == "length"
+        assert same_kv(kv_prefix(engine, len(p) + MAX_NEW - 1), ref_kv)  # the cache holds the true sequence
+        check_metrics(out.metrics, out.output_ids, proposer.max_tree_size)
+        if isinstance(proposer, DraftModelProposer):
+            assert out.metrics.drafts == out.metrics.target_forward_passes  # it drafts at every step
+            assert out.metrics.draft_tokens == out.metrics.drafts * proposer.cfg.num_tokens
+        accepted += out.metrics.accepted_tokens
+        passes += out.metrics.target_forward_passes
+        plain_passes += ref.metrics.target_forward_passes
+    if name != "draft-other":  # these do get drafts accepted on these prompts, so the accept paths ran
+        assert accepted > 0 and passes < plain_passes, (name, accepted, passes, plain_passes)
+    if name == "draft-self":
+        assert passes == len(PROMPTS) * math.ceil((MAX_NEW - 1) / 5)  # 4 accepted + 1 bonus per pass
+
+
+def test_greedy_tree_with_non_contiguous_path_equals_plain(target, plain):
+    for p in PROMPTS[:3]:
+        ref, ref_kv = plain[tuple(p)]
+        proposer = OracleTreeProposer(p + ref.output_ids, target.config.vocab_size)
+        engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == ref.output_ids
+        assert same_kv(kv_prefix(engine, len(p) + MAX_NEW - 1), ref_kv)  # keep() moved the right slots
+        m = out.metrics
+        check_metrics(m, out.output_ids, 3)
+        assert m.accepted_per_position[:2] == [m.drafts, m.drafts] and 0 < m.accepted_per_position[2] < m.drafts
+        assert m.target_forward_passes < ref.metrics.target_forward_passes
+
+
+def test_plain_metrics(plain):
+    for ref, _ in plain.values():
+        m = ref.metrics
+        assert m.new_tokens == MAX_NEW and m.drafts == m.draft_tokens == m.accepted_tokens == 0
+        assert m.target_forward_passes == MAX_NEW - 1  # the prefill pass is not counted
+        assert m.mean_acceptance_length == 1.0 and m.accepted_per_position == []
+        assert m.prompt_tokens > 0 and m.ttft_s > 0 and m.total_s >= m.ttft_s
+
+
+# ---------------------------------------------------------------- stopping
+
+
+@pytest.mark.parametrize("name", [None, "ngram", "draft-self", "draft-noisy"])
+def test_eos_stops_and_is_included(name, target, other, noisy, plain):
+    for p in PROMPTS[:4]:
+        ref = plain[tuple(p)][0].output_ids
+        j = next(i for i in range(3, MAX_NEW) if ref[i] not in ref[:i])  # first occurrence, not at the start
+        proposer = make_proposer(name, target, other, noisy) if name else None
+        engine = Engine(target, proposer, eos_ids=(ref[j],), max_seq_len=MAX_SEQ)
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == ref[: j + 1] and out.finished_by == "eos"
+        assert out.metrics.new_tokens == j + 1
+
+
+def test_eos_inside_an_accepted_draft_cuts_the_draft(target, plain):
+    p = PROMPTS[0]
+    ref = plain[tuple(p)][0].output_ids
+    j = next(i for i in range(2, MAX_NEW) if ref[i] not in ref[:i] and i % 5 != 0)  # not the pass's last token
+    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), eos_ids=(ref[j],), max_seq_len=MAX_SEQ)
+    out = engine.generate(p, MAX_NEW, GREEDY)
+    assert out.output_ids == ref[: j + 1] and out.finished_by == "eos"
+
+
+@pytest.mark.parametrize("name", [None, "ngram", "draft-self"])
+def test_max_new_tokens_is_exact(name, target, other, noisy, plain):
+    p = PROMPTS[3]
+    ref = plain[tuple(p)][0].output_ids
+    engine = Engine(target, make_proposer(name, target, other, noisy) if name else None, max_seq_len=MAX_SEQ)
+    for n in range(1, 9):
+        out = engine.generate(p, n, GREEDY)
+        assert out.output_ids == ref[:n] and out.finished_by == "length" and out.metrics.new_tokens == n
+    assert engine.generate(p, 1, GREEDY).metrics.target_forward_passes == 0  # the prefill gave it
+
+
+def test_context_can_be_filled_exactly(target):
+    """prompt + max_new_tokens == max_seq_len is allowed, with drafts reaching past the last position."""
+    plain_engine = Engine(target)
+    for proposer in (DraftModelProposer(target, DraftModelConfig(4)), NgramProposer(NgramConfig(num_tokens=5))):
+        engine = Engine(target, proposer)
+        assert engine.max_seq_len <= target.config.max_position_embeddings
+        prompt = ([9, 10, 11] * 100)[: engine.max_seq_len - 12]
+        out = engine.generate(prompt, 12, GREEDY)
+        assert out.output_ids == plain_engine.generate(prompt, 12, GREEDY).output_ids
+        assert out.metrics.drafts > 0
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input(target):
+    engine = Engine(target, NgramProposer(NgramConfig()), max_seq_len=32)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match=f"max_new_tokens must be > 0, got {bad}"):
+            engine.generate([1, 2, 3], bad, GREEDY)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([], 4, GREEDY)
+    limit = engine.max_seq_len
+    with pytest.raises(ValueError) as e:
+        engine.generate([1] * (limit - 3), 4, GREEDY)
+    msg = str(e.value)
+    assert f"{limit - 3} tokens" in msg and "max_new_tokens=4" in msg and f"{limit} tokens" in msg
+    assert len(engine.generate([1] * (limit - 3), 3, GREEDY).output_ids) == 3  # one fewer fits
+
+
+def test_max_seq_len_is_capped_by_the_model(target):
+    assert Engine(target, max_seq_len=10**6).max_seq_len == target.config.max_position_embeddings
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cache_hits_are_lossless_and_restore_drafter_state(target, noisy):
+    a = PROMPTS[1] + PROMPTS[0][:2]  # 14 tokens: a hit covers 3 blocks of 4
+    b = a[:8] + [100, 101, 102, 103, 104, 105]  # shares a's first 2 blocks
+    c = PROMPTS[2]  # an unrelated prompt that overwrites both caches' first slots
+
+    def cold(prompt):
+        engine = Engine(target, DraftModelProposer(noisy, DraftModelConfig(3)), max_seq_len=MAX_SEQ)
+        out = engine.generate(prompt, 12, GREEDY)
+        return out, kv_prefix(engine, len(prompt)), engine.proposer.cache.read(0, len(prompt))
+
+    pc = PrefixCache(block_size=4)
+    engine = Engine(target, DraftModelProposer(noisy, DraftModelConfig(3)), prefix_cache=pc, max_seq_len=MAX_SEQ)
+    first = engine.generate(a, 12, GREEDY)
+    assert first.metrics.prefix_hit_tokens == 0 and first.metrics.prefix_queried_tokens == len(a)
+    for prompt, hit in ((c, 0), (a, 12), (c, 16), (b, 8)):
+        ref, ref_target_kv, ref_drafter_kv = cold(prompt)
+        out = engine.generate(prompt, 12, GREEDY)
+        assert out.metrics.prefix_hit_tokens == hit
+        assert out.output_ids == ref.output_ids
+        assert same_kv(kv_prefix(engine, len(prompt)), ref_target_kv)
+        # a hit never leaves drafter state stale: the restored slots are those of a cold run ...
+        assert same_kv(engine.proposer.cache.read(0, len(prompt)), ref_drafter_kv)
+        # ... so the drafter proposes exactly what it would cold
+        assert out.metrics.accepted_per_position == ref.metrics.accepted_per_position
+        assert out.metrics.accepted_tokens == ref.metrics.accepted_tokens > 0
+    assert pc.hit_tokens == 12 + 16 + 8
+
+
+def test_prefix_cache_plain_engine(target, plain):
+    pc = PrefixCache(block_size=4)
+    engine = Engine(target, prefix_cache=pc, max_seq_len=MAX_SEQ)
+    p = PROMPTS[2]
+    for hit in (0, 16, 16):
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.metrics.prefix_hit_tokens == hit
+        assert out.output_ids == plain[tuple(p)][0].output_ids
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def test_sampling_is_deterministic_given_a_seed(target, noisy):
+    for proposer in (None, DraftModelProposer(noisy, DraftModelConfig(3)), NgramProposer(NgramConfig())):
+        engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+        runs = []
+        for seed in (3, None, 3, 4):  # an unseeded request in between must not disturb the seeded ones
+            runs.append(engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=seed)).output_ids)
+        assert runs[0] == runs[2], proposer
+        assert runs[0] != runs[3]  # another seed, other tokens (20 tokens from a 128 vocabulary)
+
+
+def test_unseeded_generate_leaves_the_global_rng_alone(target, noisy):
+    for proposer in (None, DraftModelProposer(noisy, DraftModelConfig(3))):
+        engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+        torch.manual_seed(0)
+        expected = torch.rand(4)
+        torch.manual_seed(0)
+        engine.generate(PROMPTS[0], 8, SamplingParams(temperature=1.0))
+        assert torch.equal(torch.rand(4), expected)
+
+
+def pooled_chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; the rarest cells are pooled into one until every cell expects >= 5.
+
+    Under H0 (speculative sampling draws exactly from the target's distribution) the counts are
+    Multinomial(N, probs), and so are the pooled counts; X^2 over the pooled cells is ~ chi^2(cells - 1)
+    once every expected count is >= 5. The p-value is the regularised upper incomplete gamma
+    Q(df / 2, X^2 / 2); requiring p > ALPHA fails a correct engine with probability ~ALPHA per statistic
+    (and the seeds are fixed). A cell the target gives probability 0 must never be hit at all.
+    """
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "sampled a token the target gives probability 0"
+    expected = counts.sum() * probs
+    order = expected.argsort()
+    pooled = 0
+    while pooled < len(order) and (expected[order[:pooled]].sum() < 5 or expected[order[pooled]] < 5):
+        pooled += 1
+    rare, rest = order[:pooled], order[pooled:]
+    obs = torch.cat([counts[rest], counts[rare].sum().view(1)])
+    exp = torch.cat([expected[rest], expected[rare].sum().view(1)])
+    assert len(obs) > 2 and exp.min() >= 5, "too few draws for the chi-square approximation"
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor(float(len(obs) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+SMALL = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+SMALL_PROMPT = [1, 2, 3, 4, 5]
+SAMPLE = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_llama_dir):
+    """Vocabulary-8 target and a different draft model, and the exact plain-sampling distribution of the
+    first three tokens after SMALL_PROMPT: joint[a, b, c] = q(a) q(b | a) q(c | a, b) from the target's logits."""
+    tgt = load_model(tiny_llama_dir("llama", **SMALL), torch.float32, "cpu")
+    drf = load_model(tiny_llama_dir("llama", seed=1, **SMALL), torch.float32, "cpu")
+
+    def q(seq: list[int]) -> torch.Tensor:
+        logits = tgt(torch.tensor(seq), torch.arange(len(seq)), tgt.new_cache(len(seq)), 0).logits[-1]
+        return probs_from_logits(logits, SAMPLE).double()
+
+    with torch.inference_mode():
+        q1 = q(SMALL_PROMPT)
+        joint = torch.zeros(8, 8, 8, dtype=torch.float64)
+        for a in range(8):
+            q2 = q(SMALL_PROMPT + [a])
+            for b in range(8):
+                joint[a, b] = q1[a] * q2[b] * q(SMALL_PROMPT + [a, b])
+    assert torch.isclose(joint.sum(), torch.tensor(1.0, dtype=torch.float64))
+    return tgt, drf, joint
+
+
+def speculative_pvalues(small, n: int) -> tuple[float, float, float]:
+    """n generations of 3 tokens with a draft model (k=2): x1 comes from the prefill, x2 and x3 from the
+    speculative step(s). p-values of (x1, x2), (x2, x3) and (x1, x2, x3) against the exact distribution."""
+    tgt, drf, joint = small
+    engine = Engine(tgt, DraftModelProposer(drf, DraftModelConfig(2)), max_seq_len=16)
+    draws, accepted = [], 0
+    for i in range(n):
+        out = engine.generate(SMALL_PROMPT, 3, SamplingParams(temperature=1.0, seed=10_000 + i))
+        draws.append(out.output_ids)
+        accepted += out.metrics.accepted_tokens
+    assert 0.1 * n < accepted < 2 * n  # drafts get accepted and rejected: both branches ran
+    x = torch.tensor(draws)
+    return (
+        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
+        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
+        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
+    )
+
+
+def test_speculative_sampling_matches_plain_distribution(small):
+    pvalues = speculative_pvalues(small, 2000)
+    assert min(pvalues) > ALPHA, pvalues
+
+
+def test_negative_control_biased_engine_is_caught(small, monkeypatch):
+    """The same check on an engine whose verifier forgets the residual after a rejection fails."""
+    monkeypatch.setattr(verify_mod, "residual", lambda q, x, p: q)
+    p12, p23, p123 = speculative_pvalues(small, 2000)
+    assert p12 < ALPHA and p23 < ALPHA, (p12, p23, p123)

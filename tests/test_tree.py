@@ -1,0 +1,128 @@
+"""Draft trees: structure, depths, positions, the tree attention mask, and that mask + positions make a
+tree forward equal to running each root-to-node path as a plain causal sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.tree import DraftTree, tree_depths
+
+T, F = True, False
+
+
+def test_chain():
+    tree = DraftTree.chain(torch.tensor([5, 6, 7]))
+    assert len(tree) == 3
+    assert tree.parents.tolist() == [-1, 0, 1]
+    assert tree.depths.tolist() == [1, 2, 3]
+    assert tree.is_chain
+    assert tree.children() == [[0], [1], [2], []]
+    assert tree.positions(10).tolist() == [10, 11, 12, 13]
+    assert tree.draft_probs is None
+
+
+def test_chain_keeps_draft_probs():
+    probs = torch.softmax(torch.randn(2, 4), -1)
+    tree = DraftTree.chain(torch.tensor([1, 2]), probs)
+    assert tree.draft_probs is probs and tree.is_chain
+
+
+def test_empty():
+    tree = DraftTree.empty()
+    assert len(tree) == 0 and tree.tokens.dtype == torch.long
+    assert tree.depths.numel() == 0
+    assert tree.is_chain
+    assert tree.children() == [[]]
+    assert tree.positions(7).tolist() == [7]  # only the root
+    assert torch.equal(tree.attention_mask(3), torch.ones(1, 4, dtype=torch.bool))
+
+
+def test_single_node():
+    tree = DraftTree(torch.tensor([9]), torch.tensor([-1]))
+    assert tree.is_chain and tree.depths.tolist() == [1]
+    assert torch.equal(tree.attention_mask(0), torch.tensor([[T, F], [T, T]]))
+
+
+def test_branching_structure():
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 2]))
+    assert not tree.is_chain
+    assert tree.depths.tolist() == [1, 1, 2, 2, 3]
+    assert tree.children() == [[0, 1], [2, 3], [], [4], [], []]
+    assert tree.positions(10).tolist() == [10, 11, 11, 12, 12, 13]
+    assert tree.positions(0).tolist() == [0, 1, 1, 2, 2, 3]
+
+
+def test_not_a_chain_even_when_depths_are():
+    # every node at a new depth but node 2 hangs off the root's first child, not node 1
+    assert not DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])).is_chain
+    assert DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 1])).is_chain
+
+
+def test_tree_depths_deep():
+    assert tree_depths(torch.tensor([-1, 0, 1, 2, -1, 4, 1])).tolist() == [1, 2, 3, 4, 1, 2, 3]
+
+
+def test_attention_mask_by_hand():
+    tree = DraftTree(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 2]))
+    #            prefix | root n0 n1 n2 n3 n4
+    expected = [
+        [T, T, T, F, F, F, F, F],  # root
+        [T, T, T, T, F, F, F, F],  # n0 <- root
+        [T, T, T, F, T, F, F, F],  # n1 <- root
+        [T, T, T, T, F, T, F, F],  # n2 <- n0 <- root
+        [T, T, T, T, F, F, T, F],  # n3 <- n0 <- root
+        [T, T, T, T, F, T, F, T],  # n4 <- n2 <- n0 <- root
+    ]
+    mask = tree.attention_mask(2)
+    assert mask.dtype == torch.bool and mask.shape == (6, 8)
+    assert mask.tolist() == expected
+    assert tree.attention_mask(0).tolist() == [row[2:] for row in expected]
+
+
+def test_attention_mask_of_chain_is_causal():
+    tree = DraftTree.chain(torch.tensor([1, 2, 3, 4]))
+    assert torch.equal(tree.attention_mask(3), torch.ones(5, 8, dtype=torch.bool).tril(3))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+
+
+def path_tokens(tree: DraftTree, node: int) -> list[int]:
+    """Tokens of the ancestors of `node` (root excluded), root-side first, ending with node."""
+    out = []
+    while node >= 0:
+        out.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return out[::-1]
+
+
+def tree_forward(model, prefix: torch.Tensor, root: int, tree: DraftTree, mask: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache(64)
+    p = prefix.numel()
+    model(prefix, torch.arange(p), cache, 0)  # causal prefill
+    inputs = torch.cat([torch.tensor([root]), tree.tokens])
+    return model(inputs, tree.positions(p), cache, p, mask).logits
+
+
+def test_tree_forward_equals_each_path_run_causally(model):
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prefix = torch.randint(0, vocab, (6,), generator=g)
+    root = 3
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1, 5, -1, 3])
+    tree = DraftTree(torch.randint(0, vocab, (len(parents),), generator=g), parents)
+    logits = tree_forward(model, prefix, root, tree, tree.attention_mask(prefix.numel()))
+
+    for row in range(len(tree) + 1):
+        seq = prefix.tolist() + [root] + ([] if row == 0 else path_tokens(tree, row - 1))
+        ref = model(torch.tensor(seq), torch.arange(len(seq)), model.new_cache(64), 0).logits[-1]
+        assert torch.allclose(logits[row], ref, atol=1e-5, rtol=0), f"row {row}: {(logits[row] - ref).abs().max()}"
+
+    # The check has teeth: a plain causal mask over the same flattened tree gives other logits for branch nodes.
+    p = prefix.numel()
+    wrong = tree_forward(model, prefix, root, tree, torch.ones(len(tree) + 1, p + len(tree) + 1).bool().tril(p))
+    assert (wrong[2] - logits[2]).abs().max() > 1e-3  # node 1 would see node 0, its sibling
