@@ -7,10 +7,12 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from draftsmith.heads.drafter import TargetInfo
+from draftsmith.heads.llama import Transformer
+
 from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from .engine import Engine
 from .loader import load_model, read_hf_config
-from .model import Transformer
 from .ngram import NgramConfig, NgramProposer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
@@ -50,6 +52,11 @@ class Loaded:
 
 def load(cfg: TargetConfig) -> Loaded:
     return Loaded(*load_target(cfg))
+
+
+def target_info(target: Loaded) -> TargetInfo:
+    c = target.model.config
+    return TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
 
 
 def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:

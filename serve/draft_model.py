@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .kv_cache import KVCache
-from .model import ForwardOut, Transformer
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut, Transformer
+
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, sample
 from .tree import DraftTree

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from draftsmith.heads.llama import ForwardOut, Transformer
+
 from .draft_model import causal_mask
 from .metrics import Metrics
-from .model import ForwardOut, Transformer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .sampling import SamplingParams, pick

@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .model import ModelConfig, Transformer
+from draftsmith.heads.llama import ModelConfig, Transformer
 
 
 def read_hf_config(folder: Path) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from .kv_cache import KVCache
+from draftsmith.heads.kv_cache import KVCache
 
 
 def block_key(parent: int | None, tokens: tuple[int, ...], salt: str) -> int:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kv_cache import KVCache
-from .model import ForwardOut
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut
+
 from .sampling import SamplingParams
 from .tree import DraftTree
 

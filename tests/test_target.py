@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftsmith.heads.llama import ModelConfig, Transformer
 from draftsmith.serve import target as target_mod
 from draftsmith.serve.loader import load_model
-from draftsmith.serve.model import ModelConfig, Transformer
 from draftsmith.serve.target import TargetConfig, load_target, resolve_target, torch_dtype
 
 

@@ -111,43 +111,56 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [1, heads, n, d]; cos/sin: [n, d] (HF's rotate-half layout)."""
+    """x: [b, heads, n, d]; cos/sin broadcastable to it (HF's rotate-half layout)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """GQA self-attention. in_dim: width of the input (EAGLE-3's layer attends over 2H)."""
+
+    def __init__(self, cfg: ModelConfig, in_dim: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h, bias = cfg.hidden_size, cfg.attention_bias
+        h, bias = in_dim or cfg.hidden_size, cfg.attention_bias
         self.q_proj = nn.Linear(h, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, h, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, start: int, mask: Tensor | None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor | None = None,
+        v_cache: Tensor | None = None,
+        start: int = 0,
+        mask: Tensor | None = None,
     ) -> Tensor:
-        n = x.shape[1]
-        q = self.q_proj(x).view(1, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(1, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(1, n, self.n_kv, self.head_dim)
+        """x: [b, n, in_dim]; cos/sin broadcast to [b, heads, n, head_dim]. Without a cache (training)
+        the n tokens attend among themselves; with one, their KV goes to slots [start, start+n)."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        end = start + n
-        k_cache[:, :, start:end] = k
-        v_cache[:, :, start:end] = v.transpose(1, 2)
-        keys, values = k_cache[:, :, :end], v_cache[:, :, :end]
+        v = v.transpose(1, 2)
+        if k_cache is not None:
+            end = start + n
+            k_cache[:, :, start:end] = k
+            v_cache[:, :, start:end] = v
+            k, v = k_cache[:, :, :end], v_cache[:, :, :end]
         causal = mask is None and n > 1  # only valid from start == 0; the caller passes a mask otherwise
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(1, n, -1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
 class MLP(nn.Module):
@@ -169,7 +182,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, start: int, mask) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor | None, vc: Tensor | None, start: int, mask
+    ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kc, vc, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -236,16 +251,30 @@ class Transformer(nn.Module):
         logit_rows: which rows get logits (the lm_head is the costliest single matmul).
         aux_layers: layer indices whose input residual stream to return (L = last layer's output).
         """
-        x = self.model.embed_tokens(tokens).unsqueeze(0)
-        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
         attn_mask = None if mask is None else mask.view(1, 1, *mask.shape)
+        x, aux = self.layers_forward(tokens.unsqueeze(0), positions, cache, start, attn_mask, aux_layers)
+        hidden = self.model.norm(x)[0]
+        rows = hidden if logit_rows is None else hidden[logit_rows]
+        return ForwardOut(self.lm_head(rows).float(), hidden, [a[0] for a in aux])
+
+    def hidden_states(self, tokens: Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
+        """Training-time forward, no cache: tokens [b, n] (right-padded) -> final normed hidden [b, n, H]
+        and the requested layers' inputs, causal attention from position 0."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x, aux = self.layers_forward(tokens, positions, None, 0, None, aux_layers)
+        return self.model.norm(x), aux
+
+    def layers_forward(
+        self, tokens: Tensor, positions: Tensor, cache: KVCache | None, start: int, mask, aux_layers: tuple[int, ...]
+    ) -> tuple[Tensor, list[Tensor]]:
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:
-                aux.append(x[0])
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, attn_mask)
+                aux.append(x)
+            kc, vc = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
+            x = layer(x, cos, sin, kc, vc, start, mask)
         if len(self.model.layers) in aux_layers:
-            aux.append(x[0])
-        hidden = self.model.norm(x)[0]
-        rows = hidden if logit_rows is None else hidden[logit_rows]
-        return ForwardOut(self.lm_head(rows).float(), hidden, aux)
+            aux.append(x)
+        return x, aux

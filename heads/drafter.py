@@ -1,0 +1,165 @@
+"""The drafter folder: config.json (kind, target, sizes, recipe) + model.safetensors + README.md.
+
+Every drafter kind registers its config dataclass and module class here, so training, the
+engine and export load any folder the same way, and a drafter made for another target is
+refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TargetInfo:
+    """What a drafter must agree on with its target."""
+
+    id: str  # name@sha256(config.json)[:8], as serve.target.target_id gives
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+
+
+@dataclass
+class Recipe:
+    """How the drafter was made: goes into config.json and the model card."""
+
+    data: str = ""
+    steps: int = 0
+    tokens: int = 0
+    extra: dict = field(default_factory=dict)
+    acceptance: dict = field(default_factory=dict)  # measured tau etc., filled in by training's eval
+
+
+REGISTRY: dict[str, tuple[type, type[nn.Module]]] = {}  # kind -> (config dataclass, module class)
+
+
+def register(kind: str, config_cls: type, module_cls: type[nn.Module]) -> None:
+    REGISTRY[kind] = (config_cls, module_cls)
+
+
+def save_drafter(head: nn.Module, config, kind: str, target: TargetInfo, recipe: Recipe, out: Path) -> Path:
+    """Write the folder to a temp dir beside `out`, then rename it into place (never half-written)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "kind": kind,
+            "target": asdict(target),
+            "config": asdict(config),
+            "recipe": asdict(recipe),
+        }
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        state = {k: v.detach().contiguous().cpu() for k, v in own_state(head).items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"kind": kind, "target": target.id})
+        (tmp / "README.md").write_text(model_card(kind, target, config, recipe))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def own_state(head: nn.Module) -> dict[str, torch.Tensor]:
+    """The head's own weights: frozen target pieces it borrows (embedding, lm_head) are not saved twice."""
+    shared = getattr(head, "shared_prefixes", ())
+    return {k: v for k, v in head.state_dict().items() if not k.startswith(tuple(shared))}
+
+
+def read_meta(folder: Path) -> dict:
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"drafter folder {folder} does not exist")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {folder} is not a draftsmith drafter folder")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); re-export the drafter") from e
+    if meta.get("kind") not in REGISTRY:
+        raise ValueError(f"{path}: unknown drafter kind {meta.get('kind')!r}; known: {', '.join(sorted(REGISTRY))}")
+    return meta
+
+
+def check_target(meta: dict, target: TargetInfo, folder: Path) -> None:
+    """Refuse a drafter trained for another target, naming both."""
+    saved = meta["target"]
+    for key in ("hidden_size", "vocab_size"):
+        if saved[key] != getattr(target, key):
+            raise ValueError(
+                f"drafter {folder} was made for target {saved['id']} with {key}={saved[key]}, but the target "
+                f"{target.id} has {key}={getattr(target, key)}: train a drafter for this target"
+            )
+    if saved["id"] != target.id:
+        raise ValueError(
+            f"drafter {folder} was made for target {saved['id']}, not {target.id} (their config.json differ): "
+            "train a drafter for this target"
+        )
+
+
+def load_drafter(folder: Path, target: TargetInfo, *shared, device="cpu", dtype=torch.float32) -> nn.Module:
+    """Build the module of the folder's kind and load its weights. `shared`: target pieces the kind
+    borrows (passed to its constructor after the config), e.g. the target model for EAGLE's lm_head."""
+    folder = Path(folder)
+    meta = read_meta(folder)
+    check_target(meta, target, folder)
+    config_cls, module_cls = REGISTRY[meta["kind"]]
+    head = module_cls(config_cls(**meta["config"]), *shared)
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} is missing; the drafter folder is incomplete")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{weights} is corrupt or not a safetensors file ({e}); re-train or re-export") from e
+    expected = own_state(head)
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights} does not fit a {meta['kind']} drafter: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for k, v in state.items():
+        if v.shape != expected[k].shape:
+            raise ValueError(
+                f"{weights}: {k} has shape {tuple(v.shape)}, the config implies {tuple(expected[k].shape)}"
+            )
+    head.load_state_dict(state, strict=False)
+    return head.to(device=device, dtype=dtype)
+
+
+def model_card(kind: str, target: TargetInfo, config, recipe: Recipe) -> str:
+    acc = recipe.acceptance
+    measured = (
+        f"Measured: mean acceptance length {acc['mean_acceptance_length']:.2f}"
+        + (f", speedup {acc['speedup']:.2f}x" if "speedup" in acc else "")
+        + (f" ({acc['source']})" if "source" in acc else "")
+        if "mean_acceptance_length" in acc
+        else "Acceptance not measured yet: run draftsmith-eval with this drafter."
+    )
+    sizes = ", ".join(f"{k}={v}" for k, v in asdict(config).items())
+    return (
+        f"# draftsmith {kind} drafter\n\n"
+        f"- target: `{target.id}` (hidden {target.hidden_size}, vocab {target.vocab_size}, "
+        f"{target.num_layers} layers)\n"
+        f"- drafter: {kind} ({sizes})\n"
+        f"- recipe: data {recipe.data or 'n/a'}, {recipe.steps} steps, {recipe.tokens} tokens {recipe.extra or ''}\n\n"
+        f"{measured}\n\n"
+        f"Use: `draftsmith-eval spec={kind} spec.drafter=THIS_FOLDER ...`\n"
+    )
