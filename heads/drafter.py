@@ -44,6 +44,7 @@ class Recipe:
 
 
 REGISTRY: dict[str, tuple[type, type[nn.Module]]] = {}  # kind -> (config dataclass, module class)
+SPEC_NAMES = {"draft_model": "draft"}  # the engine's spec name where it differs from the kind
 
 
 def register(kind: str, config_cls: type, module_cls: type[nn.Module]) -> None:
@@ -161,5 +162,5 @@ def model_card(kind: str, target: TargetInfo, config, recipe: Recipe) -> str:
         f"- drafter: {kind} ({sizes})\n"
         f"- recipe: data {recipe.data or 'n/a'}, {recipe.steps} steps, {recipe.tokens} tokens {recipe.extra or ''}\n\n"
         f"{measured}\n\n"
-        f"Use: `draftsmith-eval spec={kind} spec.drafter=THIS_FOLDER ...`\n"
+        f"Use: `draftsmith-eval spec={SPEC_NAMES.get(kind, kind)} spec.drafter=THIS_FOLDER ...`\n"
     )

@@ -110,6 +110,13 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
 
 
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[Tensor, Tensor]:
+    """cos, sin [max_len, head_dim] for positions 0..max_len-1."""
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), rope_inv_freq(cfg))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [b, heads, n, d]; cos/sin broadcastable to it (HF's rotate-half layout)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -132,6 +139,18 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [b, n, in_dim] -> q [b, heads, n, head_dim], k and v [b, kv_heads, n, head_dim], rope applied."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)
+
     def forward(
         self,
         x: Tensor,
@@ -145,14 +164,7 @@ class Attention(nn.Module):
         """x: [b, n, in_dim]; cos/sin broadcast to [b, heads, n, head_dim]. Without a cache (training)
         the n tokens attend among themselves; with one, their KV goes to slots [start, start+n)."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
+        q, k, v = self.qkv(x, cos, sin)
         if k_cache is not None:
             end = start + n
             k_cache[:, :, start:end] = k
@@ -175,11 +187,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, input_norm: bool = True) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-1's layer has no input norm: its input is fc([embedding; feature]), not a residual stream
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else nn.Identity()
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
@@ -215,11 +228,9 @@ class Transformer(nn.Module):
         self.rope_cache(cfg.max_position_embeddings)
 
     def rope_cache(self, max_len: int) -> None:
-        t = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(t, rope_inv_freq(self.config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = rope_tables(self.config, max_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     @property
     def device(self) -> torch.device:

@@ -50,6 +50,18 @@ GREEDY = SamplingParams()
 SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 MTBENCH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 SECTIONS = ("hf", "ngram", "prefix", "layerskip")
+QUICK = dict(
+    repeats=1,
+    warmup=8,
+    mtbench_ids=[81, 91],
+    max_new_tokens=48,
+    spec_new_tokens=48,
+    ngram_k=[5],
+    layerskip=[4],
+    prefix_new_tokens=8,
+    prefix_repeats=1,
+    prefix_dtypes=["float32"],
+)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -596,12 +608,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--device", default="cpu")
+    if p.parse_known_args(argv)[0].quick:  # new defaults; options given explicitly still win
+        p.set_defaults(**QUICK)
     args = p.parse_args(argv)
-    if args.quick:
-        args.repeats, args.warmup, args.mtbench_ids = 1, 8, args.mtbench_ids[:2]
-        args.max_new_tokens = args.spec_new_tokens = 48
-        args.ngram_k, args.layerskip = [5], args.layerskip[:1]
-        args.prefix_new_tokens, args.prefix_repeats, args.prefix_dtypes = 8, 1, ["float32"]
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
@@ -626,8 +635,15 @@ def main(argv=None) -> None:
         "machine": platform.processor() or platform.machine(),
         "device": args.device,
         "loadavg_start": load_start,
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
     }
     print(f"torch {env['torch']}, {env['threads']} threads, device {args.device}; load average {fmt_load(load_start)}")
+    if args.device == "cpu" and load_start[0] > 1 and env["threads"] > 1:
+        print(
+            "note: other processes are using the CPU; with as many torch threads as cores a busy CPU can slow "
+            "every step several-fold. Ratios stay side by side, absolute speeds do not (try --threads 1 or "
+            "OMP_WAIT_POLICY=PASSIVE)."
+        )
 
     cfg = lambda dtype: TargetConfig(dtype=dtype, device=args.device)
     ours, tok, tid = {}, None, ""

@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.heads.drafter import TargetInfo
+from draftsmith.heads.drafter import TargetInfo, read_meta
+from draftsmith.heads.drafter import load_drafter as load_head
 from draftsmith.heads.llama import Transformer
 
 from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
+from .eagle import EagleProposer, TreeConfig
 from .engine import Engine
 from .loader import load_model, read_hf_config
+from .medusa import MedusaProposer
 from .ngram import NgramConfig, NgramProposer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .target import TargetConfig, load_target, load_tokenizer
 
-SPECS = ("ar", "ngram", "draft", "layerskip")
+SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3")
+NEEDS_DRAFTER = {
+    "draft": "an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
+    "medusa": "a medusa drafter folder (draftsmith-train head=medusa)",
+    "eagle": "an eagle drafter folder (draftsmith-train head=eagle)",
+    "eagle3": "an eagle3 drafter folder (draftsmith-train head=eagle3)",
+}
 
 
 @dataclass
@@ -29,16 +38,16 @@ class SpecConfig:
     num_tokens: int = 4  # chain length k (tree depth for tree proposers)
     min_n: int = 2  # ngram
     max_n: int = 4  # ngram
-    drafter: str | None = None  # draft: an HF folder sharing the target's tokenizer
+    drafter: str | None = None  # draft: an HF folder sharing the target's tokenizer, or a draft_model drafter folder
     layers: int = 8  # layerskip: how many of the target's layers draft
+    choices: list[list[int]] | None = None  # medusa: tree paths, e.g. [[0], [0, 0], [1]]; None = the default tree
+    tree: TreeConfig = field(default_factory=TreeConfig)  # eagle, eagle3: topk (1 = a chain), total_tokens
 
     def __post_init__(self) -> None:  # checked when the config is built, before any model loads
         if self.name not in SPECS:
             raise ValueError(f"unknown spec {self.name!r}; choose one of {', '.join(SPECS)}")
-        if self.name == "draft" and not self.drafter:
-            raise ValueError(
-                "spec=draft needs spec.drafter=DIR: an HF folder of a small LM with the target's tokenizer"
-            )
+        if self.name in NEEDS_DRAFTER and not self.drafter:
+            raise ValueError(f"spec={self.name} needs spec.drafter=DIR: {NEEDS_DRAFTER[self.name]}")
         if self.num_tokens < 1:
             raise ValueError(f"spec.num_tokens must be >= 1, got {self.num_tokens}")
 
@@ -67,12 +76,14 @@ def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     if spec.name == "layerskip":
         return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
     if spec.name == "draft":
-        if not spec.drafter:
-            raise ValueError(
-                "spec=draft needs spec.drafter=DIR: an HF folder of a small LM with the target's tokenizer"
-            )
         draft = load_drafter(Path(spec.drafter), target)
         return DraftModelProposer(draft, DraftModelConfig(spec.num_tokens))
+    if spec.name == "medusa":
+        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name)
+        return MedusaProposer(heads, spec.choices, spec.num_tokens)
+    if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
+        head = load_trained(Path(spec.drafter), target, spec.name, spec.name, target.model)
+        return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
     raise AssertionError(spec.name)  # SpecConfig only admits SPECS
 
 
@@ -80,7 +91,10 @@ def load_drafter(folder: Path, target: Loaded) -> Transformer:
     """A draft LM, refused unless it speaks the target's vocabulary."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
-    vocab = read_hf_config(folder)["vocab_size"]
+    hf = read_hf_config(folder)
+    if "kind" in hf:  # a draftsmith drafter folder (heads/drafter.py), checked against the target's id
+        return load_trained(folder, target, "draft_model", "draft")
+    vocab = hf["vocab_size"]
     if vocab != target.model.config.vocab_size:
         raise ValueError(
             f"drafter {folder} has vocab_size {vocab} but target {target.target_id} has "
@@ -88,6 +102,16 @@ def load_drafter(folder: Path, target: Loaded) -> Transformer:
         )
     check_same_tokenizer(load_tokenizer(folder), target.tokenizer, str(folder), target.target_id)
     return load_model(folder, target.model.dtype, str(target.model.device))
+
+
+def load_trained(folder: Path, target: Loaded, kind: str, spec_name: str, *shared):
+    """A draftsmith drafter folder of `kind`, refused unless it was made for this target; `shared`: target
+    pieces the kind borrows (heads/drafter.load_drafter)."""
+    found = read_meta(folder)["kind"]
+    if found != kind:
+        raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
+    m = target.model
+    return load_head(folder, target_info(target), *shared, device=m.device, dtype=m.dtype).eval().requires_grad_(False)
 
 
 def check_same_tokenizer(draft: PreTrainedTokenizerBase, tgt: PreTrainedTokenizerBase, dname: str, tname: str) -> None:

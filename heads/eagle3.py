@@ -1,0 +1,174 @@
+"""EAGLE-3 head: fc over several target layers' inputs, one decoder layer whose attention reads
+[input_layernorm(embed(token)); hidden_norm(feature)] (2H), its own norm and lm_head over a draft vocabulary.
+
+The layer's output (before `norm`) is the next step's feature, as in vLLM: drafting feeds it back without fc.
+Parameter names are those of the vLLM / SGLang checkpoint (fc, midlayer.*, norm, lm_head, d2t, t2d), so export
+is a plain dump. The target's embedding (and, for the loss, its lm_head) is borrowed, frozen and not saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .drafter import register
+from .eagle import EagleConfig, HeadBase, borrow, sdpa_mask
+from .kv_cache import KVCache
+from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
+
+
+@dataclass
+class Eagle3Config(EagleConfig):
+    target_layers: tuple[int, ...] = (2, 16, 29)  # inputs of these target layers (L = the last layer's output)
+    draft_vocab_size: int = 8192
+
+    def __post_init__(self) -> None:
+        self.target_layers = tuple(self.target_layers)  # a list after a JSON round trip
+        layers = self.target_layers
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
+            raise ValueError(f"target_layers must be distinct, ascending and >= 0, got {layers}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+
+    @classmethod
+    def from_target(cls, cfg: ModelConfig, **overrides) -> Eagle3Config:
+        n = cfg.num_hidden_layers
+        layers = tuple(overrides.pop("target_layers", None) or sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)}))
+        if layers[-1] > n:
+            raise ValueError(f"target_layers {layers} exceed the target's {n} layers")
+        overrides.setdefault("draft_vocab_size", min(8192, cfg.vocab_size))
+        return super().from_target(cfg, target_layers=layers, **overrides)
+
+
+def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
+    """The draft vocabulary: the draft_vocab_size most frequent target ids (ties: the lower id), sorted by id.
+    d2t[i]: int64 offset, target id = i + d2t[i]; t2d: bool [vocab], True for the kept target ids."""
+    if not 0 < draft_vocab_size <= counts.numel():
+        raise ValueError(f"draft_vocab_size must be in [1, {counts.numel()}], got {draft_vocab_size}")
+    kept = torch.sort(counts, descending=True, stable=True).indices[:draft_vocab_size].sort().values
+    t2d = torch.zeros(counts.numel(), dtype=torch.bool, device=counts.device)
+    t2d[kept] = True
+    return kept - torch.arange(draft_vocab_size, device=counts.device), t2d
+
+
+class Eagle3Layer(nn.Module):
+    """vLLM's `midlayer`: attention over 2H, residual = the feature, then post-attention norm + MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, in_dim=2 * h)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+
+    def attn_input(self, embeds: Tensor, feature: Tensor) -> Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
+
+    def finish(self, feature: Tensor, attn_out: Tensor) -> Tensor:
+        x = feature + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, embeds, feature, cos, sin, kc, vc, start: int, mask) -> Tensor:
+        return self.finish(feature, self.self_attn(self.attn_input(embeds, feature), cos, sin, kc, vc, start, mask))
+
+
+class Eagle3Head(HeadBase):
+    shared_prefixes = ("embed_tokens.", "target_lm_head.")
+
+    def __init__(self, cfg: Eagle3Config, target: Transformer | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.embed_tokens, self.target_lm_head = borrow(target, cfg)  # target_lm_head: the loss's soft targets
+        self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
+        self.midlayer = Eagle3Layer(cfg.layer_config())
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        dev = self.fc.weight.device
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
+        self.register_buffer("t2d", torch.arange(cfg.vocab_size, device=dev) < cfg.draft_vocab_size)
+        self.rope_cache(cfg.max_position_embeddings)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return self.config.target_layers
+
+    @property
+    def vocab_ids(self) -> Tensor:
+        """Target id of each draft id."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def set_vocab(self, counts: Tensor) -> None:
+        """Pick the draft vocabulary from target-token counts [vocab] (e.g. over the training answers)."""
+        d2t, t2d = build_vocab_map(counts.to(self.d2t.device), self.config.draft_vocab_size)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def target_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
+        """The fused feature: fc over the target's layer inputs [.., k*H] (in target_layers order)."""
+        if aux is None:
+            raise ValueError(f"EAGLE-3 needs the target's inputs to layers {self.config.target_layers}")
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def forward(
+        self,
+        feature: Tensor,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache | None = None,
+        start: int = 0,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """feature [b, n, H] (fused target feature_i, or the head's own previous output), tokens [b, n]
+        (token_{i+1}), positions [n] -> the next feature [b, n, H] (before `norm`). Cache and mask as EagleHead."""
+        embeds = self.embed_tokens(tokens)
+        cos, sin = self.rope(positions, embeds.dtype)
+        kc, vc = (cache.k[0], cache.v[0]) if cache is not None else (None, None)
+        return self.midlayer(embeds, feature.to(embeds.dtype), cos, sin, kc, vc, start, sdpa_mask(mask))
+
+    def logits(self, feature: Tensor) -> Tensor:
+        """Over the draft vocabulary; map ids to the target's with vocab_ids."""
+        return self.lm_head(self.norm(feature))
+
+    def unroll(self, feature: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
+        """Training-time test over m pairs: feature [b, m, H] fused target features 0..m-1, tokens [b, m]
+        (token_{i+1}). Step 0 is forward(); step j feeds step j-1's output at the same index with token
+        i+1+j (zero past the end) at position i+1+j, and attends to the real pairs 0..i plus its own steps
+        1..j: what drafting at depth j+1 from a prefix ending at pair i sees. Returns each step's output."""
+        b, m, _ = feature.shape
+        tokens = F.pad(tokens, (0, steps - 1))
+        feature = feature.to(self.fc.weight.dtype)
+        attn, kv, outs = self.midlayer.self_attn, [], []
+        for j in range(steps):
+            embeds = self.embed_tokens(tokens[:, j : j + m])
+            cos, sin = self.rope(torch.arange(1 + j, m + 1 + j, device=tokens.device), embeds.dtype)
+            q, k, v = attn.qkv(self.midlayer.attn_input(embeds, feature), cos, sin)
+            kv.append((k, v))
+            out = attn.o_proj(ttt_attention(q, kv).transpose(1, 2).reshape(b, m, -1))
+            feature = self.midlayer.finish(feature, out)
+            outs.append(feature)
+        return outs
+
+
+def ttt_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """q [b, heads, m, d]; kv[0]: the real pairs' K/V (causal), kv[s]: step s's own K/V (index i sees only
+    index i). One softmax over both; the diagonal terms cost O(m) each instead of an [m, m] block."""
+    groups = q.shape[1] // kv[0][0].shape[1]
+    kv = [(k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)) for k, v in kv]
+    m, scale = q.shape[2], q.shape[-1] ** -0.5
+    causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ kv[0][0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+    scores += [(q * k).sum(-1, keepdim=True) * scale for k, _ in kv[1:]]
+    p = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    out = p[..., :m] @ kv[0][1]
+    for s, (_, v) in enumerate(kv[1:]):
+        out = out + p[..., m + s : m + s + 1] * v
+    return out
+
+
+register("eagle3", Eagle3Config, Eagle3Head)

@@ -1,0 +1,80 @@
+"""Medusa-1 heads: K heads on the frozen target's final hidden state, head k predicting token t+k+2.
+
+Each head is `num_layers` residual blocks x + SiLU(Wx + b) (W, b zero-initialised, so a fresh head is the
+identity) followed by its own copy of the target's lm_head. Parameter names follow vLLM's Medusa layout
+(`blocks.{h}.layers.{l}`, `lm_heads.{h}`); TGI's is `{h}.{l}.linear` / `{h}.{num_layers}`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .drafter import register
+from .llama import Transformer
+
+
+@dataclass
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4  # K
+    num_layers: int = 1  # residual blocks per head
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(
+                f"medusa needs num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}"
+            )
+
+
+class ResBlocks(nn.Module):
+    def __init__(self, hidden: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class MedusaHeads(nn.Module):
+    target_layers: tuple[int, ...] = ()  # feeds on the final normed hidden state only
+
+    def __init__(self, cfg: MedusaConfig, target: Transformer | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        h, v = cfg.hidden_size, cfg.vocab_size
+        self.blocks = nn.ModuleList(ResBlocks(h, cfg.num_layers) for _ in range(cfg.num_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(cfg.num_heads))
+        if target is not None:
+            self.init_from(target)
+
+    @torch.no_grad()
+    def init_from(self, target: Transformer) -> None:
+        w = target.lm_head.weight
+        if tuple(w.shape) != (self.config.vocab_size, self.config.hidden_size):
+            raise ValueError(
+                f"medusa config (vocab {self.config.vocab_size}, hidden {self.config.hidden_size}) does not fit "
+                f"the target's lm_head {tuple(w.shape)}"
+            )
+        for head in self.lm_heads:
+            head.weight.copy_(w)  # a copy: each head's lm_head is trained and saved on its own
+
+    def head_logits(self, k: int, hidden: Tensor) -> Tensor:
+        """Head k's logits for token t+k+2 from the target's final hidden states at t: [..., H] -> [..., V]."""
+        return self.lm_heads[k](self.blocks[k](hidden))
+
+    def forward(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
+        """[..., H] -> [K, ..., V] (the first num_heads heads only, when given)."""
+        return torch.stack([self.head_logits(k, hidden) for k in range(num_heads or self.config.num_heads)])
+
+
+register("medusa", MedusaConfig, MedusaHeads)

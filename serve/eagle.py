@@ -1,0 +1,182 @@
+"""EAGLE-1/2 and EAGLE-3 proposers: a one-layer head drafts a chain or an EAGLE-2 dynamic tree.
+
+The head has its own one-layer KV cache. Slot j holds the pair (target feature of token j-1, token j) at
+position j, the token's position in the target, so a slot depends only on tokens[: j + 1]. Slot 0 (no
+feature) stays empty and is never attended. The target features themselves are kept per token too: after a
+prefix-cache hit of h tokens, slot h needs the feature of token h-1, which the target does not recompute.
+Both go through the prefix cache with the target's KV. After each verification the accepted tokens' slots are
+recomputed from the target's real features, which also gives the head's prediction for the next pending
+token: the first level of the next draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut
+
+from .proposer import Proposer
+from .sampling import SamplingParams, probs_from_logits
+from .tree import DraftTree
+
+
+@dataclass
+class TreeConfig:
+    """EAGLE-2 dynamic tree: every level expands the topk best nodes (by cumulative log-prob) into topk children
+    each; at the end the total_tokens best of all drafted nodes are kept. topk=1 drafts a chain."""
+
+    topk: int = 1
+    total_tokens: int = 0  # 0: keep every drafted node (topk + (depth - 1) * topk^2)
+
+    def __post_init__(self) -> None:
+        if self.topk < 1:
+            raise ValueError(f"spec.tree.topk must be >= 1, got {self.topk}")
+        if self.total_tokens < 0:
+            raise ValueError(f"spec.tree.total_tokens must be >= 0 (0 = keep all), got {self.total_tokens}")
+
+
+class EagleProposer(Proposer):
+    def __init__(
+        self,
+        head: nn.Module,
+        kind: str,
+        num_tokens: int = 4,
+        tree: TreeConfig | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.head, self.name, self.depth, self.tree, self.gen = head, kind, num_tokens, tree or TreeConfig(), generator
+        self.aux_layers = tuple(head.aux_layers)
+        self.vocab_ids = head.vocab_ids  # EAGLE-3: target id of each draft id
+        k = self.tree.topk
+        vocab = head.lm_head.out_features
+        if k > vocab:
+            raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
+        drafted = k + (num_tokens - 1) * k * k
+        self.max_tree_size = min(self.tree.total_tokens or drafted, drafted)
+        self.cache: KVCache | None = None
+        self.store: KVCache | None = None  # per token: the target feature the head reads
+        self.cached = 0  # slots [0, cached) hold real pairs
+        self.feature: Tensor | None = None  # [H] the head's prediction for the pending token's feature
+        self.logits: Tensor | None = None  # [1, vocab] its logits: the root's children
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return [self.cache, self.store] if self.cache is not None else []
+
+    def reserve(self, max_len: int) -> None:
+        c, w = self.head.config, self.head.fc.weight
+        room = max_len + self.depth * self.tree.topk
+        self.cache = KVCache.allocate(1, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
+        self.store = feature_store(room, c.hidden_size, w.dtype, w.device)
+        if self.head.cos.shape[0] < room:  # drafts reach a few positions past the last verified one
+            self.head.rope_cache(room)
+
+    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+        """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
+        self.keep_features(start, target)
+        self.cached = max(start, 1)
+        self.extend(tokens)
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+        self.keep_features(self.cached - 1, target)
+        self.extend(tokens)  # drafted slots are overwritten with KV from the real features
+
+    def keep_features(self, first: int, target: ForwardOut) -> None:
+        """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
+        aux = torch.cat(target.aux, dim=-1) if target.aux else None
+        feats = self.head.target_features(target.hidden, aux)
+        self.store.k[0][0, 0, first : first + feats.shape[0]] = feats
+
+    def extend(self, tokens: Tensor) -> None:
+        """Real pairs (feature of token j-1, token j) into slots j in [cached, len(tokens))."""
+        s, n = self.cached, tokens.numel()
+        feats = self.store.k[0][0, 0, s - 1 : n - 1]
+        mask = torch.ones(n - s, n, dtype=torch.bool, device=tokens.device).tril(s)
+        mask[:, 0] = False
+        h = self.head(feats[None], tokens[None, s:n], torch.arange(s, n, device=tokens.device), self.cache, s, mask)
+        self.feature, self.logits = h[0, -1], self.head.logits(h[0, -1:]).float()
+        self.cached = n
+
+    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
+        """Level d's nodes sit at position n-1+d; the nodes expanded at level d take slots n+(d-1)*topk onwards
+        and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache)."""
+        n, k, dev = tokens.numel(), self.tree.topk, tokens.device
+        if n != self.cached:
+            raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {n}")
+        sampled = k == 1 and not sp.greedy
+        visible = torch.zeros(1, n + (self.depth - 1) * k, dtype=torch.bool, device=dev)
+        visible[:, 1:n] = True
+        feats, logits, scores = self.feature[None], self.logits, torch.zeros(1, device=dev)
+        frontier = torch.full((1,), -1, device=dev)  # node index of each expanded row (-1: the root)
+        toks, parents, cum, probs = [], [], [], []
+        for d in range(1, self.depth + 1):
+            logp, ids, p = self.children(logits, sp, sampled)  # [rows, k]
+            first = sum(t.numel() for t in toks)
+            toks.append(self.to_target(ids).flatten())
+            parents.append(frontier.repeat_interleave(k))
+            cum.append((scores[:, None] + logp).flatten())
+            if p is not None:
+                probs.append(p)
+            if d == self.depth:
+                break
+            best = cum[-1].topk(min(k, cum[-1].numel())).indices  # the level's nodes to expand
+            rows = best // k
+            feats, logits, visible = self.run_level(feats[rows], toks[-1][best], visible[rows], n, d)
+            scores, frontier = cum[-1][best], first + best
+        draft_probs = self.to_target_probs(torch.cat(probs)) if probs else None
+        return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), self.max_tree_size, draft_probs)
+
+    def run_level(self, feats: Tensor, toks: Tensor, visible: Tensor, n: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Run level d's expanded nodes (parent features, own tokens) through the head. visible: per node, the
+        slots its parent saw; each node adds its own. Returns their predicted features, logits and visibility."""
+        r, slot = toks.numel(), n + (d - 1) * self.tree.topk
+        own = torch.arange(r, device=toks.device)
+        visible[own, slot + own] = True
+        pos = torch.full((r,), n - 1 + d, device=toks.device)
+        h = self.head(feats[None], toks[None], pos, self.cache, slot, visible[:, : slot + r])[0]
+        return h, self.head.logits(h).float(), visible
+
+    def children(self, logits: Tensor, sp: SamplingParams, sampled: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Per row: the topk draft ids and their log-probs, or (a sampled chain) one id drawn from the
+        distribution plain sampling would use, which verification needs as the node's draft probability."""
+        if sampled:
+            p = probs_from_logits(logits, sp)
+            ids = torch.multinomial(p, 1, generator=self.gen)
+            return p.gather(-1, ids).log(), ids, p
+        top = torch.log_softmax(logits, dim=-1).topk(self.tree.topk, dim=-1)
+        return top.values, top.indices, None
+
+    def to_target(self, ids: Tensor) -> Tensor:
+        return ids if self.vocab_ids is None else self.vocab_ids[ids]
+
+    def to_target_probs(self, p: Tensor) -> Tensor:
+        if self.vocab_ids is None:
+            return p
+        full = p.new_zeros(p.shape[0], self.head.config.vocab_size)
+        full[:, self.vocab_ids] = p
+        return full
+
+
+def feature_store(max_len: int, hidden: int, dtype: torch.dtype, device) -> KVCache:
+    """Per-token features as a one-layer KVCache (K: the feature, V: empty), so the prefix cache keeps them."""
+    return KVCache(
+        [torch.zeros(1, 1, max_len, hidden, dtype=dtype, device=device)],
+        [torch.zeros(1, 1, max_len, 0, dtype=dtype, device=device)],
+    )
+
+
+def rerank(tokens: Tensor, parents: Tensor, scores: Tensor, keep: int, probs: Tensor | None) -> DraftTree:
+    """Keep the `keep` best nodes by cumulative log-prob. A child never scores above its parent and comes
+    later, so with ties broken by index a kept node's ancestors are kept too; index order stays topological."""
+    if tokens.numel() > keep:
+        kept = torch.sort(scores, descending=True, stable=True).indices[:keep].sort().values
+        new_index = torch.full_like(parents, -1)
+        new_index[kept] = torch.arange(keep, device=kept.device)
+        p = parents[kept]
+        tokens, parents = tokens[kept], torch.where(p >= 0, new_index[p.clamp_min(0)], p)
+        probs = None if probs is None else probs[kept]
+    return DraftTree(tokens, parents, probs)

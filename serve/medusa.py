@@ -1,0 +1,75 @@
+"""Medusa proposer: a static tree filled from the heads' top-k tokens at the last verified position.
+
+Offsets: the engine's pending token sits at t+1, where t is the last position the target has verified, and
+only hidden(t) is known when drafting. Head k reads hidden(t) and predicts token t+k+2, so the tree's
+depth-1 nodes (children of the pending token) come from head 0, depth-2 nodes from head 1, and so on.
+A path [i, j] means: the i-th most likely token of head 0, then the j-th most likely of head 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from draftsmith.heads.llama import ForwardOut
+from draftsmith.heads.medusa import MedusaHeads
+
+from .proposer import Proposer
+from .sampling import SamplingParams
+from .tree import DraftTree
+
+# Medusa's mc_sim_7b_63 (paths sorted by their simulated acceptance on Vicuna-7B)
+MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5],
+    [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9],
+    [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1],
+    [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0],
+    [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0],
+    [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip
+# its 24 most likely paths, plus the top-1 chain to depth 4: verifying ~25 tokens stays cheap on a CPU
+DEFAULT_CHOICES = MC_SIM_7B_63[:24] + [[0, 0, 0, 0]]
+
+
+def tree_from_choices(choices: list[list[int]], max_depth: int) -> list[tuple[int, ...]]:
+    """Paths of at most max_depth nodes, in topological order (shorter first, then by rank);
+    every path's parent must be a path too."""
+    paths = sorted({tuple(c) for c in choices if len(c) <= max_depth}, key=lambda p: (len(p), p))
+    known = set(paths)
+    for p in paths:
+        if not p or min(p) < 0:
+            raise ValueError(f"medusa choices: {list(p)} is not a path of ranks >= 0 (e.g. [0, 1])")
+        if len(p) > 1 and p[:-1] not in known:
+            raise ValueError(f"medusa choices: path {list(p)} has no parent {list(p[:-1])} in the tree")
+    if not paths:
+        raise ValueError(f"medusa choices: no path of depth <= {max_depth} in {choices}")
+    return paths
+
+
+class MedusaProposer(Proposer):
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]] | None = None, max_depth: int = 4) -> None:
+        self.heads = heads
+        paths = tree_from_choices(DEFAULT_CHOICES if choices is None else choices, min(max_depth, len(heads.blocks)))
+        index = {p: i for i, p in enumerate(paths)}
+        device = heads.lm_heads[0].weight.device
+        self.parents = torch.tensor([index.get(p[:-1], -1) for p in paths], device=device)
+        self.head_of = torch.tensor([len(p) - 1 for p in paths], device=device)  # depth d uses head d-1
+        self.rank_of = torch.tensor([p[-1] for p in paths], device=device)
+        self.depth = max(len(p) for p in paths)
+        self.topk = max(p[-1] for p in paths) + 1
+        self.max_tree_size = len(paths)
+        self.hidden: Tensor | None = None  # the target's final hidden state at the last verified position
+
+    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+        self.hidden = target.hidden[-1]
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+        self.hidden = target.hidden[-1]
+
+    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
+        """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling."""
+        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), self.depth)  # [depth, V]
+        ranked = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
+        return DraftTree(ranked[self.head_of, self.rank_of], self.parents)

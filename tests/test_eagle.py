@@ -1,0 +1,485 @@
+"""EAGLE-1/2 and EAGLE-3 on tiny random Llama targets (fp32, CPU): the heads (shapes, training-time test vs
+drafting, save/load, vocab map), their losses (shifts, training), and the proposer in the engine: greedy output
+identical to plain decoding for chains and trees, prefix-cache hits restoring the drafter's KV, seeded sampling,
+and a statistical check that speculative sampling keeps the target's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+from test_engine import SMALL, SMALL_PROMPT, kv_prefix, pooled_chi2_pvalue, same_kv
+
+import draftsmith.conf
+from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, save_drafter
+from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ModelConfig
+from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.eagle import EagleProposer, TreeConfig
+from draftsmith.serve.engine import Engine
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.prefix_cache import PrefixCache
+from draftsmith.serve.sampling import SamplingParams, probs_from_logits
+from draftsmith.train.batch import FeatureBatch
+from draftsmith.train.losses import LOSSES
+
+KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
+GREEDY = SamplingParams()
+MAX_NEW, MAX_SEQ, ALPHA = 24, 128, 1e-4
+TARGET_ID = "tiny@00000000"
+VLLM_EAGLE3_KEYS = {
+    "fc.weight",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    *(f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")),
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    rand = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    return rand + [[5, 6, 7, 8] * 5, [1, 2, 3] * 6 + [1]]
+
+
+PROMPTS = prompts()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+
+
+def info(model, **changes) -> TargetInfo:
+    c = model.config
+    fields = dict(id=TARGET_ID, hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers)
+    return TargetInfo(**{**fields, **changes})
+
+
+def make_head(kind: str, target, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config_cls, head_cls = KINDS[kind]
+    return head_cls(config_cls.from_target(target.config, **overrides), target)
+
+
+def features(target, head, ids: torch.Tensor, mask: torch.Tensor) -> FeatureBatch:
+    with torch.no_grad():
+        hidden, aux = target.hidden_states(ids, head.aux_layers)
+    return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1) if aux else None)
+
+
+# ---------------------------------------------------------------- heads
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_forward_shapes(kind, target):
+    head = make_head(kind, target)
+    c = target.config
+    ids = torch.randint(0, c.vocab_size, (2, 7))
+    batch = features(target, head, ids, torch.ones(2, 7))
+    feature = head.target_features(batch.hidden, batch.aux)
+    out = head(feature, ids, torch.arange(1, 8))
+    assert feature.shape == out.shape == (2, 7, c.hidden_size)
+    vocab = c.vocab_size if kind == "eagle" else head.config.draft_vocab_size
+    assert head.logits(out).shape == (2, 7, vocab)
+    assert not head.embed_tokens.weight.requires_grad  # borrowed from the target, frozen
+    if kind == "eagle3":
+        assert batch.aux.shape == (2, 7, 3 * c.hidden_size) and head.fc.in_features == 3 * c.hidden_size
+        steps = head.unroll(feature, ids, 3)
+        assert len(steps) == 3 and all(s.shape == out.shape for s in steps)
+        assert torch.allclose(steps[0], out, atol=1e-5)  # step 0 of training-time test is the plain forward
+
+
+def test_config_defaults():
+    smol = ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rope_theta=100000.0,
+    )
+    cfg = Eagle3Config.from_target(smol)
+    assert cfg.target_layers == (2, 15, 27) and cfg.draft_vocab_size == 8192
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.rope_theta) == (576, 64, 3, 100000.0)
+    assert Eagle3Config.from_target(ModelConfig(vocab_size=100, num_hidden_layers=3)).draft_vocab_size == 100
+    assert Eagle3Config.from_target(smol, target_layers=[1, 2]).target_layers == (1, 2)
+    with pytest.raises(ValueError, match="distinct, ascending"):
+        Eagle3Config.from_target(smol, target_layers=(5, 2))
+    with pytest.raises(ValueError, match="exceed"):
+        Eagle3Config.from_target(smol, target_layers=(2, 31))
+    assert EagleConfig.from_target(smol).vocab_size == 49152
+
+
+def test_eagle3_training_time_test_is_what_drafting_sees(target):
+    """Step j of unroll at index i equals drafting depth j+1 with the KV cache: the real pairs 0..i in slots
+    1..i+1 (the proposer's layout), then the head's own outputs fed back with the next tokens."""
+    head = make_head("eagle3", target)
+    c, m, steps = head.config, 9, 3
+    feature = torch.randn(1, m, c.hidden_size)
+    toks = torch.randint(0, c.vocab_size, (1, m))
+    with torch.no_grad():
+        outs = head.unroll(feature, toks, steps)
+        for i in (0, 4, m - 2):
+            cache = KVCache.allocate(1, c.num_key_value_heads, c.head_dim, 32, torch.float32, "cpu")
+            mask = torch.ones(i + 1, i + 2, dtype=torch.bool).tril(1)
+            mask[:, 0] = False
+            h = head(feature[:, : i + 1], toks[:, : i + 1], torch.arange(1, i + 2), cache, 1, mask)[:, -1:]
+            assert torch.allclose(h[0, 0], outs[0][0, i], atol=1e-5)
+            for j in range(1, steps):
+                slot = i + 1 + j
+                tok = toks[:, i + j : i + j + 1] if i + j < m else torch.zeros(1, 1, dtype=torch.long)
+                visible = torch.ones(1, slot + 1, dtype=torch.bool)
+                visible[:, 0] = False
+                h = head(h, tok, torch.tensor([slot]), cache, slot, visible)
+                assert torch.allclose(h[0, 0], outs[j][0, i], atol=1e-5), (i, j)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_save_load_round_trip(kind, target, tmp_path):
+    head = make_head(kind, target)
+    if kind == "eagle3":
+        head.set_vocab(torch.randint(0, 1000, (target.config.vocab_size,)))
+    folder = save_drafter(head, head.config, kind, info(target), Recipe(data="random", steps=1), tmp_path / kind)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    if kind == "eagle":
+        assert "fc.bias" in keys and "layers.0.self_attn.q_proj.weight" in keys
+        assert not any(k.startswith(("embed_tokens", "lm_head", "layers.0.input_layernorm")) for k in keys)
+    else:
+        assert keys == VLLM_EAGLE3_KEYS  # what vLLM / SGLang load, nothing borrowed from the target
+    loaded = load_drafter(folder, info(target), target)
+    assert loaded.config == head.config and isinstance(loaded, KINDS[kind][1])
+    ids = torch.randint(0, target.config.vocab_size, (2, 6))
+    batch = features(target, head, ids, torch.ones(2, 6))
+    with torch.no_grad():
+        a = head.logits(head(head.target_features(batch.hidden, batch.aux), ids, torch.arange(1, 7)))
+        b = loaded.logits(loaded(loaded.target_features(batch.hidden, batch.aux), ids, torch.arange(1, 7)))
+    assert torch.equal(a, b)
+    if kind == "eagle3":
+        assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+        assert loaded.d2t.dtype == torch.long and loaded.t2d.dtype == torch.bool
+    assert loaded.embed_tokens is target.model.embed_tokens  # borrowed, not copied
+    bare = load_drafter(folder, info(target))  # no target: frozen placeholders of the right shape
+    assert bare.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_refuses_another_target(kind, target, tmp_path):
+    head = make_head(kind, target)
+    folder = save_drafter(head, head.config, kind, info(target), Recipe(), tmp_path / kind)
+    h, v = target.config.hidden_size, target.config.vocab_size
+    cases = [
+        (
+            info(target, id="big@11111111", hidden_size=2 * h),
+            rf"{TARGET_ID} with hidden_size={h}.*big@11111111 has hidden_size={2 * h}",
+        ),
+        (
+            info(target, id="wide@22222222", vocab_size=v + 1),
+            rf"{TARGET_ID} with vocab_size={v}.*wide@22222222 has vocab_size={v + 1}",
+        ),
+        (info(target, id="other@33333333"), rf"made for target {TARGET_ID}, not other@33333333"),
+    ]
+    for other, message in cases:
+        with pytest.raises(ValueError, match=message):
+            load_drafter(folder, other, target)
+
+
+def test_build_vocab_map():
+    g = torch.Generator().manual_seed(0)
+    counts = torch.randint(0, 50, (40,), generator=g)
+    counts[[3, 7, 11]] = 1000  # certainly kept
+    counts[[0, 1, 2]] = 0
+    d2t, t2d = build_vocab_map(counts, 10)
+    assert d2t.dtype == torch.long and t2d.dtype == torch.bool and t2d.shape == (40,)
+    assert int(t2d.sum()) == 10 == d2t.numel()
+    ids = torch.arange(10) + d2t  # draft id -> target id
+    assert torch.all(t2d[ids]) and torch.all(ids[1:] > ids[:-1])  # sorted by id, a bijection onto t2d
+    assert {3, 7, 11} <= set(ids.tolist()) and not {0, 1, 2} & set(ids.tolist())
+    assert counts[ids].min() >= counts[~t2d].max()  # the most frequent are kept
+    tied = torch.tensor([1, 5, 5, 5, 0])
+    assert (torch.arange(2) + build_vocab_map(tied, 2)[0]).tolist() == [1, 2]  # ties: the lower id
+    d2t, t2d = build_vocab_map(counts, 40)
+    assert torch.all(d2t == 0) and torch.all(t2d)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_vocab_map(counts, 41)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def test_eagle_loss_shifts(target):
+    """Weight only on token t: the pair (feature t-2, token t-1) predicts it, against hidden[t-1]."""
+    head = make_head("eagle", target)
+    n, t = 10, 6
+    ids = torch.randint(0, target.config.vocab_size, (1, n))
+    mask = torch.zeros(1, n)
+    mask[0, t] = 1
+    base = features(target, head, ids, mask)
+    for soft in (True, False):
+        loss = LOSSES["eagle"](head, base, soft=soft)[0]
+        for name, pos, changes in (
+            ("hidden", t, False),
+            ("hidden", t - 1, True),
+            ("input_ids", t - 1, True),
+            ("input_ids", t + 1, False),
+            ("input_ids", t, not soft),
+        ):
+            b = perturbed(base, name, pos)
+            assert (LOSSES["eagle"](head, b, soft=soft)[0] != loss) == changes, (soft, name, pos)
+
+
+def test_eagle3_loss_shifts(target):
+    """Weight only on token t: step j predicts it from pair t-2-j's target feature, against hidden[t-1]."""
+    head = make_head("eagle3", target)
+    n, t = 10, 6
+    ids = torch.randint(0, target.config.vocab_size, (1, n))
+    mask = torch.zeros(1, n)
+    mask[0, t] = 1
+    base = features(target, head, ids, mask)
+    loss, logs = LOSSES["eagle3"](head, base, ttt_steps=3)
+    assert set(logs) == {"loss", "acc_0", "acc_1", "acc_2"}
+    for name, pos, changes in (
+        ("hidden", t, False),
+        ("hidden", t - 1, True),
+        ("aux", t - 1, False),
+        ("aux", t - 2, True),
+        ("aux", t - 4, True),
+        ("input_ids", t, False),
+        ("input_ids", t - 1, True),
+    ):
+        assert (LOSSES["eagle3"](head, perturbed(base, name, pos), ttt_steps=3)[0] != loss) == changes, (name, pos)
+
+
+def perturbed(batch: FeatureBatch, name: str, pos: int) -> FeatureBatch:
+    fields = dict(vars(batch))
+    x = fields[name].clone()
+    x[:, pos] = (x[:, pos] + 1) % 128 if name == "input_ids" else x[:, pos] + 0.5
+    fields[name] = x
+    return FeatureBatch(**fields)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_decreases_and_target_stays_frozen(kind, target):
+    head = make_head(kind, target)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, target.config.vocab_size, (4, 24), generator=g)
+    mask = (torch.arange(24) >= 4).float().expand(4, 24).clone()
+    batch = features(target, head, ids, mask)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    trainable = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=3e-3)
+    options = {"ttt_steps": 3} if kind == "eagle3" else {}
+    losses = []
+    for _ in range(30):
+        loss, logs = LOSSES[kind](head, batch, **options)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(logs)
+    assert losses[-1]["loss"] < losses[0]["loss"] - 0.2, losses  # soft CE has the target's entropy as floor
+    acc = "acc_0" if kind == "eagle3" else "acc"
+    assert losses[-1][acc] > losses[0][acc] + 0.2
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    assert head.embed_tokens.weight.grad is None
+
+
+# ---------------------------------------------------------------- the proposer in the engine
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    engine = Engine(target, max_seq_len=MAX_SEQ)
+    return {tuple(p): engine.generate(p, MAX_NEW, GREEDY) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def trained(target, plain):
+    """Heads trained briefly on the target's own greedy continuations (of the test prompts, and a few random
+    ones), so drafts get accepted and rejected and every accept path runs."""
+    g = torch.Generator().manual_seed(2)
+    seqs = [p + plain[tuple(p)].output_ids for p in PROMPTS]
+    engine = Engine(target, max_seq_len=MAX_SEQ)
+    for _ in range(3):
+        p = torch.randint(0, 128, (8,), generator=g).tolist()
+        seqs.append(p + engine.generate(p, 32, GREEDY).output_ids)
+    n = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
+    mask = torch.tensor([[1.0] * len(s) + [0.0] * (n - len(s)) for s in seqs])
+    heads = {}
+    for kind, steps in (("eagle", 120), ("eagle3", 60)):
+        head = make_head(kind, target)
+        batch = features(target, head, ids, mask)
+        opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+        for _ in range(steps):
+            loss = LOSSES[kind](head, batch, **({"ttt_steps": 2} if kind == "eagle3" else {}))[0]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        heads[kind] = head.eval().requires_grad_(False)
+    return heads
+
+
+TREES = [("eagle", 1, 0), ("eagle", 3, 8), ("eagle3", 1, 0), ("eagle3", 4, 10)]
+
+
+@pytest.mark.parametrize("kind,topk,total", TREES)
+def test_greedy_output_equals_plain(kind, topk, total, target, plain, trained):
+    proposer = EagleProposer(trained[kind], kind, 4, TreeConfig(topk, total))
+    paths = []
+    accept = proposer.accept
+    proposer.accept = lambda tokens, tree, path, out: (paths.append(path), accept(tokens, tree, path, out))
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    accepted = passes = 0
+    for p in PROMPTS:
+        ref = plain[tuple(p)]
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == ref.output_ids, (kind, topk, p)
+        m = out.metrics
+        assert m.drafts == m.target_forward_passes and m.draft_tokens <= m.drafts * proposer.max_tree_size
+        assert sum(m.accepted_per_position) == m.accepted_tokens and len(m.accepted_per_position) <= 4
+        accepted += m.accepted_tokens
+        passes += m.target_forward_passes
+    assert accepted > 0 and passes < sum(r.metrics.target_forward_passes for r in plain.values())
+    if topk == 1:
+        assert proposer.max_tree_size == 4
+    else:
+        assert proposer.max_tree_size == total
+        assert any(path != list(range(len(path))) for path in paths)  # a branch other than the first was taken
+
+
+def test_untrained_head_is_lossless_too(target, plain):
+    for kind in KINDS:
+        engine = Engine(target, EagleProposer(make_head(kind, target, seed=5).eval(), kind, 3, TreeConfig(2, 5)))
+        for p in PROMPTS[:2]:
+            assert engine.generate(p, MAX_NEW, GREEDY).output_ids == plain[tuple(p)].output_ids
+
+
+@pytest.mark.parametrize("kind,topk,total", [("eagle3", 3, 8), ("eagle", 1, 0)])
+def test_prefix_cache_hit_restores_drafter_kv(kind, topk, total, target, trained):
+    a = PROMPTS[1] + PROMPTS[0][:2]  # 14 tokens: a hit covers 3 blocks of 4
+    b = a[:8] + [100, 101, 102, 103, 104, 105]  # shares a's first 2 blocks
+    c = PROMPTS[2]
+
+    def proposer():
+        return EagleProposer(trained[kind], kind, 4, TreeConfig(topk, total))
+
+    def cold(prompt):
+        engine = Engine(target, proposer(), max_seq_len=MAX_SEQ)
+        out = engine.generate(prompt, 12, GREEDY)
+        return out, kv_prefix(engine, len(prompt)), engine.proposer.cache.read(1, len(prompt))
+
+    pc = PrefixCache(block_size=4)
+    engine = Engine(target, proposer(), prefix_cache=pc, max_seq_len=MAX_SEQ)
+    engine.generate(a, 12, GREEDY)
+    accepted = 0
+    for prompt, hit in ((c, 0), (a, 12), (c, 16), (b, 8)):
+        ref, ref_target_kv, ref_drafter_kv = cold(prompt)
+        out = engine.generate(prompt, 12, GREEDY)
+        assert out.metrics.prefix_hit_tokens == hit
+        assert out.output_ids == ref.output_ids
+        assert same_kv(kv_prefix(engine, len(prompt)), ref_target_kv)
+        drafter_kv = engine.proposer.cache.read(1, len(prompt))
+        assert same_kv(drafter_kv, ref_drafter_kv)
+        assert out.metrics.accepted_per_position == ref.metrics.accepted_per_position  # it drafts as it would cold
+        accepted += out.metrics.accepted_tokens
+    assert accepted > 0 and pc.hit_tokens == 12 + 16 + 8
+
+
+@pytest.mark.parametrize("kind,topk,total", TREES)
+def test_sampling_is_deterministic_given_a_seed(kind, topk, total, target, trained):
+    engine = Engine(target, EagleProposer(trained[kind], kind, 4, TreeConfig(topk, total)), max_seq_len=MAX_SEQ)
+    runs = [
+        engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=seed)).output_ids
+        for seed in (3, None, 3, 4)
+    ]
+    assert runs[0] == runs[2] and runs[0] != runs[3]
+
+
+@pytest.fixture(scope="module")
+def small(tiny_llama_dir):
+    """Vocabulary-8 target; joint[a, b, c]: the exact plain-sampling distribution of 3 tokens after SMALL_PROMPT."""
+    tgt = load_model(tiny_llama_dir("llama", **SMALL), torch.float32, "cpu")
+
+    def q(seq: list[int]) -> torch.Tensor:
+        logits = tgt(torch.tensor(seq), torch.arange(len(seq)), tgt.new_cache(len(seq)), 0).logits[-1]
+        return probs_from_logits(logits, SamplingParams(temperature=1.0)).double()
+
+    with torch.inference_mode():
+        q1 = q(SMALL_PROMPT)
+        joint = torch.zeros(8, 8, 8, dtype=torch.float64)
+        for a in range(8):
+            q2 = q(SMALL_PROMPT + [a])
+            for b in range(8):
+                joint[a, b] = q1[a] * q2[b] * q(SMALL_PROMPT + [a, b])
+    return tgt, joint
+
+
+@pytest.mark.parametrize("topk", [1, 2])  # a sampled chain (draft probs), a top-k tree (one-hot drafts)
+def test_speculative_sampling_matches_plain_distribution(topk, small):
+    tgt, joint = small
+    head = make_head("eagle3", tgt, seed=3, draft_vocab_size=6)  # 2 target tokens the drafter cannot propose
+    head.set_vocab(torch.tensor([9, 1, 8, 7, 0, 6, 5, 4]))
+    engine = Engine(tgt, EagleProposer(head.eval(), "eagle3", 2, TreeConfig(topk, 0)), max_seq_len=16)
+    draws, accepted = [], 0
+    for i in range(1500):
+        out = engine.generate(SMALL_PROMPT, 3, SamplingParams(temperature=1.0, seed=20_000 + i))
+        draws.append(out.output_ids)
+        accepted += out.metrics.accepted_tokens
+    assert 0.1 * len(draws) < accepted  # drafts get accepted (and rejected): both branches ran
+    x = torch.tensor(draws)
+    pvalues = (
+        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
+        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
+        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
+    )
+    assert min(pvalues) > ALPHA, pvalues
+
+
+# ---------------------------------------------------------------- building from the spec config
+
+
+def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
+    loaded = Loaded(target, None, TARGET_ID)
+    folders = {}
+    for kind in KINDS:
+        head = make_head(kind, target)
+        folders[kind] = save_drafter(head, head.config, kind, info(target), Recipe(), tmp_path / kind)
+    yaml = OmegaConf.load(draftsmith.conf.__path__[0] + "/spec/eagle3.yaml")
+    spec = OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(SpecConfig), yaml, {"drafter": str(folders["eagle3"]), "tree": {"topk": 2}}
+        )
+    )
+    assert spec.tree == TreeConfig(2, 12) and spec.name == "eagle3"
+    proposer = make_proposer(spec, loaded)
+    assert isinstance(proposer, EagleProposer) and proposer.aux_layers == (0, 1, 2)
+    assert proposer.head.embed_tokens is target.model.embed_tokens
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids
+    chain = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"])), loaded)
+    assert chain.max_tree_size == 3 and chain.aux_layers == ()
+    assert "tree=TreeConfig(topk=2, total_tokens=12)" in repr(spec)  # the prefix-cache salt sees the tree too
+    with pytest.raises(ValueError, match="is a eagle drafter; spec=eagle3 needs a eagle3 drafter"):
+        make_proposer(SpecConfig("eagle3", drafter=str(folders["eagle"])), loaded)
+    with pytest.raises(ValueError, match=f"made for target {TARGET_ID}, not other@"):
+        make_proposer(SpecConfig("eagle", drafter=str(folders["eagle"])), Loaded(target, None, "other@1"))
+    with pytest.raises(ValueError, match="spec=eagle3 needs spec.drafter=DIR"):
+        SpecConfig("eagle3")
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        TreeConfig(0)

@@ -1,0 +1,185 @@
+"""Training data: conversation sources, the train / held-out split, and loss masks on real ShareGPT chats."""
+
+import json
+
+import pytest
+from datasets import Dataset
+
+from draftsmith.serve.target import load_tokenizer
+from draftsmith.train.chat import encode, encode_all, render
+from draftsmith.train.data import (
+    DataConfig,
+    Skipped,
+    heldout_conversations,
+    is_heldout,
+    iter_rows,
+    load_conversations,
+    parse_row,
+)
+
+END = "<|im_end|>"  # SmolLM2's end-of-turn token
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def sharegpt():
+    """The first 1,200 conversations of the packaged ShareGPT V3 (streamed: the file is not loaded whole)."""
+    skipped, convs = Skipped(), []
+    for i, row in enumerate(iter_rows("sharegpt", skipped)):
+        if i == 1200:
+            break
+        conv = parse_row(row, i, skipped)
+        if conv is not None:
+            convs.append(conv)
+    return convs, skipped
+
+
+def masked_runs(ids: list[int], mask: list[int]) -> list[list[int]]:
+    runs, cur = [], []
+    for t, m in zip(ids, mask, strict=True):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + [cur] if cur else runs
+
+
+def test_masks_on_real_sharegpt_cover_exactly_the_answers_and_their_end_marker(tokenizer, sharegpt):
+    convs, _ = sharegpt
+    picked = convs[:40] + [c for c in convs if c.messages[0]["role"] == "system"][:1]  # a system turn too
+    assert picked[-1].messages[0]["role"] == "system"
+    for conv in picked:
+        ex = encode(tokenizer, conv, max_length=100_000)
+        answers = [m["content"] + END for m in conv.messages if m["role"] == "assistant"]
+        runs = masked_runs(ex.input_ids, ex.loss_mask)
+        assert [tokenizer.decode(r) for r in runs] == answers, conv.id
+        # off by one: the token before each answer is the header's newline, the one after is template glue
+        header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        starts = [i for i in range(1, len(ex.loss_mask)) if ex.loss_mask[i] and not ex.loss_mask[i - 1]]
+        for s in starts:
+            assert ex.input_ids[s - len(header) : s] == header
+        ends = [i for i in range(len(ex.loss_mask) - 1) if ex.loss_mask[i] and not ex.loss_mask[i + 1]]
+        assert all(tokenizer.decode(ex.input_ids[e]) == END for e in ends)
+        assert ex.input_ids == tokenizer(render(tokenizer, conv.messages), add_special_tokens=False)["input_ids"]
+
+
+def test_truncation_keeps_the_first_tokens_and_their_mask(tokenizer, sharegpt):
+    conv = max(sharegpt[0][:50], key=lambda c: sum(len(m["content"]) for m in c.messages))
+    full = encode(tokenizer, conv, max_length=100_000)
+    for n in (64, 300, 1024):
+        cut = encode(tokenizer, conv, max_length=n)
+        assert len(cut.input_ids) == min(n, len(full.input_ids))
+        assert cut.input_ids == full.input_ids[:n] and cut.loss_mask == full.loss_mask[:n]
+
+
+def test_conversations_without_answers_are_skipped_and_counted(tokenizer, sharegpt):
+    convs, skipped = sharegpt
+    assert skipped.counts["without an assistant turn"] >= 1  # e.g. ZUkSe7V_0 has no turns at all
+    assert all(c.messages[0]["role"] != "assistant" for c in convs)  # answers without a question dropped
+    skipped = Skipped()
+    examples = encode_all(tokenizer, convs[:30], 48, skipped)  # long first questions leave no answer token
+    assert len(examples) + skipped.counts["without an assistant token in the first 48 tokens"] == 30
+    assert all(sum(e.loss_mask) > 0 for e in examples)
+
+
+ROWS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "only a question"}]},
+    {"id": "c", "conversations": [{"from": "gpt", "value": "orphan"}, {"from": "human", "value": "Q"}]},
+    {"id": "d", "conversations": [{"from": "narrator", "value": "x"}, {"from": "gpt", "value": "y"}]},
+    {
+        "id": "e",
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "2+2?"},
+            {"from": "gpt", "value": "4"},
+            {"from": "human", "value": "And 3+3?"},
+            {"from": "gpt", "value": "6"},
+        ],
+    },
+    {"id": "f", "text": "no conversation here"},
+]
+
+
+def as_messages(row: dict) -> dict:
+    role = {"human": "user", "gpt": "assistant", "system": "system", "narrator": "narrator"}
+    return {
+        "id": row["id"],
+        "messages": [{"role": role[t["from"]], "content": t["value"]} for t in row["conversations"]],
+    }
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_sharegpt_jsonl_messages_jsonl_and_datasets_folder_parse_alike(tmp_path):
+    rows = [r for r in ROWS if "conversations" in r]
+    sources = {
+        "sharegpt jsonl": write_jsonl(tmp_path / "sg.jsonl", ROWS),
+        "messages jsonl": write_jsonl(tmp_path / "msg.jsonl", [as_messages(r) for r in rows] + [ROWS[-1]]),
+    }
+    Dataset.from_list([as_messages(r) for r in rows]).save_to_disk(str(tmp_path / "ds"))
+    sources["datasets folder"] = str(tmp_path / "ds")
+    for name, source in sources.items():
+        convs, skipped = load_conversations(DataConfig(source=source, heldout_fraction=0.0))
+        assert [c.id for c in convs] == ["a", "e"], name
+        assert convs[1].messages[0] == {"role": "system", "content": "Be brief."}
+        counts = skipped.counts
+        assert counts["without an assistant turn"] == 2, name  # b, and c once its orphan answer is dropped
+        assert counts["with an unknown role or non-text content"] == 1, name  # d
+        if name != "datasets folder":
+            assert counts["without conversations/messages"] == 1, name  # f
+
+
+def test_empty_dataset_after_filtering_is_a_clear_error(tmp_path):
+    source = write_jsonl(tmp_path / "bad.jsonl", [ROWS[1], ROWS[3]])
+    with pytest.raises(ValueError, match=r"no usable train conversations .*1 without an assistant turn"):
+        load_conversations(DataConfig(source=source))
+    with pytest.raises(FileNotFoundError, match="neither `sharegpt`"):
+        load_conversations(DataConfig(source=str(tmp_path / "missing.jsonl")))
+    (tmp_path / "broken.jsonl").write_text('{"id": 1}\n{not json\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
+        load_conversations(DataConfig(source=str(tmp_path / "broken.jsonl")))
+
+
+def test_a_truncated_json_array_is_read_up_to_the_cut_and_counted(tmp_path):
+    text = json.dumps([ROWS[0], ROWS[4]], indent=1)
+    (tmp_path / "cut.json").write_text(text[: text.index('"e"') + 40])
+    from draftsmith.train.data import json_array_rows
+
+    skipped = Skipped()
+    rows = list(json_array_rows(tmp_path / "cut.json", skipped, chunk=16))
+    assert [r["id"] for r in rows] == ["a"] and skipped.counts == {"truncated at the end of the file": 1}
+
+
+def test_split_is_deterministic_disjoint_and_independent_of_limits(tmp_path):
+    rows = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+        for i in range(400)
+    ]
+    cfg = DataConfig(source=write_jsonl(tmp_path / "many.jsonl", rows), heldout_fraction=0.1, max_conversations=None)
+    train = [c.id for c in load_conversations(cfg)[0]]
+    held = [c.id for c in heldout_conversations(cfg)]
+    assert not set(train) & set(held) and len(train) + len(held) == 400
+    assert 20 <= len(held) <= 60
+    assert held == [c.id for c in heldout_conversations(cfg)]  # the same on every call
+    limited = DataConfig(**{**vars(cfg), "max_conversations": 50})
+    assert [c.id for c in load_conversations(limited)[0]] == train[:50]
+    assert [c.id for c in heldout_conversations(cfg, limit=5)] == held[:5]
+    # ShareGPT's parts of one long chat (id_0, id_1, ...) land on the same side
+    from draftsmith.train.data import split_key
+
+    assert {is_heldout(split_key(f"xyz_{i}", "sharegpt"), 0.5) for i in range(10)} in ({True}, {False})
+
+
+def test_sharegpt_source_streams_with_a_limit():
+    convs, skipped = load_conversations(DataConfig(max_conversations=30, heldout_fraction=0.02))
+    assert len(convs) == 30 and all(any(m["role"] == "assistant" for m in c.messages) for c in convs)
+    assert "truncated" not in str(skipped)  # stopped long before the end of the file

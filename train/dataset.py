@@ -1,0 +1,67 @@
+"""A run's training examples: tokenized conversations (online features) or a feature cache, built once
+by all processes together and reused after."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from accelerate import Accelerator
+from torch.utils.data import Dataset
+
+from draftsmith.serve.build import Loaded
+
+from .chat import encode_all
+from .data import DataConfig, load_conversations
+from .features import MANIFEST, CachedFeatures, ExampleDataset, build_cache, cache_folder, cache_key, check_manifest
+
+if TYPE_CHECKING:
+    from .trainer import RunConfig
+
+
+def make_examples(data: DataConfig, tokenizer, say) -> tuple[list, str]:
+    convs, skipped = load_conversations(data)
+    examples = encode_all(tokenizer, convs, data.max_length, skipped)
+    info = f"{len(examples)} conversations used, skipped: {skipped}"
+    say(info)
+    return examples, info
+
+
+def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator, say) -> tuple[Dataset, str]:
+    """Tokenized examples (online features) or a feature cache, built once by all processes together."""
+    fc, tok = cfg.train.features, target.tokenizer
+    if fc.mode == "online":
+        examples, info = make_examples(cfg.data, tok, say)
+        return ExampleDataset(examples), info
+    key = cache_key(target.target_id, cfg.data, layers, fc.dtype, tok.chat_template or "")
+    folder = cache_folder(fc, key)
+    if not (folder / MANIFEST).is_file():
+        if folder.is_dir() and any(folder.iterdir()):
+            raise ValueError(f"features.dir={folder} is a non-empty folder without {MANIFEST}: not a feature cache")
+        examples, info = make_examples(cfg.data, tok, say)
+        say(f"building the feature cache {folder}")
+        began = time.perf_counter()
+        build_cache(
+            folder,
+            key,
+            examples,
+            target.model,
+            fc,
+            pad_id(tok),
+            {"data_info": info},
+            acc.process_index,
+            acc.num_processes,
+            acc.wait_for_everyone,
+        )
+        tokens = sum(len(e.input_ids) for e in examples)
+        say(f"features of {tokens} tokens in {time.perf_counter() - began:.0f} s")
+    manifest = check_manifest(folder, key)
+    say(f"feature cache {folder}: {manifest['examples']} examples, {manifest['tokens']} tokens")
+    return CachedFeatures(folder, manifest), manifest.get("data_info", "")
+
+
+def pad_id(tokenizer) -> int:
+    for t in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if t is not None:
+            return t
+    return 0

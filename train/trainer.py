@@ -1,0 +1,349 @@
+"""The training loop: accelerate (DDP / DeepSpeed / mixed precision / accumulation), AdamW, warmup +
+cosine, grad clipping, atomic checkpoints with exact resume, metrics, acceptance evals, the final drafter.
+
+Data order is ours, not the DataLoader's: each epoch is a seeded permutation cut into batches, dealt
+round-robin to the processes; resuming at step s skips exactly the batches before it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, set_seed
+from omegaconf import OmegaConf
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+from draftsmith.heads.drafter import Recipe, save_drafter
+from draftsmith.serve.build import Loaded, load, target_info
+from draftsmith.serve.target import TargetConfig
+
+from . import checkpoint
+from .acceptance import acceptance_hook, heldout_prompts
+from .batch import FeatureBatch
+from .data import DataConfig
+from .dataset import make_dataset, pad_id
+from .features import FeatureConfig, collate, target_states
+from .head import HeadConfig, build_head, head_layers
+from .log import MetricsLog, Window
+from .plan import Plan, warmup_cosine
+
+
+@dataclass
+class TrainConfig:
+    """Mirrors the hydra group `train` (presets quick, full)."""
+
+    name: str = "quick"
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; null = epochs x steps per epoch
+    batch_size: int = 4  # examples per process per micro-batch
+    grad_accum: int = 1
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    max_grad_norm: float = 0.5
+    mixed_precision: str | None = None  # no | bf16 | fp16; null = what `accelerate launch` / its config says
+    log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    eval_every: int = 0  # acceptance on held-out prompts every N steps (0 = off) and at the end
+    eval_prompts: int = 4
+    eval_num_tokens: int = 4
+    eval_max_new_tokens: int = 32
+    num_workers: int = 0
+    seed: int = 0
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    project: str = "draftsmith"
+    name: str | None = None  # default: <head>-<target>-<train preset>
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    """The whole `draftsmith-train` config (conf/train.yaml)."""
+
+    out: str
+    target: TargetConfig = field(default_factory=TargetConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    resume: bool = False  # continue from the newest good checkpoint in out/checkpoints
+    imports: list[str] = field(default_factory=list)  # modules to import first (custom head kinds and losses)
+
+
+class LossModule(nn.Module):
+    """head + its loss as one module, so DDP / DeepSpeed see every head method the loss calls."""
+
+    def __init__(self, head: nn.Module, loss_fn, options: dict) -> None:
+        super().__init__()
+        self.head, self.loss_fn, self.options = head, loss_fn, options
+
+    def forward(self, batch: FeatureBatch):
+        return self.loss_fn(self.head, batch, **self.options)
+
+
+def train(cfg: RunConfig) -> Path:
+    """Train a drafter; returns OUT/final (a drafter folder)."""
+    loop = setup(cfg)
+    state = loop.restore()
+    loop.run(state)
+    return loop.finish(state)
+
+
+def setup(cfg: RunConfig) -> Loop:
+    """Accelerator, target, head, data (tokenized or cached features), optimizer and schedule, logs."""
+    for name in cfg.imports:
+        importlib.import_module(name)
+    tc, out = cfg.train, Path(cfg.out)
+    acc = Accelerator(
+        cpu=not torch.cuda.is_available(),  # processes started by torchrun on a CPU machine then join via gloo
+        mixed_precision=tc.mixed_precision,
+        gradient_accumulation_steps=tc.grad_accum,
+    )
+    say = tqdm.write if acc.is_main_process else (lambda *_: None)
+    if not cfg.resume and checkpoint.checkpoints(out):
+        raise ValueError(f"{out} already holds checkpoints: pass resume=true to continue, or pick another out")
+    set_seed(tc.seed)
+    target = load_target(cfg.target, acc)
+    head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
+    layers = head_layers(head)
+    dataset, data_info = make_dataset(cfg, target, layers, acc, say)
+    if hasattr(head, "set_vocab"):  # EAGLE-3's draft vocabulary: the most frequent answer tokens
+        head.set_vocab(dataset.token_counts(target.model.config.vocab_size))
+    head.to(acc.device)
+    plan = Plan.make(len(dataset), tc, acc.num_processes)
+    say(f"{len(dataset)} examples, {plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps; {data_info}")
+
+    model = LossModule(head, loss_for(cfg.head.kind), dict(cfg.head.loss))
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc, plan.total_steps))
+    if acc.distributed_type == DistributedType.DEEPSPEED:  # "auto" in the DeepSpeed json needs it
+        acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
+    model, optimizer = acc.prepare(model, optimizer)
+    fingerprint = make_fingerprint(cfg, target, acc.num_processes, len(dataset))
+    hook = make_hook(cfg, target, head_cfg, say) if acc.is_main_process and tc.eval_every else None
+    return Loop(
+        cfg, acc, say, model, head, head_cfg, optimizer, scheduler, target, layers, dataset, plan, fingerprint, hook
+    )
+
+
+def engine_state(acc: Accelerator) -> Accelerator | None:
+    """Under DeepSpeed the optimizer is sharded (ZeRO): checkpoints go through accelerate's save_state."""
+    return acc if acc.distributed_type == DistributedType.DEEPSPEED else None
+
+
+def load_target(cfg: TargetConfig, acc: Accelerator) -> Loaded:
+    if cfg.device == "auto":  # each process uses the device accelerate gave it
+        cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
+    return load(cfg)
+
+
+def loss_for(kind: str):
+    from .losses import LOSSES
+
+    if kind not in LOSSES:
+        raise ValueError(f"no loss for head kind {kind!r} in train/losses.LOSSES ({', '.join(sorted(LOSSES))})")
+    return LOSSES[kind]
+
+
+def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
+    tc = cfg.train
+    prompts = heldout_prompts(cfg.data, target.tokenizer, tc.eval_prompts, cfg.data.max_length)
+    if not prompts:
+        say("acceptance eval off: no held-out prompt fits (raise data.heldout_fraction)")
+        return None
+    return acceptance_hook(target, head_cfg, prompts, tc.eval_num_tokens, tc.eval_max_new_tokens, say)
+
+
+def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int) -> dict:
+    """What must not change between a checkpoint and its resume (it fixes the data order and schedule)."""
+    tc = cfg.train
+    return json.loads(
+        json.dumps(
+            {
+                "target": target.target_id,
+                "head": asdict(cfg.head),
+                "data": asdict(cfg.data),
+                "features": tc.features.mode,
+                "examples": examples,
+                "processes": world,
+                **{k: getattr(tc, k) for k in ("epochs", "max_steps", "batch_size", "grad_accum", "seed")},
+                **{k: getattr(tc, k) for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay")},
+            }
+        )
+    )
+
+
+def feature_batch(batch: dict, model: nn.Module, layers: tuple, device) -> FeatureBatch:
+    """A collated batch -> FeatureBatch on `device`: cached states cast to float32, or the target run now."""
+    ids, mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
+    if "hidden" in batch:
+        hidden, aux = batch["hidden"], batch.get("aux")
+    else:
+        hidden, aux = target_states(model, ids, layers)
+    return FeatureBatch(
+        ids, mask, hidden.to(device, torch.float32), aux.to(device, torch.float32) if aux is not None else None
+    )
+
+
+@dataclass
+class Loop:
+    """Runs the plan from a state: micro-batches, optimizer steps, logs, evals, checkpoints."""
+
+    cfg: RunConfig
+    acc: Accelerator
+    say: Callable[[str], None]
+    model: nn.Module  # the prepared LossModule
+    head: nn.Module
+    head_cfg: Any  # what save_drafter writes
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    target: Loaded
+    layers: tuple[int, ...]
+    dataset: Dataset
+    plan: Plan
+    fingerprint: dict
+    hook: Callable[[nn.Module, str], dict] | None
+    log: MetricsLog | None = None
+    last_eval: dict = field(default_factory=dict)
+    window: Window = field(default_factory=lambda: Window())
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    def restore(self) -> checkpoint.State:
+        """The newest good checkpoint's state (resume=true) or step 0; opens metrics.jsonl and W&B."""
+        cfg, acc = self.cfg, self.acc
+        state = checkpoint.State(0, 0)
+        if cfg.resume:
+            args = (self.head, self.optimizer, self.scheduler, self.fingerprint, acc.process_index, self.say)
+            loaded = checkpoint.load_latest(self.out, *args, engine=engine_state(acc))
+            if loaded is None:
+                self.say(f"resume=true but {self.out}/checkpoints holds none: starting at step 0")
+            state = loaded or state
+        if acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            tags = [cfg.head.kind, self.target.target_id.split("@")[0], cfg.train.name]
+            run_config = OmegaConf.to_container(OmegaConf.structured(cfg))
+            self.log = MetricsLog(self.out, state.step, cfg.wandb, run_config, "-".join(tags), tags, state.wandb_id)
+            state.wandb_id = self.log.wandb_id
+        return state
+
+    def finish(self, state: checkpoint.State) -> Path:
+        """Write OUT/final (main process), with the recipe and the last acceptance eval."""
+        cfg, tc = self.cfg, self.cfg.train
+        if self.acc.is_main_process:
+            tau = self.last_eval.get("tau")
+            measured = {"mean_acceptance_length": tau, "source": "training eval"} if tau else {}
+            recipe = Recipe(
+                data=f"{cfg.data.source} ({len(self.dataset)} examples, max_length {cfg.data.max_length})",
+                steps=state.step,
+                tokens=state.tokens,
+                extra={"train": tc.name, "features": tc.features.mode, "processes": self.acc.num_processes},
+                acceptance=measured,
+            )
+            info = target_info(self.target)
+            final = save_drafter(self.head, self.head_cfg, cfg.head.kind, info, recipe, self.out / "final")
+            self.say(f"drafter written to {final}")
+            self.log.close()
+        self.acc.wait_for_everyone()
+        self.acc.end_training()
+        return self.out / "final"
+
+    def loader(self, epoch: int, skip: int) -> DataLoader:
+        batches = self.plan.batches(len(self.dataset), epoch, self.acc.process_index, self.acc.num_processes)
+        return DataLoader(
+            self.dataset,
+            batch_sampler=batches[skip:],
+            collate_fn=partial(collate, pad_id=pad_id(self.target.tokenizer)),
+            num_workers=self.cfg.train.num_workers,
+            generator=torch.Generator(),  # leaves the global RNG (restored on resume) alone
+        )
+
+    def run(self, state: checkpoint.State) -> None:
+        plan, tc, main = self.plan, self.cfg.train, self.acc.is_main_process
+        bar = tqdm(total=plan.total_steps, initial=state.step, desc="train", unit="step", disable=not main)
+        self.model.train()
+        while state.step < plan.total_steps:
+            epoch, done = divmod(state.step, plan.steps_per_epoch)
+            for batch in self.loader(epoch, done * plan.grad_accum):
+                self.micro_step(batch)
+                if not self.acc.sync_gradients:
+                    continue
+                state.step += 1
+                state.tokens += self.window.end_step(self.acc)
+                bar.update()
+                self.after_step(state, bar)
+                if state.step >= plan.total_steps:
+                    break
+        bar.close()
+        if self.hook is not None and state.step % tc.eval_every:
+            self.evaluate(state.step)
+
+    def micro_step(self, batch: dict) -> None:
+        fb = feature_batch(batch, self.target.model, self.layers, self.acc.device)
+        with self.acc.accumulate(self.model):
+            loss, logs = self.model(fb)
+            self.acc.backward(loss)
+            if self.acc.sync_gradients:
+                norm = self.acc.clip_grad_norm_(self.model.parameters(), self.cfg.train.max_grad_norm)
+                self.window.grad_norm = float(norm) if norm is not None else float("nan")
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        if self.acc.sync_gradients:
+            self.scheduler.step()
+        self.window.add(loss.item(), logs, int(batch["lengths"].sum()), float(fb.loss_mask.sum()))
+
+    def after_step(self, state: checkpoint.State, bar) -> None:
+        tc, step = self.cfg.train, state.step
+        if step % tc.log_every == 0 or step == self.plan.total_steps:
+            row = self.window.flush(self.acc, step, step / self.plan.steps_per_epoch, self.scheduler.get_last_lr()[0])
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
+            if self.log:
+                self.log.log(row)
+        paused = time.perf_counter()  # evals and checkpoints do not count against tokens/s
+        if self.hook is not None and step % tc.eval_every == 0:
+            self.evaluate(step)
+        if step % tc.checkpoint_every == 0 or step == self.plan.total_steps:
+            acc = self.acc
+            args = (self.head, self.optimizer, self.scheduler, self.fingerprint, acc.process_index)
+            checkpoint.save(self.out, state, *args, acc.wait_for_everyone, tc.keep_checkpoints, engine_state(acc))
+        self.window.started += time.perf_counter() - paused
+
+    def evaluate(self, step: int) -> None:
+        """Main process only (the others wait at the next checkpoint barrier or the end)."""
+        self.head.eval()
+        try:
+            result = self.hook(self.head, self.cfg.head.kind)
+        except Exception as e:  # an eval must not end a long run: say why and carry on
+            self.say(f"acceptance eval at step {step} failed: {type(e).__name__}: {e}")
+            result = {}
+        self.head.train()
+        if result:
+            self.last_eval = result
+            pos = ", ".join(f"{v:.2f}" for k, v in result.items() if k.startswith("accept_pos"))
+            self.say(f"step {step}: tau {result['tau']:.3f}, acceptance per position [{pos}]")
+            if self.log:
+                self.log.log({"step": step, **{f"eval/{k}": v for k, v in result.items()}})
