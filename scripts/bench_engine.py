@@ -205,7 +205,7 @@ def throughput(runs: list[list[Run]], prompts: list[int] | None = None) -> dict:
     seconds = sum(med(r.total_s for r in runs[i]) for i in idx)
     ttft = [med(r.ttft_s for r in runs[i]) for i in idx]
     decode = sum(med(r.total_s - r.ttft_s for r in runs[i]) for i in idx)  # after the first token
-    pooled = Metrics()
+    pooled = Metrics(requests=0)
     for i in idx:
         if runs[i][0].metrics is not None:
             pooled.merge(runs[i][0].metrics)

@@ -31,15 +31,15 @@ def plain(target, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def draft_dir(smollm2_dir, tmp_path_factory):
-    return truncated_copy(smollm2_dir, tmp_path_factory.mktemp("draft-smollm2-6l"), 6)
+    return truncated_copy(smollm2_dir, tmp_path_factory.mktemp("draft-smollm2-2l"), 2)
 
 
 @pytest.mark.parametrize("spec", ["ngram", "layerskip", "draft"])
 def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain, draft_dir):
     cfg = {
         "ngram": SpecConfig("ngram", 5),
-        "layerskip": SpecConfig("layerskip", 3, layers=8),
-        "draft": SpecConfig("draft", 4, drafter=str(draft_dir)),
+        "layerskip": SpecConfig("layerskip", 2, layers=4),
+        "draft": SpecConfig("draft", 3, drafter=str(draft_dir)),
     }[spec]
     engine = build_engine(target, cfg, prefix_cache=True, max_seq_len=1024)
     accepted = 0

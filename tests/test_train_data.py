@@ -183,3 +183,25 @@ def test_sharegpt_source_streams_with_a_limit():
     convs, skipped = load_conversations(DataConfig(max_conversations=30, heldout_fraction=0.02))
     assert len(convs) == 30 and all(any(m["role"] == "assistant" for m in c.messages) for c in convs)
     assert "truncated" not in str(skipped)  # stopped long before the end of the file
+
+
+def test_conversations_a_template_rejects_or_renders_differently_in_context_are_skipped(tokenizer):
+    convs = [parse_row(r, i, Skipped()) for i, r in enumerate(ROWS) if r["id"] in ("a", "e")]  # 1 and 2 answers
+    turn = "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    tail = "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    strict = tokenizer.chat_template
+    try:
+        tokenizer.chat_template = (
+            "{% if messages|length > 3 %}{{ raise_exception('only one question') }}{% endif %}"
+            "{% for m in messages %}" + turn + "{% endfor %}" + tail
+        )
+        skipped = Skipped()
+        assert [e.id for e in encode_all(tokenizer, convs, 512, skipped)] == ["a"]
+        assert skipped.counts == {"rejected by the chat template": 1}
+        old = "{% if m.role == 'assistant' and not loop.last %}(earlier) {% endif %}"  # as Qwen3 drops old reasoning
+        tokenizer.chat_template = "{% for m in messages %}" + old + turn + "{% endfor %}" + tail
+        skipped = Skipped()
+        assert [e.id for e in encode_all(tokenizer, convs, 512, skipped)] == ["a"]
+        assert skipped.counts == {"whose turns the chat template renders differently in context": 1}
+    finally:
+        tokenizer.chat_template = strict

@@ -3,6 +3,7 @@ target, checkpoints resume exactly (also past a corrupt one), and the command li
 CPU DDP through accelerate launch) work."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -11,10 +12,12 @@ from pathlib import Path
 import pytest
 import standin_head
 import torch
+from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
 from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.llama import Transformer
+from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import load, target_info
 from draftsmith.serve.target import TargetConfig
 from draftsmith.train import features as features_mod
@@ -266,6 +269,26 @@ def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, 
     assert f"acceptance eval skipped: serve has no proposer for {standin_head.KIND}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft_model"])
+def test_every_head_group_trains_through_the_trainer(kind, target, data, tmp_path):
+    """conf/head/<kind>.yaml builds its head on the target and its loss options fit train/losses.py."""
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        composed = compose("train", overrides=[f"out={tmp_path}", f"head={kind}"])
+    cfg = config(
+        tmp_path,
+        target,
+        data,
+        max_steps=2,
+        grad_accum=1,
+        features=FeatureConfig(mode="cached", dir=str(tmp_path / "c")),
+    )
+    cfg.head = typed(composed, RunConfig).head
+    train(cfg)
+    rows = losses(tmp_path)
+    assert [r[0] for r in rows] == [1, 2] and all(math.isfinite(r[1]) for r in rows)
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["kind"] == kind
+
+
 def run(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
 
@@ -302,12 +325,20 @@ def test_hydra_multirun_gives_each_run_its_own_folder(target, data, tmp_path):
 
 @pytest.mark.ddp
 def test_two_process_cpu_ddp_through_accelerate_launch(target, data, tmp_path):
-    """2 processes x batch 2 see the examples 1 process x batch 4 sees, step by step; with gradients averaged
-    over the processes the losses match (up to per-process vs. per-batch token weighting)."""
-    out = tmp_path / "ddp"
+    """Both processes build the feature cache (alternate shards); then 2 processes x batch 2 see the examples
+    1 process x batch 4 sees, step by step, and with gradients averaged over the processes the losses match
+    (up to per-process vs. per-batch token weighting)."""
+    out, cache = tmp_path / "ddp", tmp_path / "cache"
     launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2"]
-    args = [*cli_args(target, data), "train.max_steps=3", "train.checkpoint_every=2", "wandb.enabled=false"]
-    args += ["train.lr=1e-2"]
+    args = [a for a in cli_args(target, data) if a != "train.features.mode=online"]
+    args += ["train.max_steps=3", "train.checkpoint_every=2", "wandb.enabled=false"]
+    args += [
+        "train.lr=1e-2",
+        "train.warmup_steps=10",
+        "train.features.mode=cached",
+        f"train.features.dir={cache}",
+        "train.features.shard_tokens=200",
+    ]
     r = run([*launch, "--main_process_port", "29517", "-m", "draftsmith.train", *args, f"out={out}"], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     meta = json.loads((out / "final" / "config.json").read_text())
@@ -315,7 +346,11 @@ def test_two_process_cpu_ddp_through_accelerate_launch(target, data, tmp_path):
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000002", "step-0000003"]
     assert {p.name for p in (out / "checkpoints" / "step-0000003").iterdir()} >= {"rng-0.pt", "rng-1.pt"}
-    single = config(tmp_path / "single", target, data, max_steps=3, grad_accum=1, lr=1e-2, warmup_steps=20)
+    assert len(json.loads((cache / "manifest.json").read_text())["shards"]) >= 4
+    cached = FeatureConfig(mode="cached", dir=str(cache), shard_tokens=200)  # reused, not rebuilt
+    single = config(
+        tmp_path / "single", target, data, max_steps=3, grad_accum=1, lr=1e-2, warmup_steps=10, features=cached
+    )
     single.data.max_conversations, single.data.max_length, single.data.heldout_fraction = 16, 48, 0.02
     train(single)
     assert [r[1] for r in losses(out)] == pytest.approx([r[1] for r in losses(tmp_path / "single")], rel=1e-3)

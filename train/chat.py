@@ -16,6 +16,10 @@ from transformers import PreTrainedTokenizerBase
 from .data import Conversation, Skipped
 
 
+class NotPrefixStable(ValueError):
+    """The template renders an earlier turn differently once later turns follow (e.g. it drops reasoning)."""
+
+
 @dataclass
 class Example:
     id: str
@@ -41,10 +45,7 @@ def assistant_spans(
             break
         through = render(tokenizer, messages[: i + 1])
         if not (through.startswith(head) and text.startswith(through)):
-            raise ValueError(
-                f"{tokenizer.name_or_path}'s chat template does not render conversations prefix by prefix; "
-                "assistant spans cannot be located"
-            )
+            raise NotPrefixStable(f"{tokenizer.name_or_path}'s chat template renders turn {i} differently in context")
         spans.append((len(head), len(head) + len(through[len(head) :].rstrip())))  # trailing glue dropped
     return spans
 
@@ -87,6 +88,9 @@ def encode_all(
             ex = encode(tokenizer, conv, max_length)
         except TemplateError:  # e.g. a template that insists on alternating user/assistant turns
             skipped.add("rejected by the chat template")
+            continue
+        except NotPrefixStable:  # the mask could not be placed exactly: leave the conversation out
+            skipped.add("whose turns the chat template renders differently in context")
             continue
         if sum(ex.loss_mask) == 0:
             skipped.add(f"without an assistant token in the first {max_length} tokens")

@@ -34,7 +34,7 @@ def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator
         examples, info = make_examples(cfg.data, tok, say)
         return ExampleDataset(examples), info
     key = cache_key(target.target_id, cfg.data, layers, fc.dtype, tok.chat_template or "")
-    folder = cache_folder(fc, key)
+    folder = cache_folder(fc, key, cfg.target.cache_dir)
     if not (folder / MANIFEST).is_file():
         if folder.is_dir() and any(folder.iterdir()):
             raise ValueError(f"features.dir={folder} is a non-empty folder without {MANIFEST}: not a feature cache")
