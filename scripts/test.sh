@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): lint, then the whole suite on CPU, offline.
+# The real-SmolLM2 lossless module runs in a process of its own: after the rest of the suite in the
+# same process its decode steps ran ~3.5x slower (cause not found yet; alone it takes ~4 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 ruff check .
-python -m pytest -q "$@"
+if [ "$#" -gt 0 ]; then
+  exec python -m pytest -q "$@"
+fi
+python -m pytest -q --ignore=tests/test_lossless_smollm2.py
+python -m pytest -q tests/test_lossless_smollm2.py

@@ -67,3 +67,12 @@ def truncated_copy(src: Path, folder: Path, num_layers: int) -> Path:
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(src, local_files_only=True).save_pretrained(folder)
     return Path(folder)
+
+
+def tiny_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    rand = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 12, 20)]
+    return rand + [[5, 6, 7, 8] * 5, [1, 2, 3] * 6 + [1]]  # repeated patterns: n-gram lookup finds drafts
+
+
+PROMPTS = tiny_prompts()  # token prompts for the tiny (vocab 128) models

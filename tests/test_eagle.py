@@ -25,6 +25,7 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams, probs_from_logits
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import LOSSES
+from helpers import PROMPTS
 
 KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
 GREEDY = SamplingParams()
@@ -42,21 +43,7 @@ VLLM_EAGLE3_KEYS = {
 }
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    rand = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 12, 20)]
-    return rand + [[5, 6, 7, 8] * 5, [1, 2, 3] * 6 + [1]]
-
-
-PROMPTS = prompts()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

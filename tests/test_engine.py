@@ -18,6 +18,7 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.proposer import Proposer
 from draftsmith.serve.sampling import SamplingParams, probs_from_logits
 from draftsmith.serve.tree import DraftTree
+from helpers import PROMPTS
 
 GREEDY = SamplingParams()
 ALPHA = 1e-4
@@ -25,22 +26,7 @@ MAX_NEW = 24
 MAX_SEQ = 128
 
 
-def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    rand = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 12, 20)]
-    return rand + [[5, 6, 7, 8] * 5, [1, 2, 3] * 6 + [1]]  # repeated patterns: n-gram lookup finds drafts
-
-
-PROMPTS = prompts()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and lose a lot to them on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,7 @@ INFO = TargetInfo("tiny@0123abcd", 64, 128, 3)
 PROMPT_LEN, NEW = 6, 26
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

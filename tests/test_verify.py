@@ -13,14 +13,7 @@ from draftsmith.serve.sampling import SamplingParams, pick, probs_from_logits
 from draftsmith.serve.tree import DraftTree
 from draftsmith.serve.verify import Verdict, residual, verify, verify_greedy, verify_sampling
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small tensors gain nothing from intra-op threads, and lose a lot to them on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def onehot_logits(targets: list[int], vocab: int = 8) -> torch.Tensor:
