@@ -99,7 +99,7 @@ def answer(
     out = []
     for t, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
-        ids = encode_raw(tokenizer, user) if prompt.raw else encode_chat(tokenizer, messages)
+        ids = encode_turn(tokenizer, prompt, messages)
         g = engine.generate(ids, cfg.max_new_tokens, SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed * 100 + t))
         text = tokenizer.decode(g.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
@@ -108,14 +108,19 @@ def answer(
     return out
 
 
+def encode_turn(tokenizer, prompt: Prompt, messages: list[dict]) -> list[int]:
+    """The conversation so far through the chat template, or a raw prompt as is."""
+    return encode_raw(tokenizer, prompt.turns[0]) if prompt.raw else encode_chat(tokenizer, messages)
+
+
+def first_turn_ids(tokenizer, prompt: Prompt) -> list[int]:
+    return encode_turn(tokenizer, prompt, [{"role": "user", "content": prompt.turns[0]}])
+
+
 def check_first_turns_fit(prompts: list[Prompt], tokenizer, cfg: EvalConfig) -> None:
     """Refuse a too-long prompt before any generation runs."""
     for p in prompts:
-        ids = (
-            encode_raw(tokenizer, p.turns[0])
-            if p.raw
-            else encode_chat(tokenizer, [{"role": "user", "content": p.turns[0]}])
-        )
+        ids = first_turn_ids(tokenizer, p)
         if len(ids) + cfg.max_new_tokens > cfg.max_seq_len:
             raise ValueError(
                 f"prompt {p.id!r} has {len(ids)} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds "
@@ -124,17 +129,12 @@ def check_first_turns_fit(prompts: list[Prompt], tokenizer, cfg: EvalConfig) -> 
 
 
 def warm_up(engines: dict[str, Engine], prompt: Prompt, tokenizer, cfg: EvalConfig) -> None:
-    ids = (
-        encode_chat(tokenizer, [{"role": "user", "content": prompt.turns[0]}])
-        if not prompt.raw
-        else encode_raw(tokenizer, prompt.turns[0])
-    )
+    ids = first_turn_ids(tokenizer, prompt)
     for engine in engines.values():
         for _ in range(cfg.warmup):
             engine.generate(ids, min(16, cfg.max_new_tokens), SamplingParams(cfg.temperature, seed=0))
         if engine.prefix_cache is not None:  # warm-up entries must not count as hits later
-            engine.prefix_cache.clear()
-            engine.prefix_cache.queried_tokens = engine.prefix_cache.hit_tokens = 0
+            engine.prefix_cache.reset()
 
 
 def method_summary(name: str, m: Metrics) -> dict:

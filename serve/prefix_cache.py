@@ -54,6 +54,11 @@ class PrefixCache:
         self.blocks.clear()
         self._nbytes = 0
 
+    def reset(self) -> None:
+        """Empty, with counters back at zero (e.g. after a warm-up that must not count as hits)."""
+        self.clear()
+        self.queried_tokens = self.hit_tokens = 0
+
     def lookup(self, tokens: Sequence[int], salt: str, caches: list[KVCache]) -> int:
         """Restore the longest stored prefix into caches; return its length (a multiple of block_size).
 

@@ -76,3 +76,23 @@ def tiny_prompts() -> list[list[int]]:
 
 
 PROMPTS = tiny_prompts()  # token prompts for the tiny (vocab 128) models
+
+
+def exact_joint(target, prompt: list[int], sp) -> torch.Tensor:
+    """joint[a, b, c] = q(a) q(b | a) q(c | a, b): the exact plain-sampling distribution of the first three
+    tokens after prompt, from the target's own logits (a tiny vocabulary keeps this small)."""
+    from draftsmith.serve.sampling import probs_from_logits
+
+    def q(seq: list[int]) -> torch.Tensor:
+        logits = target(torch.tensor(seq), torch.arange(len(seq)), target.new_cache(len(seq)), 0).logits[-1]
+        return probs_from_logits(logits, sp).double()
+
+    vocab = target.config.vocab_size
+    with torch.inference_mode():
+        q1 = q(prompt)
+        joint = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
+        for a in range(vocab):
+            q2 = q(prompt + [a])
+            for b in range(vocab):
+                joint[a, b] = q1[a] * q2[b] * q(prompt + [a, b])
+    return joint

@@ -22,10 +22,10 @@ from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams, probs_from_logits
+from draftsmith.serve.sampling import SamplingParams
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import LOSSES
-from helpers import PROMPTS
+from helpers import PROMPTS, exact_joint
 
 KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
 GREEDY = SamplingParams()
@@ -403,17 +403,7 @@ def small(tiny_llama_dir):
     """Vocabulary-8 target; joint[a, b, c]: the exact plain-sampling distribution of 3 tokens after SMALL_PROMPT."""
     tgt = load_model(tiny_llama_dir("llama", **SMALL), torch.float32, "cpu")
 
-    def q(seq: list[int]) -> torch.Tensor:
-        logits = tgt(torch.tensor(seq), torch.arange(len(seq)), tgt.new_cache(len(seq)), 0).logits[-1]
-        return probs_from_logits(logits, SamplingParams(temperature=1.0)).double()
-
-    with torch.inference_mode():
-        q1 = q(SMALL_PROMPT)
-        joint = torch.zeros(8, 8, 8, dtype=torch.float64)
-        for a in range(8):
-            q2 = q(SMALL_PROMPT + [a])
-            for b in range(8):
-                joint[a, b] = q1[a] * q2[b] * q(SMALL_PROMPT + [a, b])
+    joint = exact_joint(tgt, SMALL_PROMPT, SamplingParams(temperature=1.0))
     return tgt, joint
 
 

@@ -16,9 +16,9 @@ from draftsmith.serve.loader import load_model
 from draftsmith.serve.ngram import NgramConfig, NgramProposer
 from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.proposer import Proposer
-from draftsmith.serve.sampling import SamplingParams, probs_from_logits
+from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.tree import DraftTree
-from helpers import PROMPTS
+from helpers import PROMPTS, exact_joint
 
 GREEDY = SamplingParams()
 ALPHA = 1e-4
@@ -347,17 +347,7 @@ def small(tiny_llama_dir):
     tgt = load_model(tiny_llama_dir("llama", **SMALL), torch.float32, "cpu")
     drf = load_model(tiny_llama_dir("llama", seed=1, **SMALL), torch.float32, "cpu")
 
-    def q(seq: list[int]) -> torch.Tensor:
-        logits = tgt(torch.tensor(seq), torch.arange(len(seq)), tgt.new_cache(len(seq)), 0).logits[-1]
-        return probs_from_logits(logits, SAMPLE).double()
-
-    with torch.inference_mode():
-        q1 = q(SMALL_PROMPT)
-        joint = torch.zeros(8, 8, 8, dtype=torch.float64)
-        for a in range(8):
-            q2 = q(SMALL_PROMPT + [a])
-            for b in range(8):
-                joint[a, b] = q1[a] * q2[b] * q(SMALL_PROMPT + [a, b])
+    joint = exact_joint(tgt, SMALL_PROMPT, SAMPLE)
     assert torch.isclose(joint.sum(), torch.tensor(1.0, dtype=torch.float64))
     return tgt, drf, joint
 
