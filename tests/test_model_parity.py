@@ -106,3 +106,21 @@ def test_smollm2_parity(smollm2_dir: Path) -> None:
     text = "Speculative decoding drafts several tokens cheaply, then the target verifies them in one pass."
     tokens = torch.tensor(tok(text)["input_ids"])
     check_parity(smollm2_dir, tokens, cuts=[len(tokens) // 2, len(tokens) // 2 + 1])
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_grouped_attention_matches_sdpa(n: int) -> None:
+    """The bf16 CPU decode/verify path: GQA by reshaping, masked like the tree verifier masks."""
+    import torch.nn.functional as F
+
+    from draftsmith.heads.llama import grouped_attention, use_grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, m, 16, generator=g) for h, m in ((6, n), (2, 40), (2, 40)))
+    mask = torch.rand(1, 1, n, 40, generator=g) > 0.3
+    mask[..., 0] = True
+    mask = mask if n > 1 else None
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
+    assert use_grouped_attention(q.bfloat16(), mask) and not use_grouped_attention(q, mask)
+    assert not use_grouped_attention(torch.zeros(1, 6, 3, 16, dtype=torch.bfloat16), None)  # causal prefill: SDPA
