@@ -250,6 +250,28 @@ def test_an_interrupted_cache_build_keeps_its_finished_shards(target, data, tmp_
     assert (cache / "manifest.json").is_file() and not cache.name.endswith(".partial")
     assert after and not set(before) & set(after)  # finished shards were not computed again
 
+    # a head that needs fewer layers (EAGLE: none) is served by this cache: no second build, no target forward
+    monkeypatch.setattr(Transformer, "hidden_states", lambda *a, **k: pytest.fail("the target ran again"))
+    train(config(tmp_path / "b", target, data, head="eagle", features=cached, max_steps=2))
+    assert list((tmp_path / "home" / "features").iterdir()) == [cache]
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert "aux" not in features_mod.CachedFeatures(cache, manifest, ())[0]
+    assert features_mod.CachedFeatures(cache, manifest, (1,))[0]["aux"].shape[-1] == 64
+
+
+def test_cached_features_pick_the_layers_asked_for(tmp_path):
+    from safetensors.torch import save_file
+
+    aux = torch.arange(2 * 3 * 4, dtype=torch.float).view(2, 12)  # 2 tokens, layers (2, 5, 9), width 4
+    base = {"input_ids": torch.tensor([7, 8]), "loss_mask": torch.ones(2, dtype=torch.uint8)}
+    save_file({**base, "offsets": torch.tensor([0, 2]), "hidden": torch.zeros(2, 4), "aux": aux}, tmp_path / "s")
+    manifest = {"layers": [2, 5, 9], "shards": [{"file": "s", "examples": 1}]}
+    pick = features_mod.CachedFeatures(tmp_path, manifest, (9, 2))[0]["aux"]
+    assert torch.equal(pick, torch.cat([aux[:, 8:12], aux[:, 0:4]], dim=1))
+    assert torch.equal(features_mod.CachedFeatures(tmp_path, manifest)[0]["aux"], aux)
+    with pytest.raises(ValueError):
+        features_mod.CachedFeatures(tmp_path, manifest, (3,))
+
 
 def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, tmp_path, capsys):
     cfg = config(tmp_path / "eagle", target, data, head="eagle", max_steps=2, eval_every=2, eval_prompts=2)

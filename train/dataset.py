@@ -13,7 +13,16 @@ from draftsmith.serve.build import Loaded
 
 from .chat import encode_all
 from .data import DataConfig, load_conversations
-from .features import MANIFEST, CachedFeatures, ExampleDataset, build_cache, cache_folder, cache_key, check_manifest
+from .features import (
+    MANIFEST,
+    CachedFeatures,
+    ExampleDataset,
+    build_cache,
+    cache_folder,
+    cache_key,
+    check_manifest,
+    find_serving_cache,
+)
 
 if TYPE_CHECKING:
     from .trainer import RunConfig
@@ -35,6 +44,8 @@ def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator
         return ExampleDataset(examples), info
     key = cache_key(target.target_id, cfg.data, layers, fc.dtype, tok.chat_template or "")
     folder = cache_folder(fc, key, cfg.target.cache_dir)
+    if not fc.dir:
+        folder = find_serving_cache(folder, key)
     if not (folder / MANIFEST).is_file():
         if folder.is_dir() and any(folder.iterdir()):
             raise ValueError(f"features.dir={folder} is a non-empty folder without {MANIFEST}: not a feature cache")
@@ -57,7 +68,7 @@ def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator
         say(f"features of {tokens} tokens in {time.perf_counter() - began:.0f} s")
     manifest = check_manifest(folder, key)
     say(f"feature cache {folder}: {manifest['examples']} examples, {manifest['tokens']} tokens")
-    return CachedFeatures(folder, manifest), manifest.get("data_info", "")
+    return CachedFeatures(folder, manifest, layers), manifest.get("data_info", "")
 
 
 def pad_id(tokenizer) -> int:

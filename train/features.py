@@ -105,7 +105,7 @@ def check_manifest(folder: Path, key: dict) -> dict:
             f"{key['target']}: features of another target would train a useless drafter. "
             "Point features.dir elsewhere (or leave it unset) to build a cache for this target"
         )
-    if made != key:
+    if not serves(made, key):
         diff = [k for k in key if made.get(k) != key[k]]
         raise ValueError(
             f"feature cache {folder} was made with other settings ({', '.join(diff)} differ: "
@@ -113,6 +113,27 @@ def check_manifest(folder: Path, key: dict) -> dict:
             "point features.dir elsewhere (or leave it unset) to build a matching cache"
         )
     return manifest
+
+
+def serves(made: dict, key: dict) -> bool:
+    """A cache made with `made` serves `key` when all but the layers match and it stores every layer asked
+    for: EAGLE-3's cache (layers 2, L/2, L-3 and the final hidden states) serves EAGLE and Medusa too."""
+    same = {k: v for k, v in made.items() if k != "layers"} == {k: v for k, v in key.items() if k != "layers"}
+    return same and set(key["layers"]) <= set(made.get("layers", []))
+
+
+def find_serving_cache(folder: Path, key: dict) -> Path:
+    """`folder` if it holds a cache, else a finished sibling cache that serves `key`, else `folder`."""
+    if (folder / MANIFEST).is_file() or not folder.parent.is_dir():
+        return folder
+    for manifest in sorted(folder.parent.glob(f"*/{MANIFEST}")):
+        try:
+            made = json.loads(manifest.read_text()).get("key", {})
+        except (OSError, json.JSONDecodeError):
+            continue
+        if serves(made, key):
+            return manifest.parent
+    return folder
 
 
 # ---- building
@@ -236,10 +257,14 @@ def finish(partial: Path, folder: Path, key: dict, examples: list[Example], rang
 
 
 class CachedFeatures(Dataset):
-    """Examples of a feature cache: dicts of input_ids, loss_mask, hidden and (if stored) aux."""
+    """Examples of a feature cache: dicts of input_ids, loss_mask, hidden and, when `layers` are asked for,
+    aux (those layers' inputs concatenated, picked from the layers the cache stores)."""
 
-    def __init__(self, folder: Path, manifest: dict) -> None:
+    def __init__(self, folder: Path, manifest: dict, layers: tuple[int, ...] | None = None) -> None:
         self.folder, self.manifest = Path(folder), manifest
+        stored = list(manifest["layers"])
+        self.aux_index = [stored.index(x) for x in (stored if layers is None else layers)]
+        self.all_aux = self.aux_index == list(range(len(stored)))
         self.index = [(s, j) for s, shard in enumerate(manifest["shards"]) for j in range(shard["examples"])]
         self.handles: dict[int, object] = {}  # opened lazily, so that each DataLoader worker opens its own
 
@@ -250,9 +275,17 @@ class CachedFeatures(Dataset):
         s, j = self.index[i]
         f = self.shard(s)
         a, b = f.get_slice("offsets")[j : j + 2].tolist()
-        item = {k: f.get_slice(k)[a:b] for k in f.keys() if k != "offsets"}
+        item = {k: f.get_slice(k)[a:b] for k in f.keys() if k not in ("offsets", "aux")}
         item["input_ids"], item["loss_mask"] = item["input_ids"].long(), item["loss_mask"].float()
+        if self.aux_index:
+            aux = f.get_slice("aux")[a:b]
+            item["aux"] = aux if self.all_aux else self.pick_layers(aux)
         return item
+
+    def pick_layers(self, aux: Tensor) -> Tensor:
+        n, width = aux.shape
+        stored = len(self.manifest["layers"])
+        return aux.view(n, stored, width // stored)[:, self.aux_index].reshape(n, -1)
 
     def shard(self, s: int):
         if s not in self.handles:
