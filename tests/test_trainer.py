@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import standin_head
 import torch
+from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
@@ -285,9 +286,12 @@ def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, 
     assert f"acceptance eval skipped: serve has no proposer for {standin_head.KIND}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft_model"])
-def test_every_head_group_trains_through_the_trainer(kind, target, data, tmp_path):
-    """conf/head/<kind>.yaml builds its head on the target and its loss options fit train/losses.py."""
+@pytest.mark.parametrize(
+    "kind,precision", [("eagle", None), ("eagle3", None), ("eagle3", "bf16"), ("medusa", None), ("draft_model", None)]
+)
+def test_every_head_group_trains_through_the_trainer(kind, precision, target, data, tmp_path):
+    """conf/head/<kind>.yaml builds its head on the target and its loss options fit train/losses.py (also
+    under bf16 autocast, what train=quick uses on a CPU)."""
     with initialize_config_module("draftsmith.conf", version_base=None):
         composed = compose("train", overrides=[f"out={tmp_path}", f"head={kind}"])
     cfg = config(
@@ -296,13 +300,29 @@ def test_every_head_group_trains_through_the_trainer(kind, target, data, tmp_pat
         data,
         max_steps=2,
         grad_accum=1,
+        mixed_precision=precision,
         features=FeatureConfig(mode="cached", dir=str(tmp_path / "c")),
     )
     cfg.head = typed(composed, RunConfig).head
-    train(cfg)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton: precision is fixed once set
+    try:
+        train(cfg)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     rows = losses(tmp_path)
     assert [r[0] for r in rows] == [1, 2] and all(math.isfinite(r[1]) for r in rows)
     assert json.loads((tmp_path / "final" / "config.json").read_text())["kind"] == kind
+
+
+def test_quick_preset_shortens_eagle3_training_time_test_only():
+    def loss_options(*overrides: str) -> dict:
+        with initialize_config_module("draftsmith.conf", version_base=None):
+            return dict(compose("train", overrides=["out=x", *overrides]).head.loss)
+
+    assert loss_options("head=eagle3")["ttt_steps"] == 3  # conf/tuning/eagle3-quick.yaml
+    assert loss_options("head=eagle3", "train=full")["ttt_steps"] == 7
+    assert loss_options("head=eagle3", "head.loss.ttt_steps=5")["ttt_steps"] == 5
+    assert "ttt_steps" not in loss_options("head=eagle")
 
 
 def run(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
