@@ -1,33 +1,69 @@
-"""draftsmith-eval: plain decoding vs a speculative method on a prompts file -> results.json."""
+"""draftsmith-eval: plain decoding vs one or more methods on a suite or prompts file -> results, report, W&B."""
 
 from __future__ import annotations
 
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from draftsmith.serve.__main__ import typed
 
+from .report import write_report
 from .runner import EvalConfig, run_eval
+from .wandb_log import log_eval
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    """The whole eval: run, DIR/results.json + report.md + PNGs, then W&B. Returns the results."""
+    results = run_eval(cfg)
+    write_report(cfg.out, results)
+    log_eval(cfg.wandb, Path(cfg.out), results, asdict(cfg))
+    return results
 
 
 def print_headline(r: dict) -> None:
-    b, s, lossless = r["baseline"], r["spec"], r["lossless"]
-    print(
-        f"{r['target']} on {r['device']} ({r['dtype']}), {r['prompts']} prompts, {r['max_new_tokens']} new tokens\n"
-        f"  ar            {b['tokens_per_s']:6.1f} tok/s  TTFT {b['ttft_ms']:6.0f} ms  TPOT {b['tpot_ms']:5.1f} ms\n"
-        f"  {s['method']:<13} {s['tokens_per_s']:6.1f} tok/s  TTFT {s['ttft_ms']:6.0f} ms  TPOT {s['tpot_ms']:5.1f} ms"
-        f"  speedup {s['speedup']:.2f}x  tau {s['mean_acceptance_length']:.2f}\n"
-        f"  lossless: {lossless['identical']}/{lossless['checked']} identical; prefix cache hit "
-        f"{r['prefix_cache']['hit_tokens']}/{r['prefix_cache']['queried_tokens']} tokens"
-    )
+    b = r["baseline"]
+    lines = [
+        f"{r['target']} on {r['device']} ({r['dtype']}), {r['prompts']} prompts"
+        + (f" x {r['repeats']} repeats" if r["repeats"] > 1 else "")
+        + f", {r['max_new_tokens']} new tokens"
+        + ("  [PARTIAL]" if r["partial"] else ""),
+        f"  {'ar':<13} {b['tokens_per_s']:6.1f} tok/s  TTFT {b['ttft_ms']:6.0f} ms  TPOT {b['tpot_ms']:5.1f} ms",
+    ]
+    for label, m in r["methods"].items():
+        lines.append(
+            f"  {label:<13} {m['tokens_per_s']:6.1f} tok/s  TTFT {m['ttft_ms']:6.0f} ms  TPOT {m['tpot_ms']:5.1f} ms"
+            f"  speedup {m['speedup']:.2f}x  tau {m['mean_acceptance_length']:.2f}"
+        )
+    lossless, cache = r["lossless"], r["prefix_cache"]
+    check = f"lossless: {lossless['identical']}/{lossless['checked']} identical" if r["temperature"] == 0 else ""
+    if r["temperature"] > 0:
+        check = "distribution check: " + ", ".join(
+            f"{label} p={m['distribution_check']['p_value']}" for label, m in r["methods"].items()
+        )
+    lines.append(f"  {check}; prefix cache hit {cache['hit_tokens']}/{cache['queried_tokens']} tokens")
+    if "study" in r:
+        lines.append(f"  prefix cache x {r['study']['method']}: {r['study']['finding']}")
+    print("\n".join(lines))
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base=None)
 def _main(cfg: DictConfig) -> None:
     config = typed(cfg, EvalConfig)
-    results = run_eval(config)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # each sweep job in out/<job number>, grouped together in W&B
+        config.out = hc.runtime.output_dir
+        config.wandb.group = config.wandb.group or Path(hc.sweep.dir).name
+    results = evaluate(config)
     print_headline(results)
-    print(f"  results: {config.out}/results.json, outputs: {config.out}/outputs.jsonl")
+    print(f"  report: {config.out}/report.md, results: {config.out}/results.json")
+    if results["partial"]:
+        sys.exit(130)  # interrupted: the partial report is written, the caller still learns it stopped early
 
 
 def main() -> None:

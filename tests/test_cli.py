@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_module
+from hydra.errors import MissingConfigException
 
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.serve.__main__ import GenerateConfig, typed
@@ -137,8 +138,8 @@ def test_eval_refuses_a_prompt_longer_than_the_context(tiny_target, tmp_path):
 def test_eval_needs_one_prompt_source(tmp_path):
     with pytest.raises(ValueError, match="exactly one of prompts=FILE.jsonl or suite="):
         eval_in_process([f"out={tmp_path / 'ev'}"])
-    with pytest.raises(ValueError, match="unknown suite 'nope'"):
-        eval_in_process([f"out={tmp_path / 'ev'}", "suite=nope"])
+    with pytest.raises(MissingConfigException, match="(?s)Could not find 'suite/nope'.*mt_bench"):
+        eval_in_process([f"out={tmp_path / 'ev'}", "suite=nope"])  # suite is a hydra group: it lists the options
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,117 @@
+"""Per-request records -> summaries: overall, per category, per prompt; counters pooled, never means of means."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from draftsmith.serve.metrics import Metrics
+
+
+@dataclass
+class Record:
+    """One answered turn of one prompt by one method (in one repeat, with or without the prefix cache)."""
+
+    id: str
+    category: str
+    turn: int
+    repeat: int
+    method: str  # "ar" or a method label
+    prefix_cache: bool
+    output_ids: list[int]
+    text: str
+    metrics: Metrics
+
+
+def pool(records: Iterable[Record]) -> Metrics:
+    total = Metrics(requests=0)
+    for r in records:
+        total.merge(r.metrics)
+    return total
+
+
+def method_summary(name: str, m: Metrics) -> dict:
+    return {
+        "method": name,
+        "tokens_per_s": m.tokens_per_s,
+        "ttft_ms": 1000 * m.mean_ttft_s,
+        "tpot_ms": 1000 * m.tpot_s,
+        "total_ms": 1000 * m.total_s / m.requests if m.requests else 0.0,
+        "new_tokens": m.new_tokens,
+        "mean_acceptance_length": m.mean_acceptance_length,
+        "acceptance_rate_per_position": m.acceptance_rate_per_position,
+        "draft_acceptance_rate": m.draft_acceptance_rate,
+        "drafts": m.drafts,
+        "draft_tokens": m.draft_tokens,
+        "accepted_tokens": m.accepted_tokens,
+        "target_forward_passes": m.target_forward_passes,
+        "requests": m.requests,
+        "prefix_cache_hit_rate": m.prefix_hit_tokens / m.prefix_queried_tokens if m.prefix_queried_tokens else 0.0,
+    }
+
+
+def speedup(m: Metrics, base: Metrics) -> float:
+    return m.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+
+
+def compared(name: str, records: list[Record], base: list[Record]) -> dict:
+    """A method's summary with its speedup over the plain-decoding records of the same prompts."""
+    m = pool(records)
+    return {**method_summary(name, m), "speedup": speedup(m, pool(base))}
+
+
+def of(records: list[Record], method: str, **where) -> list[Record]:
+    return [r for r in records if r.method == method and all(getattr(r, k) == v for k, v in where.items())]
+
+
+def lossless(base: list[Record], records: list[Record], greedy: bool) -> dict:
+    """Greedy outputs compared token for token with plain decoding's, turn by turn."""
+    if not greedy:
+        return {"checked": 0, "identical": 0, "note": "sampling: equality not expected (see distribution_check)"}
+    ar = {(r.id, r.turn, r.repeat): r.output_ids for r in base}
+    pairs = [(ar[(r.id, r.turn, r.repeat)], r.output_ids) for r in records if (r.id, r.turn, r.repeat) in ar]
+    return {
+        "checked": len(pairs),
+        "identical": sum(a == b for a, b in pairs),
+        "note": "greedy: token-for-token vs plain decoding",
+    }
+
+
+def speedup_per_repeat(records: list[Record], base: list[Record], repeats: int) -> list[float]:
+    """One method's speedup in each repeat alone: the spread shows how steady the machine was."""
+    return [
+        speedup(pool(r for r in records if r.repeat == i), pool(r for r in base if r.repeat == i))
+        for i in range(repeats)
+    ]
+
+
+def by_category(records: list[Record], labels: list[str]) -> dict:
+    out = {}
+    for cat in sorted({r.category for r in records}):
+        rows = [r for r in records if r.category == cat]
+        base = of(rows, "ar")
+        out[cat] = {
+            "prompts": len({r.id for r in rows}),
+            "baseline": method_summary("ar", pool(base)),
+            "methods": {label: compared(label, of(rows, label), base) for label in labels},
+        }
+    return out
+
+
+SHORT = ("tokens_per_s", "ttft_ms", "tpot_ms", "new_tokens", "mean_acceptance_length")
+
+
+def by_prompt(records: list[Record], labels: list[str], greedy: bool) -> list[dict]:
+    """One row per prompt: pooled over its turns and repeats."""
+    rows = []
+    for pid in dict.fromkeys(r.id for r in records):
+        mine = [r for r in records if r.id == pid]
+        base = of(mine, "ar")
+        methods = {}
+        for label in labels:
+            s = compared(label, of(mine, label), base)
+            check = lossless(base, of(mine, label), greedy)
+            methods[label] = {k: s[k] for k in (*SHORT, "speedup")} | {k: check[k] for k in ("identical", "checked")}
+        ar = method_summary("ar", pool(base))
+        rows.append({"id": pid, "category": mine[0].category, "ar": {k: ar[k] for k in SHORT}, "methods": methods})
+    return rows

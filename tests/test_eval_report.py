@@ -1,0 +1,161 @@
+"""Reports from real (tiny) eval results: report.md and its PNGs, draftsmith-compare over several folders and
+over a hydra sweep, W&B logging (offline), and the bad inputs of compare."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from draftsmith.eval.compare import compare, main, parse_args
+from draftsmith.eval.report import write_report
+from draftsmith.eval.runner import EvalConfig, run_eval
+from draftsmith.eval.wandb_log import log_eval
+from draftsmith.serve.__main__ import typed
+from draftsmith.train.trainer import WandbConfig
+from helpers import build_tiny_chat_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}
+PNG = b"\x89PNG"
+
+
+@pytest.fixture(scope="module")
+def tiny_target(smollm2_dir, tmp_path_factory):
+    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_target, tmp_path_factory):
+    """One eval with two methods and the 2x2 study on a short shared document."""
+    root = tmp_path_factory.mktemp("report")
+    doc = root / "doc.md"
+    doc.write_text("# Notes\n\n" + "Blocks of sixteen tokens are cached. " * 20 + "\n\n## Usage\n\nAsk.\n")
+    out = root / "ev"
+    overrides = [
+        f"target.path={tiny_target}",
+        f"out={out}",
+        "wandb.enabled=false",
+        "spec=ngram",
+        "methods=[layerskip]",
+        "methods.layerskip.layers=1",
+        "suite=rag",
+        f"suite.document={doc}",
+        "limit=2",
+        "study=prefix_x_spec",
+        "max_new_tokens=4",
+    ]
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        cfg = typed(compose("eval", overrides), EvalConfig)
+    return out, run_eval(cfg)
+
+
+def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
+    out, results = evaluated
+    path = write_report(out, results)
+    text = path.read_text()
+    for heading in ("## Overall", "## Speedup by category", "## τ by category", "## Per-position acceptance"):
+        assert heading in text
+    assert "| ngram |" in text and "| layerskip |" in text and "| method | rag | all |" in text
+    assert "Greedy: 4/4 turns identical to plain decoding (lossless)." in text
+    assert "**Finding:** The prefix cache" in text
+    for key in ("device", "dtype", "torch", "commit"):
+        assert f"| {key} |" in text
+    for png in ("acceptance.png", "speedup_by_category.png", "study.png"):
+        assert (out / png).read_bytes()[:4] == PNG and f"({png})" in text
+    assert write_report(out).read_text() == text  # from results.json alone
+
+
+def sweep_copy(src, dst, params: int, speedup: float):
+    """A second eval folder, as a sweep over draft size would make: same layout, other numbers."""
+    shutil.copytree(src, dst)
+    r = json.loads((dst / "results.json").read_text())
+    r["methods"]["layerskip"] |= {"drafter_params": params, "speedup": speedup}
+    (dst / "results.json").write_text(json.dumps(r))
+    return dst
+
+
+def test_compare_merges_folders_into_one_report(evaluated, tmp_path):
+    out, results = evaluated
+    first = sweep_copy(out, tmp_path / "small", 1_000_000, 1.2)
+    second = sweep_copy(out, tmp_path / "large", 4_000_000, 1.1)
+    path = compare([str(first), str(second)], tmp_path / "cmp")
+    text = path.read_text()
+    assert "| small:layerskip | rag | 1.00M | 1.20x |" in text and "| large:layerskip | rag | 4.00M | 1.10x |" in text
+    assert "| small:ngram | rag | 0 |" in text and "## Speedup by category" in text
+    assert (tmp_path / "cmp" / "speedup_vs_params.png").read_bytes()[:4] == PNG
+    rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert len(rows) == 4 and {r["label"] for r in rows} >= {"small:ngram", "large:layerskip"}
+
+
+def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
+    out, _ = evaluated
+    for i in range(2):
+        shutil.copytree(out, tmp_path / "sweep" / str(i))
+    compare([str(tmp_path / "sweep")], tmp_path / "cmp")
+    labels = [r["label"] for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())]
+    assert labels == ["0:ngram", "0:layerskip", "1:ngram", "1:layerskip"]
+
+
+def test_compare_refuses_bad_input_and_writes_nothing(evaluated, tmp_path, capsys):
+    out, _ = evaluated
+    report = tmp_path / "cmp"
+    with pytest.raises(FileNotFoundError, match="missing is not an eval folder: no results.json"):
+        compare([str(out), str(tmp_path / "missing")], report)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "results.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a draftsmith-eval result"):
+        compare([str(out), str(bad)], report)
+    with pytest.raises(ValueError, match="give one out=REPORT"):
+        parse_args([str(out)])
+    with pytest.raises(ValueError, match="unknown argument 'title=x'"):
+        parse_args([str(out), "out=r", "title=x"])
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "missing"), f"out={report}"])
+    assert exit_.value.code == 2 and "not an eval folder" in capsys.readouterr().err
+    assert not report.exists()
+
+
+def test_wandb_logs_summary_tables_and_plots_offline(evaluated, tmp_path):
+    out, results = evaluated
+    folder = shutil.copytree(out, tmp_path / "ev")
+    write_report(folder, results)
+    assert log_eval(WandbConfig(enabled=False), folder, results, {}) is None and not (folder / "wandb").exists()
+    run_id = log_eval(WandbConfig(project="draftsmith-test", group="sweep-a"), folder, results, {"suite": "rag"})
+    runs = list((folder / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_cli_sweep_then_compare(tiny_target, tmp_path):
+    """draftsmith-eval -m writes one folder per job (each with report.md and a W&B run in one group);
+    draftsmith-compare reads the sweep folder."""
+    (tmp_path / "p.jsonl").write_text(json.dumps({"id": "a", "prompt": "a b a b a b a"}) + "\n")
+    sweep = tmp_path / "sweep"
+    args = [f"target.path={tiny_target}", f"prompts={tmp_path / 'p.jsonl'}", "max_new_tokens=4", f"out={sweep}"]
+    r = subprocess.run(
+        [sys.executable, "-m", "draftsmith.eval", "-m", "spec.num_tokens=2,3", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "speedup" in r.stdout and "report:" in r.stdout
+    for job in ("0", "1"):
+        assert (sweep / job / "report.md").is_file() and list((sweep / job / "wandb").glob("offline-run-*"))
+    r = subprocess.run(
+        [sys.executable, "-m", "draftsmith.eval.compare", str(sweep), f"out={tmp_path / 'cmp'}"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "| 0:ngram |" in (tmp_path / "cmp" / "report.md").read_text()

@@ -1,0 +1,234 @@
+"""The eval runner on a tiny random chat target: several methods and repeats, the results schema (issue 2's keys
+plus `methods` and `by_category`), multi-turn feeding, the 2x2 prefix-cache study, sampling, Ctrl-C, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from hydra import compose, initialize_config_module
+from transformers import AutoTokenizer
+
+from draftsmith.eval import runner
+from draftsmith.eval.aggregate import Record, by_category, compared, pool
+from draftsmith.eval.methods import resolve_methods
+from draftsmith.eval.prompts import Prompt
+from draftsmith.eval.runner import EvalConfig, run_eval
+from draftsmith.eval.study import finding
+from draftsmith.serve.__main__ import typed
+from draftsmith.serve.engine import Generation
+from draftsmith.serve.metrics import Metrics
+from helpers import build_tiny_chat_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROWS = [
+    {"id": "a", "category": "writing", "turns": ["Say hello twice.", "Now say it again."]},
+    {"id": "b", "category": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"},
+    {"id": "c", "category": "code", "prompt": "x = 1\nx = 1\nx = 1\nx ="},
+]
+ISSUE2_SPEC_KEYS = (
+    "method",
+    "tokens_per_s",
+    "speedup",
+    "mean_acceptance_length",
+    "acceptance_rate_per_position",
+    "draft_acceptance_rate",
+    "target_forward_passes",
+    "ttft_ms",
+    "tpot_ms",
+    "new_tokens",
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(smollm2_dir, tmp_path_factory):
+    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def config(target, out, *overrides: str) -> EvalConfig:
+    """The same config the CLI gets (hydra groups spec, methods, suite), W&B off."""
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        cfg = compose("eval", [f"target.path={target}", f"out={out}", "wandb.enabled=false", *overrides])
+    return typed(cfg, EvalConfig)
+
+
+@pytest.fixture(scope="module")
+def two_methods(tiny_target, prompts_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ev") / "ev"
+    overrides = ["spec=ngram", "methods=[layerskip]", "methods.layerskip.layers=1", "repeats=2", "max_new_tokens=6"]
+    return out, run_eval(config(tiny_target, out, f"prompts={prompts_file}", *overrides))
+
+
+def test_several_methods_and_repeats_keep_issue2_schema_and_add_methods(two_methods):
+    out, r = two_methods
+    for key in ("target", "device", "dtype", "prompts", "max_new_tokens", "temperature", "baseline", "spec"):
+        assert key in r
+    assert r["prompts"] == 3 and r["repeats"] == 2 and r["partial"] is False
+    assert list(r["methods"]) == ["ngram", "layerskip"] and r["spec"] == r["methods"]["ngram"]
+    for m in r["methods"].values():
+        assert all(k in m for k in ISSUE2_SPEC_KEYS) and len(m["speedup_per_repeat"]) == 2
+        assert m["lossless"]["checked"] == 8 == m["lossless"]["identical"]  # 4 turns x 2 repeats
+    assert r["lossless"]["checked"] == 16 == r["lossless"]["identical"]
+    assert r["methods"]["ngram"]["drafter_params"] == 0 and r["methods"]["layerskip"]["drafter_params"] is None
+    assert r["prefix_cache"]["hit_tokens"] > 0  # turn 2 of "a" reuses turn 1
+    assert json.loads((out / "results.json").read_text()) == r
+
+
+def test_results_are_grouped_by_category_and_prompt(two_methods):
+    out, r = two_methods
+    cats = r["by_category"]
+    assert {c: v["prompts"] for c, v in cats.items()} == {"code": 2, "writing": 1}
+    for label, m in r["methods"].items():
+        assert sum(cats[c]["methods"][label]["new_tokens"] for c in cats) == m["new_tokens"]
+        assert all(cats[c]["methods"][label]["speedup"] > 0 for c in cats)
+    rows = [json.loads(x) for x in (out / "per_prompt.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in rows] == ["a", "b", "c"] and rows[0]["methods"]["ngram"]["checked"] == 4
+    outputs = [json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()]
+    assert len(outputs) == 3 * 4 * 2  # methods x turns x repeats
+    assert {(x["id"], x["turn"], x["method"], x["repeat"]) for x in outputs} >= {("a", 1, "layerskip", 1)}
+
+
+def test_per_position_acceptance_spans_the_draft_length(two_methods):
+    _, r = two_methods
+    for label, m in r["methods"].items():
+        if m["drafts"]:
+            assert len(m["acceptance_rate_per_position"]) == m["config"]["num_tokens"], label
+
+
+class Recorder:
+    """Stands in for an Engine: answers every prompt with a fixed text and remembers what it was asked."""
+
+    def __init__(self, tokenizer, answers: list[str]):
+        self.tokenizer, self.answers, self.prompts = tokenizer, answers, []
+
+    def generate(self, ids, max_new_tokens, sp):
+        self.prompts.append(ids)
+        out = self.tokenizer(self.answers[len(self.prompts) - 1], add_special_tokens=False)["input_ids"]
+        return Generation(out, Metrics(new_tokens=len(out)), "length")
+
+
+def test_multi_turn_feeds_the_models_own_answer_back(tiny_target):
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    engine = Recorder(tok, ["FIRST-ANSWER", "SECOND-ANSWER"])
+    prompt = Prompt("q", ["Question one?", "Question two?"], False, "writing")
+    cfg = EvalConfig(out="unused")
+    records = runner.answer(engine, ("ar", True), prompt, tok, cfg, rep=0, i=0)
+    assert [r.text for r in records] == ["FIRST-ANSWER", "SECOND-ANSWER"] and [r.turn for r in records] == [0, 1]
+    second = tok.decode(engine.prompts[1])
+    assert second.index("Question one?") < second.index("FIRST-ANSWER") < second.index("Question two?")
+    assert "SECOND-ANSWER" not in second
+
+
+def record(method: str, category: str, drafts: int, accepted: int, tokens: int, seconds: float) -> Record:
+    m = Metrics(drafts=drafts, accepted_tokens=accepted, new_tokens=tokens, total_s=seconds)
+    return Record("x", category, 0, 0, method, True, [], "", m)
+
+
+def test_tau_and_speedup_are_pooled_not_means_of_means():
+    recs = [record("s", "a", 1, 4, 10, 1.0), record("s", "b", 3, 0, 30, 1.0)]
+    base = [record("ar", "a", 0, 0, 10, 2.0), record("ar", "b", 0, 0, 30, 2.0)]
+    s = compared("s", recs, base)
+    assert s["mean_acceptance_length"] == 2.0  # 1 + 4 / 4, not the mean of 5 and 1
+    assert s["speedup"] == 2.0 and pool(recs).tokens_per_s == 20.0
+    cats = by_category(recs + base, ["s"])
+    assert cats["a"]["methods"]["s"]["mean_acceptance_length"] == 5.0 and cats["b"]["prompts"] == 1
+
+
+def cell(cache: bool, spec: str | None, ttft: float, tpot: float, total: float) -> dict:
+    return {"prefix_cache": cache, "speculation": spec, "ttft_ms": ttft, "tpot_ms": tpot, "total_ms": total}
+
+
+def test_study_finding_is_computed_from_the_numbers():
+    stacks = [cell(False, None, 500, 20, 1500), cell(True, None, 100, 20, 1100), cell(False, "ngram", 500, 10, 1000)]
+    text = finding([*stacks, cell(True, "ngram", 100, 10, 600)], "ngram")
+    assert "cut TTFT 5.0x (500 -> 100 ms)" in text and "2.00x without the cache and 2.00x with it" in text
+    assert "the same with and without a cache hit" in text and "1500 to 600 ms (2.50x)" in text
+    differs = finding([*stacks, cell(True, "ngram", 100, 20, 600)], "ngram")
+    assert "did not reliably cut TPOT" in differs and "differs" in differs
+    flat = [cell(False, None, 100, 20, 1), cell(True, None, 100, 20, 1), *stacks[2:], cell(True, "ngram", 100, 10, 1)]
+    assert "did not shorten TTFT" in finding(flat, "ngram")
+
+
+def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Notes\n\n" + "The cache keeps blocks of sixteen tokens. " * 30 + "\n\n## Usage\n\nAsk.\n")
+    out = tmp_path / "ev"
+    overrides = ["spec=ngram", "suite=rag", f"suite.document={doc}", "limit=2", "study=prefix_x_spec"]
+    r = run_eval(config(tiny_target, out, *overrides, "max_new_tokens=4"))
+    s = r["study"]
+    assert [(c["prefix_cache"], c["speculation"]) for c in s["cells"]] == [
+        (False, None),
+        (True, None),
+        (False, "ngram"),
+        (True, "ngram"),
+    ]
+    hits = [c["prefix_cache_hit_rate"] for c in s["cells"]]
+    assert hits[0] == hits[2] == 0 and hits[1] > 0.3 and hits[3] > 0.3  # question 2 reuses the document
+    assert s["identical"] == {"checked": 6, "identical": 6} and "TTFT" in s["finding"]
+    assert r["lossless"]["checked"] == 2 and r["prompts"] == 2  # the main results: the cached cells
+
+
+def test_sampling_replaces_equality_with_a_distribution_check(tiny_target, prompts_file, tmp_path):
+    overrides = [f"prompts={prompts_file}", "temperature=1", "repeats=2", "max_new_tokens=5", "limit=2"]
+    r = run_eval(config(tiny_target, tmp_path / "ev", *overrides))
+    d = r["methods"]["ngram"]["distribution_check"]
+    assert r["lossless"]["checked"] == 0 and d["units"] == 4 and 0 <= d["p_value"] <= 1
+    assert "permutation" in d["test"] and d["tv_distance"] is not None
+
+
+def test_ctrl_c_leaves_a_partial_result_of_finished_prompts(tiny_target, prompts_file, tmp_path, monkeypatch):
+    real = runner.answer
+
+    def interrupted(engine, arm, prompt, *args):
+        if prompt.id == "b" and arm[0] == "ngram":
+            raise KeyboardInterrupt
+        return real(engine, arm, prompt, *args)
+
+    monkeypatch.setattr(runner, "answer", interrupted)
+    out = tmp_path / "ev"
+    r = run_eval(config(tiny_target, out, f"prompts={prompts_file}", "max_new_tokens=4"))
+    assert r["partial"] is True and r["prompts"] == 1 and r["lossless"]["checked"] == 2
+    assert json.loads((out / "results.json").read_text())["partial"] is True
+
+
+def test_methods_group_composes_several_labelled_methods(tiny_target, tmp_path):
+    cfg = config(tiny_target, tmp_path, "spec=ar", "methods=[ngram,eagle3]", "methods.eagle3.drafter=HEAD")
+    methods = resolve_methods(cfg.spec, cfg.methods)
+    assert list(methods) == ["ngram", "eagle3"] and methods["eagle3"].drafter == "HEAD"
+    same = config(tiny_target, tmp_path, "spec=ngram", "methods=[ngram,layerskip]")
+    assert list(resolve_methods(same.spec, same.methods)) == ["ngram", "layerskip"]  # one ngram, same settings
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["spec=ar"], "eval compares methods against plain decoding"),
+        (["spec=ngram", "spec.num_tokens=2", "methods=[ngram]"], "spec=ngram and methods.ngram differ"),
+        (["study=nope"], "unknown study 'nope'; available: prefix_x_spec"),
+        (["repeats=0"], "repeats must be >= 1"),
+        (["temperature=-1"], "temperature must be >= 0"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_is_written(tiny_target, prompts_file, tmp_path, overrides, message):
+    out = tmp_path / "ev"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_eval(config(tiny_target, out, f"prompts={prompts_file}", *overrides))
+    assert not out.exists()
+
+
+def test_an_empty_prompts_file_writes_nothing(tiny_target, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    out = tmp_path / "ev"
+    with pytest.raises(ValueError, match="is empty"):
+        run_eval(config(tiny_target, out, f"prompts={empty}", "methods=[layerskip]"))
+    assert not out.exists()
