@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROLES = {
@@ -28,6 +28,32 @@ PART_SUFFIX = re.compile(r"_\d+$")  # ShareGPT V3 splits long chats into parts i
 
 
 @dataclass
+class DistillConfig:
+    """Self-distillation (train/distill.py): the target's own answers replace the source's."""
+
+    max_new_tokens: int = 512  # per answer (and never past data.max_length: later tokens are cut anyway)
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
+    batch_size: int = 16  # conversations decoded together; 1 = the engine, one at a time
+    spec: str = "ngram"  # batch_size 1: the engine's proposer, ar | ngram (lossless either way)
+    out: str | None = None  # the JSONL; default <DRAFTSMITH_CACHE or target.cache_dir>/distill/<target>-<key>.jsonl
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1 or self.batch_size < 1:
+            n, b = self.max_new_tokens, self.batch_size
+            raise ValueError(f"data.distill.max_new_tokens and batch_size must be >= 1, got {n} and {b}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            t, p = self.temperature, self.top_p
+            raise ValueError(f"data.distill.temperature must be >= 0 and top_p in (0, 1], got {t} and {p}")
+        if self.spec not in ("ar", "ngram"):
+            raise ValueError(f"data.distill.spec must be ar or ngram (no drafter is trained yet), got {self.spec!r}")
+
+
+ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # what changes the answers (not how fast)
+
+
+@dataclass
 class DataConfig:
     """Mirrors the hydra group `data`."""
 
@@ -36,12 +62,22 @@ class DataConfig:
     max_conversations: int | None = 2000  # training conversations kept (after filtering); null = all
     max_length: int = 1024  # tokens per example (longer ones are truncated)
     heldout_fraction: float = 0.02  # share of conversation ids held out for evaluation
+    self_distill: bool = False  # train on the target's own answers (train/distill.py) instead of the source's
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.heldout_fraction < 1:
             raise ValueError(f"data.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.max_length < 2:
             raise ValueError(f"data.max_length must be >= 2, got {self.max_length}")
+
+
+def data_key(cfg: DataConfig) -> dict:
+    """The settings that decide the examples (feature cache keys, resume fingerprints). The distill block
+    counts only when self_distill is on, so keys made before self-distillation existed still match."""
+    key = asdict(cfg)
+    distill, on = key.pop("distill"), key.pop("self_distill")
+    return {**key, "self_distill": {k: distill[k] for k in ANSWER_FIELDS}} if on else key
 
 
 @dataclass

@@ -12,7 +12,8 @@ from torch.utils.data import Dataset
 from draftsmith.serve.build import Loaded
 
 from .chat import encode_all
-from .data import DataConfig, load_conversations
+from .data import load_conversations
+from .distill import distill, distill_path
 from .features import (
     MANIFEST,
     CachedFeatures,
@@ -28,10 +29,17 @@ if TYPE_CHECKING:
     from .trainer import RunConfig
 
 
-def make_examples(data: DataConfig, tokenizer, say) -> tuple[list, str]:
+def make_examples(cfg: RunConfig, target: Loaded, acc: Accelerator, say) -> tuple[list, str]:
+    data = cfg.data
     convs, skipped = load_conversations(data)
-    examples = encode_all(tokenizer, convs, data.max_length, skipped)
-    info = f"{len(examples)} conversations used, skipped: {skipped}"
+    if data.self_distill:  # the target's own answers (generated once, then reused from the file)
+        path = distill_path(data, target, cfg.target.cache_dir)
+        say(f"self-distillation: {target.target_id}'s answers to {len(convs)} conversations, in {path}")
+        args = (acc.process_index, acc.num_processes, acc.wait_for_everyone)
+        convs = distill(convs, target, data.distill, path, data.max_length, skipped, *args)
+    examples = encode_all(target.tokenizer, convs, data.max_length, skipped)
+    info = f"{len(examples)} conversations used{', answers by the target' if data.self_distill else ''}, "
+    info += f"skipped: {skipped}"
     say(info)
     return examples, info
 
@@ -40,7 +48,7 @@ def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator
     """Tokenized examples (online features) or a feature cache, built once by all processes together."""
     fc, tok = cfg.train.features, target.tokenizer
     if fc.mode == "online":
-        examples, info = make_examples(cfg.data, tok, say)
+        examples, info = make_examples(cfg, target, acc, say)
         return ExampleDataset(examples), info
     key = cache_key(target.target_id, cfg.data, layers, fc.dtype, tok.chat_template or "")
     folder = cache_folder(fc, key, cfg.target.cache_dir)
@@ -49,7 +57,7 @@ def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator
     if not (folder / MANIFEST).is_file():
         if folder.is_dir() and any(folder.iterdir()):
             raise ValueError(f"features.dir={folder} is a non-empty folder without {MANIFEST}: not a feature cache")
-        examples, info = make_examples(cfg.data, tok, say)
+        examples, info = make_examples(cfg, target, acc, say)
         say(f"building the feature cache {folder}")
         began = time.perf_counter()
         build_cache(

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from tqdm import tqdm
 from draftsmith.heads.llama import Transformer
 
 from .chat import Example
-from .data import DataConfig
+from .data import DataConfig, data_key
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -63,7 +63,7 @@ def cache_key(target_id: str, data: DataConfig, layers: tuple[int, ...], dtype: 
     return {
         "format_version": FORMAT_VERSION,
         "target": target_id,
-        "data": {**asdict(data), "source_stamp": source_stamp(data.source)},
+        "data": {**data_key(data), "source_stamp": source_stamp(data.source)},  # self-distilled answers key apart
         "layers": list(layers),
         "dtype": dtype,
         "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()[:12],

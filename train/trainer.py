@@ -31,7 +31,7 @@ from draftsmith.serve.target import TargetConfig
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts
 from .batch import FeatureBatch
-from .data import DataConfig
+from .data import DataConfig, data_key
 from .dataset import make_dataset, pad_id
 from .features import FeatureConfig, collate, target_states
 from .head import HeadConfig, build_head, head_layers
@@ -183,7 +183,7 @@ def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int) 
             {
                 "target": target.target_id,
                 "head": asdict(cfg.head),
-                "data": asdict(cfg.data),
+                "data": data_key(cfg.data),
                 "features": tc.features.mode,
                 "examples": examples,
                 "processes": world,
@@ -258,7 +258,8 @@ class Loop:
             tau = self.last_eval.get("tau")
             measured = {"mean_acceptance_length": tau, "source": "training eval"} if tau else {}
             recipe = Recipe(
-                data=f"{cfg.data.source} ({len(self.dataset)} examples, max_length {cfg.data.max_length})",
+                data=f"{cfg.data.source}{' (self-distilled)' if cfg.data.self_distill else ''} "
+                f"({len(self.dataset)} examples, max_length {cfg.data.max_length})",
                 steps=state.step,
                 tokens=state.tokens,
                 extra={"train": tc.name, "features": tc.features.mode, "processes": self.acc.num_processes},

@@ -1,0 +1,263 @@
+"""Self-distillation on a tiny chat target: the answers are the target's own (greedy = the engine's plain greedy),
+turn by turn; sampling is reproducible; a killed run resumes without duplicates; bad input is a clear error; the
+trainer keys its feature cache apart and reuses the file; head=draft_model turns it on."""
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import standin_head
+from hydra import compose, initialize_config_module
+
+from draftsmith.serve.__main__ import typed
+from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.target import TargetConfig
+from draftsmith.train import distill as distill_mod
+from draftsmith.train.data import Conversation, DataConfig, DistillConfig, Skipped, data_key
+from draftsmith.train.distill import DistillRun, answer_text, distill, distill_path, run
+from draftsmith.train.features import FeatureConfig, cache_key
+from draftsmith.train.head import HeadConfig
+from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
+from helpers import build_tiny_chat_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 6  # new tokens per answer
+
+
+@pytest.fixture(scope="module")
+def target_dir(smollm2_dir, tmp_path_factory) -> Path:
+    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load(TargetConfig(path=str(target_dir)))
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def said(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+CONVS = [
+    Conversation("a", [user("What is 2 plus 2?"), said("4."), user("And 3 plus 3?"), said("6.")]),
+    Conversation("b", [{"role": "system", "content": "Be brief."}, user("Name a colour."), said("Red.")]),
+    Conversation("c", [user("Hi"), said("Hello!")]),
+    Conversation("d", [user("Count: 1 2 3"), said("4 5 6"), user("Again"), said("7 8 9"), user("Thanks")]),
+    Conversation("e", [user("Why is the sky blue?"), said("Rayleigh scattering.")]),
+]
+
+
+def cfg(**kw) -> DistillConfig:
+    return DistillConfig(**{"max_new_tokens": NEW, "batch_size": 3, **kw})
+
+
+def expected_greedy(target, conv: Conversation) -> list[dict]:
+    """The target's answers by the engine's plain greedy decoding, each fed back before the next user turn."""
+    engine = build_engine(target, SpecConfig("ar"), False, 512)
+    messages = []
+    for m in [*conv.messages, said("(end)")]:
+        if m["role"] != "assistant":
+            messages.append(m)
+        elif messages[-1]["role"] == "user":
+            ids = engine.generate(encode_chat(target.tokenizer, messages), NEW, SamplingParams()).output_ids
+            messages.append(said(answer_text(target.tokenizer, ids, eos_ids(target))))
+    return messages
+
+
+def as_dict(convs: list[Conversation]) -> dict:
+    return {c.id: c.messages for c in convs}
+
+
+def file_ids(path: Path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("batch_size, spec", [(1, "ngram"), (1, "ar"), (3, "ngram"), (8, "ngram")])
+def test_answers_are_the_targets_greedy_output_turn_by_turn(target, tmp_path, monkeypatch, batch_size, spec):
+    reused = []  # batched: a later turn prefills only what follows the chat's KV so far
+    original = distill_mod.common_prefix
+    monkeypatch.setattr(distill_mod, "common_prefix", lambda a, b: reused.append(original(a, b)) or reused[-1])
+    out = distill(CONVS, target, cfg(batch_size=batch_size, spec=spec), tmp_path / "d.jsonl", 512, Skipped())
+    assert (len(reused) == 3 and min(reused) > 30) if batch_size > 1 else not reused  # a: 1, d: 2 later turns
+    assert [c.id for c in out] == [c.id for c in CONVS]  # input order
+    for conv in out:
+        assert conv.messages == expected_greedy(target, next(c for c in CONVS if c.id == conv.id)), conv.id
+    d = as_dict(out)
+    assert [m["role"] for m in d["a"]] == ["user", "assistant"] * 2 and d["a"][2] == user("And 3 plus 3?")
+    assert d["b"][0]["role"] == "system" and len(d["d"]) == 6  # the trailing user turn is answered too
+    assert d["a"][1] != said("4.")  # not the source's answer
+    assert sorted(file_ids(tmp_path / "d.jsonl")) == sorted(c.id for c in CONVS)
+
+
+def test_sampling_is_reproducible_per_conversation_whatever_the_batch(target, tmp_path):
+    hot = dict(temperature=1.0, seed=7)
+    runs = [distill(CONVS, target, cfg(batch_size=b, **hot), tmp_path / f"{b}.jsonl", 512, Skipped()) for b in (2, 5)]
+    assert as_dict(runs[0]) == as_dict(runs[1])
+    greedy = distill(CONVS, target, cfg(), tmp_path / "greedy.jsonl", 512, Skipped())
+    other = distill(CONVS, target, cfg(temperature=1.0, seed=8), tmp_path / "other.jsonl", 512, Skipped())
+    assert as_dict(runs[0]) != as_dict(greedy) and as_dict(runs[0]) != as_dict(other)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch, batch_size):
+    whole = distill(CONVS, target, cfg(batch_size=batch_size), tmp_path / "whole.jsonl", 512, Skipped())
+    path, original, written = tmp_path / "killed.jsonl", distill_mod.append_row, []
+
+    def killed_after_two(f, conv_id, messages):
+        if len(written) == 2:
+            f.write(b'{"id": "' + conv_id.encode() + b'", "messages": [{"ro')  # torn mid-row by the kill
+            f.flush()
+            raise KeyboardInterrupt("simulated kill")
+        written.append(conv_id)
+        original(f, conv_id, messages)
+
+    monkeypatch.setattr(distill_mod, "append_row", killed_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        distill(CONVS, target, cfg(batch_size=batch_size), path, 512, Skipped())
+    assert len(path.read_bytes().splitlines()) == 3  # two rows and a torn one
+    monkeypatch.setattr(distill_mod, "append_row", original)
+    resumed = distill(CONVS, target, cfg(batch_size=batch_size), path, 512, Skipped())
+    ids = file_ids(path)  # every line parses: the torn one was cut
+    assert len(ids) == len(set(ids)) == len(CONVS) and ids[:2] == written
+    assert as_dict(resumed) == as_dict(whole) and [c.id for c in resumed] == [c.id for c in whole]
+    before = path.read_bytes()
+    distill(CONVS, target, cfg(batch_size=batch_size), path, 512, Skipped())  # all done: nothing appended
+    assert path.read_bytes() == before
+
+
+def test_empty_input_and_foreign_files_are_clear_errors(target, tmp_path):
+    with pytest.raises(ValueError, match="self-distillation got no conversations"):
+        distill([], target, cfg(), tmp_path / "x.jsonl", 512, Skipped())
+    foreign = tmp_path / "foreign.jsonl"
+    foreign.write_text('{"id": "a", "messages": []}\nnot json\n{"id": "b", "messages": []}\n')
+    before = foreign.read_bytes()
+    with pytest.raises(ValueError, match=r"foreign.jsonl:2 is not a self-distillation row"):
+        distill(CONVS, target, cfg(), foreign, 512, Skipped())
+    assert foreign.read_bytes() == before
+
+
+def test_conversations_without_a_user_turn_or_room_are_skipped_and_counted(target, tmp_path):
+    convs = [
+        Conversation("no-user", [{"role": "system", "content": "You are kind."}, said("Hello there.")]),
+        Conversation("too-long", [user("word " * 200), said("ok")]),
+        Conversation("c", [user("Hi"), said("Hello!")]),
+        Conversation("c", [user("Hi again"), said("Hello!")]),
+    ]
+    skipped = Skipped()
+    out = distill(convs, target, cfg(), tmp_path / "d.jsonl", 64, skipped)
+    assert [c.id for c in out] == ["c"]
+    assert skipped.counts == {
+        "without a user turn to answer": 1,
+        "whose first prompt fills max_length (64 tokens)": 1,
+        "with a duplicate id": 1,
+    }
+    with pytest.raises(ValueError, match=r"left no conversation to train on \(skipped: 1 without a user turn"):
+        distill(convs[:1], target, cfg(), tmp_path / "e.jsonl", 64, Skipped())
+
+
+def test_answers_stop_at_max_length(target, tmp_path):
+    """Tokens past max_length would be cut from the training example: they are not generated."""
+    conv = Conversation("long", [user("Tell me a story."), said("..."), user("More."), said("...")])
+    first = len(encode_chat(target.tokenizer, conv.messages[:1]))
+    (out,) = distill([conv], target, cfg(max_new_tokens=50), tmp_path / "d.jsonl", first + 4, Skipped())
+    assert len(out.messages) == 2  # the second user turn would start past max_length
+    ids = target.tokenizer(out.messages[1]["content"], add_special_tokens=False)["input_ids"]
+    assert 0 < len(ids) <= 4
+
+
+def test_processes_share_the_work_and_merge_into_one_file(target, tmp_path):
+    single = distill(CONVS, target, cfg(), tmp_path / "one.jsonl", 512, Skipped())
+    path, barrier, results = tmp_path / "two.jsonl", threading.Barrier(2, timeout=120), {}
+
+    def rank(r: int) -> None:
+        results[r] = distill(CONVS, target, cfg(), path, 512, Skipped(), r, 2, barrier.wait)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert as_dict(results[0]) == as_dict(results[1]) == as_dict(single)
+    assert file_ids(path) == [c.id for c in CONVS] and list(tmp_path.glob("two.part*")) == []
+
+
+def test_data_keys_change_only_with_self_distillation():
+    plain, on = DataConfig(), DataConfig(self_distill=True)
+    assert "self_distill" not in data_key(plain) and "distill" not in data_key(plain)  # old caches still match
+    assert data_key(DataConfig(distill=DistillConfig(temperature=0.5))) == data_key(plain)
+    assert data_key(on)["self_distill"] == {"max_new_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+    assert data_key(DataConfig(self_distill=True, distill=DistillConfig(batch_size=1))) == data_key(on)  # speed only
+    assert cache_key("t", plain, (), "bfloat16", "") != cache_key("t", on, (), "bfloat16", "")
+
+
+def test_head_draft_model_turns_it_on_and_other_heads_do_not(tmp_path):
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        for head, on in (("draft_model", True), ("eagle3", False), ("eagle", False), ("medusa", False)):
+            c = typed(compose("train", overrides=[f"out={tmp_path}", f"head={head}"]), RunConfig)
+            assert c.data.self_distill is on and c.head.kind == head
+        c = typed(
+            compose("train", overrides=[f"out={tmp_path}", "head=draft_model", "data.self_distill=false"]), RunConfig
+        )
+        assert not c.data.self_distill and c.head.num_layers == 2
+
+
+def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "home"))
+    source = tmp_path / "chats.jsonl"
+    turns = [{"from": "human", "value": "What is {}?"}, {"from": "gpt", "value": "I do not know."}]
+    rows = [{"id": f"q{i}", "conversations": [{**turns[0], "value": f"What is {i}?"}, turns[1]]} for i in range(12)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataConfig(
+        source=str(source), max_conversations=None, max_length=48, heldout_fraction=0.0, self_distill=True
+    )
+    data.distill = DistillConfig(max_new_tokens=NEW, batch_size=4)
+
+    def config(out: str, mode: str) -> RunConfig:
+        tc = TrainConfig(max_steps=1, batch_size=4, log_every=1, features=FeatureConfig(mode=mode))
+        return RunConfig(
+            out=str(tmp_path / out),
+            target=TargetConfig(path=str(target_dir)),
+            head=HeadConfig(kind=standin_head.KIND),
+            data=data,
+            train=tc,
+            wandb=WandbConfig(enabled=False),
+        )
+
+    train(config("a", "cached"))
+    (made,) = (tmp_path / "home" / "distill").glob("*.jsonl")
+    assert made == distill_path(data, load(TargetConfig(path=str(target_dir))), "unused")
+    assert len(file_ids(made)) == 12
+    (features,) = (tmp_path / "home" / "features").iterdir()
+    manifest = json.loads((features / "manifest.json").read_text())
+    assert manifest["key"]["data"]["self_distill"]["max_new_tokens"] == NEW
+    assert "answers by the target" in manifest["data_info"]
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the answers were generated again")
+
+    monkeypatch.setattr(distill_mod, "generate_into", no_generation)
+    train(config("b", "online"))
+    assert "(self-distilled)" in json.loads((tmp_path / "b" / "final" / "config.json").read_text())["recipe"]["data"]
+
+
+def test_the_command_line_writes_the_file(target_dir, tmp_path, capsys):
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in CONVS))
+    out = tmp_path / "answers.jsonl"
+    overrides = [
+        f"target.path={target_dir}",
+        f"data.source={source}",
+        "data.heldout_fraction=0",
+        f"data.distill.max_new_tokens={NEW}",
+        f"data.distill.out={out}",
+    ]
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        assert run(typed(compose("distill", overrides=overrides), DistillRun)) == out
+    assert sorted(file_ids(out)) == sorted(c.id for c in CONVS)
+    assert f"5 conversations (8 answers by {target_dir.name}" in capsys.readouterr().out
