@@ -197,10 +197,13 @@ def test_data_keys_change_only_with_self_distillation():
 
 
 def test_head_draft_model_turns_it_on_and_other_heads_do_not(tmp_path):
+    """On for the draft model except in train=quick (conf/tuning/draft_model-quick.yaml: too slow for a CPU)."""
     with initialize_config_module("draftsmith.conf", version_base=None):
         for head, on in (("draft_model", True), ("eagle3", False), ("eagle", False), ("medusa", False)):
-            c = typed(compose("train", overrides=[f"out={tmp_path}", f"head={head}"]), RunConfig)
+            c = typed(compose("train", overrides=[f"out={tmp_path}", f"head={head}", "train=full"]), RunConfig)
             assert c.data.self_distill is on and c.head.kind == head
+        quick = typed(compose("train", overrides=[f"out={tmp_path}", "head=draft_model", "train=quick"]), RunConfig)
+        assert quick.data.self_distill is False
         c = typed(
             compose("train", overrides=[f"out={tmp_path}", "head=draft_model", "data.self_distill=false"]), RunConfig
         )
