@@ -19,7 +19,7 @@ from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
-from draftsmith.train.trainer import WandbConfig
+from draftsmith.train.log import WandbConfig
 
 from .aggregate import Record, by_category, by_prompt, compared, lossless, method_summary, of, pool, speedup_per_repeat
 from .distribution import distribution_check

@@ -11,6 +11,15 @@ from pathlib import Path
 import torch
 
 
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    project: str = "draftsmith"
+    name: str | None = None  # default: <head>-<target>-<train preset>
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+
 class MetricsLog:
     """Main process only. On resume, lines past the resumed step are dropped, so the file reads as one run."""
 

@@ -35,7 +35,7 @@ from .data import DataConfig, data_key
 from .dataset import make_dataset, pad_id
 from .features import FeatureConfig, collate, target_states
 from .head import HeadConfig, build_head, head_layers
-from .log import MetricsLog, Window
+from .log import MetricsLog, WandbConfig, Window
 from .plan import Plan, warmup_cosine
 
 
@@ -65,15 +65,6 @@ class TrainConfig:
     num_workers: int = 0
     seed: int = 0
     features: FeatureConfig = field(default_factory=FeatureConfig)
-
-
-@dataclass
-class WandbConfig:
-    enabled: bool = True
-    project: str = "draftsmith"
-    name: str | None = None  # default: <head>-<target>-<train preset>
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
