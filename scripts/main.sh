@@ -1,8 +1,46 @@
 #!/usr/bin/env bash
-# The main job on the embedded default target (SmolLM2-135M-Instruct): one generation, then plain vs
-# speculative decoding on MT-bench questions with the lossless check. Results land in runs/main/.
+# The main job on the embedded default target (SmolLM2-135M-Instruct), end to end:
+#   1. train an EAGLE-3 head with train=quick (ShareGPT answers, the target's features cached once)
+#   2. evaluate it against plain decoding and n-gram speculation on MT-bench (every category)
+#   3. the rag suite with the prefix cache x speculation 2x2 study
+#   4. export the head for vLLM / SGLang (validated after writing)
+#   5. print the headline numbers and where the reports are
+# Everything lands in runs/main (MAIN_OUT=DIR moves it). A second run reuses what the first made: the
+# converted target, the feature cache, the trained head (FRESH=1 retrains), and redoes evals and export.
+# Extra arguments go to both evals, e.g. `bash scripts/main.sh limit=16 max_new_tokens=128`.
+# MAIN_TARGET (default target=smollm2-135m), MAIN_TRAIN_ARGS and MAIN_RAG_ARGS (space-separated overrides)
+# point the same pipeline elsewhere: CI runs it on a tiny random target (tests/test_main_job.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
-draftsmith-generate target=smollm2-135m spec=ngram prompt="Write a haiku about the sea" max_new_tokens=64
-draftsmith-eval target=smollm2-135m spec=ngram suite=mt_bench limit=10 max_new_tokens=64 out=runs/main "$@"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-offline}"
+OUT="${MAIN_OUT:-runs/main}"
+HEAD="$OUT/eagle3"
+TARGET="${MAIN_TARGET:-target=smollm2-135m}"
+read -r -a TRAIN_ARGS <<< "${MAIN_TRAIN_ARGS:-}"
+read -r -a RAG_ARGS <<< "${MAIN_RAG_ARGS:-}"
+began=$(date +%s)
+stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
+
+stage "1/4 train an EAGLE-3 head (train=quick) -> $HEAD"
+if [ "${FRESH:-0}" = 1 ]; then rm -rf "$HEAD"; fi
+if [ -f "$HEAD/final/model.safetensors" ]; then
+  echo "reusing $HEAD/final (FRESH=1 retrains)"
+elif [ -d "$HEAD/checkpoints" ]; then
+  draftsmith-train "$TARGET" head=eagle3 train=quick out="$HEAD" resume=true "${TRAIN_ARGS[@]}"
+else
+  draftsmith-train "$TARGET" head=eagle3 train=quick out="$HEAD" "${TRAIN_ARGS[@]}"
+fi
+
+stage "2/4 MT-bench: plain vs EAGLE-3 vs n-gram -> $OUT/mt_bench"
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" 'methods=[ngram]' \
+  suite=mt_bench limit=8 max_new_tokens=64 out="$OUT/mt_bench" "$@"
+
+stage "3/4 rag: prefix cache x EAGLE-3, the 2x2 study -> $OUT/rag"
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" suite=rag study=prefix_x_spec \
+  limit=6 max_new_tokens=64 out="$OUT/rag" "${RAG_ARGS[@]}" "$@"
+
+stage "4/4 export for vLLM and SGLang -> $OUT/export-vllm"
+draftsmith-export "$TARGET" drafter="$HEAD/final" format=vllm out="$OUT/export-vllm" overwrite=true
+
+stage "done"
+python scripts/headline.py "$OUT"
