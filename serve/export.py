@@ -1,0 +1,347 @@
+"""Export a drafter folder to the formats serving engines load: vLLM, SGLang, TGI, HF.
+
+One function per (kind, format) row of FORMATS; each returns the export's config.json, its safetensors files
+and the target files to copy. `export` writes them to a temp folder beside OUT, validates the result
+(serve/export_check.py) and only then renames it into place, so a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from draftsmith.heads.drafter import TargetInfo, check_target, load_drafter, own_state, read_meta
+from draftsmith.heads.llama import SUPPORTED_TYPES
+
+from .export_card import model_card
+from .loader import read_hf_config
+from .target import TargetConfig, resolve_target, target_id
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+# target architectures (config.json model_type) each format's engines run with these drafters
+TARGET_TYPES = {
+    "vllm": SUPPORTED_TYPES,
+    "sglang": SUPPORTED_TYPES,
+    "tgi": ("llama", "mistral", "qwen2"),
+    "hf": SUPPORTED_TYPES,
+}
+
+
+class ExportError(ValueError):
+    """A user-fixable problem with the export's inputs, or an export that fails validation."""
+
+
+@dataclass
+class Source:
+    """What an exporter reads: the drafter (embedding / lm_head placeholders: those are never exported) and
+    its target's folder and config.json."""
+
+    folder: Path
+    meta: dict
+    head: nn.Module
+    target_dir: Path
+    target_hf: dict
+
+    @property
+    def kind(self) -> str:
+        return self.meta["kind"]
+
+
+@dataclass
+class Export:
+    config: dict
+    tensors: dict[str, dict[str, Tensor]]  # file name -> state dict
+    copy: list[str] = field(default_factory=list)  # files copied from the target folder
+
+
+# ---------------------------------------------------------------- exporters, one per (kind, format)
+
+
+def eagle3_vllm(src: Source) -> Export:
+    """vLLM's and SGLang's LlamaForCausalLMEagle3: our parameter names already are theirs."""
+    c = src.head.config
+    state = own_state(src.head)
+    if c.draft_vocab_size == c.vocab_size:  # no draft vocabulary: vLLM has no slot for an identity d2t
+        state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
+    if c.attention_bias:
+        state["midlayer.self_attn.o_proj.bias"] = torch.zeros(c.hidden_size)  # engines' attention_bias has o bias
+    config = llama_head_config(src, "LlamaForCausalLMEagle3") | {
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True},
+    }
+    return Export(config, {"model.safetensors": state})
+
+
+def eagle_vllm(src: Source) -> Export:
+    """vLLM's EagleLlamaForCausalLM: its fc has no bias. fc(x) + b enters the layer as its residual stream and
+    attention input, so b is moved exactly into the attention: q/k/v biases W b, o_proj bias b."""
+    state = own_state(src.head)
+    b = state.pop("fc.bias")
+    bias = src.head.config.attention_bias or bool(b.any())
+    if bias:
+        for p in "qkv":
+            w = state[f"layers.0.self_attn.{p}_proj.weight"]
+            old = state.get(f"layers.0.self_attn.{p}_proj.bias", torch.zeros(w.shape[0]))
+            state[f"layers.0.self_attn.{p}_proj.bias"] = (old.double() + w.double() @ b.double()).float()
+        state["layers.0.self_attn.o_proj.bias"] = b
+    config = llama_head_config(src, "EagleLlamaForCausalLM") | {"attention_bias": bias}
+    return Export(config, {"model.safetensors": state})
+
+
+def eagle_sglang(src: Source) -> Export:
+    """SGLang's LlamaForCausalLMEagle: the original EAGLE layout, fc with its bias."""
+    c = src.head.config
+    state = own_state(src.head)
+    if c.attention_bias:
+        state["layers.0.self_attn.o_proj.bias"] = torch.zeros(c.hidden_size)
+    return Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state})
+
+
+def medusa_vllm(src: Source) -> Export:
+    c = src.head.config
+    config = {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "num_heads": c.num_heads,
+        "num_hidden_layers": c.num_layers,
+        "medusa_fc_bias": True,
+        "truncated_vocab_size": c.vocab_size,
+    }
+    return Export(config, {"model.safetensors": own_state(src.head)})
+
+
+def medusa_tgi(src: Source) -> Export:
+    """FasterDecoding's layout, which TGI reads: head h's block l is `h.l.linear`, its lm_head `h.L`."""
+    c = src.head.config
+    state = {}
+    for name, t in own_state(src.head).items():
+        part = name.split(".")  # blocks.h.layers.l.weight | lm_heads.h.weight
+        key = f"{part[1]}.{part[3]}.linear.{part[4]}" if part[0] == "blocks" else f"{part[1]}.{c.num_layers}.weight"
+        state[key] = t
+    config = {
+        "medusa_num_heads": c.num_heads,
+        "medusa_num_layers": c.num_layers,
+        "base_model_name_or_path": str(src.target_dir.resolve()),
+    }
+    return Export(config, {"medusa_lm_head.safetensors": state})
+
+
+def draft_model_hf(src: Source) -> Export:
+    """A plain HF causal-LM folder: the target's config.json with the draft's sizes, its tokenizer files."""
+    m = src.head.config
+    config = {k: v for k, v in src.target_hf.items() if k not in DROPPED_HF_KEYS}
+    config |= {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": m.num_hidden_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_key_value_heads,
+        "head_dim": m.head_dim,
+        "rms_norm_eps": m.rms_norm_eps,
+        "max_position_embeddings": m.max_position_embeddings,
+        "tie_word_embeddings": m.tie_word_embeddings,
+    }
+    if isinstance(config.get("layer_types"), list):  # per-layer list (Qwen2/3): sized to the draft's layers
+        config["layer_types"] = config["layer_types"][: m.num_hidden_layers]
+    copy = [f for f in TOKENIZER_FILES if (src.target_dir / f).is_file()]
+    return Export(config, {"model.safetensors": own_state(src.head)}, copy)
+
+
+# the dtype goes in once, as torch_dtype, which transformers 4 and 5 both read
+DROPPED_HF_KEYS = (
+    "_name_or_path",
+    "_model_name_or_path",
+    "quantization_config",
+    "auto_map",
+    "transformers_version",
+    "dtype",
+)
+
+FORMATS: dict[str, dict[str, Callable[[Source], Export]]] = {
+    "eagle3": {"vllm": eagle3_vllm, "sglang": eagle3_vllm},
+    "eagle": {"vllm": eagle_vllm, "sglang": eagle_sglang},
+    "medusa": {"vllm": medusa_vllm, "tgi": medusa_tgi},
+    "draft_model": {"hf": draft_model_hf},
+}
+ALL_FORMATS = ("vllm", "sglang", "tgi", "hf")
+
+
+def llama_head_config(src: Source, arch: str) -> dict:
+    """The one-layer Llama config EAGLE heads are served with; rope as the target's config.json spells it."""
+    c, t = src.head.config, src.target_hf
+    config = {
+        "architectures": [arch],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": max(c.max_position_embeddings, t.get("max_position_embeddings", 0)),
+        "tie_word_embeddings": False,
+        "attention_bias": c.attention_bias,
+        "mlp_bias": False,
+        "bos_token_id": t.get("bos_token_id"),
+        "eos_token_id": t.get("eos_token_id"),
+        "rope_theta": c.rope_theta,  # legacy key (transformers 4 readers); rope_parameters wins where present
+    }
+    if c.rope_scaling:
+        config["rope_scaling"] = c.rope_scaling
+    if "rope_parameters" in t:
+        config["rope_parameters"] = t["rope_parameters"]
+    return config
+
+
+# ---------------------------------------------------------------- loading and refusing bad input
+
+
+def load_source(drafter: Path, target: TargetConfig) -> Source:
+    """The drafter folder and its target, refused (ExportError) when missing, corrupt or mismatched."""
+    drafter = Path(drafter).expanduser()
+    try:
+        meta = read_meta(drafter)
+    except (FileNotFoundError, ValueError) as e:
+        raise ExportError(f"cannot export {drafter}: {e}") from e
+    try:
+        target_dir = resolve_target(target)
+        hf = read_hf_config(target_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise ExportError(f"the target: {e}") from e
+    try:
+        info = TargetInfo(target_id(target, target_dir), hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"])
+        check_target(meta, info, drafter)
+        head = load_drafter(drafter, info).eval().requires_grad_(False)
+    except FileNotFoundError as e:
+        raise ExportError(f"cannot export {drafter}: {e}") from e
+    except (KeyError, TypeError) as e:  # a config.json whose fields do not fit its kind
+        raise ExportError(f"{drafter}/config.json is corrupt ({type(e).__name__}: {e}); re-train or re-save it") from e
+    except ValueError as e:
+        raise ExportError(str(e)) from e
+    return Source(drafter, meta, head, target_dir, hf)
+
+
+def exporter_for(kind: str, fmt: str) -> Callable[[Source], Export]:
+    if fmt not in ALL_FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(ALL_FORMATS)}")
+    if fmt not in FORMATS[kind]:
+        can = ", ".join(f"{k}: {'/'.join(f)}" for k, f in FORMATS.items())
+        raise ExportError(f"format={fmt} cannot hold {kind} drafters; use format={'|'.join(FORMATS[kind])} ({can})")
+    return FORMATS[kind][fmt]
+
+
+def check_target_type(src: Source, fmt: str) -> None:
+    mtype = src.target_hf.get("model_type")
+    if mtype not in TARGET_TYPES[fmt]:
+        raise ExportError(
+            f"target {src.target_dir} has model_type={mtype!r}; format={fmt} serves {src.kind} drafters for "
+            f"{', '.join(TARGET_TYPES[fmt])} targets only: pick another format or target"
+        )
+
+
+def check_out(out: Path, drafter: Path, overwrite: bool) -> None:
+    out, drafter = out.resolve(), drafter.resolve()
+    if out == drafter or drafter.is_relative_to(out) or out.is_relative_to(drafter):
+        raise ExportError(f"out={out} overlaps the drafter folder {drafter}: export to a separate folder")
+    if out.exists() and not overwrite:
+        raise ExportError(f"out={out} exists; pass overwrite=true to replace it, or choose another out")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"out={out} exists and is not a folder; remove it or choose another out")
+
+
+# ---------------------------------------------------------------- writing
+
+
+def cast(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Floating tensors to the export dtype; d2t (int64) and t2d (bool) keep theirs."""
+    return {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()}
+
+
+def write(exp: Export, src: Source, fmt: str, dtype: str, folder: Path) -> None:
+    config = exp.config | ({"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")} if fmt != "tgi" else {})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, state in exp.tensors.items():
+        save_file(cast(state, DTYPES[dtype]), str(folder / name), metadata={"format": "pt"})
+    for name in exp.copy:
+        shutil.copy2(src.target_dir / name, folder / name)
+    for f in folder.iterdir():
+        f.chmod(0o644)  # save_file writes owner-only files
+
+
+def swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename tmp to out; an existing out is moved aside first and removed only once the new one is in place."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def export(
+    drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None, dtype: str = "bf16", overwrite: bool = False
+) -> Path:
+    """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation."""
+    from .export_check import check_export  # which imports this module
+
+    drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
+    if dtype not in DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if fmt not in ALL_FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(ALL_FORMATS)}")
+    check_out(out, drafter, overwrite)
+    src = load_source(drafter, target or TargetConfig())
+    exporter = exporter_for(src.kind, fmt)
+    check_target_type(src, fmt)
+    exp = exporter(src)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; an engine in a container may run as another user
+    try:
+        write(exp, src, fmt, dtype, tmp)
+        (tmp / "README.md").write_text(model_card(src, fmt, dtype, out.resolve()))
+        check_export(tmp, src, fmt)
+        swap_into_place(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def validate(drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None) -> None:
+    """Validate an existing export at OUT against the drafter it came from (check=true); writes nothing."""
+    from .export_check import check_export  # which imports this module
+
+    src = load_source(Path(drafter).expanduser(), target or TargetConfig())
+    exporter_for(src.kind, fmt)
+    if not Path(out).expanduser().is_dir():
+        raise ExportError(f"out={out} is not a folder: nothing to check")
+    check_export(Path(out).expanduser(), src, fmt)

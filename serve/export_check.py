@@ -1,0 +1,353 @@
+"""Validate an export: reload it, check config.json, key names, shapes and dtypes against the format's table
+(built from the drafter's own config, not from the exporter), then run the format's forward, written here in
+plain torch from the exported tensors, against the drafter's forward on random inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor
+
+from draftsmith.heads.llama import ModelConfig, rope_inv_freq
+
+from .export import ExportError, Source
+
+Shapes = dict[str, tuple[int, ...]]
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}  # max |diff| / max |drafter|
+WEIGHT_FILE = {"tgi": "medusa_lm_head.safetensors"}
+
+
+# ---------------------------------------------------------------- the table: keys and shapes per format
+
+
+def attn_shapes(p: str, in_dim: int, c, bias: bool) -> Shapes:
+    q, kv, h = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
+    s = {f"{p}.q_proj.weight": (q, in_dim), f"{p}.k_proj.weight": (kv, in_dim), f"{p}.v_proj.weight": (kv, in_dim)}
+    s[f"{p}.o_proj.weight"] = (h, q)
+    if bias:
+        s |= {f"{p}.q_proj.bias": (q,), f"{p}.k_proj.bias": (kv,), f"{p}.v_proj.bias": (kv,), f"{p}.o_proj.bias": (h,)}
+    return s
+
+
+def mlp_shapes(p: str, c) -> Shapes:
+    h, i = c.hidden_size, c.intermediate_size
+    return {f"{p}.gate_proj.weight": (i, h), f"{p}.up_proj.weight": (i, h), f"{p}.down_proj.weight": (h, i)}
+
+
+def eagle3_shapes(c, bias: bool) -> Shapes:
+    h = c.hidden_size
+    s = {"fc.weight": (h, len(c.target_layers) * h), **attn_shapes("midlayer.self_attn", 2 * h, c, bias)}
+    s |= mlp_shapes("midlayer.mlp", c)
+    s |= {f"midlayer.{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}
+    s |= {"norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h)}
+    if c.draft_vocab_size < c.vocab_size:
+        s |= {"d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
+    return s
+
+
+def eagle_shapes(c, bias: bool, fc_bias: bool) -> Shapes:
+    h = c.hidden_size
+    s = {"fc.weight": (h, 2 * h), **attn_shapes("layers.0.self_attn", h, c, bias), **mlp_shapes("layers.0.mlp", c)}
+    s["layers.0.post_attention_layernorm.weight"] = (h,)
+    return s | ({"fc.bias": (h,)} if fc_bias else {})
+
+
+def medusa_names(fmt: str, c) -> tuple[str, str]:
+    """Format strings for head h's block l and its lm_head."""
+    if fmt == "tgi":
+        return "{h}.{l}.linear", "{h}." + str(c.num_layers)
+    return "blocks.{h}.layers.{l}", "lm_heads.{h}"
+
+
+def medusa_shapes(fmt: str, c) -> Shapes:
+    block, head = medusa_names(fmt, c)
+    s = {}
+    for h in range(c.num_heads):
+        for layer in range(c.num_layers):
+            s |= {f"{block.format(h=h, l=layer)}.weight": (c.hidden_size, c.hidden_size)}
+            s |= {f"{block.format(h=h, l=layer)}.bias": (c.hidden_size,)}
+        s[f"{head.format(h=h)}.weight"] = (c.vocab_size, c.hidden_size)
+    return s
+
+
+def hf_llama_shapes(m: ModelConfig) -> Shapes:
+    h = m.hidden_size
+    s = {"model.embed_tokens.weight": (m.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(m.num_hidden_layers):
+        p = f"model.layers.{i}"
+        s |= attn_shapes(f"{p}.self_attn", h, m, False) | mlp_shapes(f"{p}.mlp", m)
+        s |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)}
+        if m.attention_bias:  # Qwen2: q/k/v only
+            s |= {f"{p}.self_attn.{n}_proj.bias": (s[f"{p}.self_attn.{n}_proj.weight"][0],) for n in "qkv"}
+        if m.qk_norm:
+            s |= {f"{p}.self_attn.q_norm.weight": (m.head_dim,), f"{p}.self_attn.k_norm.weight": (m.head_dim,)}
+    return s if m.tie_word_embeddings else s | {"lm_head.weight": (m.vocab_size, h)}
+
+
+def expected_shapes(src: Source, fmt: str, config: dict) -> Shapes:
+    c = src.head.config
+    if src.kind == "eagle3":
+        return eagle3_shapes(c, bool(config.get("attention_bias")))
+    if src.kind == "eagle":
+        return eagle_shapes(c, bool(config.get("attention_bias")), fc_bias=fmt == "sglang")
+    if src.kind == "medusa":
+        return medusa_shapes(fmt, c)
+    return hf_llama_shapes(c)
+
+
+# ---------------------------------------------------------------- config.json per format
+
+
+def expected_config(src: Source, fmt: str) -> dict:
+    """Keys the engines read, with the values the drafter implies (checked for equality)."""
+    c, t = src.head.config, src.target_hf
+    if src.kind == "medusa" and fmt == "tgi":
+        return {"medusa_num_heads": c.num_heads, "medusa_num_layers": c.num_layers}
+    if src.kind == "medusa":
+        return {
+            "model_type": "medusa",
+            "architectures": ["MedusaModel"],
+            "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size,
+            "num_heads": c.num_heads,
+            "num_hidden_layers": c.num_layers,
+            "medusa_fc_bias": True,
+        }
+    sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    want = {k: getattr(c, k) for k in sizes} | {"vocab_size": c.vocab_size}
+    if src.kind == "draft_model":
+        return want | {"model_type": t["model_type"], "num_hidden_layers": c.num_hidden_layers}
+    arch = {"eagle3": "LlamaForCausalLMEagle3", "eagle": "EagleLlamaForCausalLM"}[src.kind]
+    want |= {"architectures": ["LlamaForCausalLMEagle" if fmt == "sglang" and src.kind == "eagle" else arch]}
+    want |= {"model_type": "llama", "num_hidden_layers": 1}
+    if src.kind == "eagle3":
+        ids = {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True}
+        want |= {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size, "eagle_config": ids}
+    return want
+
+
+def config_problems(src: Source, fmt: str, config: dict) -> list[str]:
+    problems = [
+        f"config.json {k}={config.get(k, '<missing>')!r}, expected {v!r}"
+        for k, v in expected_config(src, fmt).items()
+        if config.get(k) != v
+    ]
+    if fmt == "tgi":
+        if "architectures" in config:
+            problems.append("config.json has `architectures`: TGI then takes the folder for a full model")
+        if not config.get("base_model_name_or_path"):
+            problems.append("config.json has no base_model_name_or_path: TGI loads the target from it")
+    if src.kind in ("eagle", "eagle3"):
+        problems += head_config_problems(src, config)
+    return problems
+
+
+def head_config_problems(src: Source, config: dict) -> list[str]:
+    """EAGLE heads run beside the target: its positions and its rope."""
+    problems = []
+    need = src.target_hf.get("max_position_embeddings", 0)
+    if config.get("max_position_embeddings", 0) < need:
+        problems.append(
+            f"config.json max_position_embeddings={config.get('max_position_embeddings')} < target's {need}"
+        )
+    try:
+        ours, theirs = ModelConfig.from_hf(config), ModelConfig.from_hf(src.target_hf)
+        if not torch.equal(rope_inv_freq(ours), rope_inv_freq(theirs)):
+            problems.append("config.json rope settings differ from the target's")
+    except (KeyError, ValueError) as e:
+        problems.append(f"config.json does not parse as a Llama config: {e}")
+    return problems
+
+
+# ---------------------------------------------------------------- reloading
+
+
+def read_export(folder: Path, fmt: str) -> tuple[dict, dict[str, Tensor]]:
+    path, weights = folder / "config.json", folder / WEIGHT_FILE.get(fmt, "model.safetensors")
+    for f in (path, weights, folder / "README.md"):
+        if not f.is_file():
+            raise ExportError(f"export {folder} is incomplete: {f.name} is missing")
+    try:
+        return json.loads(path.read_text()), load_file(str(weights))
+    except (json.JSONDecodeError, SafetensorError, OSError) as e:
+        raise ExportError(f"export {folder} is corrupt: {e}") from e
+
+
+def tensor_problems(tensors: dict[str, Tensor], want: Shapes) -> list[str]:
+    missing, unexpected = sorted(want.keys() - tensors.keys()), sorted(tensors.keys() - want.keys())
+    problems = [f"missing key {k} {want[k]}" for k in missing] + [f"unexpected key {k}" for k in unexpected]
+    problems += [
+        f"{k} has shape {tuple(tensors[k].shape)}, expected {want[k]}"
+        for k in sorted(want.keys() & tensors.keys())
+        if tuple(tensors[k].shape) != want[k]
+    ]
+    floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
+    if len(floats) > 1:
+        problems.append(f"mixed floating dtypes {sorted(map(str, floats))}")
+    if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:
+        problems.append(f"d2t is {tensors['d2t'].dtype}, expected torch.int64 offsets")
+    if "t2d" in tensors and tensors["t2d"].dtype != torch.bool:
+        problems.append(f"t2d is {tensors['t2d'].dtype}, expected torch.bool")
+    return problems
+
+
+# ---------------------------------------------------------------- the formats' forwards, from exported tensors
+
+
+def rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def linear(x: Tensor, w: dict[str, Tensor], name: str) -> Tensor:
+    y = x @ w[f"{name}.weight"].T
+    return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention(x: Tensor, w: dict[str, Tensor], p: str, cfg: ModelConfig, positions: Tensor) -> Tensor:
+    """Causal GQA self-attention over x [n, in_dim] at `positions`, HF rotate-half rope."""
+    n, heads, kv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    freqs = positions.float()[:, None] * rope_inv_freq(cfg)[None]
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    q = rotate(linear(x, w, f"{p}.q_proj").view(n, heads, d).transpose(0, 1), cos, sin)
+    k = rotate(linear(x, w, f"{p}.k_proj").view(n, kv, d).transpose(0, 1), cos, sin)
+    v = linear(x, w, f"{p}.v_proj").view(n, kv, d).transpose(0, 1)
+    k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
+    scores = (q @ k.transpose(-1, -2)) * d**-0.5
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, heads * d)
+    return linear(out, w, f"{p}.o_proj")
+
+
+def mlp(x: Tensor, w: dict[str, Tensor], p: str) -> Tensor:
+    return linear(F.silu(linear(x, w, f"{p}.gate_proj")) * linear(x, w, f"{p}.up_proj"), w, f"{p}.down_proj")
+
+
+def eagle3_forward(w, cfg: ModelConfig, embeds: Tensor, aux: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+    """vLLM's Eagle3LlamaForCausalLM: feature = fc(aux); [norm(embed); norm(feature)] -> attention, residual =
+    feature; returns the next feature, logits over the draft vocabulary and each draft id's target id."""
+    eps = cfg.rms_norm_eps
+    feat = linear(aux, w, "fc")
+    x = torch.cat(
+        [rms(embeds, w["midlayer.input_layernorm.weight"], eps), rms(feat, w["midlayer.hidden_norm.weight"], eps)], -1
+    )
+    h = feat + attention(x, w, "midlayer.self_attn", cfg, positions)
+    h = h + mlp(rms(h, w["midlayer.post_attention_layernorm.weight"], eps), w, "midlayer.mlp")
+    logits = linear(rms(h, w["norm.weight"], eps), w, "lm_head")
+    vd = logits.shape[-1]
+    return h, logits, torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
+
+
+def eagle_forward(w, cfg: ModelConfig, embeds: Tensor, feature: Tensor, positions: Tensor, lm_head: Tensor):
+    """EAGLE-1: x = fc([embed; feature]) (+ bias where the format has one); one layer without input norm,
+    no final norm; the target's lm_head gives the logits."""
+    x = linear(torch.cat([embeds, feature], -1), w, "fc")
+    h = x + attention(x, w, "layers.0.self_attn", cfg, positions)
+    h = h + mlp(rms(h, w["layers.0.post_attention_layernorm.weight"], cfg.rms_norm_eps), w, "layers.0.mlp")
+    return h, h @ lm_head.T
+
+
+def medusa_forward(w, fmt: str, c, hidden: Tensor) -> Tensor:
+    """[K, n, V]: head h = its blocks x + silu(W x + b), then its own lm_head."""
+    block, head = medusa_names(fmt, c)
+    out = []
+    for h in range(c.num_heads):
+        x = hidden
+        for layer in range(c.num_layers):
+            x = x + F.silu(linear(x, w, block.format(h=h, l=layer)))
+        out.append(linear(x, w, head.format(h=h)))
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------- comparing with the drafter's own forward
+
+
+def rounded_head(src: Source, dtype: torch.dtype):
+    """A float32 copy of the drafter whose parameters carry the export's rounding (buffers such as the rope
+    tables stay float32), so only the format, not the dtype, can make the two forwards differ."""
+    head = copy.deepcopy(src.head).float()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(p.to(dtype).float())
+    return head
+
+
+def forward_pairs(src: Source, fmt: str, folder: Path, w: dict[str, Tensor], config: dict) -> dict[str, tuple]:
+    """name -> (export's output, drafter's output) on the same random inputs."""
+    dtype = next(t.dtype for t in w.values() if t.is_floating_point())
+    head, c, n = rounded_head(src, dtype), src.head.config, 6
+    w = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, c.vocab_size, (n,), generator=g)
+    positions = torch.arange(3, 3 + n)
+    with torch.no_grad():
+        if src.kind == "medusa":
+            hidden = torch.randn(n, c.hidden_size, generator=g)
+            return {"logits": (medusa_forward(w, fmt, c, hidden), head(hidden))}
+        if src.kind == "draft_model":
+            return {"logits": (hf_logits(folder, tokens), head.lm_head(head.hidden_states(tokens[None])[0])[0])}
+        embeds, cfg = head.embed_tokens(tokens), ModelConfig.from_hf(config)
+        if src.kind == "eagle3":
+            aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=g)
+            h, logits, ids = eagle3_forward(w, cfg, embeds, aux, positions)
+            mine = head(head.target_features(None, aux[None]), tokens[None], positions)[0]
+            pairs = {"feature": (h, mine), "logits": (logits, head.logits(mine)), "target ids": (ids, head.vocab_ids)}
+            return pairs | t2d_pair(w, head)
+        feature = torch.randn(n, c.hidden_size, generator=g)
+        h, logits = eagle_forward(w, cfg, embeds, feature, positions, head.lm_head.weight)
+        mine = head(feature[None], tokens[None], positions)[0]
+        return {"feature": (h, mine), "logits": (logits, head.logits(mine))}
+
+
+def t2d_pair(w: dict[str, Tensor], head) -> dict[str, tuple]:
+    if "t2d" not in w:
+        return {}
+    kept = torch.zeros_like(w["t2d"])
+    kept[head.vocab_ids] = True
+    return {"t2d": (w["t2d"], kept)}
+
+
+def hf_logits(folder: Path, tokens: Tensor) -> Tensor:
+    """What the HF engines see: transformers' own model class for the folder."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    with torch.no_grad():
+        return model(tokens[None]).logits[0]
+
+
+def mismatch(a: Tensor, b: Tensor) -> float:
+    if not a.is_floating_point():
+        return 0.0 if torch.equal(a, b) else 1.0
+    if a.shape != b.shape:
+        return float("inf")
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+
+
+def check_export(folder: Path, src: Source, fmt: str) -> None:
+    """Raise ExportError listing every problem with the export at `folder`."""
+    config, tensors = read_export(folder, fmt)
+    problems = config_problems(src, fmt, config) + tensor_problems(tensors, expected_shapes(src, fmt, config))
+    if fmt == "hf" and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        problems.append("no tokenizer files (tokenizer.json / tokenizer.model)")
+    if not problems:  # the forward needs every tensor in place
+        dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
+        for name, (theirs, mine) in forward_pairs(src, fmt, folder, tensors, config).items():
+            err = mismatch(theirs, mine)
+            if err > TOLERANCE[dtype]:
+                problems.append(f"{fmt} forward differs from the drafter's: {name} off by {err:.2e} (relative)")
+    if problems:
+        raise ExportError(f"export {folder} ({src.kind} -> {fmt}) fails validation:\n  - " + "\n  - ".join(problems))

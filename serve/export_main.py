@@ -1,0 +1,53 @@
+"""draftsmith-export: a drafter folder -> the folder vLLM, SGLang, TGI or HF transformers loads."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from .__main__ import typed
+from .export import ExportError, export, validate
+from .target import TargetConfig
+
+
+@dataclass
+class ExportConfig:
+    drafter: str
+    format: str
+    out: str
+    target: TargetConfig = field(default_factory=TargetConfig)
+    dtype: str = "bf16"
+    overwrite: bool = False
+    check: bool = False
+    push: bool = False
+
+
+def run(cfg: ExportConfig) -> None:
+    if cfg.push:
+        raise ExportError("push=true is not supported: draftsmith-export never uploads; upload OUT yourself")
+    if cfg.check:
+        validate(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target)
+        print(f"{cfg.out}: a valid {cfg.format} export of {cfg.drafter}")
+        return
+    out = export(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target, cfg.dtype, cfg.overwrite)
+    print(f"exported {cfg.drafter} to {out} ({cfg.format}, {cfg.dtype}), validated; serve commands in {out}/README.md")
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base=None)
+def _main(cfg: DictConfig) -> None:
+    try:
+        run(typed(cfg, ExportConfig))
+    except ExportError as e:
+        sys.exit(f"draftsmith-export: {e}")
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

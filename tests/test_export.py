@@ -1,0 +1,420 @@
+"""Export (serve/export.py) on tiny drafters of every kind for a tiny random Llama target: each format's key
+names, shapes and config.json as the engines expect them; the validator catching a renamed key, a wrong shape,
+a missing d2t and a wrong weight; the HF draft model as transformers' assistant_model; refusals and atomic
+writes. The real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
+from draftsmith.heads.drafter import Recipe, TargetInfo, save_drafter
+from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.serve import export as export_mod
+from draftsmith.serve.export import ExportError, export, validate
+from draftsmith.serve.export_main import ExportConfig, run
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.target import TargetConfig, target_id
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H, FF, Q, KV, V, DRAFT_V = 64, 128, 64, 32, 128, 48  # tiny target: 4 heads and 2 kv heads of 16
+ROWS = [
+    ("eagle3", "vllm"),
+    ("eagle3", "sglang"),
+    ("eagle", "vllm"),
+    ("eagle", "sglang"),
+    ("medusa", "vllm"),
+    ("medusa", "tgi"),
+    ("draft_model", "hf"),
+]
+
+
+def layer_shapes(p: str, in_dim: int, bias: bool = False) -> dict:
+    s = {f"{p}.self_attn.q_proj.weight": (Q, in_dim), f"{p}.self_attn.k_proj.weight": (KV, in_dim)}
+    s |= {f"{p}.self_attn.v_proj.weight": (KV, in_dim), f"{p}.self_attn.o_proj.weight": (H, Q)}
+    s |= {
+        f"{p}.mlp.gate_proj.weight": (FF, H),
+        f"{p}.mlp.up_proj.weight": (FF, H),
+        f"{p}.mlp.down_proj.weight": (H, FF),
+    }
+    s[f"{p}.post_attention_layernorm.weight"] = (H,)
+    if bias:
+        s |= {f"{p}.self_attn.{n}_proj.bias": (d,) for n, d in {"q": Q, "k": KV, "v": KV, "o": H}.items()}
+    return s
+
+
+# the issue's table, spelled out for the tiny sizes
+EAGLE3_KEYS = {
+    "fc.weight": (H, 3 * H),
+    **layer_shapes("midlayer", 2 * H),
+    "midlayer.input_layernorm.weight": (H,),
+    "midlayer.hidden_norm.weight": (H,),
+    "norm.weight": (H,),
+    "lm_head.weight": (DRAFT_V, H),
+    "d2t": (DRAFT_V,),
+    "t2d": (V,),
+}
+EXPECTED = {
+    ("eagle3", "vllm"): ("model.safetensors", EAGLE3_KEYS),
+    ("eagle3", "sglang"): ("model.safetensors", EAGLE3_KEYS),
+    # vLLM's fc has no bias: the trained bias moves into the attention's q/k/v/o biases
+    ("eagle", "vllm"): ("model.safetensors", {"fc.weight": (H, 2 * H), **layer_shapes("layers.0", H, bias=True)}),
+    ("eagle", "sglang"): (
+        "model.safetensors",
+        {"fc.weight": (H, 2 * H), "fc.bias": (H,), **layer_shapes("layers.0", H)},
+    ),
+    ("medusa", "vllm"): (
+        "model.safetensors",
+        {f"blocks.{h}.layers.0.{p}": (H, H) if p == "weight" else (H,) for h in range(3) for p in ("weight", "bias")}
+        | {f"lm_heads.{h}.weight": (V, H) for h in range(3)},
+    ),
+    ("medusa", "tgi"): (
+        "medusa_lm_head.safetensors",
+        {f"{h}.0.linear.{p}": (H, H) if p == "weight" else (H,) for h in range(3) for p in ("weight", "bias")}
+        | {f"{h}.1.weight": (V, H) for h in range(3)},
+    ),
+    ("draft_model", "hf"): (
+        "model.safetensors",
+        {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+        | {k: v for i in range(2) for k, v in layer_shapes(f"model.layers.{i}", H).items()}
+        | {f"model.layers.{i}.input_layernorm.weight": (H,) for i in range(2)},
+    ),
+}
+CONFIG = {
+    ("eagle3", "vllm"): {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "num_hidden_layers": 1,
+        "vocab_size": V,
+        "draft_vocab_size": DRAFT_V,
+        "target_hidden_size": H,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True},
+    },
+    ("eagle", "vllm"): {"architectures": ["EagleLlamaForCausalLM"], "num_hidden_layers": 1, "attention_bias": True},
+    ("eagle", "sglang"): {"architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1},
+    ("medusa", "vllm"): {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": H,
+        "vocab_size": V,
+        "num_heads": 3,
+        "num_hidden_layers": 1,
+        "medusa_fc_bias": True,
+    },
+    ("medusa", "tgi"): {"medusa_num_heads": 3, "medusa_num_layers": 1},
+    ("draft_model", "hf"): {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 2},
+}
+CONFIG[("eagle3", "sglang")] = CONFIG[("eagle3", "vllm")]
+
+
+def save_tiny_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("t0" .. "t127"): the HF export copies it."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, tmp_path_factory):
+    """The target folder (with a tokenizer), its TargetConfig, and one saved drafter folder per kind."""
+    root = tmp_path_factory.mktemp("export")
+    tdir = root / "target"
+    shutil.copytree(tiny_llama_dir("llama"), tdir)
+    save_tiny_tokenizer(tdir)
+    tcfg = TargetConfig(path=str(tdir))
+    target = load_model(tdir)
+    info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
+    drafters = {
+        kind: save_tiny(kind, target, info, root / kind) for kind in ("eagle3", "eagle", "medusa", "draft_model")
+    }
+    return tcfg, drafters, target
+
+
+def tiny_head(kind: str, target):
+    """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it."""
+    c = target.config
+    if kind == "eagle3":
+        head = Eagle3Head(Eagle3Config.from_target(c, draft_vocab_size=DRAFT_V), target)
+        head.set_vocab(torch.rand(V))  # a draft vocabulary that is not the first DRAFT_V ids
+    elif kind == "eagle":
+        head = EagleHead(EagleConfig.from_target(c), target)
+    elif kind == "medusa":
+        head = MedusaHeads(MedusaConfig(H, V, num_heads=3, num_layers=1), target)
+    else:
+        head = DraftModel(DraftModelConfig(num_layers=2), target)
+        return head, head.draft_config
+    return head, head.config
+
+
+def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
+    torch.manual_seed(1)
+    head, cfg = tiny_head(kind, target)
+    with torch.no_grad():  # trained-looking weights: no zero blocks, a visible fc bias
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return save_drafter(head, cfg, kind, info, Recipe(data="tiny", acceptance={"mean_acceptance_length": 2.5}), folder)
+
+
+def do_export(tiny, kind: str, fmt: str, out: Path, **kw) -> Path:
+    tcfg, drafters, _ = tiny
+    return export(drafters[kind], fmt, out, tcfg, kw.pop("dtype", "fp32"), **kw)
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+# ---------------------------------------------------------------- each row of the table
+
+
+@pytest.mark.parametrize("kind,fmt", ROWS)
+def test_export_keys_shapes_config(tiny, tmp_path, kind, fmt):
+    out = do_export(tiny, kind, fmt, tmp_path / "out")
+    weights, shapes = EXPECTED[kind, fmt]
+    tensors = load_file(str(out / weights))
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == shapes
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config.get(k) for k in CONFIG[kind, fmt]} == CONFIG[kind, fmt]
+    card = (out / "README.md").read_text()
+    assert tiny[0].path in card and "2.50" in card  # target and measured tau
+    assert leftovers(tmp_path) == []
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in [out, *out.iterdir()])  # readable by an engine's user
+    if fmt == "tgi":
+        assert "architectures" not in config and config["base_model_name_or_path"] == str(Path(tiny[0].path).resolve())
+    if kind in ("eagle3", "eagle"):
+        assert config["max_position_embeddings"] == 256 and config["rope_parameters"]["rope_theta"] == 10000.0
+        assert "vllm serve" in card or "sglang.launch_server" in card
+
+
+def test_eagle3_vocab_map_and_dtypes(tiny, tmp_path):
+    out = do_export(tiny, "eagle3", "vllm", tmp_path / "out", dtype="bf16")
+    t = load_file(str(out / "model.safetensors"))
+    assert t["fc.weight"].dtype == torch.bfloat16 and t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool
+    target_ids = torch.arange(DRAFT_V) + t["d2t"]  # vLLM's reading: target id = draft id + d2t
+    assert target_ids.unique().numel() == DRAFT_V and t["t2d"][target_ids].all() and t["t2d"].sum() == DRAFT_V
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_eagle_vllm_moves_fc_bias_into_attention(tiny, tmp_path):
+    """EagleLlamaForCausalLM's fc has no bias: o_proj carries b, q/k/v carry W b; the validator's plain-torch
+    vLLM forward (which passed inside export) matches the drafter, so the move is exact."""
+    drafter = load_file(str(tiny[1]["eagle"] / "model.safetensors"))
+    t = load_file(str(do_export(tiny, "eagle", "vllm", tmp_path / "out") / "model.safetensors"))
+    b = drafter["fc.bias"]
+    assert b.abs().max() > 0.01 and torch.equal(t["layers.0.self_attn.o_proj.bias"], b)
+    q = drafter["layers.0.self_attn.q_proj.weight"].double() @ b.double()
+    torch.testing.assert_close(t["layers.0.self_attn.q_proj.bias"].double(), q, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the validator
+
+
+def edit_weights(out: Path, fmt: str, change) -> None:
+    path = out / ("medusa_lm_head.safetensors" if fmt == "tgi" else "model.safetensors")
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def rename(old: str, new: str):
+    return lambda t: t.__setitem__(new, t.pop(old))
+
+
+@pytest.mark.parametrize(
+    "kind,fmt,change,message",
+    [
+        ("eagle3", "vllm", rename("midlayer.hidden_norm.weight", "midlayer.hidden_layernorm.weight"), "missing key"),
+        ("eagle", "sglang", rename("fc.weight", "model.fc.weight"), "unexpected key model.fc.weight"),
+        ("medusa", "tgi", rename("2.1.weight", "2.lm_head.weight"), "missing key 2.1.weight"),
+        ("eagle3", "vllm", lambda t: t.__setitem__("fc.weight", t["fc.weight"][:, :128]), "fc.weight has shape"),
+        ("eagle", "vllm", lambda t: t.__setitem__("fc.weight", t["fc.weight"].T.contiguous()), "has shape (128, 64)"),
+        ("eagle3", "sglang", lambda t: t.pop("d2t"), "missing key d2t"),
+        ("eagle3", "vllm", lambda t: t.__setitem__("d2t", t["d2t"].int()), "d2t is torch.int32"),
+        ("medusa", "vllm", lambda t: t["blocks.1.layers.0.weight"].mul_(1.5), "forward differs"),
+        ("eagle", "vllm", lambda t: t.pop("layers.0.self_attn.o_proj.bias"), "missing key"),
+        ("eagle3", "vllm", lambda t: t["d2t"].add_(1), "target ids off"),
+        ("draft_model", "hf", lambda t: t["model.layers.1.mlp.up_proj.weight"].mul_(-1), "forward differs"),
+    ],
+)
+def test_validator_catches(tiny, tmp_path, kind, fmt, change, message):
+    out = do_export(tiny, kind, fmt, tmp_path / "out")
+    validate(tiny[1][kind], fmt, out, tiny[0])  # the untouched export is valid
+    edit_weights(out, fmt, change)
+    with pytest.raises(ExportError, match="fails validation") as e:
+        validate(tiny[1][kind], fmt, out, tiny[0])
+    assert message in str(e.value)
+
+
+def test_validator_catches_config_errors(tiny, tmp_path):
+    out = do_export(tiny, "eagle3", "vllm", tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    bad = config | {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1]}, "rope_theta": 500.0}
+    del bad["rope_parameters"]
+    (out / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ExportError) as e:
+        validate(tiny[1]["eagle3"], "vllm", out, tiny[0])
+    assert "eagle_config" in str(e.value) and "rope settings differ" in str(e.value)
+
+
+# ---------------------------------------------------------------- the HF draft model
+
+
+def test_hf_draft_model_is_a_lossless_assistant(tiny, tmp_path):
+    out = do_export(tiny, "draft_model", "hf", tmp_path / "out")
+    draft = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    target = AutoModelForCausalLM.from_pretrained(tiny[0].path, local_files_only=True)
+    assert type(draft).__name__ == "LlamaForCausalLM" and draft.config.num_hidden_layers == 2
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and "dtype" not in config  # one dtype key, read by transformers 4 and 5
+    ids = torch.tensor([[5, 17, 99, 3, 42, 8]])
+    kw = dict(do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
+    plain = target.generate(ids, **kw)
+    assisted = target.generate(ids, assistant_model=draft, **kw)
+    assert torch.equal(assisted, plain) and plain.shape[1] == 30
+    with torch.no_grad():  # the export is the drafter: same logits as draftsmith's DraftModel forward
+        ours = load_model(out)
+        mine = ours(ids[0], torch.arange(6), ours.new_cache(6), 0).logits
+        torch.testing.assert_close(draft(ids).logits[0], mine, rtol=1e-5, atol=1e-5)
+    assert (out / "tokenizer.json").is_file()
+
+
+# ---------------------------------------------------------------- bad input, atomic writes
+
+
+def test_refuses_a_kind_the_format_cannot_hold(tiny, tmp_path):
+    with pytest.raises(ExportError, match=r"format=tgi cannot hold eagle3 drafters; use format=vllm\|sglang"):
+        do_export(tiny, "eagle3", "tgi", tmp_path / "out")
+    with pytest.raises(ExportError, match="unknown format 'onnx'"):
+        do_export(tiny, "eagle3", "onnx", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_out_needs_overwrite(tiny, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="exists; pass overwrite=true"):
+        do_export(tiny, "medusa", "vllm", out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    do_export(tiny, "medusa", "vllm", out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert leftovers(tmp_path) == []
+
+
+def test_refuses_out_overlapping_the_drafter(tiny):
+    with pytest.raises(ExportError, match="overlaps the drafter folder"):
+        do_export(tiny, "medusa", "vllm", tiny[1]["medusa"] / "export", overwrite=True)
+
+
+def broken_copy(src: Path, folder: Path, fix) -> Path:
+    shutil.copytree(src, folder)
+    fix(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "fix,message",
+    [
+        (lambda f: (f / "model.safetensors").unlink(), "model.safetensors is missing"),
+        (lambda f: (f / "model.safetensors").write_bytes(b"\x00" * 64), "corrupt or not a safetensors file"),
+        (lambda f: (f / "config.json").unlink(), "config.json is missing"),
+        (lambda f: (f / "config.json").write_text("{kind: eagle"), "not valid JSON"),
+        (lambda f: edit_json(f / "config.json", lambda m: m["config"].update(bogus=1)), "config.json is corrupt"),
+        (lambda f: edit_json(f / "config.json", lambda m: m["config"].pop("hidden_size")), "the config implies"),
+        (lambda f: edit_json(f / "config.json", lambda m: m.pop("target")), "config.json is corrupt"),
+    ],
+)
+def test_refuses_missing_or_corrupt_drafter(tiny, tmp_path, fix, message):
+    drafter = broken_copy(tiny[1]["eagle"], tmp_path / "drafter", fix)
+    with pytest.raises(ExportError, match=message):
+        export(drafter, "vllm", tmp_path / "out", tiny[0], "fp32")
+    assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+def edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_refuses_a_drafter_for_another_target(tiny, tiny_llama_dir, tmp_path):
+    other = TargetConfig(path=str(tiny_llama_dir("llama", rope_theta=500.0)))
+    with pytest.raises(ExportError, match="train a drafter for this target"):
+        export(tiny[1]["eagle"], "vllm", tmp_path / "out", other, "fp32")
+    assert not (tmp_path / "out").exists()
+
+
+def test_refuses_an_unsupported_target_architecture(tiny, tmp_path):
+    """A target the format's engines do not run these drafters for (a Qwen3 target for TGI's Medusa heads)."""
+    tdir = tmp_path / "qwen3ish"
+    shutil.copytree(tiny[0].path, tdir)
+    edit_json(tdir / "config.json", lambda c: c.update(model_type="qwen3", architectures=["Qwen3ForCausalLM"]))
+    tcfg = TargetConfig(path=str(tdir))
+    info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
+    drafter = save_tiny("medusa", tiny[2], info, tmp_path / "medusa")
+    with pytest.raises(ExportError, match="model_type='qwen3'; format=tgi serves medusa drafters for llama"):
+        export(drafter, "tgi", tmp_path / "out-tgi", tcfg, "fp32")
+    assert not (tmp_path / "out-tgi").exists()
+    export(drafter, "vllm", tmp_path / "out-vllm", tcfg, "fp32")  # vLLM runs Medusa heads on Qwen3
+
+
+def test_failed_validation_writes_nothing(tiny, tmp_path, monkeypatch):
+    out = do_export(tiny, "eagle", "sglang", tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def broken(exp_src):
+        exp = export_mod.eagle_sglang(exp_src)
+        exp.tensors["model.safetensors"]["fc.bias"] = exp.tensors["model.safetensors"]["fc.bias"] + 1.0
+        return exp
+
+    monkeypatch.setitem(export_mod.FORMATS["eagle"], "sglang", broken)
+    with pytest.raises(ExportError, match="forward differs"):
+        do_export(tiny, "eagle", "sglang", out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export is untouched
+    with pytest.raises(ExportError, match="forward differs"):
+        do_export(tiny, "eagle", "sglang", tmp_path / "new")
+    assert not (tmp_path / "new").exists() and leftovers(tmp_path) == []
+
+
+def test_cli_run_check_and_push(tiny, tmp_path, capsys):
+    tcfg, drafters, _ = tiny
+    cfg = ExportConfig(str(drafters["medusa"]), "tgi", str(tmp_path / "out"), tcfg, dtype="fp16")
+    run(cfg)
+    assert load_file(str(tmp_path / "out" / "medusa_lm_head.safetensors"))["0.1.weight"].dtype == torch.float16
+    run(ExportConfig(cfg.drafter, "tgi", cfg.out, tcfg, check=True))
+    assert "a valid tgi export" in capsys.readouterr().out
+    with pytest.raises(ExportError, match="push=true is not supported"):
+        run(ExportConfig(cfg.drafter, "tgi", str(tmp_path / "pushed"), tcfg, push=True))
+    assert not (tmp_path / "pushed").exists()
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_targets(tiny_llama_dir, tmp_path, model_type):
+    """Qwen2 heads carry q/k/v biases (the engines' attention_bias adds an o_proj bias: exported as zeros);
+    a Qwen3 draft model keeps its q/k norms. Every export validated, as always."""
+    tdir = tmp_path / "target"
+    shutil.copytree(tiny_llama_dir(model_type), tdir)
+    save_tiny_tokenizer(tdir)
+    tcfg, target = TargetConfig(path=str(tdir)), load_model(tdir)
+    info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
+    for kind, fmts in (("eagle3", ["vllm"]), ("eagle", ["vllm", "sglang"]), ("draft_model", ["hf"])):
+        drafter = save_tiny(kind, target, info, tmp_path / kind)
+        for fmt in fmts:
+            t = load_file(str(export(drafter, fmt, tmp_path / f"{kind}-{fmt}", tcfg, "fp32") / "model.safetensors"))
+            o_bias = {k: v for k, v in t.items() if k.endswith("o_proj.bias")}
+            if kind == "draft_model":
+                assert not o_bias and ("model.layers.0.self_attn.q_norm.weight" in t) == (model_type == "qwen3")
+                assert ("model.layers.0.self_attn.q_proj.bias" in t) == (model_type == "qwen2")
+            elif model_type == "qwen2":
+                assert len(o_bias) == 1 and (kind == "eagle" and fmt == "vllm" or not next(iter(o_bias.values())).any())
