@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.train.log import start_wandb
-from draftsmith.train.trainer import WandbConfig
+from draftsmith.train.log import WandbConfig, start_wandb
 
 
 def headline(r: dict) -> dict[str, float]:
