@@ -19,7 +19,7 @@ from draftsmith.eval.study import finding
 from draftsmith.serve.__main__ import typed
 from draftsmith.serve.engine import Generation
 from draftsmith.serve.metrics import Metrics
-from helpers import build_tiny_chat_target
+from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,18 +28,6 @@ ROWS = [
     {"id": "b", "category": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"},
     {"id": "c", "category": "code", "prompt": "x = 1\nx = 1\nx = 1\nx ="},
 ]
-ISSUE2_SPEC_KEYS = (
-    "method",
-    "tokens_per_s",
-    "speedup",
-    "mean_acceptance_length",
-    "acceptance_rate_per_position",
-    "draft_acceptance_rate",
-    "target_forward_passes",
-    "ttft_ms",
-    "tpot_ms",
-    "new_tokens",
-)
 
 
 @pytest.fixture(scope="module")
