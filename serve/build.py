@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from draftsmith.heads.drafter import TargetInfo, read_meta
 from draftsmith.heads.drafter import load_drafter as load_head
 from draftsmith.heads.llama import Transformer
+from draftsmith.heads.packed import pack_linears
 
 from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from .eagle import EagleProposer, TreeConfig
@@ -111,7 +112,9 @@ def load_trained(folder: Path, target: Loaded, kind: str, spec_name: str, *share
     if found != kind:
         raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
     m = target.model
-    return load_head(folder, target_info(target), *shared, device=m.device, dtype=m.dtype).eval().requires_grad_(False)
+    head = load_head(folder, target_info(target), *shared, device=m.device, dtype=m.dtype)
+    pack_linears(head.eval().requires_grad_(False))
+    return head
 
 
 def check_same_tokenizer(draft: PreTrainedTokenizerBase, tgt: PreTrainedTokenizerBase, dname: str, tname: str) -> None:

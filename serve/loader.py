@@ -10,6 +10,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from draftsmith.heads.llama import ModelConfig, Transformer
+from draftsmith.heads.packed import pack_linears
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -48,7 +49,8 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", pack: bool = True) -> Transformer:
+    """A frozen model for inference; pack: oneDNN-prepacked linears on CPU (heads/packed.py)."""
     cfg = ModelConfig.from_hf(read_hf_config(folder))
     state = load_state_dict(folder)
     with torch.device("meta"):
@@ -71,4 +73,7 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: str = "
             )
     model.load_state_dict(state, strict=False)
     model.rope_cache(cfg.max_position_embeddings)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if pack:
+        pack_linears(model)
+    return model

@@ -1,0 +1,67 @@
+"""oneDNN-prepacked linears for CPU inference.
+
+A decode step multiplies one row by every weight matrix, and `aten::mm` on a plain row-major
+weight is about half as fast as oneDNN on a weight reordered once into its blocked layout
+(SmolLM2, 2 cores: bf16 576x1536 71 -> 35 us, the fp32 576x49152 lm_head 11.4 -> 5.3 ms).
+`pack_linears` swaps every nn.Linear of a frozen model for a PackedLinear that keeps the same
+`weight` / `bias` parameters (state_dict keys, tied embeddings and readers of `.weight` are
+unchanged) plus the packed copy. Only no-grad calls on CPU in the packed dtype take the packed
+path; anything else (autograd, autocast to another dtype) runs F.linear on the original weight.
+The packed copy costs a second set of linear weights in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+PACKABLE = (torch.float32, torch.bfloat16)
+
+
+def can_pack(weight: Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype in PACKABLE
+        and torch.backends.mkldnn.is_available()
+        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        # batch-size hint 1: tuned for decode rows, correct for any number of rows
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.takes_packed(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def takes_packed(self, x: Tensor) -> bool:
+        cpu = x.device.type == "cpu"
+        return (
+            cpu
+            and x.dtype == self.packed.dtype
+            and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled("cpu")
+        )
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed.dtype}"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace the frozen model's CPU nn.Linear layers by PackedLinear in place; returns how many."""
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and can_pack(child.weight)
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, PackedLinear(child))
+    return len(swaps)

@@ -1,0 +1,51 @@
+"""oneDNN-prepacked linears (heads/packed.py): same outputs, same parameters, autograd falls back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from draftsmith.heads.packed import PackedLinear, can_pack, pack_linears
+from draftsmith.serve.loader import load_model
+from helpers import build_tiny
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no oneDNN on this CPU build")
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_matches_linear(dtype, tol, rows):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96, bias=True).to(dtype)
+    x = torch.randn(1, rows, 64, dtype=dtype)
+    with torch.no_grad():
+        want = lin(x)
+        got = PackedLinear(lin)(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_grad_and_other_dtypes_fall_back_to_the_weight():
+    lin = PackedLinear(nn.Linear(8, 4))
+    x = torch.randn(3, 8, requires_grad=True)
+    lin(x).sum().backward()  # the oneDNN op has no autograd: must not be taken
+    assert x.grad is not None and x.grad.shape == x.shape
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = lin(x)  # autocast turns F.linear bf16; the fp32 packed weight must not be used
+    assert out.dtype == torch.bfloat16
+
+
+def test_load_model_packs_and_keeps_state_dict_and_tied_weights(tmp_path):
+    folder = build_tiny(tmp_path / "t", tie_word_embeddings=True)
+    packed, plain = load_model(folder), load_model(folder, pack=False)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+    assert packed.state_dict().keys() == plain.state_dict().keys()
+    assert packed.lm_head.weight is packed.model.embed_tokens.weight
+    tokens = torch.arange(20)
+    with torch.inference_mode():
+        a = packed(tokens, torch.arange(20), packed.new_cache(32), 0).logits
+        b = plain(tokens, torch.arange(20), plain.new_cache(32), 0).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert pack_linears(packed) == 0  # already packed: nothing left to swap
