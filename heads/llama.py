@@ -182,14 +182,19 @@ class Attention(nn.Module):
         sin: Tensor,
         k_cache: Tensor | None = None,
         v_cache: Tensor | None = None,
-        start: int = 0,
+        start: int | Tensor = 0,
         mask: Tensor | None = None,
     ) -> Tensor:
         """x: [b, n, in_dim]; cos/sin broadcast to [b, heads, n, head_dim]. Without a cache (training)
-        the n tokens attend among themselves; with one, their KV goes to slots [start, start+n)."""
+        the n tokens attend among themselves; with one, their KV goes to slots [start, start+n), or to the
+        slots a tensor `start` [n] names, attending then over every cache slot that `mask` [.., n, max_len] allows."""
         b, n, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
-        if k_cache is not None:
+        if isinstance(start, Tensor):  # static shapes (CUDA graphs): write at slots, attend over the whole cache
+            k_cache.index_copy_(2, start, k)
+            v_cache.index_copy_(2, start, v)
+            k, v = k_cache, v_cache
+        elif k_cache is not None:
             end = start + n
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
@@ -278,7 +283,7 @@ class Transformer(nn.Module):
         tokens: Tensor,
         positions: Tensor,
         cache: KVCache,
-        start: int,
+        start: int | Tensor,
         mask: Tensor | None = None,
         logit_rows: slice | Tensor | None = None,
         aux_layers: tuple[int, ...] = (),
@@ -286,6 +291,7 @@ class Transformer(nn.Module):
         """Run tokens [n] at `positions` [n], writing their KV to cache slots [start, start+n).
 
         mask: bool [n, start+n] (True = attend), required when n > 1 and start > 0.
+        start as a tensor of n slots: the static-shape form (serve/graphs.py), mask then [n, cache.max_len].
         logit_rows: which rows get logits (the lm_head is the costliest single matmul).
         aux_layers: layer indices whose input residual stream to return (L = last layer's output).
         """

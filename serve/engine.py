@@ -14,6 +14,7 @@ from torch import Tensor
 from draftsmith.heads.llama import ForwardOut, Transformer
 
 from .draft_model import causal_mask
+from .graphs import make_static_step
 from .metrics import Metrics
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
@@ -37,6 +38,7 @@ class Engine:
     eos_ids: tuple[int, ...] = ()
     max_seq_len: int = 4096
     salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
+    cuda_graphs: str = "auto"  # decode/verify step with static shapes: auto | graphs | eager | off (serve/graphs.py)
     cache: object = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +49,8 @@ class Engine:
         self.cache = self.model.new_cache(slots)
         if self.proposer:
             self.proposer.reserve(slots)
+        aux = self.proposer.aux_layers if self.proposer else ()
+        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, aux)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -137,6 +141,8 @@ class Engine:
     def forward(
         self, inputs: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
     ) -> ForwardOut:
+        if self.static is not None and logit_rows is None:
+            return self.static(inputs, positions, start, mask)
         aux = self.proposer.aux_layers if self.proposer else ()
         return self.model(inputs, positions, self.cache, start, mask, logit_rows, aux)
 

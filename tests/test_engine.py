@@ -12,6 +12,7 @@ import torch
 from draftsmith.serve import verify as verify_mod
 from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.graphs import full_mask
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.ngram import NgramConfig, NgramProposer
 from draftsmith.serve.prefix_cache import PrefixCache
@@ -381,3 +382,39 @@ def test_negative_control_biased_engine_is_caught(small, monkeypatch):
     monkeypatch.setattr(verify_mod, "residual", lambda q, x, p: q)
     p12, p23, p123 = speculative_pvalues(small, 2000)
     assert p12 < ALPHA and p23 < ALPHA, (p12, p23, p123)
+
+
+# ---------------------------------------------------------------- static-shape step (the CUDA-graph form, run eagerly)
+
+
+@pytest.mark.parametrize("name", [None, "ngram", "draft-noisy", "oracle-tree"])
+def test_static_step_equals_dynamic_forward(name, target, other, noisy, plain):
+    """cuda_graphs=eager runs serve/graphs.py's static form (KV written at slot tensors, attention over the
+    whole cache under a widened mask) on CPU: the outputs and the cache it leaves must equal plain decoding."""
+    for p in PROMPTS[:3]:
+        ref, ref_kv = plain[tuple(p)]
+        if name == "oracle-tree":
+            proposer = OracleTreeProposer(p + ref.output_ids, target.config.vocab_size)
+        else:
+            proposer = make_proposer(name, target, other, noisy) if name else None
+        engine = Engine(target, proposer, max_seq_len=MAX_SEQ, cuda_graphs="eager")
+        assert engine.static is not None and engine.static.mode == "eager"
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == ref.output_ids, (name, p)
+        assert same_kv(kv_prefix(engine, len(p) + MAX_NEW - 1), ref_kv)
+
+
+def test_static_step_modes(target):
+    assert Engine(target, max_seq_len=MAX_SEQ).static is None  # auto on CPU: the dynamic forward
+    with pytest.raises(ValueError, match="needs the target on a CUDA device"):
+        Engine(target, max_seq_len=MAX_SEQ, cuda_graphs="graphs")
+    with pytest.raises(ValueError, match="unknown static-step mode"):
+        Engine(target, max_seq_len=MAX_SEQ, cuda_graphs="always")
+
+
+def test_full_mask_widens_the_engine_mask():
+    decode = full_mask(None, 3, 1, 6, "cpu")
+    assert decode.tolist() == [[True, True, True, True, False, False]]
+    tree = torch.tensor([[True, True, True, False], [True, True, False, True]])  # start 2, two siblings
+    wide = full_mask(tree, 2, 2, 6, "cpu")
+    assert wide.shape == (2, 6) and wide[:, :4].equal(tree) and not wide[:, 4:].any()

@@ -1,0 +1,105 @@
+"""The target's decode and verify steps with static shapes, replayed from CUDA graphs on a GPU.
+
+A 135M target's decode step on a GPU is a few hundred small kernels: launch overhead, not math,
+sets its time. A CUDA graph replays them in one launch, but needs fixed shapes and addresses, so
+the static form writes the n new tokens' KV with index_copy_ at slot tensors and attends over the
+whole preallocated cache under a [n, max_len] mask (gpt-fast's design). One graph per step size n
+(1 for plain decoding, 1 + tree size for verification) is captured on first use from the real
+inputs; later steps copy their inputs into the graph's buffers and replay it. Prefill stays eager.
+
+On CPU the same static forward runs eagerly (`mode="eager"`), which is how the tests check its
+logic against the dynamic forward; `mode="graphs"` needs CUDA.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut, Transformer
+
+MODES = ("auto", "graphs", "eager", "off")
+WARMUP = 2  # eager runs on a side stream before capture (cuBLAS and allocator warm-up)
+
+
+def full_mask(mask: Tensor | None, start: int, n: int, slots: int, device) -> Tensor:
+    """The engine's [n, start+n] mask (None: n == 1, every earlier slot visible) widened to [n, slots]."""
+    if mask is None:
+        return (torch.arange(slots, device=device) <= start).unsqueeze(0)
+    out = torch.zeros(n, slots, dtype=torch.bool, device=device)
+    out[:, : mask.shape[1]] = mask
+    return out
+
+
+@dataclass
+class Captured:
+    graph: object  # torch.cuda.CUDAGraph
+    tokens: Tensor
+    positions: Tensor
+    slots: Tensor
+    mask: Tensor
+    out: ForwardOut  # written by every replay: read it before the next step
+
+
+@dataclass
+class StaticStep:
+    model: Transformer
+    cache: KVCache
+    aux_layers: tuple[int, ...] = ()
+    mode: str = "eager"  # "graphs" (CUDA) or "eager"
+    graphs: dict[int, Captured] = field(default_factory=dict)
+
+    def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None) -> ForwardOut:
+        n = tokens.numel()
+        slots = torch.arange(start, start + n, device=tokens.device)
+        wide = full_mask(mask, start, n, self.cache.max_len, tokens.device)
+        if self.mode == "eager":
+            return self.run(tokens, positions, slots, wide)
+        if n not in self.graphs:
+            try:
+                self.graphs[n] = self.capture(tokens, positions, slots, wide)
+            except RuntimeError as e:
+                warnings.warn(f"CUDA graph capture failed ({e}); the step runs eagerly from now on", stacklevel=2)
+                self.mode = "eager"
+                return self.run(tokens, positions, slots, wide)
+        g = self.graphs[n]
+        for buf, value in ((g.tokens, tokens), (g.positions, positions), (g.slots, slots), (g.mask, wide)):
+            buf.copy_(value)
+        g.graph.replay()
+        return g.out
+
+    def run(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> ForwardOut:
+        return self.model(tokens, positions, self.cache, slots, mask, None, self.aux_layers)
+
+    def capture(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Captured:
+        # the warm-up runs write the same KV the real step would: capturing from the real inputs is harmless
+        bufs = [t.clone() for t in (tokens, positions, slots, mask)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                self.run(*bufs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.run(*bufs)
+        return Captured(graph, *bufs, out)
+
+
+def make_static_step(mode: str, model: Transformer, cache: KVCache, aux_layers: tuple[int, ...]) -> StaticStep | None:
+    """auto: CUDA graphs on a GPU, the plain dynamic forward on CPU (where graphs do not exist and
+    attending over the whole cache would only add work)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown static-step mode {mode!r}; use one of {', '.join(MODES)}")
+    cuda = model.device.type == "cuda"
+    if mode == "auto":
+        mode = "graphs" if cuda else "off"
+    if mode == "off":
+        return None
+    if mode == "graphs" and not cuda:
+        raise ValueError("cuda_graphs=graphs needs the target on a CUDA device; use auto, eager or off on CPU")
+    return StaticStep(model, cache, aux_layers, mode)
