@@ -46,6 +46,7 @@ class EvalConfig:
     seed: int = 0
     prefix_cache: bool = True
     max_seq_len: int = 4096
+    cuda_graphs: str = "auto"  # serve/graphs.py: auto | graphs | eager | off
     limit: int | None = None
     warmup: int = 1
     repeats: int = 1
@@ -60,7 +61,10 @@ def run_eval(cfg: EvalConfig) -> dict:
     methods = resolve_methods(cfg.spec, cfg.methods)
     prompts = pick_prompts(cfg)
     target = load(cfg.target)
-    engines = {arm: build_engine(target, spec_of(arm, methods), arm[1], cfg.max_seq_len) for arm in arms(cfg, methods)}
+    engines = {
+        arm: build_engine(target, spec_of(arm, methods), arm[1], cfg.max_seq_len, cfg.cuda_graphs)
+        for arm in arms(cfg, methods)
+    }
     check_first_turns_fit(prompts, target.tokenizer, cfg, min(e.max_seq_len for e in engines.values()))
     warm_up(engines, prompts[0], target.tokenizer, cfg)
     records, partial = run_all(engines, prompts, target.tokenizer, cfg)
@@ -228,7 +232,13 @@ def summarize(
             "hit_tokens": every.prefix_hit_tokens,
         },
         "by_category": by_category(main, list(methods)),
-        "config": {"spec": asdict(cfg.spec), "max_seq_len": cfg.max_seq_len, "seed": cfg.seed, "warmup": cfg.warmup},
+        "config": {
+            "spec": asdict(cfg.spec),
+            "max_seq_len": cfg.max_seq_len,
+            "cuda_graphs": cfg.cuda_graphs,
+            "seed": cfg.seed,
+            "warmup": cfg.warmup,
+        },
         "environment": environment(engine),
     }
     if cfg.study:

@@ -25,6 +25,7 @@ class GenerateConfig:
     seed: int = 0
     prefix_cache: bool = False
     max_seq_len: int = 4096
+    cuda_graphs: str = "auto"  # serve/graphs.py: auto | graphs | eager | off
 
 
 def typed(cfg: DictConfig, schema: type):
@@ -42,7 +43,7 @@ def run(cfg: GenerateConfig) -> None:
         if cfg.chat
         else encode_raw(target.tokenizer, cfg.prompt)
     )
-    engine = build_engine(target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len)
+    engine = build_engine(target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len, cfg.cuda_graphs)
     g = engine.generate(ids, cfg.max_new_tokens, sp)
     m = g.metrics
     print(target.tokenizer.decode(g.output_ids, skip_special_tokens=True))

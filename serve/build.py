@@ -125,7 +125,9 @@ def check_same_tokenizer(draft: PreTrainedTokenizerBase, tgt: PreTrainedTokenize
         )
 
 
-def build_engine(target: Loaded, spec: SpecConfig, prefix_cache: bool, max_seq_len: int) -> Engine:
+def build_engine(
+    target: Loaded, spec: SpecConfig, prefix_cache: bool, max_seq_len: int, cuda_graphs: str = "auto"
+) -> Engine:
     proposer = make_proposer(spec, target)
     return Engine(
         target.model,
@@ -134,6 +136,7 @@ def build_engine(target: Loaded, spec: SpecConfig, prefix_cache: bool, max_seq_l
         eos_ids=eos_ids(target),
         max_seq_len=max_seq_len,
         salt=f"{target.target_id}|{target.model.dtype}|{spec}",
+        cuda_graphs=cuda_graphs,
     )
 
 

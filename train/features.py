@@ -176,10 +176,11 @@ def build_cache(
     total = sum(len(e.input_ids) for i in mine for e in examples[slice(*ranges[i])])
     with tqdm(total=total, desc="target features", unit="tok", disable=rank != 0, dynamic_ncols=True) as bar:
         for i in mine:
-            path = partial / shard_name(i)
-            if not path.is_file():
-                write_shard(path, examples[slice(*ranges[i])], model, layers, DTYPES[cfg.dtype], cfg, pad_id)
-            bar.update(sum(len(e.input_ids) for e in examples[slice(*ranges[i])]))
+            path, shard = partial / shard_name(i), examples[slice(*ranges[i])]
+            if path.is_file():  # written by an interrupted build
+                bar.update(sum(len(e.input_ids) for e in shard))
+            else:
+                write_shard(path, shard, model, layers, DTYPES[cfg.dtype], cfg, pad_id, bar.update)
     barrier()
     if rank == 0:
         finish(partial, folder, key, examples, ranges, extra)
@@ -199,7 +200,14 @@ def shard_name(i: int) -> str:
 
 
 def write_shard(
-    path: Path, examples: list[Example], model: Transformer, layers: tuple, dtype, cfg: FeatureConfig, pad_id: int
+    path: Path,
+    examples: list[Example],
+    model: Transformer,
+    layers: tuple,
+    dtype,
+    cfg: FeatureConfig,
+    pad_id: int,
+    progress=lambda tokens: None,
 ) -> None:
     hidden, aux = [None] * len(examples), [None] * len(examples)
     for batch in length_batches([len(e.input_ids) for e in examples], cfg.batch_tokens):
@@ -209,6 +217,7 @@ def write_shard(
             n = len(examples[j].input_ids)
             hidden[j] = h[row, :n].to("cpu", dtype)
             aux[j] = a[row, :n].to("cpu", dtype) if a is not None else None
+            progress(n)
     tensors = {
         "input_ids": torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for e in examples for m in e.loss_mask], dtype=torch.uint8),

@@ -1,0 +1,51 @@
+"""On a GPU: the decode/verify step replayed from CUDA graphs gives the eager engine's tokens and cache.
+
+Skipped without CUDA; tests/test_engine.py checks the same static-shape logic eagerly on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.engine import Engine
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.ngram import NgramConfig, NgramProposer
+from draftsmith.serve.sampling import SamplingParams
+from helpers import PROMPTS
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+MAX_NEW, MAX_SEQ = 32, 160
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return load_model(tiny_llama_dir("llama"), torch.float32, "cuda")
+
+
+def proposer(name, target):
+    if name == "ngram":
+        return NgramProposer(NgramConfig(num_tokens=4))
+    if name == "layerskip":
+        return DraftModelProposer(layerskip_model(target, 1), DraftModelConfig(3))
+    return None
+
+
+@pytest.mark.parametrize("name", [None, "ngram", "layerskip"])
+def test_graphs_equal_eager(name, target):
+    eager = Engine(target, proposer(name, target), max_seq_len=MAX_SEQ, cuda_graphs="off")
+    graphs = Engine(target, proposer(name, target), max_seq_len=MAX_SEQ, cuda_graphs="graphs")
+    for p in PROMPTS:
+        want = eager.generate(p, MAX_NEW, SamplingParams())
+        got = graphs.generate(p, MAX_NEW, SamplingParams())
+        assert got.output_ids == want.output_ids, (name, p)
+        n = len(p) + MAX_NEW - 1
+        for a, b in zip(eager.cache.k + eager.cache.v, graphs.cache.k + graphs.cache.v, strict=True):
+            torch.testing.assert_close(a[:, :, :n], b[:, :, :n])
+    assert graphs.static.mode == "graphs" and graphs.static.graphs  # captured, not fallen back
+    assert 1 in graphs.static.graphs
+
+
+def test_auto_uses_graphs_on_cuda(target):
+    assert Engine(target, max_seq_len=MAX_SEQ).static.mode == "graphs"
