@@ -61,7 +61,8 @@ def finding(cells: list[dict], method: str) -> str:
         f"{win_hit:.2f}x with it)"
     )
     same = abs(win_cold - win_hit) <= SAME * max(win_cold, win_hit)
-    stack = "the relative decode win is the same with and without a cache hit" if same else "the decode win differs"
+    effect = "decode win" if min(win_cold, win_hit) >= 1.05 else "decode effect"
+    stack = f"the relative {effect} is the same with and without a cache hit" if same else f"the {effect} differs"
     total = ratio(plain["total_ms"], both["total_ms"])
     return (
         f"{cache_says[0].upper()}{cache_says[1:]}, {spec_says}: {stack}, and together they take total latency "

@@ -144,6 +144,9 @@ def test_study_finding_is_computed_from_the_numbers():
     assert "did not reliably cut TPOT" in differs and "differs" in differs
     flat = [cell(False, None, 100, 20, 1), cell(True, None, 100, 20, 1), *stacks[2:], cell(True, "ngram", 100, 10, 1)]
     assert "did not shorten TTFT" in finding(flat, "ngram")
+    slower = finding([*stacks[:2], cell(False, "eagle3", 500, 35, 2000), cell(True, "eagle3", 100, 34, 1600)], "eagle3")
+    assert "did not reliably cut TPOT" in slower and "relative decode effect is the same" in slower
+    assert "decode win" not in slower  # a slowdown is not called a win
 
 
 def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
