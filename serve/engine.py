@@ -87,7 +87,8 @@ class Engine:
         while finished is None:
             old = n
             n = self.step(tokens, n, sp, gen, m)
-            finished = self.finish_reason(tokens[old:n], n - p, max_new_tokens)
+            # a step may accept past max_new_tokens: an EOS out there does not count
+            finished = self.finish_reason(tokens[old : min(n, p + max_new_tokens)], n - p, max_new_tokens)
         self.sync()
         m.total_s = time.perf_counter() - begin
         out = self.truncate(tokens[len(prompt_ids) : n].tolist(), max_new_tokens)
@@ -152,10 +153,11 @@ class Engine:
         return "length" if generated >= max_new else None
 
     def truncate(self, out: list[int], max_new: int) -> list[int]:
+        out = out[:max_new]
         for i, t in enumerate(out):
             if t in self.eos_ids:
                 return out[: i + 1]
-        return out[:max_new]
+        return out
 
     def sync(self) -> None:
         if self.model.device.type == "cuda":

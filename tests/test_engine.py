@@ -191,6 +191,16 @@ def test_eos_stops_and_is_included(name, target, other, noisy, plain):
         assert out.metrics.new_tokens == j + 1
 
 
+def test_eos_accepted_past_max_new_tokens_is_cut(target, plain):
+    """A pass that accepts beyond the budget must not bring back an EOS that plain decoding never reaches."""
+    p = PROMPTS[0]
+    ref = plain[tuple(p)][0].output_ids  # MAX_NEW tokens
+    limit = next(i for i in range(MAX_NEW - 1, 2, -1) if ref[i] not in ref[:i] and i % 5 not in (0, 1))
+    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), eos_ids=(ref[limit],), max_seq_len=MAX_SEQ)
+    out = engine.generate(p, limit, GREEDY)  # the pass that emits token limit-1 also accepts token limit (the EOS)
+    assert out.output_ids == ref[:limit] and out.finished_by == "length"
+
+
 def test_eos_inside_an_accepted_draft_cuts_the_draft(target, plain):
     p = PROMPTS[0]
     ref = plain[tuple(p)][0].output_ids
