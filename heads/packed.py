@@ -5,9 +5,10 @@ weight is about half as fast as oneDNN on a weight reordered once into its block
 (SmolLM2, 2 cores: bf16 576x1536 71 -> 35 us, the fp32 576x49152 lm_head 11.4 -> 5.3 ms).
 `pack_linears` swaps every nn.Linear of a frozen model for a PackedLinear that keeps the same
 `weight` / `bias` parameters (state_dict keys, tied embeddings and readers of `.weight` are
-unchanged) plus the packed copy. Only no-grad calls on CPU in the packed dtype take the packed
-path; anything else (autograd, autocast to another dtype) runs F.linear on the original weight.
-The packed copy costs a second set of linear weights in memory.
+unchanged) plus the packed copy, rebuilt when the weight is edited in place. Only no-grad calls
+on CPU in the packed dtype take the packed path; anything else (autograd, autocast to another
+dtype) runs F.linear on the original weight. The packed copy costs a second set of linear weights
+in memory.
 """
 
 from __future__ import annotations
@@ -28,16 +29,27 @@ def can_pack(weight: Tensor) -> bool:
     )
 
 
+def version(t: Tensor) -> int:
+    """Bumped by every in-place edit; inference tensors keep no counter (and cannot be edited outside it)."""
+    return -1 if t.is_inference() else t._version
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.repack()
+
+    def repack(self) -> None:
         # batch-size hint 1: tuned for decode rows, correct for any number of rows
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().contiguous(), 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), 1)
+        self.packed_version = version(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.takes_packed(x):
+            if version(self.weight) != self.packed_version:
+                self.repack()
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.heads.packed import PackedLinear, can_pack, pack_linears
@@ -49,3 +50,11 @@ def test_load_model_packs_and_keeps_state_dict_and_tied_weights(tmp_path):
         b = plain(tokens, torch.arange(20), plain.new_cache(32), 0).logits
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert pack_linears(packed) == 0  # already packed: nothing left to swap
+
+
+def test_an_in_place_weight_edit_repacks():
+    lin = PackedLinear(nn.Linear(16, 8))
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # e.g. a test perturbing a loaded model's parameters
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
