@@ -54,9 +54,8 @@ class PackedLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def takes_packed(self, x: Tensor) -> bool:
-        cpu = x.device.type == "cpu"
         return (
-            cpu
+            x.device.type == "cpu"
             and x.dtype == self.packed.dtype
             and not torch.is_grad_enabled()
             and not torch.is_autocast_enabled("cpu")

@@ -49,8 +49,8 @@ class Engine:
         self.cache = self.model.new_cache(slots)
         if self.proposer:
             self.proposer.reserve(slots)
-        aux = self.proposer.aux_layers if self.proposer else ()
-        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, aux)
+        self.aux_layers = self.proposer.aux_layers if self.proposer else ()  # hidden states the drafter reads
+        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, self.aux_layers)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -144,8 +144,7 @@ class Engine:
     ) -> ForwardOut:
         if self.static is not None and logit_rows is None:
             return self.static(inputs, positions, start, mask)
-        aux = self.proposer.aux_layers if self.proposer else ()
-        return self.model(inputs, positions, self.cache, start, mask, logit_rows, aux)
+        return self.model(inputs, positions, self.cache, start, mask, logit_rows, self.aux_layers)
 
     def finish_reason(self, new: Tensor, generated: int, max_new: int) -> str | None:
         if any(t in self.eos_ids for t in new.tolist()):
