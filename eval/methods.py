@@ -13,7 +13,7 @@ from draftsmith.serve.build import SpecConfig
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
     """label -> method, `spec` first. A method both in `spec` and `methods` runs once if both say the same."""
-    out: dict[str, SpecConfig] = {} if spec.name == "ar" else {spec.name: spec}
+    out: dict[str, SpecConfig] = {} if spec.name == "ar" else {spec_label(spec): spec}
     for label, m in methods.items():
         if m.name == "ar":
             raise ValueError(f"methods.{label} is plain decoding (ar), which every eval runs as the baseline")
@@ -29,6 +29,10 @@ def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[st
             "or methods=[ngram,eagle3]"
         )
     return out
+
+
+def spec_label(spec: SpecConfig) -> str:
+    return f"{spec.name}+ngram" if spec.ngram_tokens and spec.name != "ngram" else spec.name
 
 
 def drafter_params(spec: SpecConfig) -> int | None:

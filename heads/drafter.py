@@ -142,7 +142,17 @@ def load_drafter(folder: Path, target: TargetInfo, *shared, device="cpu", dtype=
                 f"{weights}: {k} has shape {tuple(v.shape)}, the config implies {tuple(expected[k].shape)}"
             )
     head.load_state_dict(state, strict=False)
-    return head.to(device=device, dtype=dtype)
+    return cast_own(head.to(device=device), dtype)
+
+
+def cast_own(head: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast the head's own parameters, not the target pieces it borrows: a bf16 drafter can serve an fp32
+    target. Buffers stay as they are (vocab maps, fp32 rope tables)."""
+    shared = tuple(getattr(head, "shared_prefixes", ()))
+    for name, p in head.named_parameters():
+        if not name.startswith(shared) and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    return head
 
 
 def model_card(kind: str, target: TargetInfo, config, recipe: Recipe) -> str:

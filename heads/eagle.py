@@ -104,7 +104,8 @@ class EagleHead(HeadBase):
         """feature [b, n, H] (feature_i), tokens [b, n] (token_{i+1}), positions [n] -> predicted feature_{i+1}
         [b, n, H]. Without a cache the pairs attend causally; with one, KV goes to slots [start, start+n) and
         mask (bool [n, start+n], True = attend) says what each pair sees."""
-        x = self.fc(torch.cat([self.embed_tokens(tokens), feature.to(self.fc.weight.dtype)], dim=-1))
+        dtype = self.fc.weight.dtype  # the borrowed embedding may be wider
+        x = self.fc(torch.cat([self.embed_tokens(tokens).to(dtype), feature.to(dtype)], dim=-1))
         cos, sin = self.rope(positions, x.dtype)
         kc, vc = (cache.k[0], cache.v[0]) if cache is not None else (None, None)
         return self.layers[0](x, cos, sin, kc, vc, start, sdpa_mask(mask))
@@ -115,7 +116,7 @@ class EagleHead(HeadBase):
 
     def logits(self, feature: Tensor) -> Tensor:
         """Over the full target vocabulary: the target's lm_head, no extra norm (as EAGLE-1 and vLLM)."""
-        return self.lm_head(feature)
+        return self.lm_head(feature.to(self.lm_head.weight.dtype))
 
     @property
     def vocab_ids(self) -> Tensor | None:

@@ -24,8 +24,11 @@ from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 class Eagle3Config(EagleConfig):
     target_layers: tuple[int, ...] = (2, 16, 29)  # inputs of these target layers (L = the last layer's output)
     draft_vocab_size: int = 8192
+    init: str = "scratch"  # target: norm and lm_head start as the target's final norm and lm_head rows
 
     def __post_init__(self) -> None:
+        if self.init not in ("scratch", "target"):
+            raise ValueError(f"eagle3 init must be scratch or target, got {self.init!r}")
         self.target_layers = tuple(self.target_layers)  # a list after a JSON round trip
         layers = self.target_layers
         if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
@@ -93,6 +96,9 @@ class Eagle3Head(HeadBase):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
         self.register_buffer("t2d", torch.arange(cfg.vocab_size, device=dev) < cfg.draft_vocab_size)
         self.rope_cache(cfg.max_position_embeddings)
+        if target is not None and cfg.init == "target":
+            with torch.no_grad():
+                self.norm.weight.copy_(target.model.norm.weight)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -108,6 +114,9 @@ class Eagle3Head(HeadBase):
         d2t, t2d = build_vocab_map(counts.to(self.d2t.device), self.config.draft_vocab_size)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
+        if self.config.init == "target":  # the target's own output rows: the draft starts in its output space
+            with torch.no_grad():
+                self.lm_head.weight.copy_(self.target_lm_head.weight[self.vocab_ids])
 
     def target_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
         """The fused feature: fc over the target's layer inputs [.., k*H] (in target_layers order)."""
@@ -126,7 +135,7 @@ class Eagle3Head(HeadBase):
     ) -> Tensor:
         """feature [b, n, H] (fused target feature_i, or the head's own previous output), tokens [b, n]
         (token_{i+1}), positions [n] -> the next feature [b, n, H] (before `norm`). Cache and mask as EagleHead."""
-        embeds = self.embed_tokens(tokens)
+        embeds = self.embed_tokens(tokens).to(self.fc.weight.dtype)  # the borrowed embedding may be wider
         cos, sin = self.rope(positions, embeds.dtype)
         kc, vc = (cache.k[0], cache.v[0]) if cache is not None else (None, None)
         return self.midlayer(embeds, feature.to(embeds.dtype), cos, sin, kc, vc, start, sdpa_mask(mask))

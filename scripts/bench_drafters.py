@@ -9,7 +9,8 @@ position, identical outputs, and the drafter's time per verify step as a share o
     python scripts/bench_drafters.py --drafter eagle3=DIR:topk=1,num_tokens=4     # a chain instead of the tree
 
 A drafter is SPEC[=DIR][:key=value,...] with SPEC one of serve.build.SPECS and keys num_tokens, topk,
-total_tokens (EAGLE trees), layers (layerskip).
+total_tokens (EAGLE trees), layers (layerskip), ngram_tokens (an n-gram chain merged into the tree),
+ngram_policy (merge | prefer), draft_dtype (auto | float32 | bfloat16).
 """
 
 from __future__ import annotations
@@ -41,10 +42,15 @@ def parse_drafter(text: str) -> tuple[str, SpecConfig]:
     name, _, folder = head.partition("=")
     kv = dict(o.split("=", 1) for o in opts.split(",") if o)
     tree = TreeConfig(**{k: int(kv.pop(k)) for k in TREE_KEYS if k in kv})
-    spec = SpecConfig(name=name, drafter=folder or None, tree=tree, **{k: int(v) for k, v in kv.items()})
+    text_keys = {k: kv.pop(k) for k in ("draft_dtype", "ngram_policy") if k in kv}
+    spec = SpecConfig(name=name, drafter=folder or None, tree=tree, **text_keys, **{k: int(v) for k, v in kv.items()})
     label = f"{name} k{spec.num_tokens}"
     if name in ("eagle", "eagle3"):
         label += " chain" if tree.topk == 1 else f" tree{tree.topk}x{tree.total_tokens}"
+    if spec.ngram_tokens:
+        label += f" +ngram{spec.ngram_tokens}" + (f" {spec.ngram_policy}" if spec.ngram_policy != "prefer" else "")
+    if spec.draft_dtype != "auto":
+        label += f" {spec.draft_dtype}"
     return label, spec
 
 
@@ -71,6 +77,8 @@ def main(argv=None) -> None:
     variants: list[be.Variant] = [("plain", lambda ids, n: be.run_engine(plain, ids, n, eos))]
     for text in args.drafter:
         label, spec = parse_drafter(text)
+        if label in dict(variants):  # the same method on two drafters: name the run folder too
+            label += f" ({Path(spec.drafter).parent.name})"
         engine = be.TimedEngine(target.model, make_proposer(spec, target), max_seq_len=args.max_seq_len)
         variants.append((label, lambda ids, n, e=engine: be.run_engine(e, ids, n, eos)))
 

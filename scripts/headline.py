@@ -19,7 +19,7 @@ def mt_bench_lines(results: dict) -> list[str]:
         loss = m.get("lossless") or {}
         same = f"{loss.get('identical')}/{loss.get('checked')} identical" if loss.get("checked") else "unchecked"
         lines.append(
-            f"  {name:<8} {m['tokens_per_s']:5.1f} tok/s  speedup {m['speedup']:.2f}x  "
+            f"  {name:<12} {m['tokens_per_s']:5.1f} tok/s  speedup {m['speedup']:.2f}x  "
             f"tau {m['mean_acceptance_length']:.2f}  {same}"
         )
     return lines

@@ -5,22 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.heads.drafter import TargetInfo, read_meta
 from draftsmith.heads.drafter import load_drafter as load_head
 from draftsmith.heads.llama import Transformer
-from draftsmith.heads.packed import pack_linears
+from draftsmith.heads.packed import can_pack, pack_linears
 
 from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from .eagle import EagleProposer, TreeConfig
 from .engine import Engine
+from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
 from .medusa import MedusaProposer
 from .ngram import NgramConfig, NgramProposer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
-from .target import TargetConfig, load_target, load_tokenizer
+from .target import TargetConfig, load_target, load_tokenizer, torch_dtype
 
 SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3")
 NEEDS_DRAFTER = {
@@ -43,6 +45,9 @@ class SpecConfig:
     layers: int = 8  # layerskip: how many of the target's layers draft
     choices: list[list[int]] | None = None  # medusa: tree paths, e.g. [[0], [0, 0], [1]]; None = the default tree
     tree: TreeConfig = field(default_factory=TreeConfig)  # eagle, eagle3: topk (1 = a chain), total_tokens
+    ngram_tokens: int = 0  # eagle, eagle3, medusa: also draft an n-gram lookup chain this long (0 = off)
+    ngram_policy: str = "prefer"  # prefer: the chain alone when found, else the tree | merge: the chain joins the tree
+    draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
 
     def __post_init__(self) -> None:  # checked when the config is built, before any model loads
         if self.name not in SPECS:
@@ -51,6 +56,10 @@ class SpecConfig:
             raise ValueError(f"spec={self.name} needs spec.drafter=DIR: {NEEDS_DRAFTER[self.name]}")
         if self.num_tokens < 1:
             raise ValueError(f"spec.num_tokens must be >= 1, got {self.num_tokens}")
+        if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"spec.draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
+        if self.ngram_tokens < 0:
+            raise ValueError(f"spec.ngram_tokens must be >= 0 (0 = off), got {self.ngram_tokens}")
 
 
 @dataclass
@@ -70,6 +79,14 @@ def target_info(target: Loaded) -> TargetInfo:
 
 
 def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
+    proposer = model_proposer(spec, target)
+    if spec.ngram_tokens and spec.name not in ("ar", "ngram"):
+        ngram = NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
+        return HybridProposer(proposer, ngram, spec.ngram_policy)
+    return proposer
+
+
+def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     if spec.name == "ar":
         return None
     if spec.name == "ngram":
@@ -77,24 +94,35 @@ def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     if spec.name == "layerskip":
         return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
     if spec.name == "draft":
-        draft = load_drafter(Path(spec.drafter), target)
+        draft = load_drafter(Path(spec.drafter), target, draft_dtype(spec, target.model))
         return DraftModelProposer(draft, DraftModelConfig(spec.num_tokens))
     if spec.name == "medusa":
-        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name)
+        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name, dtype=draft_dtype(spec, target.model))
         return MedusaProposer(heads, spec.choices, spec.num_tokens)
     if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
-        head = load_trained(Path(spec.drafter), target, spec.name, spec.name, target.model)
+        dtype = draft_dtype(spec, target.model)
+        head = load_trained(Path(spec.drafter), target, spec.name, spec.name, target.model, dtype=dtype)
         return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
     raise AssertionError(spec.name)  # SpecConfig only admits SPECS
 
 
-def load_drafter(folder: Path, target: Loaded) -> Transformer:
+def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:
+    """auto: bf16 for an fp32 target on a CPU with bf16 kernels (a draft step costs ~half; drafts are only
+    proposals, the fp32 target still decides every token), else the target's dtype."""
+    if spec.draft_dtype != "auto":
+        return torch_dtype(spec.draft_dtype, str(target.device))
+    if target.dtype == torch.float32 and can_pack(target.lm_head.weight.new_empty(0, dtype=torch.bfloat16)):
+        return torch.bfloat16
+    return target.dtype
+
+
+def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None) -> Transformer:
     """A draft LM, refused unless it speaks the target's vocabulary."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
     if "kind" in hf:  # a draftsmith drafter folder (heads/drafter.py), checked against the target's id
-        return load_trained(folder, target, "draft_model", "draft")
+        return load_trained(folder, target, "draft_model", "draft", dtype=dtype)
     vocab = hf["vocab_size"]
     if vocab != target.model.config.vocab_size:
         raise ValueError(
@@ -102,17 +130,17 @@ def load_drafter(folder: Path, target: Loaded) -> Transformer:
             f"{target.model.config.vocab_size}: a draft model must share the target's tokenizer"
         )
     check_same_tokenizer(load_tokenizer(folder), target.tokenizer, str(folder), target.target_id)
-    return load_model(folder, target.model.dtype, str(target.model.device))
+    return load_model(folder, dtype or target.model.dtype, str(target.model.device))
 
 
-def load_trained(folder: Path, target: Loaded, kind: str, spec_name: str, *shared):
+def load_trained(folder: Path, target: Loaded, kind: str, spec_name: str, *shared, dtype: torch.dtype | None = None):
     """A draftsmith drafter folder of `kind`, refused unless it was made for this target; `shared`: target
-    pieces the kind borrows (heads/drafter.load_drafter)."""
+    pieces the kind borrows (heads/drafter.load_drafter); dtype: its weights' (default: the target's)."""
     found = read_meta(folder)["kind"]
     if found != kind:
         raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
     m = target.model
-    head = load_head(folder, target_info(target), *shared, device=m.device, dtype=m.dtype)
+    head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
     pack_linears(head.eval().requires_grad_(False))
     return head
 

@@ -193,7 +193,7 @@ def test_data_keys_change_only_with_self_distillation():
     assert data_key(DataConfig(distill=DistillConfig(temperature=0.5))) == data_key(plain)
     assert data_key(on)["self_distill"] == {"max_new_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 0}
     assert data_key(DataConfig(self_distill=True, distill=DistillConfig(batch_size=1))) == data_key(on)  # speed only
-    assert cache_key("t", plain, (), "bfloat16", "") != cache_key("t", on, (), "bfloat16", "")
+    assert cache_key("t", plain, (), "bfloat16", "", "float32") != cache_key("t", on, (), "bfloat16", "", "float32")
 
 
 def test_head_draft_model_turns_it_on_and_other_heads_do_not(tmp_path):

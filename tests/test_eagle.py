@@ -5,6 +5,8 @@ and a statistical check that speculative sampling keeps the target's distributio
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -12,15 +14,19 @@ from safetensors import safe_open
 from test_engine import SMALL, SMALL_PROMPT, kv_prefix, pooled_chi2_pvalue, same_kv
 
 import draftsmith.conf
+from draftsmith.eval.methods import spec_label
 from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, save_drafter
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
+from draftsmith.heads.packed import can_pack
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
 from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.hybrid import HybridProposer
 from draftsmith.serve.loader import load_model
+from draftsmith.serve.ngram import NgramConfig, NgramProposer
 from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.train.batch import FeatureBatch
@@ -210,6 +216,20 @@ def test_build_vocab_map():
 # ---------------------------------------------------------------- losses
 
 
+def test_eagle3_init_from_target(target):
+    head = make_head("eagle3", target, draft_vocab_size=16, init="target")
+    counts = torch.zeros(target.config.vocab_size)
+    counts[torch.arange(40, 56)] = 1.0
+    head.set_vocab(counts)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[40:56])
+    assert torch.equal(head.norm.weight, target.model.norm.weight)
+    scratch = make_head("eagle3", target, draft_vocab_size=16)
+    scratch.set_vocab(counts)
+    assert not torch.equal(scratch.lm_head.weight, target.lm_head.weight[40:56])
+    with pytest.raises(ValueError, match="eagle3 init must be scratch or target"):
+        make_head("eagle3", target, init="copy")
+
+
 def test_eagle_loss_shifts(target):
     """Weight only on token t: the pair (feature t-2, token t-1) predicts it, against hidden[t-1]."""
     head = make_head("eagle", target)
@@ -350,6 +370,41 @@ def test_greedy_output_equals_plain(kind, topk, total, target, plain, trained):
         assert any(path != list(range(len(path))) for path in paths)  # a branch other than the first was taken
 
 
+HYBRIDS = [("eagle3", 2, 6, "merge"), ("eagle", 1, 0, "merge"), ("eagle3", 2, 6, "prefer")]
+
+
+@pytest.mark.parametrize("kind,topk,total,policy", HYBRIDS)
+def test_hybrid_with_ngram_is_lossless_and_takes_lookup_paths(kind, topk, total, policy, target, plain, trained):
+    drafter = EagleProposer(trained[kind], kind, 3, TreeConfig(topk, total))
+    proposer = HybridProposer(drafter, NgramProposer(NgramConfig(5, 1, 3)), policy)
+    assert proposer.name == f"{kind}+ngram" and proposer.max_tree_size == drafter.max_tree_size + 5
+    own, lookup = [], []  # per step: the drafter's own node count (0: it did not draft); a lookup node accepted?
+    propose, hybrid_propose, accept = drafter.propose, proposer.propose, proposer.accept
+    drafter.propose = lambda tokens, sp: own.append(len(t := propose(tokens, sp))) or t
+    proposer.propose = lambda tokens, sp: own.append(0) or hybrid_propose(tokens, sp)
+    proposer.accept = lambda tokens, tree, path, out: (
+        lookup.append(len(path) > 0 and any(i >= own[-1] for i in path)),
+        accept(tokens, tree, path, out),
+    )
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    for p in PROMPTS:
+        out = engine.generate(p + p, MAX_NEW, GREEDY)  # a repeated prompt: the lookup finds matches
+        ref = Engine(target, max_seq_len=MAX_SEQ).generate(p + p, MAX_NEW, GREEDY)
+        assert out.output_ids == ref.output_ids, (kind, p)
+        assert out.metrics.draft_tokens <= out.metrics.drafts * proposer.max_tree_size
+    assert proposer.merged > 0 and any(lookup)
+    if policy == "prefer":  # a step drafts with the lookup or the head, never both
+        assert own.count(0) >= proposer.merged
+
+
+def test_hybrid_refuses_chain_drafters_and_unknown_policies(target):
+    with pytest.raises(ValueError, match="pairs n-gram lookup with eagle, eagle3, medusa drafters only"):
+        HybridProposer(NgramProposer(NgramConfig()), NgramProposer(NgramConfig()))
+    head = EagleProposer(make_head("eagle3", target), "eagle3")
+    with pytest.raises(ValueError, match="spec.ngram_policy must be one of prefer, merge"):
+        HybridProposer(head, NgramProposer(NgramConfig()), "both")
+
+
 def test_untrained_head_is_lossless_too(target, plain):
     for kind in KINDS:
         engine = Engine(target, EagleProposer(make_head(kind, target, seed=5).eval(), kind, 3, TreeConfig(2, 5)))
@@ -407,12 +462,17 @@ def small(tiny_llama_dir):
     return tgt, joint
 
 
-@pytest.mark.parametrize("topk", [1, 2])  # a sampled chain (draft probs), a top-k tree (one-hot drafts)
-def test_speculative_sampling_matches_plain_distribution(topk, small):
+# a sampled chain (draft probs), a top-k tree (one-hot drafts), that tree with an n-gram chain merged in, the
+# sampled chain or the lookup's chain
+@pytest.mark.parametrize("topk,ngram,policy", [(1, 0, ""), (2, 0, ""), (2, 2, "merge"), (1, 2, "prefer")])
+def test_speculative_sampling_matches_plain_distribution(topk, ngram, policy, small):
     tgt, joint = small
     head = make_head("eagle3", tgt, seed=3, draft_vocab_size=6)  # 2 target tokens the drafter cannot propose
     head.set_vocab(torch.tensor([9, 1, 8, 7, 0, 6, 5, 4]))
-    engine = Engine(tgt, EagleProposer(head.eval(), "eagle3", 2, TreeConfig(topk, 0)), max_seq_len=16)
+    proposer = EagleProposer(head.eval(), "eagle3", 2, TreeConfig(topk, 0))
+    if ngram:
+        proposer = HybridProposer(proposer, NgramProposer(NgramConfig(ngram, 1, 2)), policy)
+    engine = Engine(tgt, proposer, max_seq_len=16)
     draws, accepted = [], 0
     for i in range(1500):
         out = engine.generate(SMALL_PROMPT, 3, SamplingParams(temperature=1.0, seed=20_000 + i))
@@ -426,6 +486,7 @@ def test_speculative_sampling_matches_plain_distribution(topk, small):
         pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
     )
     assert min(pvalues) > ALPHA, pvalues
+    assert not ngram or proposer.merged > 0
 
 
 # ---------------------------------------------------------------- building from the spec config
@@ -444,11 +505,15 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
         )
     )
     assert spec.tree == TreeConfig(2, 12) and spec.name == "eagle3"
-    proposer = make_proposer(spec, loaded)
-    assert isinstance(proposer, EagleProposer) and proposer.aux_layers == (0, 1, 2)
-    assert proposer.head.embed_tokens is target.model.embed_tokens
-    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
-    assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids
+    for dtype in ("auto", "float32"):
+        proposer = make_proposer(replace(spec, draft_dtype=dtype), loaded)
+        assert isinstance(proposer, EagleProposer) and proposer.aux_layers == (0, 1, 2)
+        assert proposer.head.embed_tokens is target.model.embed_tokens
+        bf16 = dtype == "auto" and can_pack(torch.empty(0, dtype=torch.bfloat16))  # auto: bf16 drafts on this CPU
+        assert proposer.head.fc.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        assert target.model.embed_tokens.weight.dtype == torch.float32  # the borrowed embedding is not cast
+        engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+        assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids
     chain = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"])), loaded)
     assert chain.max_tree_size == 3 and chain.aux_layers == ()
     assert "tree=TreeConfig(topk=2, total_tokens=12)" in repr(spec)  # the prefix-cache salt sees the tree too
@@ -456,6 +521,13 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
         make_proposer(SpecConfig("eagle3", drafter=str(folders["eagle"])), loaded)
     with pytest.raises(ValueError, match=f"made for target {TARGET_ID}, not other@"):
         make_proposer(SpecConfig("eagle", drafter=str(folders["eagle"])), Loaded(target, None, "other@1"))
+    hybrid = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"]), ngram_tokens=4), loaded)
+    assert isinstance(hybrid, HybridProposer) and hybrid.max_tree_size == 3 + 4
+    assert spec_label(SpecConfig("eagle", drafter="x", ngram_tokens=4)) == "eagle+ngram"
+    with pytest.raises(ValueError, match="spec.draft_dtype must be auto, float32, bfloat16 or float16"):
+        SpecConfig("eagle", drafter="x", draft_dtype="fp8")
+    with pytest.raises(ValueError, match="spec.ngram_tokens must be >= 0"):
+        SpecConfig("eagle", drafter="x", ngram_tokens=-1)
     with pytest.raises(ValueError, match="spec=eagle3 needs spec.drafter=DIR"):
         SpecConfig("eagle3")
     with pytest.raises(ValueError, match="topk must be >= 1"):

@@ -58,7 +58,8 @@ def test_main_job_runs_end_to_end_and_reuses_the_head(smollm2_dir, chats, tmp_pa
         results = json.loads((out / name / "results.json").read_text())
         assert results["lossless"]["identical"] == results["lossless"]["checked"] > 0
         assert (out / name / "report.md").stat().st_size > 0
-    assert set(json.loads((out / "mt_bench" / "results.json").read_text())["methods"]) == {"eagle3", "ngram"}
+    methods = json.loads((out / "mt_bench" / "results.json").read_text())["methods"]
+    assert set(methods) == {"eagle3", "ngram", "eagle3_ngram"}
     assert len(json.loads((out / "rag" / "results.json").read_text())["study"]["cells"]) == 4
     config = json.loads((out / "export-vllm" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]

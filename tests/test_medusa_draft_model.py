@@ -16,6 +16,7 @@ from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
 from draftsmith.serve.draft_model import DraftModelConfig as ChainConfig
 from draftsmith.serve.draft_model import DraftModelProposer
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.hybrid import HybridProposer
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.medusa import DEFAULT_CHOICES, MedusaProposer, tree_from_choices
 from draftsmith.serve.prefix_cache import PrefixCache
@@ -249,6 +250,18 @@ def test_engine_greedy_is_lossless_from_saved_folders(spec, target, data, traine
             assert out.metrics.prefix_hit_tokens == hit
             accepted += out.metrics.accepted_tokens
     assert accepted >= 2 * 3 * 10  # trained on the first three prompts' answers: most drafts are accepted
+
+
+@pytest.mark.parametrize("policy", ["prefer", "merge"])
+def test_medusa_with_ngram_lookup_is_lossless(policy, target, data, trained):
+    spec = SpecConfig("medusa", 3, drafter=str(trained["medusa"][1]), ngram_tokens=4, ngram_policy=policy)
+    proposer = make_proposer(spec, loaded_target(target))
+    assert isinstance(proposer, HybridProposer) and proposer.name == "medusa+ngram"
+    prompts = [p + p for p in data[0][:2]] + [list(range(40, 49)) * 2]  # repeated: the lookup finds matches
+    engine = Engine(target, proposer, prefix_cache=PrefixCache(block_size=4), max_seq_len=96)
+    for p, ref in zip(prompts, plain_outputs(target, prompts, 24), strict=True):
+        assert engine.generate(p, 24, GREEDY).output_ids == ref, (policy, p)
+    assert proposer.merged > 0
 
 
 def test_medusa_choices_and_depth_from_spec(target, trained):

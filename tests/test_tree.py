@@ -126,3 +126,17 @@ def test_tree_forward_equals_each_path_run_causally(model):
     p = prefix.numel()
     wrong = tree_forward(model, prefix, root, tree, torch.ones(len(tree) + 1, p + len(tree) + 1).bool().tril(p))
     assert (wrong[2] - logits[2]).abs().max() > 1e-3  # node 1 would see node 0, its sibling
+
+
+def test_merge_chain_reuses_the_trees_nodes_then_appends():
+    from draftsmith.serve.hybrid import merge_chain
+
+    tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 0]))  # root -> 5 -> {7, 8}; root -> 6
+    merged = merge_chain(tree, torch.tensor([5, 8, 9, 9]))
+    assert merged.tokens.tolist() == [5, 6, 7, 8, 9, 9]
+    assert merged.parents.tolist() == [-1, -1, 0, 0, 3, 4]  # 5 and 8 shared, then 9 -> 9 under node 3
+    assert merged.depths.tolist() == [1, 1, 2, 2, 3, 4]
+    inside = merge_chain(tree, torch.tensor([6]))
+    assert inside.tokens.tolist() == tree.tokens.tolist() and inside.parents.tolist() == tree.parents.tolist()
+    fresh = merge_chain(DraftTree.empty(), torch.tensor([3, 4]))
+    assert fresh.is_chain and fresh.tokens.tolist() == [3, 4]

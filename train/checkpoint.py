@@ -1,9 +1,10 @@
 """Training checkpoints: OUT/checkpoints/step-NNNNNNN/, each written to a temp folder and renamed.
 
-A checkpoint holds the head's own weights (head.safetensors), the optimizer and LR-schedule state
-(optimizer.pt, read back with torch.load(weights_only=True): tensors and plain values only), each
-process's RNG state (rng-RANK.pt) and trainer.json (step, tokens, the settings that fix the data
-order). Resuming takes the newest one that loads; a corrupt one is named and skipped.
+A checkpoint holds a drafter folder of the head as it stands (drafter/: config.json, model.safetensors
+and a model card, so `spec.drafter=OUT/checkpoints/step-N/drafter` evaluates a long run mid-way), the
+optimizer and LR-schedule state (optimizer.pt, read back with torch.load(weights_only=True): tensors and
+plain values only), each process's RNG state (rng-RANK.pt) and trainer.json (step, tokens, the settings
+that fix the data order). Resuming takes the newest one that loads; a corrupt one is named and skipped.
 """
 
 from __future__ import annotations
@@ -11,16 +12,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.heads.drafter import own_state
 
 PREFIX = "step-"
+DRAFTER = "drafter"
 
 
 @dataclass
@@ -46,10 +49,12 @@ def save(
     rank: int,
     barrier,
     keep: int,
+    write_drafter: Callable[[Path], Path],
     engine=None,
 ) -> Path:
     """All processes call this (each writes its RNG state); the main one writes the rest and renames.
-    engine: the Accelerator under DeepSpeed, whose ZeRO-sharded optimizer only it can save (untested here)."""
+    write_drafter(folder): the head as a drafter folder. engine: the Accelerator under DeepSpeed, whose
+    ZeRO-sharded optimizer only it can save (untested here)."""
     folder = Path(out) / "checkpoints"
     final, tmp = folder / f"{PREFIX}{state.step:07d}", folder / f".tmp-{PREFIX}{state.step:07d}"
     if rank == 0:
@@ -61,7 +66,7 @@ def save(
         engine.save_state(str(tmp / "engine"))
     barrier()
     if rank == 0:
-        save_file({k: v.detach().contiguous().cpu() for k, v in own_state(head).items()}, str(tmp / "head.safetensors"))
+        write_drafter(tmp / DRAFTER)
         optim = {} if engine is not None else {"optimizer": optimizer.state_dict()}
         torch.save({**optim, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         meta = {"step": state.step, "tokens": state.tokens, "wandb_id": state.wandb_id, "fingerprint": fingerprint}
@@ -124,7 +129,8 @@ def brief(e: Exception) -> str:
 def read(folder: Path, head: nn.Module, rank: int) -> dict:
     """Everything a checkpoint holds, checked against the head, before anything is applied."""
     meta = json.loads((folder / "trainer.json").read_text())
-    state = load_file(str(folder / "head.safetensors"))
+    weights = folder / DRAFTER / "model.safetensors"
+    state = load_file(str(weights if weights.is_file() else folder / "head.safetensors"))  # older: head.safetensors
     expected = own_state(head)
     if state.keys() != expected.keys():
         raise ValueError(f"its weights do not match the head: {sorted(state.keys() ^ expected.keys())[:3]}")

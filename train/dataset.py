@@ -50,7 +50,8 @@ def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator
     if fc.mode == "online":
         examples, info = make_examples(cfg, target, acc, say)
         return ExampleDataset(examples), info
-    key = cache_key(target.target_id, cfg.data, layers, fc.dtype, tok.chat_template or "")
+    computed_in = str(target.model.dtype).removeprefix("torch.")
+    key = cache_key(target.target_id, cfg.data, layers, fc.dtype, tok.chat_template or "", computed_in)
     folder = cache_folder(fc, key, cfg.target.cache_dir)
     if not fc.dir:
         folder = find_serving_cache(folder, key)

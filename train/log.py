@@ -33,8 +33,8 @@ class MetricsLog:
         return self.run.id if self.run is not None else None
 
     def log(self, row: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        with open(self.path, "a") as f:  # wall-clock time: acceptance per hour across resumed pieces
+            f.write(json.dumps({**row, "time": round(time.time(), 1)}) + "\n")
         if self.run is not None:
             self.run.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 

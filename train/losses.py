@@ -72,14 +72,15 @@ def eagle3_loss(
     rows = head.target_lm_head.weight[head.vocab_ids]  # [draft vocab, H]: never the full vocabulary
     mask = F.pad(batch.loss_mask.float(), (0, ttt_steps))  # shifts past the end read weight 0
     hidden = F.pad(batch.hidden, (0, 0, 0, ttt_steps))
+    with torch.no_grad():  # the target's distribution of every token 1.., computed once: step j reads it j later
+        probs = F.softmax((hidden[:, 1:].to(rows.dtype) @ rows.T).float(), dim=-1)
     outs = head.unroll(head.target_features(batch.hidden[:, :m], batch.aux[:, :m]), ids[:, 1:], ttt_steps)
     loss, logs = 0.0, {}
     for j, h in enumerate(outs):
         w = mask[:, 2 + j : 2 + j + m]
         sel = w > 0
         logits = head.logits(h[sel]).float()
-        with torch.no_grad():
-            target = F.softmax((hidden[:, 1 + j : 1 + j + m][sel].to(rows.dtype) @ rows.T).float(), dim=-1)
+        target = probs[:, j : j + m][sel]
         ce = weighted_mean(F.cross_entropy(logits, target, reduction="none"), w[sel])
         loss = loss + decay**j * ce
         logs[f"acc_{j}"] = agreement(logits, target, w[sel])

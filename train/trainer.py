@@ -242,22 +242,25 @@ class Loop:
             state.wandb_id = self.log.wandb_id
         return state
 
-    def finish(self, state: checkpoint.State) -> Path:
-        """Write OUT/final (main process), with the recipe and the last acceptance eval."""
+    def write_drafter(self, state: checkpoint.State, folder: Path) -> Path:
+        """The head as it stands as a drafter folder, with the recipe so far and the last acceptance eval."""
         cfg, tc = self.cfg, self.cfg.train
+        tau = self.last_eval.get("tau")
+        measured = {"mean_acceptance_length": tau, "source": "training eval"} if tau else {}
+        recipe = Recipe(
+            data=f"{cfg.data.source}{' (self-distilled)' if cfg.data.self_distill else ''} "
+            f"({len(self.dataset)} examples, max_length {cfg.data.max_length})",
+            steps=state.step,
+            tokens=state.tokens,
+            extra={"train": tc.name, "features": tc.features.mode, "processes": self.acc.num_processes},
+            acceptance=measured,
+        )
+        return save_drafter(self.head, self.head_cfg, cfg.head.kind, target_info(self.target), recipe, folder)
+
+    def finish(self, state: checkpoint.State) -> Path:
+        """Write OUT/final (main process)."""
         if self.acc.is_main_process:
-            tau = self.last_eval.get("tau")
-            measured = {"mean_acceptance_length": tau, "source": "training eval"} if tau else {}
-            recipe = Recipe(
-                data=f"{cfg.data.source}{' (self-distilled)' if cfg.data.self_distill else ''} "
-                f"({len(self.dataset)} examples, max_length {cfg.data.max_length})",
-                steps=state.step,
-                tokens=state.tokens,
-                extra={"train": tc.name, "features": tc.features.mode, "processes": self.acc.num_processes},
-                acceptance=measured,
-            )
-            info = target_info(self.target)
-            final = save_drafter(self.head, self.head_cfg, cfg.head.kind, info, recipe, self.out / "final")
+            final = self.write_drafter(state, self.out / "final")
             self.say(f"drafter written to {final}")
             self.log.close()
         self.acc.wait_for_everyone()
@@ -321,7 +324,8 @@ class Loop:
         if step % tc.checkpoint_every == 0 or step == self.plan.total_steps:
             acc = self.acc
             args = (self.head, self.optimizer, self.scheduler, self.fingerprint, acc.process_index)
-            checkpoint.save(self.out, state, *args, acc.wait_for_everyone, tc.keep_checkpoints, engine_state(acc))
+            args += (acc.wait_for_everyone, tc.keep_checkpoints, partial(self.write_drafter, state))
+            checkpoint.save(self.out, state, *args, engine_state(acc))
         self.window.started += time.perf_counter() - paused
 
     def evaluate(self, step: int) -> None:
