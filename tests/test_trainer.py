@@ -352,6 +352,7 @@ def run(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess
 def cli_args(target, data) -> list[str]:
     return [
         f"target.path={target}",
+        "target.dtype=float32",  # train=quick runs the target in bf16; these runs compare with fp32 ones
         f"data.source={data}",
         "data.max_conversations=16",
         "data.max_length=48",
