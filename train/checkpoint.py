@@ -42,14 +42,13 @@ def checkpoints(out: Path) -> list[Path]:
 def save(
     out: Path,
     state: State,
-    head: nn.Module,
+    write_drafter: Callable[[Path], Path],
     optimizer,
     scheduler,
     fingerprint: dict,
     rank: int,
     barrier,
     keep: int,
-    write_drafter: Callable[[Path], Path],
     engine=None,
 ) -> Path:
     """All processes call this (each writes its RNG state); the main one writes the rest and renames.

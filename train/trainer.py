@@ -323,9 +323,9 @@ class Loop:
             self.evaluate(step)
         if step % tc.checkpoint_every == 0 or step == self.plan.total_steps:
             acc = self.acc
-            args = (self.head, self.optimizer, self.scheduler, self.fingerprint, acc.process_index)
-            args += (acc.wait_for_everyone, tc.keep_checkpoints, partial(self.write_drafter, state))
-            checkpoint.save(self.out, state, *args, engine_state(acc))
+            write = partial(self.write_drafter, state)
+            args = (self.optimizer, self.scheduler, self.fingerprint, acc.process_index, acc.wait_for_everyone)
+            checkpoint.save(self.out, state, write, *args, tc.keep_checkpoints, engine_state(acc))
         self.window.started += time.perf_counter() - paused
 
     def evaluate(self, step: int) -> None:
