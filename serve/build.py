@@ -93,14 +93,14 @@ def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
         return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
     if spec.name == "layerskip":
         return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
+    dtype = draft_dtype(spec, target.model)  # the trained drafters' weights
     if spec.name == "draft":
-        draft = load_drafter(Path(spec.drafter), target, draft_dtype(spec, target.model))
+        draft = load_drafter(Path(spec.drafter), target, dtype)
         return DraftModelProposer(draft, DraftModelConfig(spec.num_tokens))
     if spec.name == "medusa":
-        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name, dtype=draft_dtype(spec, target.model))
+        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name, dtype=dtype)
         return MedusaProposer(heads, spec.choices, spec.num_tokens)
     if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
-        dtype = draft_dtype(spec, target.model)
         head = load_trained(Path(spec.drafter), target, spec.name, spec.name, target.model, dtype=dtype)
         return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
     raise AssertionError(spec.name)  # SpecConfig only admits SPECS
