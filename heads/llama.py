@@ -133,12 +133,13 @@ SMALL_N = 64
 
 def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """GQA without repeating K/V, computed in fp32: q [b, heads, n, d], k/v [b, kv_heads, m, d],
-    mask bool [1, 1, n, m] (True = attend) or None: every key visible."""
+    mask bool [1 or b, 1, n, m] (True = attend) or None: every key visible."""
     b, h, n, d = q.shape
     kv = k.shape[1]
     scores = (q.float().reshape(b, kv, h // kv * n, d) @ k.float().transpose(-1, -2)) * d**-0.5
     if mask is not None:
-        scores = scores.view(b, kv, h // kv, n, -1).masked_fill(~mask.view(1, 1, 1, n, -1), float("-inf"))
+        visible = mask.reshape(mask.shape[0], 1, 1, n, -1)  # per row in batched decode (train/distill.py)
+        scores = scores.view(b, kv, h // kv, n, -1).masked_fill(~visible, float("-inf"))
     probs = scores.softmax(-1).view(b, kv, h // kv * n, -1)
     return (probs @ v.float()).view(b, h, n, d).to(q.dtype)
 

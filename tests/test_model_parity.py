@@ -124,3 +124,18 @@ def test_grouped_attention_matches_sdpa(n: int) -> None:
     torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
     assert use_grouped_attention(q.bfloat16(), mask) and not use_grouped_attention(q, mask)
     assert not use_grouped_attention(torch.zeros(1, 6, 3, 16, dtype=torch.bfloat16), None)  # causal prefill: SDPA
+
+
+def test_grouped_attention_masks_each_row_of_a_batched_decode() -> None:
+    """Batched distillation decodes b rows of different lengths: a mask per row, sliced from a longer one."""
+    import torch.nn.functional as F
+
+    from draftsmith.heads.llama import grouped_attention, use_grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, m, 16, generator=g) for h, m in ((6, 1), (2, 40), (2, 40)))
+    valid = torch.arange(48).expand(3, 48) < torch.tensor([[10], [25], [40]])
+    mask = valid[:, :40].view(3, 1, 1, 40)  # not contiguous, as train/distill.py slices it
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
+    assert use_grouped_attention(q.bfloat16(), mask)
