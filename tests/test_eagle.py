@@ -273,6 +273,25 @@ def test_eagle3_loss_shifts(target):
         assert (LOSSES["eagle3"](head, perturbed(base, name, pos), ttt_steps=3)[0] != loss) == changes, (name, pos)
 
 
+def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
+    """T=1 is the target's distribution; T=0 its top token alone (plain CE on the argmax); in between, closer to it."""
+    head = make_head("eagle3", target)
+    ids = torch.randint(0, target.config.vocab_size, (2, 12))
+    batch = features(target, head, ids, torch.ones(2, 12))
+    loss_at = {t: LOSSES["eagle3"](head, batch, ttt_steps=1, target_temperature=t)[0].item() for t in (1.0, 0.5, 0.0)}
+    assert loss_at[1.0] == LOSSES["eagle3"](head, batch, ttt_steps=1)[0].item()
+    with torch.no_grad():
+        logits = head.logits(
+            head.unroll(head.target_features(batch.hidden[:, :11], batch.aux[:, :11]), ids[:, 1:], 1)[0]
+        )
+        top = (batch.hidden[:, 1:] @ head.target_lm_head.weight[head.vocab_ids].T).argmax(-1)
+    hard = torch.nn.functional.cross_entropy(logits[:, :10].flatten(0, 1).float(), top[:, :10].flatten())
+    assert loss_at[0.0] == pytest.approx(hard.item(), rel=1e-4)
+    assert len(set(loss_at.values())) == 3
+    with pytest.raises(ValueError, match="target_temperature"):
+        LOSSES["eagle3"](head, batch, ttt_steps=1, target_temperature=-1.0)
+
+
 def perturbed(batch: FeatureBatch, name: str, pos: int) -> FeatureBatch:
     fields = dict(vars(batch))
     x = fields[name].clone()

@@ -57,12 +57,18 @@ def eagle_loss(
 
 
 def eagle3_loss(
-    head: Eagle3Head, batch: FeatureBatch, ttt_steps: int = 7, decay: float = 0.8
+    head: Eagle3Head, batch: FeatureBatch, ttt_steps: int = 7, decay: float = 0.8, target_temperature: float = 1.0
 ) -> tuple[Tensor, dict[str, float]]:
     """EAGLE-3: soft CE against the target's next-token distribution restricted to the draft vocabulary (the
     target lm_head's draft-token rows only), over ttt_steps steps of training-time test weighted decay**j.
     Step j at index i has seen pair i's real feature then j of its own outputs; it predicts token i+2+j
-    (soft target from hidden[i+1+j]) and is weighted by loss_mask[i+2+j]."""
+    (soft target from hidden[i+1+j]) and is weighted by loss_mask[i+2+j].
+    target_temperature < 1 sharpens the target's distribution toward its top token (what greedy verification
+    accepts); 0 trains on that token alone."""
+    if target_temperature < 0:
+        raise ValueError(
+            f"head.loss.target_temperature must be >= 0 (0 = the target's top token), got {target_temperature}"
+        )
     if batch.aux is None:
         raise ValueError(f"eagle3_loss needs batch.aux: the target's inputs to layers {head.aux_layers}")
     ids, n = batch.input_ids, batch.input_ids.shape[1]
@@ -73,7 +79,7 @@ def eagle3_loss(
     mask = F.pad(batch.loss_mask.float(), (0, ttt_steps))  # shifts past the end read weight 0
     hidden = F.pad(batch.hidden, (0, 0, 0, ttt_steps))
     with torch.no_grad():  # the target's distribution of every token 1.., computed once: step j reads it j later
-        probs = F.softmax((hidden[:, 1:].to(rows.dtype) @ rows.T).float(), dim=-1)
+        probs = sharpened((hidden[:, 1:].to(rows.dtype) @ rows.T).float(), target_temperature)
     outs = head.unroll(head.target_features(batch.hidden[:, :m], batch.aux[:, :m]), ids[:, 1:], ttt_steps)
     loss, logs = 0.0, {}
     for j, h in enumerate(outs):
@@ -85,6 +91,12 @@ def eagle3_loss(
         loss = loss + decay**j * ce
         logs[f"acc_{j}"] = agreement(logits, target, w[sel])
     return loss, {"loss": loss.item(), **logs}
+
+
+def sharpened(logits: Tensor, temperature: float) -> Tensor:
+    if temperature == 0:
+        return F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return F.softmax(logits / temperature, dim=-1)
 
 
 def medusa_loss(head: MedusaHeads, batch: FeatureBatch, decay: float = 0.8) -> tuple[Tensor, dict[str, float]]:
