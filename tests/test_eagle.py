@@ -274,7 +274,8 @@ def test_eagle3_loss_shifts(target):
 
 
 def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
-    """T=1 is the target's distribution; T=0 its top token alone (plain CE on the argmax); in between, closer to it."""
+    """T=1 is the target's distribution (the default); T=0 its top token alone (plain CE on the argmax); 0.5 is
+    neither; a negative T is refused."""
     head = make_head("eagle3", target)
     ids = torch.randint(0, target.config.vocab_size, (2, 12))
     batch = features(target, head, ids, torch.ones(2, 12))
