@@ -112,6 +112,17 @@ def test_dtype_and_device_helpers() -> None:
     assert target_mod.pick_device("cpu") == "cpu"
 
 
+def test_fast_dtype_is_bf16_only_where_the_cpu_has_bf16_kernels() -> None:
+    """On an AVX2-only CPU oneDNN has no bf16 kernels (bf16 is emulated, ~70x slower): fast must mean fp32 there."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
+        kernels = True
+    except RuntimeError:
+        kernels = False
+    assert target_mod.native_bf16("cpu") == kernels
+    assert torch_dtype("fast", "cpu") == (torch.bfloat16 if kernels else torch.float32)
+
+
 def test_corrupt_safetensors(tiny_llama_dir, tmp_path: Path) -> None:
     folder = copy_of(tiny_llama_dir("llama"), tmp_path)
     (folder / "model.safetensors").write_bytes(b"\x00garbage" * 100)

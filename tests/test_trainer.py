@@ -20,7 +20,7 @@ from draftsmith.heads.drafter import load_drafter
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import load, target_info
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.target import TargetConfig, native_bf16
 from draftsmith.train import features as features_mod
 from draftsmith.train import trainer as trainer_mod
 from draftsmith.train.data import DataConfig
@@ -320,6 +320,26 @@ def test_every_head_group_trains_through_the_trainer(kind, precision, target, da
     assert [r[0] for r in rows] == [1, 2] and all(math.isfinite(r[1]) for r in rows)
     assert json.loads((tmp_path / "final" / "config.json").read_text())["kind"] == kind
     assert all(v.dtype == torch.float32 for v in weights(tmp_path).values() if v.is_floating_point())
+
+
+def test_auto_precision_is_bf16_only_where_the_device_runs_it_natively():
+    """train=quick and train=full say mixed_precision=auto: bf16 autocast on an AVX2-only CPU is ~70x slower."""
+    native = native_bf16("cuda" if torch.cuda.is_available() else "cpu")
+    assert trainer_mod.resolve_precision("auto") == ("bf16" if native else "no")
+    assert [trainer_mod.resolve_precision(p) for p in (None, "no", "bf16", "fp16")] == [None, "no", "bf16", "fp16"]
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        for preset in ("quick", "full"):
+            composed = compose("train", overrides=["out=x", f"train={preset}"])
+            assert composed.train.mixed_precision == "auto" and composed.target.dtype == "fast"
+
+
+def test_a_misspelt_loss_option_is_refused_before_any_work(target, data, tmp_path):
+    features = FeatureConfig(mode="cached", dir=str(tmp_path / "c"))
+    cfg = config(tmp_path / "run", target, data, max_steps=1, features=features)
+    cfg.head = HeadConfig(kind="eagle3", loss={"ttt_step": 2})
+    with pytest.raises(ValueError, match=r"head.loss.ttt_step is not an option of the eagle3 loss.*ttt_steps"):
+        train(cfg)
+    assert not (tmp_path / "c").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_quick_preset_shortens_eagle3_training_time_test_only():

@@ -8,6 +8,7 @@ round-robin to the processes; resuming at step s skips exactly the batches befor
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.serve.build import Loaded, load, target_info
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.target import TargetConfig, native_bf16, pick_device
 
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts
@@ -54,7 +55,8 @@ class TrainConfig:
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
     max_grad_norm: float = 0.5
-    mixed_precision: str | None = None  # no | bf16 | fp16; null = what `accelerate launch` / its config says
+    mixed_precision: str | None = None  # auto | no | bf16 | fp16; null = what `accelerate launch` / its config says
+    # auto: bf16 where the device runs it natively (CUDA, AVX512-BF16/AMX CPUs), else no
     log_every: int = 10
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
@@ -107,13 +109,15 @@ def setup(cfg: RunConfig) -> Loop:
     tc, out = cfg.train, Path(cfg.out)
     acc = Accelerator(
         cpu=not torch.cuda.is_available(),  # processes started by torchrun on a CPU machine then join via gloo
-        mixed_precision=tc.mixed_precision,
+        mixed_precision=resolve_precision(tc.mixed_precision),
         gradient_accumulation_steps=tc.grad_accum,
     )
     say = tqdm.write if acc.is_main_process else (lambda *_: None)
     if not cfg.resume and checkpoint.checkpoints(out):
         raise ValueError(f"{out} already holds checkpoints: pass resume=true to continue, or pick another out")
     set_seed(tc.seed)
+    loss_fn = loss_for(cfg.head.kind)
+    check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
     target = load_target(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
     layers = head_layers(head)
@@ -124,7 +128,7 @@ def setup(cfg: RunConfig) -> Loop:
     plan = Plan.make(len(dataset), tc, acc.num_processes)
     say(f"{len(dataset)} examples, {plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps; {data_info}")
 
-    model = LossModule(head, loss_for(cfg.head.kind), dict(cfg.head.loss))
+    model = LossModule(head, loss_fn, dict(cfg.head.loss))
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc, plan.total_steps))
@@ -143,6 +147,12 @@ def engine_state(acc: Accelerator) -> Accelerator | None:
     return acc if acc.distributed_type == DistributedType.DEEPSPEED else None
 
 
+def resolve_precision(name: str | None) -> str | None:
+    if name != "auto":
+        return name
+    return "bf16" if native_bf16(pick_device("auto")) else "no"
+
+
 def load_target(cfg: TargetConfig, acc: Accelerator) -> Loaded:
     if cfg.device == "auto":  # each process uses the device accelerate gave it
         cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
@@ -155,6 +165,20 @@ def loss_for(kind: str):
     if kind not in LOSSES:
         raise ValueError(f"no loss for head kind {kind!r} in train/losses.LOSSES ({', '.join(sorted(LOSSES))})")
     return LOSSES[kind]
+
+
+def check_loss_options(loss_fn, options: dict, kind: str) -> None:
+    """A loss is called as loss_fn(head, batch, **head.loss): refuse a key it does not take."""
+    params = list(inspect.signature(loss_fn).parameters.values())[2:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = [p.name for p in params]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ValueError(
+            f"head.loss.{unknown[0]} is not an option of the {kind} loss ({loss_fn.__module__}.{loss_fn.__name__}); "
+            f"it takes: {', '.join(names) or 'none'}. Fix the spelling or drop the key"
+        )
 
 
 def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
