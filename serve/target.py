@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
 from draftsmith.heads.llama import Transformer  # noqa: E402
+from draftsmith.heads.packed import can_pack  # noqa: E402
 
 from .loader import load_model  # noqa: E402
 
@@ -130,7 +131,7 @@ def native_bf16(device: str) -> bool:
     ~70x slower than the same fp32 one (1.8 vs 130 GFLOP/s, 2 threads)."""
     if str(device).startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return can_pack(torch.empty(0, dtype=torch.bfloat16))  # the one place that asks oneDNN
 
 
 def torch_dtype(name: str, device: str) -> torch.dtype:
