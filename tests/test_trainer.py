@@ -21,6 +21,7 @@ from draftsmith.heads.llama import Transformer
 from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import load, target_info
 from draftsmith.serve.target import TargetConfig, native_bf16
+from draftsmith.train import acceptance as acceptance_mod
 from draftsmith.train import features as features_mod
 from draftsmith.train import trainer as trainer_mod
 from draftsmith.train.data import DataConfig
@@ -280,12 +281,16 @@ def test_cached_features_pick_the_layers_asked_for(tmp_path):
         features_mod.CachedFeatures(tmp_path, manifest, (3,))
 
 
-def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, tmp_path, capsys):
+def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, tmp_path, capsys, monkeypatch):
+    specs, build = [], acceptance_mod.build_engine
+    monkeypatch.setattr(acceptance_mod, "build_engine", lambda t, spec, *a: specs.append(spec) or build(t, spec, *a))
     cfg = config(tmp_path / "eagle", target, data, head="eagle", max_steps=2, eval_every=2, eval_prompts=2)
-    cfg.train.eval_max_new_tokens = 8
+    cfg.train.eval_max_new_tokens, cfg.train.eval_num_tokens, cfg.train.eval_topk = 8, 1, 3  # depth 1 x 3
     train(cfg)
     evals = [json.loads(x) for x in (tmp_path / "eagle" / "metrics.jsonl").read_text().splitlines() if "eval/tau" in x]
     assert len(evals) == 1 and evals[0]["step"] == 2 and evals[0]["eval/tau"] >= 1.0
+    assert [(s.name, s.num_tokens, s.tree.topk) for s in specs] == [("eagle", 1, 3)]
+    assert not [k for k in evals[0] if k.startswith("eval/accept_pos_") and k != "eval/accept_pos_1"]
     assert "training eval" in (tmp_path / "eagle" / "final" / "README.md").read_text()
     cfg = config(tmp_path / "standin", target, data, max_steps=2, eval_every=1, eval_prompts=2)
     train(cfg)
@@ -347,7 +352,7 @@ def test_quick_preset_shortens_eagle3_training_time_test_only():
         with initialize_config_module("draftsmith.conf", version_base=None):
             return dict(compose("train", overrides=["out=x", *overrides]).head.loss)
 
-    assert loss_options("head=eagle3")["ttt_steps"] == 3  # conf/tuning/eagle3-quick.yaml
+    assert loss_options("head=eagle3")["ttt_steps"] == 1  # conf/tuning/eagle3-quick.yaml: depth-1 drafts
     assert loss_options("head=eagle3", "train=full")["ttt_steps"] == 4  # conf/tuning/eagle3-full.yaml
     assert loss_options("head=eagle3", "head.loss.ttt_steps=5")["ttt_steps"] == 5
     assert "ttt_steps" not in loss_options("head=eagle")

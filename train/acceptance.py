@@ -14,6 +14,7 @@ from torch import nn
 
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.serve.build import SPECS, Loaded, SpecConfig, build_engine, encode_chat, target_info
+from draftsmith.serve.eagle import TreeConfig
 from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.sampling import SamplingParams
 
@@ -36,9 +37,16 @@ def heldout_prompts(data: DataConfig, tokenizer, n: int, max_tokens: int) -> lis
 
 
 def acceptance_hook(
-    target: Loaded, config, prompts: list[list[int]], num_tokens: int, max_new_tokens: int, log: Callable
+    target: Loaded,
+    config,
+    prompts: list[list[int]],
+    num_tokens: int,
+    max_new_tokens: int,
+    log: Callable,
+    topk: int = 1,
 ) -> Callable[[nn.Module, str], dict]:
-    """hook(head, kind) -> {"tau": .., "accept_pos_1": .., ...}, or {} (logged) where serve has no proposer."""
+    """hook(head, kind) -> {"tau": .., "accept_pos_1": .., ...}, or {} (logged) where serve has no proposer.
+    num_tokens: the draft's depth; topk: an EAGLE tree's children per node (1 = a chain), every node kept."""
     max_len = max(len(p) for p in prompts) + max_new_tokens
 
     def run(head: nn.Module, kind: str) -> dict:
@@ -48,7 +56,8 @@ def acceptance_hook(
             return {}
         with tempfile.TemporaryDirectory() as tmp:
             folder = save_drafter(head, config, kind, target_info(target), Recipe(), Path(tmp) / "drafter")
-            engine = build_engine(target, SpecConfig(spec, num_tokens, drafter=str(folder)), False, max_len)
+            spec_cfg = SpecConfig(spec, num_tokens, drafter=str(folder), tree=TreeConfig(topk=topk))
+            engine = build_engine(target, spec_cfg, False, max_len)
             total = Metrics(requests=0)
             for ids in prompts:
                 total.merge(engine.generate(ids, max_new_tokens, SamplingParams()).metrics)

@@ -62,7 +62,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0  # acceptance on held-out prompts every N steps (0 = off) and at the end
     eval_prompts: int = 4
-    eval_num_tokens: int = 4
+    eval_num_tokens: int = 4  # the eval draft's depth
+    eval_topk: int = 1  # EAGLE heads: children per node of the eval draft tree (1 = a chain)
     eval_max_new_tokens: int = 32
     num_workers: int = 0
     seed: int = 0
@@ -187,7 +188,9 @@ def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
     if not prompts:
         say("acceptance eval off: no held-out prompt fits (raise data.heldout_fraction)")
         return None
-    return acceptance_hook(target, head_cfg, prompts, tc.eval_num_tokens, tc.eval_max_new_tokens, say)
+    return acceptance_hook(
+        target, head_cfg, prompts, tc.eval_num_tokens, tc.eval_max_new_tokens, say, topk=tc.eval_topk
+    )
 
 
 def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int) -> dict:
