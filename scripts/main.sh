@@ -21,8 +21,8 @@ read -r -a RAG_ARGS <<< "${MAIN_RAG_ARGS:-}"
 # the draft for this CPU: depth 1, the head's 3 best tokens verified side by side (train=quick trains an eagle3
 # head for exactly that). Deeper levels cost a head forward each (~0.07 of a target step in fp32) and a quick
 # head's 2nd and 3rd positions accept only ~0.08 and ~0.01: on an AVX2 EPYC depth 3 x 2 children x 6 nodes ran
-# 0.92-0.95x where depth 1 x 3 ran 1.13x with the same head; the 1-step x 7-epoch head runs 1.20x at depth 1 x 3 (tau 1.50),
-# 1.17x as a chain of 1 and 1.16x with 5 candidates (scripts/bench_drafters.py, README)
+# 0.92-0.95x where depth 1 x 3 ran 1.13x with the same head; the 1-step x 7-epoch head runs 1.20x at depth 1 x 3
+# (tau 1.50), 1.17x as a chain of 1 and 1.16x with 5 candidates (scripts/bench_drafters.py, README)
 TREE=(num_tokens=1 tree.topk=3 tree.total_tokens=0)
 began=$(date +%s)
 stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
