@@ -1,4 +1,5 @@
-"""The drafter folder: config.json (kind, target, sizes, recipe) + model.safetensors + README.md.
+"""The drafter folder: config.json (kind, target, sizes, recipe) + model.safetensors + README.md, and
+token_counts.safetensors (how often each target token occurs in the training answers) when training wrote it.
 
 Every drafter kind registers its config dataclass and module class here, so training, the
 engine and export load any folder the same way, and a drafter made for another target is
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 FORMAT_VERSION = 1
+TOKEN_COUNTS = "token_counts.safetensors"
 
 
 @dataclass
@@ -51,8 +53,17 @@ def register(kind: str, config_cls: type, module_cls: type[nn.Module]) -> None:
     REGISTRY[kind] = (config_cls, module_cls)
 
 
-def save_drafter(head: nn.Module, config, kind: str, target: TargetInfo, recipe: Recipe, out: Path) -> Path:
-    """Write the folder to a temp dir beside `out`, then rename it into place (never half-written)."""
+def save_drafter(
+    head: nn.Module,
+    config,
+    kind: str,
+    target: TargetInfo,
+    recipe: Recipe,
+    out: Path,
+    token_counts: torch.Tensor | None = None,
+) -> Path:
+    """Write the folder to a temp dir beside `out`, then rename it into place (never half-written).
+    token_counts [vocab]: target-token counts over the training answers, for serve-time draft vocabularies."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -68,6 +79,8 @@ def save_drafter(head: nn.Module, config, kind: str, target: TargetInfo, recipe:
         state = {k: v.detach().contiguous().cpu() for k, v in own_state(head).items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"kind": kind, "target": target.id})
         (tmp / "README.md").write_text(model_card(kind, target, config, recipe))
+        if token_counts is not None:
+            save_file({"counts": token_counts.detach().long().cpu().contiguous()}, str(tmp / TOKEN_COUNTS))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -143,6 +156,38 @@ def load_drafter(folder: Path, target: TargetInfo, *shared, device="cpu", dtype=
             )
     head.load_state_dict(state, strict=False)
     return cast_own(head.to(device=device), dtype)
+
+
+def load_token_counts(folder: Path, vocab_size: int) -> torch.Tensor:
+    """The training answers' token counts [vocab] the folder holds."""
+    path = Path(folder) / TOKEN_COUNTS
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: drafter {folder} holds no token counts (trained before draftsmith wrote them); "
+            "retrain it, or draft over the full vocabulary (spec.draft_vocab=0)"
+        )
+    try:
+        counts = load_file(str(path))["counts"]
+    except (SafetensorError, OSError, KeyError) as e:
+        raise ValueError(f"{path} is corrupt ({e}); retrain, or set spec.draft_vocab=0") from e
+    if counts.shape != (vocab_size,):
+        raise ValueError(f"{path} counts {tuple(counts.shape)} tokens, the target's vocabulary is {vocab_size}")
+    return counts
+
+
+def frequent_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The n most frequent token ids (ties: the lower id), sorted by id."""
+    if not 0 < n <= counts.numel():
+        raise ValueError(f"a draft vocabulary must hold 1 to {counts.numel()} tokens, got {n}")
+    return torch.sort(counts, descending=True, stable=True).indices[:n].sort().values
+
+
+def restricted_linear(linear: nn.Linear, ids: torch.Tensor, dtype: torch.dtype) -> nn.Linear:
+    """A frozen bias-free linear of `linear`'s output rows `ids`."""
+    w = linear.weight.detach()
+    out = nn.Linear(w.shape[1], ids.numel(), bias=False, device=w.device, dtype=dtype)
+    out.weight.data.copy_(w[ids.to(w.device)])
+    return out.requires_grad_(False)
 
 
 def cast_own(head: nn.Module, dtype: torch.dtype) -> nn.Module:

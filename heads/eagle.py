@@ -1,7 +1,9 @@
 """EAGLE-1/2 head: fc([embed(token); feature]) -> one Llama decoder layer (no input norm) -> next feature.
 
 The head regresses the target's next final-normed hidden state; the target's own lm_head turns a predicted
-feature into logits. Embedding and lm_head are borrowed from the target, frozen and not saved.
+feature into logits. Embedding and lm_head are borrowed from the target, frozen and not saved. To serve,
+`restrict_vocab` can narrow the logits to the training answers' most frequent tokens (FR-Spec, SGLang's
+--speculative-token-map): on a CPU the 49k-row lm_head is most of a draft step.
 
 A pair (feature_i, token_{i+1}) sits at position i+1, the token's position in the target (rope only sees
 differences, so this is the same model as "pair at position i"; it lines the drafter's cache slots up with
@@ -15,7 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from .drafter import register
+from .drafter import register, restricted_linear
 from .kv_cache import KVCache
 from .llama import DecoderLayer, ModelConfig, Transformer, rope_tables
 
@@ -91,6 +93,7 @@ class EagleHead(HeadBase):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(cfg.layer_config(), input_norm=False)])
         self.rope_cache(cfg.max_position_embeddings)
+        self.draft_ids: Tensor | None = None  # target id of each logit row, once restricted
 
     def forward(
         self,
@@ -120,7 +123,14 @@ class EagleHead(HeadBase):
 
     @property
     def vocab_ids(self) -> Tensor | None:
-        return None  # logits are over the target vocabulary already
+        """Target id of each logit (None: the full target vocabulary)."""
+        return self.draft_ids
+
+    def restrict_vocab(self, ids: Tensor) -> None:
+        """Draft over target ids `ids` only: a copy of those lm_head rows (in the head's dtype) replaces the
+        borrowed lm_head. Drafts only propose, so the output stays the target's; tokens outside go undrafted."""
+        self.lm_head = restricted_linear(self.lm_head, ids, self.fc.weight.dtype)
+        self.draft_ids = ids.to(self.fc.weight.device)
 
 
 register("eagle", EagleConfig, EagleHead)

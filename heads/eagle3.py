@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import register
+from .drafter import frequent_ids, register
 from .eagle import EagleConfig, HeadBase, borrow, sdpa_mask
 from .kv_cache import KVCache
 from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
@@ -51,7 +51,7 @@ def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tens
     d2t[i]: int64 offset, target id = i + d2t[i]; t2d: bool [vocab], True for the kept target ids."""
     if not 0 < draft_vocab_size <= counts.numel():
         raise ValueError(f"draft_vocab_size must be in [1, {counts.numel()}], got {draft_vocab_size}")
-    kept = torch.sort(counts, descending=True, stable=True).indices[:draft_vocab_size].sort().values
+    kept = frequent_ids(counts, draft_vocab_size)
     t2d = torch.zeros(counts.numel(), dtype=torch.bool, device=counts.device)
     t2d[kept] = True
     return kept - torch.arange(draft_vocab_size, device=counts.device), t2d

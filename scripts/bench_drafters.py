@@ -9,8 +9,9 @@ position, identical outputs, and the drafter's time per verify step as a share o
     python scripts/bench_drafters.py --drafter eagle3=DIR:topk=1,num_tokens=4     # a chain instead of the tree
 
 A drafter is SPEC[=DIR][:key=value,...] with SPEC one of serve.build.SPECS and keys num_tokens, topk,
-total_tokens (EAGLE trees), layers (layerskip), ngram_tokens (an n-gram chain merged into the tree),
-ngram_policy (merge | prefer), draft_dtype (auto | float32 | bfloat16).
+total_tokens (EAGLE trees), choices (Medusa paths as 0|1|0.0 for [[0], [1], [0, 0]]), layers (layerskip),
+ngram_tokens (an n-gram chain merged into the tree), ngram_policy (merge | prefer), draft_dtype (auto |
+float32 | bfloat16), draft_vocab (EAGLE-1, Medusa: logits over the N most frequent training tokens).
 """
 
 from __future__ import annotations
@@ -43,10 +44,17 @@ def parse_drafter(text: str) -> tuple[str, SpecConfig]:
     kv = dict(o.split("=", 1) for o in opts.split(",") if o)
     tree = TreeConfig(**{k: int(kv.pop(k)) for k in TREE_KEYS if k in kv})
     text_keys = {k: kv.pop(k) for k in ("draft_dtype", "ngram_policy") if k in kv}
+    choices = kv.pop("choices", None)
+    if choices:
+        text_keys["choices"] = [[int(r) for r in path.split(".")] for path in choices.split("|")]
     spec = SpecConfig(name=name, drafter=folder or None, tree=tree, **text_keys, **{k: int(v) for k, v in kv.items()})
     label = f"{name} k{spec.num_tokens}"
     if name in ("eagle", "eagle3"):
         label += " chain" if tree.topk == 1 else f" tree{tree.topk}x{tree.total_tokens}"
+    if choices:
+        label += f" {choices}"
+    if spec.draft_vocab:
+        label += f" v{spec.draft_vocab}"
     if spec.ngram_tokens:
         label += f" +ngram{spec.ngram_tokens}" + (f" {spec.ngram_policy}" if spec.ngram_policy != "prefer" else "")
     if spec.draft_dtype != "auto":

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.heads.drafter import TargetInfo, read_meta
+from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, read_meta
 from draftsmith.heads.drafter import load_drafter as load_head
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
@@ -48,6 +48,7 @@ class SpecConfig:
     ngram_tokens: int = 0  # eagle, eagle3, medusa: also draft an n-gram lookup chain this long (0 = off)
     ngram_policy: str = "prefer"  # prefer: the chain alone when found, else the tree | merge: the chain joins the tree
     draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
+    draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
 
     def __post_init__(self) -> None:  # checked when the config is built, before any model loads
         if self.name not in SPECS:
@@ -60,6 +61,13 @@ class SpecConfig:
             raise ValueError(f"spec.draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.ngram_tokens < 0:
             raise ValueError(f"spec.ngram_tokens must be >= 0 (0 = off), got {self.ngram_tokens}")
+        if self.draft_vocab < 0:
+            raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
+        if self.draft_vocab and self.name not in ("eagle", "medusa", "draft"):
+            why = "an eagle3 head has its own (draft_vocab_size, set in training)" if self.name == "eagle3" else ""
+            raise ValueError(
+                f"spec.draft_vocab applies to spec=eagle, medusa and draft, not {self.name}. {why}".strip()
+            )
 
 
 @dataclass
@@ -95,13 +103,14 @@ def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
         return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
     dtype = draft_dtype(spec, target.model)  # the trained drafters' weights
     if spec.name == "draft":
-        draft = load_drafter(Path(spec.drafter), target, dtype)
+        draft = load_drafter(Path(spec.drafter), target, dtype, spec.draft_vocab)
         return DraftModelProposer(draft, DraftModelConfig(spec.num_tokens))
     if spec.name == "medusa":
-        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name, dtype=dtype)
+        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name, dtype=dtype, vocab=spec.draft_vocab)
         return MedusaProposer(heads, spec.choices, spec.num_tokens)
     if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
-        head = load_trained(Path(spec.drafter), target, spec.name, spec.name, target.model, dtype=dtype)
+        vocab = spec.draft_vocab if spec.name == "eagle" else 0
+        head = load_trained(Path(spec.drafter), target, spec.name, spec.name, target.model, dtype=dtype, vocab=vocab)
         return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
     raise AssertionError(spec.name)  # SpecConfig only admits SPECS
 
@@ -116,13 +125,18 @@ def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:
     return target.dtype
 
 
-def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None) -> Transformer:
-    """A draft LM, refused unless it speaks the target's vocabulary."""
+def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None, vocab: int = 0) -> Transformer:
+    """A draft LM, refused unless it speaks the target's vocabulary; vocab: see load_trained."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
     if "kind" in hf:  # a draftsmith drafter folder (heads/drafter.py), checked against the target's id
-        return load_trained(folder, target, "draft_model", "draft", dtype=dtype)
+        return load_trained(folder, target, "draft_model", "draft", dtype=dtype, vocab=vocab)
+    if vocab:
+        raise ValueError(
+            f"spec.draft_vocab needs the training answers' token counts of a draftsmith draft_model folder; "
+            f"{folder} is a plain HF model: set spec.draft_vocab=0"
+        )
     vocab = hf["vocab_size"]
     if vocab != target.model.config.vocab_size:
         raise ValueError(
@@ -133,14 +147,19 @@ def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None)
     return load_model(folder, dtype or target.model.dtype, str(target.model.device))
 
 
-def load_trained(folder: Path, target: Loaded, kind: str, spec_name: str, *shared, dtype: torch.dtype | None = None):
+def load_trained(
+    folder: Path, target: Loaded, kind: str, spec_name: str, *shared, dtype: torch.dtype | None = None, vocab: int = 0
+):
     """A draftsmith drafter folder of `kind`, refused unless it was made for this target; `shared`: target
-    pieces the kind borrows (heads/drafter.load_drafter); dtype: its weights' (default: the target's)."""
+    pieces the kind borrows (heads/drafter.load_drafter); dtype: its weights' (default: the target's);
+    vocab > 0: its logits over the training answers' `vocab` most frequent tokens only."""
     found = read_meta(folder)["kind"]
     if found != kind:
         raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
     m = target.model
     head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
+    if vocab:
+        head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), vocab))
     pack_linears(head.eval().requires_grad_(False))
     return head
 

@@ -15,7 +15,7 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 
 from .proposer import Proposer
-from .sampling import SamplingParams, probs_from_logits, sample
+from .sampling import SamplingParams, probs_from_logits, sample, widen
 from .tree import DraftTree
 
 
@@ -45,18 +45,20 @@ class DraftModelProposer(Proposer):
         self.run(tokens[start:-1], logits=False)
 
     def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
+        ids = getattr(self.model, "draft_ids", None)  # a draft vocabulary: target id of each logit
         logits = self.run(tokens[self.cached :])
         drafted, probs = [], []
         for i in range(self.cfg.num_tokens):
             if sp.greedy:
-                drafted.append(int(logits.argmax()))
+                pick = int(logits.argmax())
             else:
                 probs.append(probs_from_logits(logits, sp))
-                drafted.append(sample(probs[-1], self.gen))
+                pick = sample(probs[-1], self.gen)
+            drafted.append(pick if ids is None else int(ids[pick]))
             if i + 1 < self.cfg.num_tokens:
                 logits = self.run(torch.tensor(drafted[-1:], device=tokens.device))
         self.cached -= self.cfg.num_tokens - 1  # drafted KV stays in the slots, valid only once accepted
-        draft_probs = torch.stack(probs) if probs else None
+        draft_probs = widen(torch.stack(probs), ids, self.model.config.vocab_size) if probs else None
         return DraftTree.chain(torch.tensor(drafted, device=tokens.device), draft_probs)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:

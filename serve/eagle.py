@@ -20,7 +20,7 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut
 
 from .proposer import Proposer
-from .sampling import SamplingParams, probs_from_logits
+from .sampling import SamplingParams, probs_from_logits, widen
 from .tree import DraftTree
 
 
@@ -154,11 +154,7 @@ class EagleProposer(Proposer):
         return ids if self.vocab_ids is None else self.vocab_ids[ids]
 
     def to_target_probs(self, p: Tensor) -> Tensor:
-        if self.vocab_ids is None:
-            return p
-        full = p.new_zeros(p.shape[0], self.head.config.vocab_size)
-        full[:, self.vocab_ids] = p
-        return full
+        return widen(p, self.vocab_ids, self.head.config.vocab_size)
 
 
 def feature_store(max_len: int, hidden: int, dtype: torch.dtype, device) -> KVCache:

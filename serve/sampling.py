@@ -53,3 +53,12 @@ def pick(logits: Tensor, sp: SamplingParams, generator: torch.Generator | None) 
     if sp.greedy:
         return int(logits.argmax())
     return sample(probs_from_logits(logits, sp), generator)
+
+
+def widen(probs: Tensor, ids: Tensor | None, vocab_size: int) -> Tensor:
+    """Draft probabilities over a draft vocabulary [rows, len(ids)] -> over the target's [rows, vocab_size]."""
+    if ids is None:
+        return probs
+    full = probs.new_zeros(probs.shape[0], vocab_size)
+    full[:, ids] = probs
+    return full

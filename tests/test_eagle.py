@@ -15,7 +15,7 @@ from test_engine import SMALL, SMALL_PROMPT, kv_prefix, pooled_chi2_pvalue, same
 
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
-from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, save_drafter
+from draftsmith.heads.drafter import TOKEN_COUNTS, Recipe, TargetInfo, frequent_ids, load_drafter, save_drafter
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
 from draftsmith.heads.kv_cache import KVCache
@@ -425,6 +425,36 @@ def test_hybrid_refuses_chain_drafters_and_unknown_policies(target):
         HybridProposer(head, NgramProposer(NgramConfig()), "both")
 
 
+def test_restricted_vocab_keeps_those_logits(target):
+    head = make_head("eagle", target)
+    ids = torch.tensor([3, 17, 40, 99])
+    feature = torch.randn(5, target.config.hidden_size)
+    full = head.logits(feature)
+    head.restrict_vocab(ids)
+    assert torch.equal(head.vocab_ids, ids) and head.lm_head.out_features == 4
+    torch.testing.assert_close(head.logits(feature), full[:, ids])
+    assert target.lm_head.out_features == target.config.vocab_size  # the target's own lm_head is untouched
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_restricted_vocab_drafts_only_those_tokens_and_stays_lossless(topk, target, plain, trained):
+    head = make_head("eagle", target)
+    head.load_state_dict(trained["eagle"].state_dict())
+    answers = torch.tensor([t for r in plain.values() for t in r.output_ids])
+    ids = frequent_ids(torch.bincount(answers, minlength=target.config.vocab_size), 24)
+    head.restrict_vocab(ids)
+    proposer = EagleProposer(head, "eagle", 3, TreeConfig(topk, 0))
+    drafted, propose = [], proposer.propose
+    proposer.propose = lambda tokens, sp: drafted.append(propose(tokens, sp)) or drafted[-1]
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    accepted = 0
+    for p in PROMPTS:
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == plain[tuple(p)].output_ids, (topk, p)
+        accepted += out.metrics.accepted_tokens
+    assert accepted > 0 and torch.isin(torch.cat([t.tokens for t in drafted]), ids).all()
+
+
 def test_untrained_head_is_lossless_too(target, plain):
     for kind in KINDS:
         engine = Engine(target, EagleProposer(make_head(kind, target, seed=5).eval(), kind, 3, TreeConfig(2, 5)))
@@ -484,12 +514,21 @@ def small(tiny_llama_dir):
 
 # a sampled chain (draft probs), a top-k tree (one-hot drafts), that tree with an n-gram chain merged in, the
 # sampled chain or the lookup's chain
-@pytest.mark.parametrize("topk,ngram,policy", [(1, 0, ""), (2, 0, ""), (2, 2, "merge"), (1, 2, "prefer")])
-def test_speculative_sampling_matches_plain_distribution(topk, ngram, policy, small):
+# (and an EAGLE-1 sampled chain restricted to a serve-time draft vocabulary)
+SAMPLED = [("eagle3", 1, 0, ""), ("eagle3", 2, 0, ""), ("eagle3", 2, 2, "merge"), ("eagle3", 1, 2, "prefer")]
+
+
+@pytest.mark.parametrize("kind,topk,ngram,policy", [*SAMPLED, ("eagle", 1, 0, "")])
+def test_speculative_sampling_matches_plain_distribution(kind, topk, ngram, policy, small):
     tgt, joint = small
-    head = make_head("eagle3", tgt, seed=3, draft_vocab_size=6)  # 2 target tokens the drafter cannot propose
-    head.set_vocab(torch.tensor([9, 1, 8, 7, 0, 6, 5, 4]))
-    proposer = EagleProposer(head.eval(), "eagle3", 2, TreeConfig(topk, 0))
+    counts = torch.tensor([9, 1, 8, 7, 0, 6, 5, 4])  # 2 target tokens the drafter cannot propose
+    if kind == "eagle3":
+        head = make_head("eagle3", tgt, seed=3, draft_vocab_size=6)
+        head.set_vocab(counts)
+    else:
+        head = make_head("eagle", tgt, seed=3)
+        head.restrict_vocab(frequent_ids(counts, 6))
+    proposer = EagleProposer(head.eval(), kind, 2, TreeConfig(topk, 0))
     if ngram:
         proposer = HybridProposer(proposer, NgramProposer(NgramConfig(ngram, 1, 2)), policy)
     engine = Engine(tgt, proposer, max_seq_len=16)
@@ -544,6 +583,22 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     hybrid = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"]), ngram_tokens=4), loaded)
     assert isinstance(hybrid, HybridProposer) and hybrid.max_tree_size == 3 + 4
     assert spec_label(SpecConfig("eagle", drafter="x", ngram_tokens=4)) == "eagle+ngram"
+    counts = torch.arange(target.config.vocab_size) % 7
+    head = make_head("eagle", target)
+    counted = save_drafter(head, head.config, "eagle", info(target), Recipe(), tmp_path / "c", counts)
+    narrow = make_proposer(SpecConfig("eagle", 3, drafter=str(counted), draft_vocab=10), loaded)
+    assert torch.equal(narrow.vocab_ids, frequent_ids(counts, 10)) and narrow.head.lm_head.out_features == 10
+    with pytest.raises(FileNotFoundError, match="holds no token counts .* or draft over the full vocabulary"):
+        make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"]), draft_vocab=10), loaded)
+    (counted / TOKEN_COUNTS).write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="token_counts.safetensors is corrupt"):
+        make_proposer(SpecConfig("eagle", 3, drafter=str(counted), draft_vocab=10), loaded)
+    with pytest.raises(
+        ValueError, match="applies to spec=eagle, medusa and draft, not eagle3. an eagle3 head has its own"
+    ):
+        SpecConfig("eagle3", drafter="x", draft_vocab=8)
+    with pytest.raises(ValueError, match="spec.draft_vocab must be >= 0"):
+        SpecConfig("eagle", drafter="x", draft_vocab=-1)
     with pytest.raises(ValueError, match="spec.draft_dtype must be auto, float32, bfloat16 or float16"):
         SpecConfig("eagle", drafter="x", draft_dtype="fp8")
     with pytest.raises(ValueError, match="spec.ngram_tokens must be >= 0"):

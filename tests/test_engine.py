@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from draftsmith.heads.draft_model import DraftModel
 from draftsmith.serve import verify as verify_mod
 from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from draftsmith.serve.engine import Engine
@@ -384,6 +385,16 @@ def speculative_pvalues(small, n: int) -> tuple[float, float, float]:
 
 def test_speculative_sampling_matches_plain_distribution(small):
     pvalues = speculative_pvalues(small, 2000)
+    assert min(pvalues) > ALPHA, pvalues
+
+
+def test_speculative_sampling_with_a_draft_vocabulary_matches_plain_distribution(small, tiny_llama_dir):
+    """A draft LM drafting over 6 of the 8 tokens (spec.draft_vocab): the other two still come out at the
+    target's rates."""
+    tgt, _, joint = small
+    drf = load_model(tiny_llama_dir("llama", seed=1, **SMALL), torch.float32, "cpu")
+    DraftModel.restrict_vocab(drf, torch.tensor([0, 1, 2, 4, 5, 7]))  # any Llama, as for a draft_model folder
+    pvalues = speculative_pvalues((tgt, drf, joint), 2000)
     assert min(pvalues) > ALPHA, pvalues
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig, init_layers
-from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, save_drafter
+from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, load_drafter, save_drafter
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
@@ -262,6 +262,34 @@ def test_medusa_with_ngram_lookup_is_lossless(policy, target, data, trained):
     for p, ref in zip(prompts, plain_outputs(target, prompts, 24), strict=True):
         assert engine.generate(p, 24, GREEDY).output_ids == ref, (policy, p)
     assert proposer.merged > 0
+
+
+@pytest.mark.parametrize("spec", ["medusa", "draft"])
+def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data, trained, tmp_path):
+    kind = "medusa" if spec == "medusa" else "draft_model"
+    module, batch = trained[kind][0], data[1]
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=INFO.vocab_size)
+    cfg = module.config if kind == "medusa" else module.draft_config
+    folder = save_drafter(module, cfg, kind, INFO, Recipe(), tmp_path / kind, token_counts=counts)
+    choices = [[0], [1], [0, 0]] if spec == "medusa" else None
+    proposer = make_proposer(
+        SpecConfig(spec, 3, drafter=str(folder), choices=choices, draft_vocab=16), loaded_target(target)
+    )
+    drafter = proposer.heads if spec == "medusa" else proposer.model
+    ids = frequent_ids(counts, 16)
+    assert torch.equal(drafter.draft_ids, ids)
+    drafted, propose = [], proposer.propose
+    proposer.propose = lambda tokens, sp: drafted.append(propose(tokens, sp)) or drafted[-1]
+    engine = Engine(target, proposer, max_seq_len=64)
+    prompts = data[0][:3] + [list(range(40, 49))]
+    accepted = 0
+    for p, ref in zip(prompts, plain_outputs(target, prompts, 24), strict=True):
+        out = engine.generate(p, 24, GREEDY)
+        assert out.output_ids == ref, p
+        accepted += out.metrics.accepted_tokens
+    assert accepted > 0 and torch.isin(torch.cat([t.tokens for t in drafted]), ids).all()
+    with pytest.raises(FileNotFoundError, match="holds no token counts"):
+        make_proposer(SpecConfig(spec, 3, drafter=str(trained[kind][1]), draft_vocab=16), loaded_target(target))
 
 
 def test_medusa_choices_and_depth_from_spec(target, trained):

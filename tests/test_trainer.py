@@ -16,7 +16,7 @@ from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
-from draftsmith.heads.drafter import load_drafter
+from draftsmith.heads.drafter import load_drafter, load_token_counts
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import load, target_info
@@ -139,6 +139,9 @@ def test_loss_decreases_and_the_final_drafter_loads(uninterrupted, target):
     assert torch.equal(head.proj.weight, weights(out)["proj.weight"])
     meta = json.loads((out / "final" / "config.json").read_text())
     assert meta["kind"] == standin_head.KIND and meta["recipe"]["steps"] == 10 and meta["recipe"]["tokens"] > 0
+    counts = load_token_counts(out / "final", loaded.model.config.vocab_size)  # of the answers, not the questions
+    (anything,), (what,) = (loaded.tokenizer.encode(w, add_special_tokens=False) for w in (" Anything", "What"))
+    assert counts[anything] >= 40 and counts[what] == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000008", "step-0000010"]
     mid_folder = out / "checkpoints" / "step-0000008" / "drafter"
     mid = load_drafter(mid_folder, target_info(loaded), loaded.model)

@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from omegaconf import OmegaConf
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
@@ -123,8 +123,9 @@ def setup(cfg: RunConfig) -> Loop:
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
     layers = head_layers(head)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
+    token_counts = dataset.token_counts(target.model.config.vocab_size)  # saved with the drafter
     if hasattr(head, "set_vocab"):  # EAGLE-3's draft vocabulary: the most frequent answer tokens
-        head.set_vocab(dataset.token_counts(target.model.config.vocab_size))
+        head.set_vocab(token_counts)
     head.to(acc.device)
     plan = Plan.make(len(dataset), tc, acc.num_processes)
     say(f"{len(dataset)} examples, {plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps; {data_info}")
@@ -138,9 +139,8 @@ def setup(cfg: RunConfig) -> Loop:
     model, optimizer = acc.prepare(model, optimizer)
     fingerprint = make_fingerprint(cfg, target, acc.num_processes, len(dataset))
     hook = make_hook(cfg, target, head_cfg, say) if acc.is_main_process and tc.eval_every else None
-    return Loop(
-        cfg, acc, say, model, head, head_cfg, optimizer, scheduler, target, layers, dataset, plan, fingerprint, hook
-    )
+    parts = (cfg, acc, say, model, head, head_cfg, optimizer, scheduler, target, layers, dataset, plan, fingerprint)
+    return Loop(*parts, hook, token_counts)
 
 
 def engine_state(acc: Accelerator) -> Accelerator | None:
@@ -242,6 +242,7 @@ class Loop:
     plan: Plan
     fingerprint: dict
     hook: Callable[[nn.Module, str], dict] | None
+    token_counts: Tensor  # of the training answers, saved with the drafter (serve-time draft vocabularies)
     log: MetricsLog | None = None
     last_eval: dict = field(default_factory=dict)
     window: Window = field(default_factory=lambda: Window())
@@ -282,7 +283,8 @@ class Loop:
             extra={"train": tc.name, "features": tc.features.mode, "processes": self.acc.num_processes},
             acceptance=measured,
         )
-        return save_drafter(self.head, self.head_cfg, cfg.head.kind, target_info(self.target), recipe, folder)
+        info = target_info(self.target)
+        return save_drafter(self.head, self.head_cfg, cfg.head.kind, info, recipe, folder, self.token_counts)
 
     def finish(self, state: checkpoint.State) -> Path:
         """Write OUT/final (main process)."""
