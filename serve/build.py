@@ -102,15 +102,14 @@ def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     if spec.name == "layerskip":
         return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
     dtype = draft_dtype(spec, target.model)  # the trained drafters' weights
+    folder, vocab = Path(spec.drafter), spec.draft_vocab  # SpecConfig refuses draft_vocab for eagle3
     if spec.name == "draft":
-        draft = load_drafter(Path(spec.drafter), target, dtype, spec.draft_vocab)
-        return DraftModelProposer(draft, DraftModelConfig(spec.num_tokens))
+        return DraftModelProposer(load_drafter(folder, target, dtype, vocab), DraftModelConfig(spec.num_tokens))
     if spec.name == "medusa":
-        heads = load_trained(Path(spec.drafter), target, "medusa", spec.name, dtype=dtype, vocab=spec.draft_vocab)
+        heads = load_trained(folder, target, "medusa", spec.name, dtype=dtype, draft_vocab=vocab)
         return MedusaProposer(heads, spec.choices, spec.num_tokens)
     if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
-        vocab = spec.draft_vocab if spec.name == "eagle" else 0
-        head = load_trained(Path(spec.drafter), target, spec.name, spec.name, target.model, dtype=dtype, vocab=vocab)
+        head = load_trained(folder, target, spec.name, spec.name, target.model, dtype=dtype, draft_vocab=vocab)
         return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
     raise AssertionError(spec.name)  # SpecConfig only admits SPECS
 
@@ -125,14 +124,14 @@ def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:
     return target.dtype
 
 
-def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None, vocab: int = 0) -> Transformer:
-    """A draft LM, refused unless it speaks the target's vocabulary; vocab: see load_trained."""
+def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
+    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see load_trained."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
     if "kind" in hf:  # a draftsmith drafter folder (heads/drafter.py), checked against the target's id
-        return load_trained(folder, target, "draft_model", "draft", dtype=dtype, vocab=vocab)
-    if vocab:
+        return load_trained(folder, target, "draft_model", "draft", dtype=dtype, draft_vocab=draft_vocab)
+    if draft_vocab:
         raise ValueError(
             f"spec.draft_vocab needs the training answers' token counts of a draftsmith draft_model folder; "
             f"{folder} is a plain HF model: set spec.draft_vocab=0"
@@ -148,18 +147,24 @@ def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None,
 
 
 def load_trained(
-    folder: Path, target: Loaded, kind: str, spec_name: str, *shared, dtype: torch.dtype | None = None, vocab: int = 0
+    folder: Path,
+    target: Loaded,
+    kind: str,
+    spec_name: str,
+    *shared,
+    dtype: torch.dtype | None = None,
+    draft_vocab: int = 0,
 ):
     """A draftsmith drafter folder of `kind`, refused unless it was made for this target; `shared`: target
     pieces the kind borrows (heads/drafter.load_drafter); dtype: its weights' (default: the target's);
-    vocab > 0: its logits over the training answers' `vocab` most frequent tokens only."""
+    draft_vocab > 0: its logits over the training answers' draft_vocab most frequent tokens only."""
     found = read_meta(folder)["kind"]
     if found != kind:
         raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
     m = target.model
     head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
-    if vocab:
-        head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), vocab))
+    if draft_vocab:
+        head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
     pack_linears(head.eval().requires_grad_(False))
     return head
 

@@ -265,7 +265,7 @@ def test_medusa_with_ngram_lookup_is_lossless(policy, target, data, trained):
 
 
 @pytest.mark.parametrize("spec", ["medusa", "draft"])
-def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data, trained, tmp_path):
+def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data, trained, tmp_path, tiny_llama_dir):
     kind = "medusa" if spec == "medusa" else "draft_model"
     module, batch = trained[kind][0], data[1]
     counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=INFO.vocab_size)
@@ -290,6 +290,11 @@ def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data
     assert accepted > 0 and torch.isin(torch.cat([t.tokens for t in drafted]), ids).all()
     with pytest.raises(FileNotFoundError, match="holds no token counts"):
         make_proposer(SpecConfig(spec, 3, drafter=str(trained[kind][1]), draft_vocab=16), loaded_target(target))
+    if spec == "draft":  # a plain HF draft LM has no training answers to count
+        with pytest.raises(ValueError, match="is a plain HF model: set spec.draft_vocab=0"):
+            make_proposer(
+                SpecConfig(spec, 3, drafter=str(tiny_llama_dir("llama")), draft_vocab=16), loaded_target(target)
+            )
 
 
 def test_medusa_choices_and_depth_from_spec(target, trained):
