@@ -19,7 +19,16 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftsmith.heads.drafter import TargetInfo, check_target, load_drafter, own_state, read_meta
+from draftsmith.heads.drafter import (
+    TOKEN_COUNTS,
+    TargetInfo,
+    check_target,
+    frequent_ids,
+    load_drafter,
+    load_token_counts,
+    own_state,
+    read_meta,
+)
 from draftsmith.heads.llama import SUPPORTED_TYPES
 
 from .export_card import model_card
@@ -48,6 +57,9 @@ TARGET_TYPES = {
 }
 
 
+TOKEN_MAP = "token_map.pt"  # SGLang's --speculative-token-map: the ids an EAGLE-2 draft's lm_head keeps (FR-Spec)
+
+
 class ExportError(ValueError):
     """A user-fixable problem with the export's inputs, or an export that fails validation."""
 
@@ -62,6 +74,7 @@ class Source:
     head: nn.Module
     target_dir: Path
     target_hf: dict
+    token_counts: Tensor | None = None  # the training answers' token counts, where the folder has them
 
     @property
     def kind(self) -> str:
@@ -73,6 +86,7 @@ class Export:
     config: dict
     tensors: dict[str, dict[str, Tensor]]  # file name -> state dict
     copy: list[str] = field(default_factory=list)  # files copied from the target folder
+    token_map: Tensor | None = None  # int64 ids, written as TOKEN_MAP
 
 
 # ---------------------------------------------------------------- exporters, one per (kind, format)
@@ -111,12 +125,17 @@ def eagle_vllm(src: Source) -> Export:
 
 
 def eagle_sglang(src: Source) -> Export:
-    """SGLang's LlamaForCausalLMEagle: the original EAGLE layout, fc with its bias."""
+    """SGLang's LlamaForCausalLMEagle: the original EAGLE layout, fc with its bias. With the training answers'
+    token counts, also a token map of the most frequent quarter of the vocabulary (at least 8k ids; FR-Spec
+    kept 32k of Llama-3's 128k) for --speculative-token-map."""
     c = src.head.config
     state = own_state(src.head)
     if c.attention_bias:
         state["layers.0.self_attn.o_proj.bias"] = torch.zeros(c.hidden_size)
-    return Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state})
+    exp = Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state})
+    if src.token_counts is not None:
+        exp.token_map = frequent_ids(src.token_counts, min(c.vocab_size, max(8192, c.vocab_size // 4)))
+    return exp
 
 
 def medusa_vllm(src: Source) -> Export:
@@ -246,7 +265,8 @@ def load_source(drafter: Path, target: TargetConfig) -> Source:
         raise ExportError(f"{drafter}/config.json is corrupt ({type(e).__name__}: {e}); re-train or re-save it") from e
     except ValueError as e:
         raise ExportError(str(e)) from e
-    return Source(drafter, meta, head, target_dir, hf)
+    counts = load_token_counts(drafter, info.vocab_size) if (drafter / TOKEN_COUNTS).is_file() else None
+    return Source(drafter, meta, head, target_dir, hf, counts)
 
 
 def exporter_for(kind: str, fmt: str) -> Callable[[Source], Export]:
@@ -292,6 +312,8 @@ def write(exp: Export, src: Source, fmt: str, dtype: str, folder: Path) -> None:
         save_file(cast(state, DTYPES[dtype]), str(folder / name), metadata={"format": "pt"})
     for name in exp.copy:
         shutil.copy2(src.target_dir / name, folder / name)
+    if exp.token_map is not None:  # SGLang reads it with torch.load(weights_only=True): a plain tensor
+        torch.save(exp.token_map.long().contiguous(), folder / TOKEN_MAP)
     for f in folder.iterdir():
         f.chmod(0o644)  # save_file writes owner-only files
 

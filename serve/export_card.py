@@ -30,10 +30,13 @@ def vllm_command(src: Source, out: Path) -> str:
 
 def sglang_command(src: Source, out: Path) -> str:
     k = num_tokens(src)
+    token_map = (
+        f" --speculative-token-map {out}/token_map.pt" if src.kind == "eagle" and src.token_counts is not None else ""
+    )
     return (
         f"python -m sglang.launch_server --model-path {src.target_dir.resolve()} "
         f"--speculative-algorithm {SGLANG_ALGORITHMS[src.kind]} --speculative-draft-model-path {out} "
-        f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+        f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}{token_map}"
     )
 
 

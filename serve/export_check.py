@@ -17,7 +17,7 @@ from torch import Tensor
 
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
 
-from .export import ExportError, Source
+from .export import TOKEN_MAP, ExportError, Source
 
 Shapes = dict[str, tuple[int, ...]]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}  # max |diff| / max |drafter|
@@ -337,12 +337,27 @@ def mismatch(a: Tensor, b: Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
+def token_map_problems(path: Path, vocab_size: int) -> list[str]:
+    """SGLang's token map: distinct int64 target ids, as torch.load(weights_only=True) reads them."""
+    try:
+        ids = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the problem to report
+        return [f"{path.name} does not load with torch.load(weights_only=True): {e}"]
+    if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+        return [f"{path.name} must hold a 1-D int64 tensor of token ids"]
+    if ids.numel() == 0 or ids.min() < 0 or ids.max() >= vocab_size or ids.unique().numel() != ids.numel():
+        return [f"{path.name} must hold distinct token ids in [0, {vocab_size})"]
+    return []
+
+
 def check_export(folder: Path, src: Source, fmt: str) -> None:
     """Raise ExportError listing every problem with the export at `folder`."""
     config, tensors = read_export(folder, fmt)
     problems = config_problems(src, fmt, config) + tensor_problems(tensors, expected_shapes(src, fmt, config))
     if fmt == "hf" and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         problems.append("no tokenizer files (tokenizer.json / tokenizer.model)")
+    if (folder / TOKEN_MAP).is_file():
+        problems += token_map_problems(folder / TOKEN_MAP, src.head.config.vocab_size)
     if not problems:  # the forward needs every tensor in place
         dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
         for name, (theirs, mine) in forward_pairs(src, fmt, folder, tensors, config).items():

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
-from draftsmith.heads.drafter import Recipe, TargetInfo, save_drafter
+from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, save_drafter
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
@@ -204,6 +204,23 @@ def test_eagle3_vocab_map_and_dtypes(tiny, tmp_path):
     target_ids = torch.arange(DRAFT_V) + t["d2t"]  # vLLM's reading: target id = draft id + d2t
     assert target_ids.unique().numel() == DRAFT_V and t["t2d"][target_ids].all() and t["t2d"].sum() == DRAFT_V
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_eagle_sglang_writes_the_token_map_from_the_training_counts(tiny, tmp_path):
+    tcfg, _, target = tiny
+    head, cfg = tiny_head("eagle", target)
+    counts = torch.randint(0, 50, (V,))
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    drafter = save_drafter(head, cfg, "eagle", info, Recipe(), tmp_path / "eagle", token_counts=counts)
+    out = export(drafter, "sglang", tmp_path / "sglang", tcfg, "fp32")
+    ids = torch.load(out / "token_map.pt", weights_only=True)  # as SGLang's load_token_map reads it
+    assert torch.equal(ids, frequent_ids(counts, V))  # a quarter of 128 ids is under the 8k floor: all of them
+    assert f"--speculative-token-map {out.resolve()}/token_map.pt" in (out / "README.md").read_text()
+    assert not (export(drafter, "vllm", tmp_path / "vllm", tcfg, "fp32") / "token_map.pt").exists()
+    assert not (do_export(tiny, "eagle", "sglang", tmp_path / "no-counts") / "token_map.pt").exists()
+    torch.save(torch.tensor([1, 1, 2]), out / "token_map.pt")
+    with pytest.raises(ExportError, match="token_map.pt must hold distinct token ids"):
+        validate(drafter, "sglang", out, tcfg)
 
 
 def test_eagle_vllm_moves_fc_bias_into_attention(tiny, tmp_path):
