@@ -169,7 +169,10 @@ def load_token_counts(folder: Path, vocab_size: int) -> torch.Tensor:
     try:
         counts = load_file(str(path))["counts"]
     except (SafetensorError, OSError, KeyError) as e:
-        raise ValueError(f"{path} is corrupt ({e}); retrain, or set spec.draft_vocab=0") from e
+        raise ValueError(
+            f"{path} is corrupt ({e}); retrain the drafter, or delete the file and draft over the full vocabulary "
+            "(spec.draft_vocab=0)"
+        ) from e
     if counts.shape != (vocab_size,):
         raise ValueError(f"{path} counts {tuple(counts.shape)} tokens, the target's vocabulary is {vocab_size}")
     return counts

@@ -259,13 +259,13 @@ def load_source(drafter: Path, target: TargetConfig) -> Source:
         info = TargetInfo(target_id(target, target_dir), hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"])
         check_target(meta, info, drafter)
         head = load_drafter(drafter, info).eval().requires_grad_(False)
+        counts = load_token_counts(drafter, info.vocab_size) if (drafter / TOKEN_COUNTS).is_file() else None
     except FileNotFoundError as e:
         raise ExportError(f"cannot export {drafter}: {e}") from e
     except (KeyError, TypeError) as e:  # a config.json whose fields do not fit its kind
         raise ExportError(f"{drafter}/config.json is corrupt ({type(e).__name__}: {e}); re-train or re-save it") from e
     except ValueError as e:
         raise ExportError(str(e)) from e
-    counts = load_token_counts(drafter, info.vocab_size) if (drafter / TOKEN_COUNTS).is_file() else None
     return Source(drafter, meta, head, target_dir, hf, counts)
 
 

@@ -221,6 +221,9 @@ def test_eagle_sglang_writes_the_token_map_from_the_training_counts(tiny, tmp_pa
     torch.save(torch.tensor([1, 1, 2]), out / "token_map.pt")
     with pytest.raises(ExportError, match="token_map.pt must hold distinct token ids"):
         validate(drafter, "sglang", out, tcfg)
+    (drafter / "token_counts.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ExportError, match="token_counts.safetensors is corrupt"):
+        export(drafter, "sglang", tmp_path / "bad", tcfg, "fp32")
 
 
 def test_eagle_vllm_moves_fc_bias_into_attention(tiny, tmp_path):
