@@ -29,6 +29,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model: Transformer, cfg: DraftModelConfig, generator: torch.Generator | None = None) -> None:
         self.model, self.cfg, self.gen = model, cfg, generator
+        self.vocab_ids: Tensor | None = getattr(model, "draft_ids", None)  # a draft vocabulary: target id per logit
         self.max_tree_size = cfg.num_tokens
         self.cache: KVCache | None = None
         self.cached = 0  # leading slots of self.cache that hold KV of the true sequence
@@ -45,7 +46,7 @@ class DraftModelProposer(Proposer):
         self.run(tokens[start:-1], logits=False)
 
     def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        ids = getattr(self.model, "draft_ids", None)  # a draft vocabulary: target id of each logit
+        ids = self.vocab_ids
         logits = self.run(tokens[self.cached :])
         drafted, probs = [], []
         for i in range(self.cfg.num_tokens):
