@@ -361,6 +361,16 @@ def test_quick_preset_shortens_eagle3_training_time_test_only():
     assert "ttt_steps" not in loss_options("head=eagle")
 
 
+def test_quick_preset_trains_one_medusa_head_for_depth_one_drafts():
+    def composed(*overrides: str):
+        with initialize_config_module("draftsmith.conf", version_base=None):
+            return compose("train", overrides=["out=x", "head=medusa", *overrides])
+
+    assert composed().head.num_heads == 1 and composed().train.epochs == 2  # conf/tuning/medusa-quick.yaml
+    assert composed("train=full").head.num_heads == 4  # conf/head/medusa.yaml
+    assert composed("head.num_heads=3").head.num_heads == 3
+
+
 def test_self_distill_defaults_per_head_and_overrides():
     def self_distill(*overrides: str) -> bool:
         with initialize_config_module("draftsmith.conf", version_base=None):
