@@ -69,12 +69,12 @@ class DraftModel(Transformer):
                 init_from_target(self, target)
             else:
                 init_scratch(self)
-        self.draft_ids: torch.Tensor | None = None  # target id of each logit, once restricted
+        self.vocab_ids: torch.Tensor | None = None  # target id of each logit, once restricted
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """To serve: logits over target ids `ids` only (their lm_head rows), for a cheaper draft step."""
         self.lm_head = restricted_linear(self.lm_head, ids, self.lm_head.weight.dtype)
-        self.draft_ids = ids.to(self.lm_head.weight.device)
+        self.vocab_ids = ids.to(self.lm_head.weight.device)
 
 
 def init_layers(num_layers: int, target_layers: int) -> list[int]:

@@ -93,7 +93,7 @@ class EagleHead(HeadBase):
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(cfg.layer_config(), input_norm=False)])
         self.rope_cache(cfg.max_position_embeddings)
-        self.draft_ids: Tensor | None = None  # target id of each logit row, once restricted
+        self.vocab_ids: Tensor | None = None  # target id of each logit (None: the full target vocabulary)
 
     def forward(
         self,
@@ -121,16 +121,11 @@ class EagleHead(HeadBase):
         """Over the full target vocabulary: the target's lm_head, no extra norm (as EAGLE-1 and vLLM)."""
         return self.lm_head(feature.to(self.lm_head.weight.dtype))
 
-    @property
-    def vocab_ids(self) -> Tensor | None:
-        """Target id of each logit (None: the full target vocabulary)."""
-        return self.draft_ids
-
     def restrict_vocab(self, ids: Tensor) -> None:
         """Draft over target ids `ids` only: a copy of those lm_head rows (in the head's dtype) replaces the
         borrowed lm_head. Drafts only propose, so the output stays the target's; tokens outside go undrafted."""
         self.lm_head = restricted_linear(self.lm_head, ids, self.fc.weight.dtype)
-        self.draft_ids = ids.to(self.fc.weight.device)
+        self.vocab_ids = ids.to(self.fc.weight.device)
 
 
 register("eagle", EagleConfig, EagleHead)

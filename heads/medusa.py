@@ -54,7 +54,7 @@ class MedusaHeads(nn.Module):
         h, v = cfg.hidden_size, cfg.vocab_size
         self.blocks = nn.ModuleList(ResBlocks(h, cfg.num_layers) for _ in range(cfg.num_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(cfg.num_heads))
-        self.draft_ids: Tensor | None = None  # target id of each logit, once restricted
+        self.vocab_ids: Tensor | None = None  # target id of each logit, once restricted
         if target is not None:
             self.init_from(target)
 
@@ -76,7 +76,7 @@ class MedusaHeads(nn.Module):
     def restrict_vocab(self, ids: Tensor) -> None:
         """To serve: every head's logits over target ids `ids` only (their lm_head rows)."""
         self.lm_heads = nn.ModuleList(restricted_linear(h, ids, h.weight.dtype) for h in self.lm_heads)
-        self.draft_ids = ids.to(self.lm_heads[0].weight.device)
+        self.vocab_ids = ids.to(self.lm_heads[0].weight.device)
 
     def forward(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
         """[..., H] -> [K, ..., V] (the first num_heads heads only, when given)."""

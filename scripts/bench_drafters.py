@@ -11,7 +11,7 @@ position, identical outputs, and the drafter's time per verify step as a share o
 A drafter is SPEC[=DIR][:key=value,...] with SPEC one of serve.build.SPECS and keys num_tokens, topk,
 total_tokens (EAGLE trees), choices (Medusa paths as 0|1|0.0 for [[0], [1], [0, 0]]), layers (layerskip),
 ngram_tokens (an n-gram chain merged into the tree), ngram_policy (merge | prefer), draft_dtype (auto |
-float32 | bfloat16), draft_vocab (EAGLE-1, Medusa: logits over the N most frequent training tokens).
+float32 | bfloat16), draft_vocab (eagle, medusa, draft: logits over the N most frequent training tokens).
 """
 
 from __future__ import annotations

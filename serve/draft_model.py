@@ -29,7 +29,7 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model: Transformer, cfg: DraftModelConfig, generator: torch.Generator | None = None) -> None:
         self.model, self.cfg, self.gen = model, cfg, generator
-        self.vocab_ids: Tensor | None = getattr(model, "draft_ids", None)  # a draft vocabulary: target id per logit
+        self.vocab_ids: Tensor | None = getattr(model, "vocab_ids", None)  # a draft vocabulary: target id per logit
         self.max_tree_size = cfg.num_tokens
         self.cache: KVCache | None = None
         self.cached = 0  # leading slots of self.cache that hold KV of the true sequence

@@ -350,7 +350,8 @@ def export(
     tmp.chmod(0o755)  # mkdtemp makes it owner-only; an engine in a container may run as another user
     try:
         write(exp, src, fmt, dtype, tmp)
-        (tmp / "README.md").write_text(model_card(src, fmt, dtype, out.resolve()))
+        token_map = TOKEN_MAP if exp.token_map is not None else None
+        (tmp / "README.md").write_text(model_card(src, fmt, dtype, out.resolve(), token_map))
         check_export(tmp, src, fmt)
         swap_into_place(tmp, out)
     finally:

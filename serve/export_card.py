@@ -28,15 +28,13 @@ def vllm_command(src: Source, out: Path) -> str:
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 
-def sglang_command(src: Source, out: Path) -> str:
+def sglang_command(src: Source, out: Path, token_map: str | None = None) -> str:
     k = num_tokens(src)
-    token_map = (
-        f" --speculative-token-map {out}/token_map.pt" if src.kind == "eagle" and src.token_counts is not None else ""
-    )
+    flag = f" --speculative-token-map {out}/{token_map}" if token_map else ""
     return (
         f"python -m sglang.launch_server --model-path {src.target_dir.resolve()} "
         f"--speculative-algorithm {SGLANG_ALGORITHMS[src.kind]} --speculative-draft-model-path {out} "
-        f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}{token_map}"
+        f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}{flag}"
     )
 
 
@@ -55,8 +53,9 @@ def hf_snippet(src: Source, out: Path) -> str:
     )
 
 
-def serve_section(src: Source, fmt: str, out: Path) -> str:
-    """The commands for every engine this export (or its sibling format) serves with."""
+def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None) -> str:
+    """The commands for every engine this export (or its sibling format) serves with; token_map: the file name
+    of the export's SGLang token map, if it has one."""
     lines = []
     for engine in ("vllm", "sglang", "tgi", "hf"):
         if (src.kind, engine) in NOT_SERVED:
@@ -64,7 +63,7 @@ def serve_section(src: Source, fmt: str, out: Path) -> str:
         elif engine == "vllm" and fmt in ("vllm", "hf"):
             lines.append(f"**vLLM**:\n\n```bash\n{vllm_command(src, out)}\n```\n")
         elif engine == "sglang" and (fmt == "sglang" or src.kind in ("eagle3", "draft_model")):
-            lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out)}\n```\n")
+            lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, token_map)}\n```\n")
         elif engine == "tgi" and fmt == "tgi":
             base = "`base_model_name_or_path` in config.json names the target; point it at the target's hub id"
             lines.append(f"**TGI** ({base} when serving elsewhere):\n\n```bash\n{tgi_command(src, out)}\n```\n")
@@ -85,7 +84,7 @@ def measured(recipe: dict) -> str:
     return text + f" (from {acc.get('source', 'an unnamed eval')})."
 
 
-def model_card(src: Source, fmt: str, dtype: str, out: Path) -> str:
+def model_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | None = None) -> str:
     meta, recipe = src.meta, src.meta.get("recipe", {})
     sizes = ", ".join(f"{k}={v}" for k, v in meta["config"].items() if k != "model")
     return (
@@ -97,7 +96,7 @@ def model_card(src: Source, fmt: str, dtype: str, out: Path) -> str:
         f"- recipe: data {recipe.get('data') or 'n/a'}, {recipe.get('steps', 0)} steps, "
         f"{recipe.get('tokens', 0)} tokens {recipe.get('extra') or ''}\n\n"
         f"{measured(recipe)}\n\n"
-        f"## Serve\n\n{serve_section(src, fmt, out)}\n"
+        f"## Serve\n\n{serve_section(src, fmt, out, token_map)}\n"
         f"Re-check this folder: `draftsmith-export drafter={src.folder.resolve()} format={fmt} out={out} "
         f"target.path={src.target_dir.resolve()} check=true`\n"
     )

@@ -341,7 +341,7 @@ def token_map_problems(path: Path, vocab_size: int) -> list[str]:
     """SGLang's token map: distinct int64 target ids, as torch.load(weights_only=True) reads them."""
     try:
         ids = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the problem to report
+    except Exception as e:  # whatever makes it unreadable is the problem to report
         return [f"{path.name} does not load with torch.load(weights_only=True): {e}"]
     if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
         return [f"{path.name} must hold a 1-D int64 tensor of token ids"]

@@ -72,6 +72,6 @@ class MedusaProposer(Proposer):
         """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling."""
         logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), self.depth)  # [depth, V]
         ranked = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
-        if self.heads.draft_ids is not None:
-            ranked = self.heads.draft_ids[ranked]
+        if self.heads.vocab_ids is not None:
+            ranked = self.heads.vocab_ids[ranked]
         return DraftTree(ranked[self.head_of, self.rank_of], self.parents)

@@ -277,7 +277,7 @@ def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data
     )
     drafter = proposer.heads if spec == "medusa" else proposer.model
     ids = frequent_ids(counts, 16)
-    assert torch.equal(drafter.draft_ids, ids)
+    assert torch.equal(drafter.vocab_ids, ids)
     drafted, propose = [], proposer.propose
     proposer.propose = lambda tokens, sp: drafted.append(propose(tokens, sp)) or drafted[-1]
     engine = Engine(target, proposer, max_seq_len=64)
