@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct), end to end:
 #   1. train an EAGLE-3 head with train=quick (ShareGPT answers, the target's features cached once)
-#   2. evaluate it against plain decoding, n-gram lookup and the two merged (eagle3_ngram) on MT-bench
+#   2. evaluate it against plain decoding, n-gram lookup and the two merged (eagle3_ngram) on MT-bench, twice over
+#      (repeats=2: the intervals cover prompts and repeats, and the repeat spread is the run's noise control)
 #   3. the rag suite with the prefix cache x speculation 2x2 study
 #   4. export the head for vLLM / SGLang (validated after writing)
 #   5. print the headline numbers and where the reports are
@@ -26,6 +27,9 @@ read -r -a RAG_ARGS <<< "${MAIN_RAG_ARGS:-}"
 TREE=(num_tokens=1 tree.topk=3 tree.total_tokens=0)
 began=$(date +%s)
 stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
+# an eval killed part-way continues from its records.jsonl; a finished one is run again
+resume() { python -c "import sys; from draftsmith.eval.journal import unfinished; from pathlib import Path
+print('resume=' + str(unfinished(Path(sys.argv[1]))).lower())" "$1"; }
 
 stage "1/4 train an EAGLE-3 head (train=quick) -> $HEAD"
 if [ "${FRESH:-0}" = 1 ]; then rm -rf "$HEAD"; fi
@@ -40,11 +44,11 @@ fi
 stage "2/4 MT-bench: plain vs EAGLE-3, n-gram, and EAGLE-3 with n-gram lookup -> $OUT/mt_bench"
 draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" "${TREE[@]/#/spec.}" \
   'methods=[ngram,eagle3_ngram]' methods.eagle3_ngram.drafter="$HEAD/final" "${TREE[@]/#/methods.eagle3_ngram.}" \
-  suite=mt_bench limit=8 max_new_tokens=64 out="$OUT/mt_bench" "$@"
+  suite=mt_bench limit=8 max_new_tokens=64 repeats=2 out="$OUT/mt_bench" "$(resume "$OUT/mt_bench")" "$@"
 
 stage "3/4 rag: prefix cache x EAGLE-3, the 2x2 study -> $OUT/rag"
 draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" "${TREE[@]/#/spec.}" suite=rag study=prefix_x_spec \
-  limit=6 max_new_tokens=64 out="$OUT/rag" "${RAG_ARGS[@]}" "$@"
+  limit=6 max_new_tokens=64 out="$OUT/rag" "$(resume "$OUT/rag")" "${RAG_ARGS[@]}" "$@"
 
 stage "4/4 export for vLLM and SGLang -> $OUT/export-vllm"
 draftsmith-export "$TARGET" drafter="$HEAD/final" format=vllm out="$OUT/export-vllm" overwrite=true
