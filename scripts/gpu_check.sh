@@ -11,8 +11,12 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # Back in $OUT (4 files): gpu_check.log (all output), pytest.xml, gpu_bench.json, gpu_bench.md.
 # Without $OUT (e.g. the CPU rehearsal) they go to runs/gpu_check. The rehearsal, on a CPU machine, in a venv
-# holding only what the GPU image holds (scripts/gpu_wheels.sh's header says which):
-#   PIP_NO_INDEX=1 PATH=/tmp/rehearse/bin:$PATH bash scripts/gpu_check.sh --device cpu
+# holding only the GPU image's packages at its versions (made here from local files: /opt/pypi, /opt/wheels):
+#   python3 -m venv /tmp/rehearse && /tmp/rehearse/bin/pip install --index-url file:///opt/pypi/simple \
+#     --extra-index-url file:///opt/pypi-more/simple --find-links /opt/wheels torch==2.13.0 transformers==5.17.0 \
+#     huggingface-hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 accelerate==1.15.0 sentencepiece==0.2.2 \
+#     matplotlib numpy pyyaml tqdm pytest requests jinja2
+#   PIP_NO_INDEX=1 PATH=/tmp/rehearse/bin:$PATH bash scripts/gpu_check.sh --device cpu   # ~12 min on 2 busy cores
 # Exit status: 0 when every stage passed, else the number of failed stages (each named at the end).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -31,6 +35,7 @@ OUT=$(cd "$OUT" && pwd)
 WORK=${GPU_CHECK_WORK:-/tmp/draftsmith-gpu-check}
 PY=${PYTHON:-python3}
 exec > >(tee "$OUT/gpu_check.log") 2>&1
+TEE=$!
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline PIP_NO_INDEX=1 PYTHONDONTWRITEBYTECODE=1
 export TQDM_MININTERVAL=10 # progress bars, but a short log
 FAILED=()
@@ -38,20 +43,20 @@ FAILED=()
 stage() { # stage NAME SECONDS CMD...: run CMD (a command under a time limit, or a function), record a failure, go on
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
-  echo "=== $name (limit ${limit}s) ==="
+  if [ "$limit" = - ]; then echo "=== $name ==="; else echo "=== $name (limit ${limit}s) ==="; fi
   if declare -F "$1" >/dev/null; then "$@"; else timeout "$limit" "$@"; fi
   rc=$?
   echo "=== $name: rc=$rc in $((SECONDS - start))s ==="
   [ "$rc" -eq 0 ] || FAILED+=("$name rc=$rc")
 }
 
-setup() { # the carried wheels into $WORK/site; draftsmith as a shim package of symlinks into the checkout
+setup() { # draftsmith as a shim package of symlinks into the checkout; the carried wheels into $WORK/site
   rm -rf "$WORK" && mkdir -p "$WORK/site" "$WORK/shim/draftsmith" "$WORK/cwd" || return 1
-  ls "$REPO"/.whl/*.whl >/dev/null || { echo "no wheels in $REPO/.whl: run scripts/gpu_wheels.sh and carry .whl"; return 1; }
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-    "$REPO"/.whl/*.whl || return 1
   ln -s "$REPO/draftsmith/__init__.py" "$WORK/shim/draftsmith/__init__.py"
   for pkg in heads serve train eval conf; do ln -s "$REPO/$pkg" "$WORK/shim/draftsmith/$pkg"; done
+  ls "$REPO"/.whl/*.whl >/dev/null || { echo "no wheels in $REPO/.whl: run scripts/gpu_wheels.sh and carry .whl"; return 1; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+    "$REPO"/.whl/*.whl
 }
 
 environment() { # what the machine is; that draftsmith imports from this checkout, with what the CLIs need
@@ -77,6 +82,7 @@ EOF
 
 main() {
   echo "gpu_check: device $DEVICE, repo $REPO, out $OUT, $(date -u +%FT%TZ)"
+  echo "checkout $(du -sh "$REPO" | cut -f1), of which .whl $(du -sh "$REPO/.whl" 2>/dev/null | cut -f1)"
   stage setup - setup
   export PYTHONPATH="$WORK/site:$WORK/shim${PYTHONPATH:+:$PYTHONPATH}"
   cd "$WORK/cwd" || return 1 # not the checkout: its draftsmith/ (only __init__.py) would hide the shim
@@ -93,4 +99,5 @@ main() {
   return "${#FAILED[@]}"
 }
 
-main "$@"; exit $? # one line, read before anything runs: editing this file mid-run cannot derail it
+# one line, read before anything runs (editing this file mid-run cannot derail it); the log is complete on exit
+main "$@"; rc=$?; exec >&- 2>&-; wait "$TEE"; exit $rc
