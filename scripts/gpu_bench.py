@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,11 +221,11 @@ def proposers(target: Transformer, shape: Shape) -> dict[str, Proposer]:
     }
 
 
-def prompts(n: int, length: int, vocab: int, device_seed: int = 0) -> list[Prompt]:
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[Prompt]:
     """Random token prompts, each a random segment said four times (so n-gram lookup finds matches)."""
     out = []
     for i in range(n):
-        g = torch.Generator().manual_seed(device_seed + i)
+        g = torch.Generator().manual_seed(seed + i)
         seg = torch.randint(0, vocab, (max(length // 4, 1),), generator=g).tolist()
         out.append(Prompt(f"p{i}", (seg * 4)[:length]))
     return out
@@ -435,6 +436,7 @@ def case_markdown(name: str, case: dict) -> str:
         if section in case:
             out += md(case[section])
     out += [f"\n{s}: skipped ({why})" for s, why in case.get("skipped", {}).items()]
+    out += [f"\n**{s}: failed** ({why})" for s, why in case.get("errors", {}).items()]
     return "\n".join(out)
 
 
@@ -525,10 +527,15 @@ def environment(args) -> dict:
     }
 
 
+def case_key(name: str) -> str:
+    """'smollm2-135m:bfloat16' -> 'smollm2-135m bf16'."""
+    shape, _, dtype = name.partition(":")
+    return f"{shape} {SHORT[dtype]}"
+
+
 def run_case(args, name: str, summary: dict, out_dir: Path, start: float) -> None:
     shape_name, _, dtype_name = name.partition(":")
-    shape, dtype = SHAPES[shape_name], DTYPES[dtype_name]
-    key = f"{shape_name} {SHORT[dtype_name]}"
+    shape, dtype, key = SHAPES[shape_name], DTYPES[dtype_name], case_key(name)
     case = summary["cases"][key] = {"skipped": {}}
     new = args.new_tokens or (shape.new_tokens if args.device == "cuda" else 12)
     t = time.perf_counter()
@@ -549,7 +556,11 @@ def run_case(args, name: str, summary: dict, out_dir: Path, start: float) -> Non
             case["skipped"][s] = f"past the {args.budget_s:.0f} s budget"
             continue
         t = time.perf_counter()
-        case[s] = sections[s]()
+        try:  # one device call per session: a failing section must not cost the others their numbers
+            case[s] = sections[s]()
+        except Exception as e:
+            traceback.print_exc()
+            case.setdefault("errors", {})[s] = f"{type(e).__name__}: {e}"
         case[f"{s}_s"] = time.perf_counter() - t
         print(f"  {s}: {case[f'{s}_s']:.1f} s", flush=True)
         summary["elapsed_s"] = time.perf_counter() - start
@@ -570,9 +581,14 @@ def main(argv=None) -> None:
     print(f"gpu_bench on {summary['env']['device_name']}: {RANDOM_NOTE}", flush=True)
     for name in args.cases:
         if time.perf_counter() - start > args.budget_s:
-            summary["cases"][name] = {"skipped": {"all": f"past the {args.budget_s:.0f} s budget"}}
+            summary["cases"][case_key(name)] = {"skipped": {"all": f"past the {args.budget_s:.0f} s budget"}}
             continue
-        run_case(args, name, summary, out_dir, start)
+        try:
+            run_case(args, name, summary, out_dir, start)
+        except Exception as e:  # e.g. out of memory building a shape: the next case may still fit
+            traceback.print_exc()
+            case = summary["cases"].setdefault(case_key(name), {})
+            case.setdefault("errors", {})["case"] = f"{type(e).__name__}: {e}"
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -580,6 +596,9 @@ def main(argv=None) -> None:
     write(out_dir, summary)
     print((out_dir / "gpu_bench.md").read_text())
     print(f"JSON and Markdown: {out_dir}", file=sys.stderr)
+    failed = [f"{c} {s}" for c, case in summary["cases"].items() for s in case.get("errors", {})]
+    if failed:
+        sys.exit(f"gpu_bench: failed: {', '.join(failed)} (tracebacks above; errors in the JSON)")
 
 
 if __name__ == "__main__":

@@ -62,12 +62,15 @@ def test_random_target_has_no_zero_or_unwritten_weights():
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied as the config says
 
 
-def test_runs_every_section_on_cpu(tmp_path, monkeypatch):
+def tiny_args(monkeypatch, out: Path, *more: str) -> list[str]:
     monkeypatch.setitem(gpu_bench.SHAPES, "tiny", gpu_bench.Shape(hf=TINY, draft=dict(num_layers=1), new_tokens=4))
-    args = ["--device", "cpu", "--cases", "tiny:float32", "--out", str(tmp_path), "--prompts", "1"]
+    args = ["--device", "cpu", "--cases", "tiny:float32", "--out", str(out), "--prompts", "1"]
     args += ["--prompt-len", "12", "--new-tokens", "6", "--repeats", "1", "--warmup", "2", "--ks", "1,2,4"]
-    args += ["--prefix", "8", "--max-seq-len", "64", "--verify-rounds", "1"]
-    gpu_bench.main(args)
+    return args + ["--prefix", "8", "--max-seq-len", "64", "--verify-rounds", "1", *more]
+
+
+def test_runs_every_section_on_cpu(tmp_path, monkeypatch):
+    gpu_bench.main(tiny_args(monkeypatch, tmp_path))
     summary = json.loads((tmp_path / "gpu_bench.json").read_text())
     case = summary["cases"]["tiny fp32"]
     assert case["skipped"] == {}
@@ -82,6 +85,19 @@ def test_runs_every_section_on_cpu(tmp_path, monkeypatch):
     assert all(v["draft_ms"] > 0 for k, v in drafters.items() if not k.startswith(("plain", "n-gram")))
     md = (tmp_path / "gpu_bench.md").read_text()
     assert gpu_bench.RANDOM_NOTE in md and "| HF generate |" in md and "| EAGLE-3 tree 5x4/12 |" in md
+
+
+def test_a_failing_section_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("CUDA graph capture exploded")
+
+    monkeypatch.setattr(gpu_bench, "verify_section", broken)
+    with pytest.raises(SystemExit, match="failed: tiny fp32 verify"):
+        gpu_bench.main(tiny_args(monkeypatch, tmp_path, "--sections", "verify,decode"))
+    case = json.loads((tmp_path / "gpu_bench.json").read_text())["cases"]["tiny fp32"]
+    assert case["errors"] == {"verify": "RuntimeError: CUDA graph capture exploded"}
+    assert case["decode"]["HF generate"]["new_tokens"] == 6
+    assert "**verify: failed** (RuntimeError: CUDA graph capture exploded)" in (tmp_path / "gpu_bench.md").read_text()
 
 
 @pytest.mark.parametrize(
