@@ -16,7 +16,7 @@
 #     --extra-index-url file:///opt/pypi-more/simple --find-links /opt/wheels torch==2.13.0 transformers==5.17.0 \
 #     huggingface-hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 accelerate==1.15.0 sentencepiece==0.2.2 \
 #     matplotlib numpy pyyaml tqdm pytest requests jinja2
-#   PIP_NO_INDEX=1 PATH=/tmp/rehearse/bin:$PATH bash scripts/gpu_check.sh --device cpu   # ~12 min on 2 busy cores
+#   PIP_NO_INDEX=1 PATH=/tmp/rehearse/bin:$PATH bash scripts/gpu_check.sh --device cpu   # 15 min on 2 busy cores
 # Exit status: 0 when every stage passed, else the number of failed stages (each named at the end).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -93,7 +93,7 @@ main() {
   if [ "$DEVICE" = cuda ]; then
     stage gpu_bench 300 "$PY" "$REPO/scripts/gpu_bench.py" --device cuda --budget-s 230 --out "$OUT" "$@"
   else
-    stage gpu_bench 1200 "$PY" "$REPO/scripts/gpu_bench.py" --device cpu --out "$OUT" "$@"
+    stage gpu_bench 1800 "$PY" "$REPO/scripts/gpu_bench.py" --device cpu --out "$OUT" "$@"
   fi
   echo "gpu_check: ${#FAILED[@]} failed stage(s): ${FAILED[*]:-none}; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
   return "${#FAILED[@]}"
