@@ -60,6 +60,7 @@ class MedusaProposer(Proposer):
         self.depth = max(len(p) for p in paths)
         self.topk = max(p[-1] for p in paths) + 1
         self.max_tree_size = len(paths)
+        self.sizes = [sum(len(p) <= d for p in paths) for d in range(self.depth + 1)]  # [d]: nodes of depth <= d
         self.hidden: Tensor | None = None  # the target's final hidden state at the last verified position
 
     def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
@@ -68,10 +69,14 @@ class MedusaProposer(Proposer):
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
         self.hidden = target.hidden[-1]
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling."""
-        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), self.depth)  # [depth, V]
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling.
+        Paths are sorted shortest first, so the nodes within the budget's depth are a prefix of the tree."""
+        depth = min(self.depth, budget)
+        n = self.sizes[depth]
+        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), depth)  # [depth, V]
         ranked = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
         if self.heads.vocab_ids is not None:
             ranked = self.heads.vocab_ids[ranked]
-        return DraftTree(ranked[self.head_of, self.rank_of], self.parents)
+        return DraftTree(ranked[self.head_of[:n], self.rank_of[:n]], self.parents[:n])
+
