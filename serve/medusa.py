@@ -59,6 +59,7 @@ class MedusaProposer(Proposer):
         self.rank_of = torch.tensor([p[-1] for p in paths], device=device)
         self.depth = max(len(p) for p in paths)
         self.topk = max(p[-1] for p in paths) + 1
+        check_ranks(self.topk, heads.lm_heads[0].out_features)
         self.max_tree_size = len(paths)
         self.sizes = [sum(len(p) <= d for p in paths) for d in range(self.depth + 1)]  # [d]: nodes of depth <= d
         self.hidden: Tensor | None = None  # the target's final hidden state at the last verified position
@@ -80,3 +81,11 @@ class MedusaProposer(Proposer):
             ranked = self.heads.vocab_ids[ranked]
         return DraftTree(ranked[self.head_of[:n], self.rank_of[:n]], self.parents[:n])
 
+
+def check_ranks(topk: int, vocab: int) -> None:
+    """A tree path of rank r takes a head's (r+1)-th most likely token: the heads need at least topk logits."""
+    if topk > vocab:
+        raise ValueError(
+            f"the medusa tree uses ranks up to {topk - 1}, but the heads draft over {vocab} tokens; "
+            f"set spec.draft_vocab >= {topk} (or 0 for the full vocabulary), or spec.choices with ranks below {vocab}"
+        )

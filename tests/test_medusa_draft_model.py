@@ -321,6 +321,21 @@ def test_medusa_drafts_never_reach_past_max_new_tokens(target, data, trained):
     assert {min(b, 4) for b, _ in trees} == {1, 2, 3, 4}
 
 
+def test_medusa_tree_ranks_past_the_heads_vocabulary_are_refused_at_build(target, data, trained, tmp_path):
+    """Issue 15: a tree rank at or past the drafted vocabulary crashed the first step (topk out of range)."""
+    lt, heads = loaded_target(target), trained["medusa"][0]
+    with pytest.raises(ValueError, match=r"ranks up to 200, but the heads draft over 128 tokens; set spec.draft_vocab"):
+        MedusaProposer(heads, [[0], [200]])
+    batch = data[1]
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=INFO.vocab_size)
+    folder = save_drafter(heads, heads.config, "medusa", INFO, Recipe(), tmp_path / "medusa", token_counts=counts)
+    top = max(c[-1] for c in DEFAULT_CHOICES if len(c) <= 3)  # 8: the default tree needs 9 tokens per head
+    with pytest.raises(ValueError, match=rf"ranks up to {top}, .* over 8 tokens; set spec.draft_vocab >= {top + 1}"):
+        make_proposer(SpecConfig("medusa", 3, drafter=str(folder), draft_vocab=8), lt)
+    ok = make_proposer(SpecConfig("medusa", 3, drafter=str(folder), draft_vocab=8, choices=[[0], [7], [0, 1]]), lt)
+    assert len(Engine(target, ok, max_seq_len=64).generate(data[0][0], 6, GREEDY).output_ids) == 6
+
+
 def test_wrong_kind_or_target_is_refused_by_the_engine_builder(target, trained):
     lt = loaded_target(target)
     with pytest.raises(ValueError, match="is a medusa drafter; spec=draft needs a draft_model drafter"):
