@@ -31,7 +31,7 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import LOSSES
-from helpers import PROMPTS, exact_joint
+from helpers import DEVICES, PROMPTS, exact_joint
 
 KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
 GREEDY = SamplingParams()
@@ -520,6 +520,19 @@ def test_sampling_is_deterministic_given_a_seed(kind, topk, total, target, train
         for seed in (3, None, 3, 4)
     ]
     assert runs[0] == runs[2] and runs[0] != runs[3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
+    """Issue 15: a sampled chain (topk 1) and a top-k tree at T > 0 on the model's device, with the request's
+    generator there: seeded runs repeat, and drafts were verified."""
+    tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
+    for topk in (1, 2):
+        head = make_head("eagle3", tgt, seed=5).to(device).eval()
+        engine = Engine(tgt, EagleProposer(head, "eagle3", 3, TreeConfig(topk, 0)), max_seq_len=MAX_SEQ)
+        runs = [engine.generate(PROMPTS[3], 12, SamplingParams(temperature=1.0, seed=s)) for s in (3, 3)]
+        assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 12
+        assert runs[0].metrics.drafts == runs[0].metrics.target_forward_passes > 0
 
 
 @pytest.fixture(scope="module")

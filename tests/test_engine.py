@@ -20,7 +20,7 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.proposer import Proposer
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.tree import DraftTree
-from helpers import PROMPTS, exact_joint
+from helpers import DEVICES, PROMPTS, exact_joint
 
 GREEDY = SamplingParams()
 ALPHA = 1e-4
@@ -45,10 +45,14 @@ def other(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def noisy(tiny_llama_dir):
     """The target with its weights perturbed: agrees often, not always."""
-    model = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+    return load_noisy(tiny_llama_dir, "cpu")
+
+
+def load_noisy(tiny_llama_dir, device: str):
+    model = load_model(tiny_llama_dir("llama"), torch.float32, device)
     g = torch.Generator().manual_seed(0)
     for p in model.parameters():
-        p.add_(0.005 * torch.randn(p.shape, generator=g))
+        p.add_(0.005 * torch.randn(p.shape, generator=g).to(p.device))
     return model
 
 
@@ -399,6 +403,18 @@ def test_sampling_is_deterministic_given_a_seed(target, noisy):
             runs.append(engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=seed)).output_ids)
         assert runs[0] == runs[2], proposer
         assert runs[0] != runs[3]  # another seed, other tokens (20 tokens from a 128 vocabulary)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
+    """Issue 15: the request's generator lives on the model's device, so every draw of a T > 0 step (the draft's,
+    verification's, the bonus token's) must be made there; on a GPU, every sampled draft used to fail."""
+    tgt, drafter = load_model(tiny_llama_dir("llama"), torch.float32, device), load_noisy(tiny_llama_dir, device)
+    engine = Engine(tgt, DraftModelProposer(drafter, DraftModelConfig(3)), max_seq_len=MAX_SEQ)
+    runs = [engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=s)) for s in (3, 3, 4)]
+    assert runs[0].output_ids == runs[1].output_ids != runs[2].output_ids and len(runs[0].output_ids) == 20
+    m = runs[0].metrics
+    assert m.drafts == m.target_forward_passes and 0 < m.accepted_tokens < m.draft_tokens  # accepted and rejected
 
 
 def test_unseeded_generate_leaves_the_global_rng_alone(target, noisy):
