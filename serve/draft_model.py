@@ -40,6 +40,11 @@ class DraftModelProposer(Proposer):
 
     def reserve(self, max_len: int) -> None:
         self.cache = self.model.new_cache(max_len)
+        # Slot j holds position j. A draft LM with a shorter max_position_embeddings than the engine's context gets
+        # its rope table extended, rather than the engine capped to it: past its trained context its drafts may be
+        # worse, never wrong (the target verifies every token).
+        if self.model.cos.shape[0] < max_len:
+            self.model.rope_cache(max_len)
 
     def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
         self.cached = start

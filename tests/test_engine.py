@@ -315,6 +315,22 @@ def test_tree_nodes_past_an_accepted_eos_are_not_counted(target, plain):
     assert (m.drafts, m.draft_tokens, m.accepted_tokens, m.accepted_per_position) == (1, 2, 1, [1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_model_with_a_shorter_context_than_the_target(device, tiny_llama_dir):
+    """Issue 15: a draft LM whose max_position_embeddings (16) is below the target's (256) crashed past position 16
+    (IndexError in its rope table). Its table is extended when the engine is built. The draft here is the target's
+    own weights, so with a correct table every draft is accepted."""
+    tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
+    short = load_model(tiny_llama_dir("llama", max_position_embeddings=16), torch.float32, device)
+    engine = Engine(tgt, DraftModelProposer(short, DraftModelConfig(4)), max_seq_len=MAX_SEQ)
+    plain_engine = Engine(tgt, max_seq_len=MAX_SEQ)
+    for p in PROMPTS:
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == plain_engine.generate(p, MAX_NEW, GREEDY).output_ids, p
+        assert out.metrics.accepted_tokens == out.metrics.draft_tokens, p  # tokens at positions 16..: all accepted
+    assert short.cos.shape[0] >= MAX_SEQ and short.cos.device == tgt.cos.device
+
+
 def test_context_can_be_filled_exactly(target):
     """prompt + max_new_tokens == max_seq_len is allowed, with drafts reaching past the last position."""
     plain_engine = Engine(target)
