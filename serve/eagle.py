@@ -101,19 +101,20 @@ class EagleProposer(Proposer):
         self.feature, self.logits = h[0, -1], self.head.logits(h[0, -1:]).float()
         self.cached = n
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         """Level d's nodes sit at position n-1+d; the nodes expanded at level d take slots n+(d-1)*topk onwards
-        and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache)."""
-        n, k, dev = tokens.numel(), self.tree.topk, tokens.device
+        and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache).
+        Those slots are scratch: accept() overwrites them from the target's features, whatever the depth."""
+        n, k, dev, depth = tokens.numel(), self.tree.topk, tokens.device, min(self.depth, budget)
         if n != self.cached:
             raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {n}")
         sampled = k == 1 and not sp.greedy
-        visible = torch.zeros(1, n + (self.depth - 1) * k, dtype=torch.bool, device=dev)
+        visible = torch.zeros(1, n + (depth - 1) * k, dtype=torch.bool, device=dev)
         visible[:, 1:n] = True
         feats, logits, scores = self.feature[None], self.logits, torch.zeros(1, device=dev)
         frontier = torch.full((1,), -1, device=dev)  # node index of each expanded row (-1: the root)
         toks, parents, cum, probs = [], [], [], []
-        for d in range(1, self.depth + 1):
+        for d in range(1, depth + 1):
             logp, ids, p = self.children(logits, sp, sampled)  # [rows, k]
             first = sum(t.numel() for t in toks)
             toks.append(self.to_target(ids).flatten())
@@ -121,7 +122,7 @@ class EagleProposer(Proposer):
             cum.append((scores[:, None] + logp).flatten())
             if p is not None:
                 probs.append(p)
-            if d == self.depth:
+            if d == depth:
                 break
             best = cum[-1].topk(min(k, cum[-1].numel())).indices  # the level's nodes to expand
             rows = best // k

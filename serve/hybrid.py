@@ -68,12 +68,12 @@ class HybridProposer(Proposer):
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
         self.drafter.accept(tokens, tree, path, target)
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        chain = self.ngram.propose(tokens, sp)
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        chain = self.ngram.propose(tokens, sp, budget)
         if self.policy == "prefer" and len(chain):
             self.merged += 1
             return chain
-        tree = self.drafter.propose(tokens, sp)
+        tree = self.drafter.propose(tokens, sp, budget)
         if tree.draft_probs is not None or not len(chain):
             return tree
         self.merged += 1

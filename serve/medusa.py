@@ -59,7 +59,9 @@ class MedusaProposer(Proposer):
         self.rank_of = torch.tensor([p[-1] for p in paths], device=device)
         self.depth = max(len(p) for p in paths)
         self.topk = max(p[-1] for p in paths) + 1
+        check_ranks(self.topk, heads.lm_heads[0].out_features)
         self.max_tree_size = len(paths)
+        self.sizes = [sum(len(p) <= d for p in paths) for d in range(self.depth + 1)]  # [d]: nodes of depth <= d
         self.hidden: Tensor | None = None  # the target's final hidden state at the last verified position
 
     def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
@@ -68,10 +70,22 @@ class MedusaProposer(Proposer):
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
         self.hidden = target.hidden[-1]
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling."""
-        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), self.depth)  # [depth, V]
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling.
+        Paths are sorted shortest first, so the nodes within the budget's depth are a prefix of the tree."""
+        depth = min(self.depth, budget)
+        n = self.sizes[depth]
+        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), depth)  # [depth, V]
         ranked = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
         if self.heads.vocab_ids is not None:
             ranked = self.heads.vocab_ids[ranked]
-        return DraftTree(ranked[self.head_of, self.rank_of], self.parents)
+        return DraftTree(ranked[self.head_of[:n], self.rank_of[:n]], self.parents[:n])
+
+
+def check_ranks(topk: int, vocab: int) -> None:
+    """A tree path of rank r takes a head's (r+1)-th most likely token: the heads need at least topk logits."""
+    if topk > vocab:
+        raise ValueError(
+            f"the medusa tree uses ranks up to {topk - 1}, but the heads draft over {vocab} tokens; "
+            f"set spec.draft_vocab >= {topk} (or 0 for the full vocabulary), or spec.choices with ranks below {vocab}"
+        )

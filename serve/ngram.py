@@ -32,10 +32,10 @@ class NgramProposer(Proposer):
         self.cfg = cfg
         self.max_tree_size = cfg.num_tokens
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        history = tokens[-self.cfg.window :]
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        history, k = tokens[-self.cfg.window :], min(self.cfg.num_tokens, budget)
         for n in range(self.cfg.max_n, self.cfg.min_n - 1, -1):
-            draft = lookup(history, n, self.cfg.num_tokens)
+            draft = lookup(history, n, k)
             if draft is not None:
                 return DraftTree.chain(draft)
         return DraftTree.empty(tokens.device)

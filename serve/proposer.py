@@ -35,8 +35,10 @@ class Proposer:
         """New sequence. tokens: prompt + first generated token; slots [0, start) were restored
         from the prefix cache; target: the target's outputs for tokens[start:-1]."""
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        """Draft continuations of tokens (the last one is pending: not yet run by the target)."""
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        """Draft continuations of tokens (the last one is pending: not yet run by the target).
+        budget (>= 1): how many tokens the request may still emit, so no node deeper than that is drafted
+        (it could never be kept: verify rows, and the drafter's work, would be spent on nothing)."""
         raise NotImplementedError
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:

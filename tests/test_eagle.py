@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
-from test_engine import SMALL, SMALL_PROMPT, kv_prefix, pooled_chi2_pvalue, same_kv
+from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_chi2_pvalue, same_kv, spy_budgets
 
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
@@ -31,7 +31,7 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import LOSSES
-from helpers import PROMPTS, exact_joint
+from helpers import DEVICES, PROMPTS, exact_joint
 
 KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
 GREEDY = SamplingParams()
@@ -400,8 +400,8 @@ def test_hybrid_with_ngram_is_lossless_and_takes_lookup_paths(kind, topk, total,
     assert proposer.name == f"{kind}+ngram" and proposer.max_tree_size == drafter.max_tree_size + 5
     own, lookup = [], []  # per step: the drafter's own node count (0: it did not draft); a lookup node accepted?
     propose, hybrid_propose, accept = drafter.propose, proposer.propose, proposer.accept
-    drafter.propose = lambda tokens, sp: own.append(len(t := propose(tokens, sp))) or t
-    proposer.propose = lambda tokens, sp: own.append(0) or hybrid_propose(tokens, sp)
+    drafter.propose = lambda tokens, sp, budget: own.append(len(t := propose(tokens, sp, budget))) or t
+    proposer.propose = lambda tokens, sp, budget: own.append(0) or hybrid_propose(tokens, sp, budget)
     proposer.accept = lambda tokens, tree, path, out: (
         lookup.append(len(path) > 0 and any(i >= own[-1] for i in path)),
         accept(tokens, tree, path, out),
@@ -415,6 +415,25 @@ def test_hybrid_with_ngram_is_lossless_and_takes_lookup_paths(kind, topk, total,
     assert proposer.merged > 0 and any(lookup)
     if policy == "prefer":  # a step drafts with the lookup or the head, never both
         assert own.count(0) >= proposer.merged
+
+
+@pytest.mark.parametrize("kind,topk,total,ngram", [("eagle", 1, 0, 0), ("eagle3", 3, 8, 0), ("eagle3", 2, 6, 4)])
+def test_drafts_never_reach_past_max_new_tokens(kind, topk, total, ngram, target, plain, trained):
+    """Near the end of a request the tree is only as deep as the tokens still allowed; output stays plain
+    decoding's and the metrics count at most the cut bonus token beyond what was emitted."""
+    proposer = EagleProposer(trained[kind], kind, 4, TreeConfig(topk, total))
+    if ngram:
+        proposer = HybridProposer(proposer, NgramProposer(NgramConfig(ngram, 1, 3)), "merge")
+    calls = spy_budgets(proposer)
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    p = PROMPTS[3]
+    ref = plain[tuple(p)].output_ids
+    for n in range(1, 9):
+        out = engine.generate(p, n, GREEDY)
+        assert out.output_ids == ref[:n], (kind, n)
+        check_metrics(out.metrics, out.output_ids, proposer.max_tree_size)
+    assert all(depth <= budget for _, budget, depth in calls)
+    assert any(0 < depth == budget < 4 for _, budget, depth in calls)
 
 
 def test_hybrid_refuses_chain_drafters_and_unknown_policies(target):
@@ -445,7 +464,7 @@ def test_restricted_vocab_drafts_only_those_tokens_and_stays_lossless(topk, targ
     head.restrict_vocab(ids)
     proposer = EagleProposer(head, "eagle", 3, TreeConfig(topk, 0))
     drafted, propose = [], proposer.propose
-    proposer.propose = lambda tokens, sp: drafted.append(propose(tokens, sp)) or drafted[-1]
+    proposer.propose = lambda tokens, sp, budget: drafted.append(propose(tokens, sp, budget)) or drafted[-1]
     engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
     accepted = 0
     for p in PROMPTS:
@@ -501,6 +520,19 @@ def test_sampling_is_deterministic_given_a_seed(kind, topk, total, target, train
         for seed in (3, None, 3, 4)
     ]
     assert runs[0] == runs[2] and runs[0] != runs[3]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
+    """Issue 15: a sampled chain (topk 1) and a top-k tree at T > 0 on the model's device, with the request's
+    generator there: seeded runs repeat, and drafts were verified."""
+    tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
+    for topk in (1, 2):
+        head = make_head("eagle3", tgt, seed=5).to(device).eval()
+        engine = Engine(tgt, EagleProposer(head, "eagle3", 3, TreeConfig(topk, 0)), max_seq_len=MAX_SEQ)
+        runs = [engine.generate(PROMPTS[3], 12, SamplingParams(temperature=1.0, seed=s)) for s in (3, 3)]
+        assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 12
+        assert runs[0].metrics.drafts == runs[0].metrics.target_forward_passes > 0
 
 
 @pytest.fixture(scope="module")
