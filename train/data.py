@@ -37,7 +37,7 @@ class DistillConfig:
     seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
     batch_size: int = 16  # conversations decoded together; 1 = the engine, one at a time
     spec: str = "ngram"  # batch_size 1: the engine's proposer, ar | ngram (lossless either way)
-    out: str | None = None  # the JSONL; default <DRAFTSMITH_CACHE or target.cache_dir>/distill/<target>-<key>.jsonl
+    out: str | None = None  # the JSONL; default <target.cache_dir or $DRAFTSMITH_CACHE>/distill/<target>-<key>.jsonl
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1:

@@ -38,7 +38,7 @@ from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids
 from draftsmith.serve.draft_model import causal_mask
 from draftsmith.serve.sampling import SamplingParams, pick
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.target import TargetConfig, cache_root
 
 from .data import ANSWER_FIELDS, Conversation, DataConfig, DistillConfig, Skipped
 from .features import source_stamp
@@ -398,9 +398,9 @@ def part_path(path: Path, rank: int, world: int) -> Path:
     return path.with_name(f"{path.stem}.part{rank}-of-{world}{path.suffix}")
 
 
-def distill_path(data: DataConfig, target: Loaded, cache_dir: str) -> Path:
-    """data.distill.out, else <DRAFTSMITH_CACHE or cache_dir>/distill/<target>-<key hash>.jsonl, keyed by what
-    changes the answers (not max_conversations: a run with more conversations appends to the same file)."""
+def distill_path(data: DataConfig, target: Loaded, cache_dir: str | None) -> Path:
+    """data.distill.out, else <cache_root(cache_dir)>/distill/<target>-<key hash>.jsonl, keyed by what changes the
+    answers (not max_conversations: a run with more conversations appends to the same file)."""
     if data.distill.out:
         return Path(data.distill.out).expanduser()
     key = {
@@ -412,7 +412,7 @@ def distill_path(data: DataConfig, target: Loaded, cache_dir: str) -> Path:
         **{k: getattr(data.distill, k) for k in ANSWER_FIELDS},
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("DRAFTSMITH_CACHE") or cache_dir).expanduser() / "distill"
+    root = cache_root(cache_dir) / "distill"
     name = re.sub(r"[^\w.-]", "_", target.target_id)
     return root / f"{name}-{digest}.jsonl"
 
