@@ -31,6 +31,7 @@ from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
 from helpers import build_tiny_chat_target
 
 TESTS = Path(__file__).parent
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # this interpreter's, venv or not
 ENV = {
     **os.environ,
     "HF_HUB_OFFLINE": "1",
@@ -418,13 +419,22 @@ def test_hydra_multirun_gives_each_run_its_own_folder(target, data, tmp_path):
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+def test_accelerate_launch_of_the_train_folder_from_the_repo_root(target, data, tmp_path):
+    """The form users type: `accelerate launch train/ ...` runs the folder as a script, not the package."""
+    out = tmp_path / "run"
+    args = [*cli_args(target, data), "train.max_steps=1", "wandb.enabled=false", f"out={out}"]
+    r = run([*ACCELERATE, "launch", "train/", *args], TESTS.parent)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert json.loads((out / "final" / "config.json").read_text())["recipe"]["steps"] == 1
+
+
 @pytest.mark.ddp
 def test_two_process_cpu_ddp_through_accelerate_launch(target, data, tmp_path):
     """Both processes build the feature cache (alternate shards); then 2 processes x batch 2 see the examples
     1 process x batch 4 sees, step by step, and with gradients averaged over the processes the losses match
     (up to per-process vs. per-batch token weighting)."""
     out, cache = tmp_path / "ddp", tmp_path / "cache"
-    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2"]
+    launch = [*ACCELERATE, "launch", "--cpu", "--num_processes", "2"]
     args = [a for a in cli_args(target, data) if a != "train.features.mode=online"]
     args += ["train.max_steps=3", "train.checkpoint_every=2", "wandb.enabled=false"]
     args += [

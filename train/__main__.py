@@ -1,13 +1,22 @@
-"""draftsmith-train: train a drafter for a target (hydra app; also under `accelerate launch -m draftsmith.train`)."""
+"""draftsmith-train: train a drafter for a target (hydra app; also under `accelerate launch -m draftsmith.train`,
+or `accelerate launch train/` from a checkout)."""
 
 from __future__ import annotations
 
+import os
+import runpy
 import sys
 
-import hydra
-from omegaconf import DictConfig
+if not __package__:  # run as a folder or file (`accelerate launch train/ ...`): run the installed package instead
+    here = os.path.dirname(os.path.abspath(__file__))  # its modules (data, log, ...) would shadow top-level ones
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    runpy.run_module("draftsmith.train", run_name="__main__", alter_sys=True)
+    sys.exit()
 
-from .launch import relaunch, requested_cpu_processes
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from .launch import relaunch, requested_cpu_processes  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
