@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -209,6 +210,42 @@ def test_all_checkpoints_corrupt_or_other_settings_are_clear_errors(target, data
     cfg.resume = True
     with pytest.raises(ValueError, match=r"no usable checkpoint: .*step-0000004 .*step-0000002"):
         train(cfg)
+
+
+def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(target, data, tmp_path, monkeypatch):
+    """Not "corrupt" with advice to delete good checkpoints; betas count, and checkpoints written before they were
+    fingerprinted still resume."""
+    cfg = config(tmp_path, target, data, max_steps=4)
+    with monkeypatch.context() as mp:
+        kill_after(mp, 2)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    ck = tmp_path / "checkpoints" / "step-0000002"
+    before = {p: p.stat().st_mtime_ns for p in ck.rglob("*")}
+    resized = config(tmp_path, target, data, max_steps=4)
+    resized.head.args, resized.resume = {"classes": 256}, True
+    with pytest.raises(ValueError, match=r"made with other settings \(head: ") as e:
+        train(resized)
+    assert "corrupt" not in str(e.value) and "Delete" not in str(e.value)
+    betas = config(tmp_path, target, data, max_steps=4, betas=[0.8, 0.99])
+    betas.resume = True
+    with pytest.raises(ValueError, match=r"made with other settings \(betas: \[0.9, 0.95\] then, \[0.8, 0.99\] now"):
+        train(betas)
+    assert {p: p.stat().st_mtime_ns for p in ck.rglob("*")} == before
+
+    trainer_json = ck / "trainer.json"
+    meta = json.loads(trainer_json.read_text())
+    same_head = {**meta, "fingerprint": {**meta["fingerprint"], "head": json.loads(json.dumps(asdict(resized.head)))}}
+    trainer_json.write_text(json.dumps(same_head))  # same settings, yet weights of another shape: other code
+    with pytest.raises(ValueError, match=r"does not fit the head this run builds \(proj.\w+ has shape") as e:
+        train(resized)
+    assert "corrupt" not in str(e.value) and "Delete" not in str(e.value)
+
+    del meta["fingerprint"]["betas"]  # as written before betas were fingerprinted: still resumes
+    trainer_json.write_text(json.dumps(meta))
+    cfg.resume = True
+    train(cfg)
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["recipe"]["steps"] == 4
 
 
 def test_feature_cache_is_built_once_reused_and_refused_for_another_target(

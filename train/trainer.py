@@ -206,7 +206,7 @@ def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int) 
                 "examples": examples,
                 "processes": world,
                 **{k: getattr(tc, k) for k in ("epochs", "max_steps", "batch_size", "grad_accum", "seed")},
-                **{k: getattr(tc, k) for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay")},
+                **{k: getattr(tc, k) for k in ("lr", "betas", "warmup_steps", "min_lr_ratio", "weight_decay")},
             }
         )
     )
