@@ -375,6 +375,15 @@ def test_refuses_a_drafter_for_another_target(tiny, tiny_llama_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_copied_target_folder_is_the_same_target(tiny, tmp_path):
+    """Same config.json and weights under another folder name: its drafters fit it (old folders included)."""
+    copy = Path(shutil.copytree(tiny[0].path, tmp_path / "copied-elsewhere"))
+    tcfg = TargetConfig(path=str(copy))
+    assert target_id(tcfg, copy) != target_id(tiny[0], Path(tiny[0].path))  # the readable name differs
+    out = export(tiny[1]["eagle"], "vllm", tmp_path / "out", tcfg, "fp32")
+    assert f"`{target_id(tiny[0], Path(tiny[0].path))}`" in (out / "README.md").read_text()
+
+
 def test_refuses_an_unsupported_target_architecture(tiny, tmp_path):
     """A target the format's engines do not run these drafters for (a Qwen3 target for TGI's Medusa heads)."""
     tdir = tmp_path / "qwen3ish"
