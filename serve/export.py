@@ -132,10 +132,15 @@ def eagle_sglang(src: Source) -> Export:
     state = own_state(src.head)
     if c.attention_bias:
         state["layers.0.self_attn.o_proj.bias"] = torch.zeros(c.hidden_size)
-    exp = Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state})
-    if src.token_counts is not None:
-        exp.token_map = frequent_ids(src.token_counts, min(c.vocab_size, max(8192, c.vocab_size // 4)))
-    return exp
+    return Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state}, [], token_map(src))
+
+
+def token_map(src: Source) -> Tensor | None:
+    """The ids an SGLang EAGLE export's token map keeps: the training answers' most frequent quarter."""
+    if src.token_counts is None:
+        return None
+    v = src.head.config.vocab_size
+    return frequent_ids(src.token_counts, min(v, max(8192, v // 4)))
 
 
 def medusa_vllm(src: Source) -> Export:
