@@ -379,9 +379,28 @@ def test_existing_out_needs_overwrite(tiny, tmp_path):
     with pytest.raises(ExportError, match="exists; pass overwrite=true"):
         do_export(tiny, "medusa", "vllm", out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    do_export(tiny, "medusa", "vllm", out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    (out / "keep.txt").unlink()
+    do_export(tiny, "medusa", "vllm", out, overwrite=True)  # an empty folder
+    do_export(tiny, "medusa", "tgi", out, overwrite=True)  # an earlier export
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "medusa_lm_head.safetensors"]
     assert leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_only_an_earlier_export(tiny, tmp_path, monkeypatch):
+    """Not a training run (checkpoints included) or any other folder, and not the folder the command runs in."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    shutil.copytree(tiny[1]["medusa"], run / "final")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with pytest.raises(ExportError, match="is not an earlier export .*overwrite=true replaces only an export"):
+        do_export(tiny, "medusa", "vllm", run, overwrite=True)
+    monkeypatch.chdir(run / "checkpoints")
+    for out in (Path("."), Path(".."), tmp_path):
+        with pytest.raises(ExportError, match="is the current folder or holds it"):
+            do_export(tiny, "medusa", "vllm", out, overwrite=True)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before and leftovers(tmp_path) == []
+    assert leftovers(run) == [] and leftovers(run / "checkpoints") == []
 
 
 def test_refuses_out_overlapping_the_drafter(tiny):
