@@ -165,6 +165,8 @@ def test_resume_after_a_kill_continues_at_the_same_step_with_the_same_data(
     assert losses(tmp_path)[-1][0] == 7
     with pytest.raises(ValueError, match="already holds checkpoints: pass resume=true"):
         train(cfg)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "epoch": 1.3, "lo')  # killed mid-write: a torn last line
     cfg.resume = True
     second = record_batches(monkeypatch)
     train(cfg)

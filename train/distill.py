@@ -42,6 +42,7 @@ from draftsmith.serve.target import TargetConfig, cache_root
 
 from .data import ANSWER_FIELDS, Conversation, DataConfig, DistillConfig, Skipped
 from .features import source_stamp
+from .jsonl import complete_rows
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
 
@@ -276,30 +277,15 @@ def answer_text(tokenizer, out: list[int], eos) -> str:
 # ---- the output file
 
 
-def parse_line(line: bytes) -> dict | None:
-    """A row this module wrote, or None (a torn or foreign line)."""
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    ok = line.endswith(b"\n") and isinstance(row, dict) and isinstance(row.get("id"), str)
-    return row if ok and isinstance(row.get("messages"), list) else None
-
-
 def parse_rows(data: bytes, path: Path) -> tuple[dict[str, list], int]:
     """id -> messages of the complete rows, and the byte length they span (a torn last line excluded)."""
-    rows, end = {}, 0
-    lines = data.splitlines(keepends=True)
-    for n, line in enumerate(lines, 1):
-        row = parse_line(line)
-        if row is None and n < len(lines):
-            raise ValueError(
-                f"{path}:{n} is not a self-distillation row ({{id, messages}}): delete the file or set "
-                "data.distill.out to another path"
-            )
-        if row is not None:
-            rows[row["id"]], end = row["messages"], end + len(line)
-    return rows, end
+    bad = "is not a self-distillation row ({id, messages}): delete the file or set data.distill.out to another path"
+    rows, end = complete_rows(data, path, is_answer_row, bad)
+    return {row["id"]: row["messages"] for row in rows}, end
+
+
+def is_answer_row(row: dict) -> bool:
+    return isinstance(row.get("id"), str) and isinstance(row.get("messages"), list)
 
 
 def read_rows(path: Path) -> dict[str, list]:
