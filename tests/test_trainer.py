@@ -444,6 +444,25 @@ def cli_args(target, data) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize(
+    "key, value", [(k, 0) for k in ("max_steps", "checkpoint_every", "log_every", "batch_size", "grad_accum")]
+)
+def test_bad_train_settings_are_refused_when_the_config_is_built(key, value):
+    with pytest.raises(ValueError, match=rf"train.{key} must be >= 1.*got 0"):
+        TrainConfig(**{key: value})
+
+
+def test_a_bad_or_missing_setting_is_one_line_at_the_command_line(target, data, tmp_path):
+    """Before the target loads or anything is written; no hydra traceback."""
+    for args, message in (
+        ([f"out={tmp_path / 'run'}", "train.max_steps=0"], "train.max_steps must be >= 1"),
+        ([], "missing mandatory value: out; pass out="),
+    ):
+        r = run([sys.executable, "-m", "draftsmith.train", *cli_args(target, data), *args], tmp_path)
+        assert r.returncode == 1 and r.stderr.strip().startswith(f"draftsmith-train: {message}"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
 def test_hydra_multirun_gives_each_run_its_own_folder(target, data, tmp_path):
     out = tmp_path / "sweep"
     r = run(

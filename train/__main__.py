@@ -22,13 +22,16 @@ from .launch import relaunch, requested_cpu_processes  # noqa: E402
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    from draftsmith.serve.__main__ import typed
+    from draftsmith.serve.__main__ import typed_or_exit
 
     from .trainer import RunConfig, train
 
-    run = typed(cfg, RunConfig)
-    run.out = HydraConfig.get().runtime.output_dir  # = out, or out/<job number> in a multirun sweep
+    run = typed_or_exit(cfg, RunConfig, "draftsmith-train")
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # each sweep job in out/<job number>
+        run.out = hc.runtime.output_dir
     train(run)
 
 

@@ -429,11 +429,11 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from draftsmith.serve.__main__ import typed
+    from draftsmith.serve.__main__ import typed_or_exit
 
     @hydra.main(config_path="../conf", config_name="distill", version_base=None)
     def _main(cfg: DictConfig) -> None:
-        run(typed(cfg, DistillRun))
+        run(typed_or_exit(cfg, DistillRun, "python -m draftsmith.train.distill"))
 
     _main()
 
