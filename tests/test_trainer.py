@@ -250,6 +250,28 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
     assert json.loads((tmp_path / "final" / "config.json").read_text())["recipe"]["steps"] == 4
 
 
+def test_a_run_resumed_after_a_kill_in_the_final_write_keeps_its_last_tau(target, data, tmp_path, monkeypatch):
+    taus = iter([{"tau": 1.5}, {"tau": 1.75}])
+    monkeypatch.setattr(trainer_mod, "make_hook", lambda *a: lambda head, kind: next(taus, {}))
+    cfg = config(tmp_path, target, data, max_steps=4, eval_every=2)  # evals and checkpoints at steps 2 and 4
+    save = trainer_mod.save_drafter
+
+    def killed_writing_final(head, config, kind, info, recipe, folder, *rest):
+        if Path(folder).name == "final":
+            raise KeyboardInterrupt("simulated kill")
+        return save(head, config, kind, info, recipe, folder, *rest)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer_mod, "save_drafter", killed_writing_final)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    assert not (tmp_path / "final").exists()
+    cfg.resume = True
+    train(cfg)
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert "mean acceptance length 1.75 (training eval)" in card
+
+
 def test_feature_cache_is_built_once_reused_and_refused_for_another_target(
     uninterrupted, target, other_target, data, tmp_path, monkeypatch
 ):

@@ -32,6 +32,7 @@ class State:
     step: int
     tokens: int
     wandb_id: str | None = None
+    tau: float | None = None  # the last in-training acceptance eval, as the checkpoint's drafter card has it
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -114,7 +115,7 @@ def load_latest(
             torch.cuda.set_rng_state(loaded["rng"]["cuda"])
         meta = loaded["meta"]
         log(f"resumed from {folder} at step {meta['step']}")
-        return State(meta["step"], meta["tokens"], meta.get("wandb_id"))
+        return State(meta["step"], meta["tokens"], meta.get("wandb_id"), loaded["tau"])
     if failures:
         raise ValueError(
             "no usable checkpoint: " + "; ".join(failures) + ". Delete them to start over, or restore a good copy"
@@ -141,7 +142,13 @@ def read(folder: Path, head: nn.Module, rank: int, fingerprint: dict) -> dict:
             misfit(folder, f"{k} has shape {tuple(v.shape)}, the head has {tuple(expected[k].shape)}")
     optim = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
     rng = torch.load(folder / f"rng-{rank}.pt", weights_only=True)
-    return {"meta": meta, "head": state, "optim": optim, "rng": rng}
+    return {"meta": meta, "head": state, "optim": optim, "rng": rng, "tau": measured_tau(folder / DRAFTER)}
+
+
+def measured_tau(drafter: Path) -> float | None:
+    if not (drafter / "config.json").is_file():  # older checkpoints: head.safetensors only
+        return None
+    return json.loads((drafter / "config.json").read_text())["recipe"]["acceptance"].get("mean_acceptance_length")
 
 
 class Refusal(ValueError):

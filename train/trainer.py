@@ -275,6 +275,8 @@ class Loop:
             loaded = checkpoint.load_latest(self.out, *args, engine=engine_state(acc))
             if loaded is None:
                 self.say(f"resume=true but {self.out}/checkpoints holds none: starting at step 0")
+            elif loaded.tau:  # kept for the final drafter's card, should no eval run after the resume
+                self.last_eval = {"tau": loaded.tau}
             state = loaded or state
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
