@@ -11,8 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from draftsmith.serve.__main__ import typed
+from draftsmith.serve.__main__ import typed_or_exit
 
+from .methods import check_drafters
 from .report import ci, iv, speedup_cell, write_report
 from .runner import EvalConfig, run_eval
 from .wandb_log import log_eval
@@ -66,7 +67,7 @@ def noise_lines(r: dict) -> list[str]:
 
 @hydra.main(config_path="../conf", config_name="eval", version_base=None)
 def _main(cfg: DictConfig) -> None:
-    config = typed(cfg, EvalConfig)
+    config = typed_or_exit(cfg, EvalConfig, "draftsmith-eval", check_drafters)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # each sweep job in out/<job number>, grouped together in W&B
         config.out = hc.runtime.output_dir

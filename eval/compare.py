@@ -28,7 +28,10 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path]:
         raise ValueError(f"give one out=REPORT; {USAGE}")
     if not folders:
         raise ValueError(f"give at least one eval folder; {USAGE}")
-    return folders, Path(outs[0])
+    out = Path(outs[0])
+    if (out / "results.json").is_file() or out.resolve() in {Path(f).resolve() for f in folders}:
+        raise ValueError(f"out={out} is an eval folder (its report.md and plots would be overwritten): pick another")
+    return folders, out
 
 
 def find_evals(folders: list[str]) -> list[Path]:

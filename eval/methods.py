@@ -6,9 +6,10 @@ from dataclasses import asdict
 from math import prod
 from pathlib import Path
 
+from omegaconf import DictConfig
 from safetensors import safe_open
 
-from draftsmith.serve.build import SpecConfig
+from draftsmith.serve.build import NEEDS_DRAFTER, SpecConfig
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
@@ -29,6 +30,14 @@ def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[st
             "or methods=[ngram,eagle3]"
         )
     return out
+
+
+def check_drafters(cfg: DictConfig) -> None:
+    """Before the config is typed (SpecConfig would name its own key, spec.drafter): each method of `methods`
+    that needs a drafter has methods.LABEL.drafter."""
+    for label, m in (cfg.get("methods") or {}).items():
+        if m.get("name") in NEEDS_DRAFTER and not m.get("drafter"):
+            raise ValueError(f"methods.{label} needs methods.{label}.drafter=DIR: {NEEDS_DRAFTER[m.name]}")
 
 
 def spec_label(spec: SpecConfig) -> str:

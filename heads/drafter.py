@@ -28,7 +28,7 @@ TOKEN_COUNTS = "token_counts.safetensors"
 class TargetInfo:
     """What a drafter must agree on with its target."""
 
-    id: str  # name@sha256(config.json)[:8], as serve.target.target_id gives
+    id: str  # name@sha256(config.json)[:8], as serve.target.target_id gives: the name is for display only
     hidden_size: int
     vocab_size: int
     num_layers: int
@@ -121,11 +121,17 @@ def check_target(meta: dict, target: TargetInfo, folder: Path) -> None:
                 f"drafter {folder} was made for target {saved['id']} with {key}={saved[key]}, but the target "
                 f"{target.id} has {key}={getattr(target, key)}: train a drafter for this target"
             )
-    if saved["id"] != target.id:
+    if config_hash(saved["id"]) != config_hash(target.id):
         raise ValueError(
             f"drafter {folder} was made for target {saved['id']}, not {target.id} (their config.json differ): "
             "train a drafter for this target"
         )
+
+
+def config_hash(target_id: str) -> str:
+    """What identifies a target: the hash of its config.json, not the name before `@` (a copied or renamed
+    target folder is the same target)."""
+    return target_id.rsplit("@", 1)[-1]
 
 
 def load_drafter(folder: Path, target: TargetInfo, *shared, device="cpu", dtype=torch.float32) -> nn.Module:

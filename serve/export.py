@@ -31,7 +31,7 @@ from draftsmith.heads.drafter import (
 )
 from draftsmith.heads.llama import SUPPORTED_TYPES
 
-from .export_card import model_card
+from .export_card import EXPORT_MARK, model_card
 from .loader import read_hf_config
 from .target import TargetConfig, resolve_target, target_id
 
@@ -132,10 +132,15 @@ def eagle_sglang(src: Source) -> Export:
     state = own_state(src.head)
     if c.attention_bias:
         state["layers.0.self_attn.o_proj.bias"] = torch.zeros(c.hidden_size)
-    exp = Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state})
-    if src.token_counts is not None:
-        exp.token_map = frequent_ids(src.token_counts, min(c.vocab_size, max(8192, c.vocab_size // 4)))
-    return exp
+    return Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state}, [], token_map(src))
+
+
+def token_map(src: Source) -> Tensor | None:
+    """The ids an SGLang EAGLE export's token map keeps: the training answers' most frequent quarter."""
+    if src.token_counts is None:
+        return None
+    v = src.head.config.vocab_size
+    return frequent_ids(src.token_counts, min(v, max(8192, v // 4)))
 
 
 def medusa_vllm(src: Source) -> Export:
@@ -291,10 +296,22 @@ def check_out(out: Path, drafter: Path, overwrite: bool) -> None:
     out, drafter = out.resolve(), drafter.resolve()
     if out == drafter or drafter.is_relative_to(out) or out.is_relative_to(drafter):
         raise ExportError(f"out={out} overlaps the drafter folder {drafter}: export to a separate folder")
+    if Path.cwd().resolve().is_relative_to(out):
+        raise ExportError(f"out={out} is the current folder or holds it: export to a new folder, e.g. out=export")
     if out.exists() and not overwrite:
         raise ExportError(f"out={out} exists; pass overwrite=true to replace it, or choose another out")
     if out.exists() and not out.is_dir():
         raise ExportError(f"out={out} exists and is not a folder; remove it or choose another out")
+    if out.exists() and any(out.iterdir()) and not is_export(out):
+        raise ExportError(
+            f"out={out} is not an earlier export (no README.md by draftsmith-export): overwrite=true replaces only "
+            "an export, never a training run or other files; choose another out, or remove it yourself"
+        )
+
+
+def is_export(folder: Path) -> bool:
+    card = folder / "README.md"
+    return card.is_file() and EXPORT_MARK in card.read_text(errors="replace")
 
 
 # ---------------------------------------------------------------- writing

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .export import Source
 
+EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
+
 METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
 SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft_model": "STANDALONE"}
 NOT_SERVED = {
@@ -89,7 +91,7 @@ def model_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | No
     sizes = ", ".join(f"{k}={v}" for k, v in meta["config"].items() if k != "model")
     return (
         f"# {src.kind} drafter for `{meta['target']['id']}` ({fmt} format)\n\n"
-        f"Exported by draftsmith from `{src.folder.resolve()}` in {dtype}, safetensors.\n\n"
+        f"{EXPORT_MARK} `{src.folder.resolve()}` in {dtype}, safetensors.\n\n"
         f"- target: `{meta['target']['id']}` at `{src.target_dir.resolve()}` (the drafter fits only this "
         "target: same config.json)\n"
         f"- drafter: {src.kind} ({sizes})\n"

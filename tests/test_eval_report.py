@@ -120,6 +120,19 @@ def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
     assert labels == ["0:ngram", "0:layerskip", "1:ngram", "1:layerskip"]
 
 
+def test_compare_refuses_to_write_into_an_eval_folder(evaluated, tmp_path, capsys):
+    out, _ = evaluated
+    sweep = tmp_path / "sweep"
+    for i in range(2):
+        shutil.copytree(out, sweep / str(i))
+    before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+    for target in (sweep / "0", sweep):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(sweep), f"out={target}"])
+        assert exit_.value.code == 2 and "is an eval folder" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == before
+
+
 def test_compare_refuses_bad_input_and_writes_nothing(evaluated, tmp_path, capsys):
     out, _ = evaluated
     report = tmp_path / "cmp"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -68,6 +69,20 @@ class TrainConfig:
     num_workers: int = 0
     seed: int = 0
     features: FeatureConfig = field(default_factory=FeatureConfig)
+
+    def __post_init__(self) -> None:  # when the config is built: before the target loads or features are made
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 (null: epochs x steps per epoch), got {self.max_steps}")
+        for key in ("epochs", "batch_size", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.eval_every < 0 or self.warmup_steps < 0 or self.num_workers < 0:
+            e, w, n = self.eval_every, self.warmup_steps, self.num_workers
+            raise ValueError(f"train.eval_every, warmup_steps and num_workers must be >= 0, got {e}, {w} and {n}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"train.lr must be a positive number, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {list(self.betas)}")
 
 
 @dataclass
@@ -206,7 +221,7 @@ def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int) 
                 "examples": examples,
                 "processes": world,
                 **{k: getattr(tc, k) for k in ("epochs", "max_steps", "batch_size", "grad_accum", "seed")},
-                **{k: getattr(tc, k) for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay")},
+                **{k: getattr(tc, k) for k in ("lr", "betas", "warmup_steps", "min_lr_ratio", "weight_decay")},
             }
         )
     )
@@ -260,6 +275,8 @@ class Loop:
             loaded = checkpoint.load_latest(self.out, *args, engine=engine_state(acc))
             if loaded is None:
                 self.say(f"resume=true but {self.out}/checkpoints holds none: starting at step 0")
+            elif loaded.tau:  # kept for the final drafter's card, should no eval run after the resume
+                self.last_eval = {"tau": loaded.tau}
             state = loaded or state
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
