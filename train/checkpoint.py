@@ -53,7 +53,7 @@ def save(
 ) -> Path:
     """All processes call this (each writes its RNG state); the main one writes the rest and renames.
     write_drafter(folder): the head as a drafter folder. engine: the Accelerator under DeepSpeed, whose
-    ZeRO-sharded optimizer only it can save (untested here)."""
+    ZeRO-sharded model and optimizer only it can save (engine/: DeepSpeed's own checkpoint, a file per process)."""
     folder = Path(out) / "checkpoints"
     final, tmp = folder / f"{PREFIX}{state.step:07d}", folder / f".tmp-{PREFIX}{state.step:07d}"
     if rank == 0:
@@ -101,10 +101,11 @@ def load_latest(
             log(f"checkpoint {folder} is corrupt ({brief(e)}); falling back to the previous one")
             continue
         check_fingerprint(folder, loaded["meta"]["fingerprint"], fingerprint)
-        head.load_state_dict(loaded["head"], strict=False)
-        if engine is not None:
+        if engine is not None:  # the engine's own checkpoint holds the weights (ZeRO-3: this process's shard)
+            # DeepSpeed's loader unpickles (torch.load weights_only=False): it reads only files this run wrote
             engine.load_state(str(folder / "engine"))
         else:
+            head.load_state_dict(loaded["head"], strict=False)
             optimizer.load_state_dict(loaded["optim"]["optimizer"])
         scheduler.load_state_dict(loaded["optim"]["scheduler"])
         torch.set_rng_state(loaded["rng"]["cpu"])
@@ -130,15 +131,21 @@ def read(folder: Path, head: nn.Module, rank: int) -> dict:
     meta = json.loads((folder / "trainer.json").read_text())
     weights = folder / DRAFTER / "model.safetensors"
     state = load_file(str(weights if weights.is_file() else folder / "head.safetensors"))  # older: head.safetensors
-    expected = own_state(head)
+    expected = own_shapes(head)
     if state.keys() != expected.keys():
         raise ValueError(f"its weights do not match the head: {sorted(state.keys() ^ expected.keys())[:3]}")
     for k, v in state.items():
-        if v.shape != expected[k].shape:
-            raise ValueError(f"{k} has shape {tuple(v.shape)}, the head has {tuple(expected[k].shape)}")
+        if v.shape != expected[k]:
+            raise ValueError(f"{k} has shape {tuple(v.shape)}, the head has {tuple(expected[k])}")
     optim = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
     rng = torch.load(folder / f"rng-{rank}.pt", weights_only=True)
     return {"meta": meta, "head": state, "optim": optim, "rng": rng}
+
+
+def own_shapes(head: nn.Module) -> dict[str, torch.Size]:
+    """ZeRO-3 leaves each process a shard of a parameter; ds_shape is its full shape."""
+    params = dict(head.named_parameters())
+    return {k: getattr(params.get(k), "ds_shape", v.shape) for k, v in own_state(head).items()}
 
 
 def check_fingerprint(folder: Path, saved: dict, current: dict) -> None:
