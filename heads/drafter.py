@@ -61,9 +61,11 @@ def save_drafter(
     recipe: Recipe,
     out: Path,
     token_counts: torch.Tensor | None = None,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the folder to a temp dir beside `out`, then rename it into place (never half-written).
-    token_counts [vocab]: target-token counts over the training answers, for serve-time draft vocabularies."""
+    token_counts [vocab]: target-token counts over the training answers, for serve-time draft vocabularies.
+    weights: the head's own state where its module does not hold it whole (DeepSpeed); default own_state(head)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -76,7 +78,7 @@ def save_drafter(
             "recipe": asdict(recipe),
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in own_state(head).items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in (weights or own_state(head)).items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"kind": kind, "target": target.id})
         (tmp / "README.md").write_text(model_card(kind, target, config, recipe))
         if token_counts is not None:

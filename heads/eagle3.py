@@ -154,7 +154,7 @@ class Eagle3Head(HeadBase):
         feature = feature.to(self.fc.weight.dtype)
         attn, kv, outs = self.midlayer.self_attn, [], []
         for j in range(steps):
-            embeds = self.embed_tokens(tokens[:, j : j + m])
+            embeds = self.embed_tokens(tokens[:, j : j + m]).to(feature.dtype)  # as in forward()
             cos, sin = self.rope(torch.arange(1 + j, m + 1 + j, device=tokens.device), embeds.dtype)
             q, k, v = attn.qkv(self.midlayer.attn_input(embeds, feature), cos, sin)
             kv.append((k, v))

@@ -45,17 +45,19 @@ def acceptance_hook(
     log: Callable,
     topk: int = 1,
 ) -> Callable[[nn.Module, str], dict]:
-    """hook(head, kind) -> {"tau": .., "accept_pos_1": .., ...}, or {} (logged) where serve has no proposer.
+    """hook(head, kind, weights=None) -> {"tau": .., "accept_pos_1": .., ...}, or {} (logged) where serve has no
+    proposer. weights: the head's full weights where its module does not hold them (DeepSpeed).
     num_tokens: the draft's depth; topk: an EAGLE tree's children per node (1 = a chain), every node kept."""
     max_len = max(len(p) for p in prompts) + max_new_tokens
 
-    def run(head: nn.Module, kind: str) -> dict:
+    def run(head: nn.Module, kind: str, weights: dict | None = None) -> dict:
         spec = SPEC_FOR_KIND.get(kind, kind)
         if spec not in SPECS:
             log(f"acceptance eval skipped: serve has no proposer for {kind} (specs: {', '.join(SPECS)})")
             return {}
         with tempfile.TemporaryDirectory() as tmp:
-            folder = save_drafter(head, config, kind, target_info(target), Recipe(), Path(tmp) / "drafter")
+            info, folder = target_info(target), Path(tmp) / "drafter"
+            folder = save_drafter(head, config, kind, info, Recipe(), folder, weights=weights)
             spec_cfg = SpecConfig(spec, num_tokens, drafter=str(folder), tree=TreeConfig(topk=topk))
             engine = build_engine(target, spec_cfg, False, max_len)
             total = Metrics(requests=0)

@@ -55,7 +55,7 @@ def save(
 ) -> Path:
     """All processes call this (each writes its RNG state); the main one writes the rest and renames.
     write_drafter(folder): the head as a drafter folder. engine: the Accelerator under DeepSpeed, whose
-    ZeRO-sharded optimizer only it can save (untested here)."""
+    ZeRO-sharded model and optimizer only it can save (engine/: DeepSpeed's own checkpoint, a file per process)."""
     folder = Path(out) / "checkpoints"
     final, tmp = folder / f"{PREFIX}{state.step:07d}", folder / f".tmp-{PREFIX}{state.step:07d}"
     if rank == 0:
@@ -104,10 +104,11 @@ def load_latest(
             failures.append(f"{folder} ({brief(e)})")
             log(f"checkpoint {folder} is corrupt ({brief(e)}); falling back to the previous one")
             continue
-        head.load_state_dict(loaded["head"], strict=False)
-        if engine is not None:
+        if engine is not None:  # the engine's own checkpoint holds the weights (ZeRO-3: this process's shard)
+            # DeepSpeed's loader unpickles (torch.load weights_only=False): it reads only files this run wrote
             engine.load_state(str(folder / "engine"))
         else:
+            head.load_state_dict(loaded["head"], strict=False)
             optimizer.load_state_dict(loaded["optim"]["optimizer"])
         scheduler.load_state_dict(loaded["optim"]["scheduler"])
         torch.set_rng_state(loaded["rng"]["cpu"])
@@ -134,12 +135,12 @@ def read(folder: Path, head: nn.Module, rank: int, fingerprint: dict) -> dict:
     check_fingerprint(folder, meta["fingerprint"], fingerprint)  # first: another head size is a settings change
     weights = folder / DRAFTER / "model.safetensors"
     state = load_file(str(weights if weights.is_file() else folder / "head.safetensors"))  # older: head.safetensors
-    expected = own_state(head)
+    expected = own_shapes(head)
     if state.keys() != expected.keys():
         misfit(folder, f"weights {sorted(state.keys() ^ expected.keys())[:3]} do not match the head's")
     for k, v in state.items():
-        if v.shape != expected[k].shape:
-            misfit(folder, f"{k} has shape {tuple(v.shape)}, the head has {tuple(expected[k].shape)}")
+        if v.shape != expected[k]:
+            misfit(folder, f"{k} has shape {tuple(v.shape)}, the head has {tuple(expected[k])}")
     optim = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
     rng = torch.load(folder / f"rng-{rank}.pt", weights_only=True)
     return {"meta": meta, "head": state, "optim": optim, "rng": rng, "tau": measured_tau(folder / DRAFTER)}
@@ -160,6 +161,12 @@ def misfit(folder: Path, detail: str) -> None:
         f"checkpoint {folder} does not fit the head this run builds ({detail}): it was made with other head "
         "settings or code; restore them, or train into another out folder"
     )
+
+
+def own_shapes(head: nn.Module) -> dict[str, torch.Size]:
+    """ZeRO-3 leaves each process a shard of a parameter; ds_shape is its full shape."""
+    params = dict(head.named_parameters())
+    return {k: getattr(params.get(k), "ds_shape", v.shape) for k, v in own_state(head).items()}
 
 
 def check_fingerprint(folder: Path, saved: dict, current: dict) -> None:
