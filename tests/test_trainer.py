@@ -252,7 +252,7 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
 
 def test_a_run_resumed_after_a_kill_in_the_final_write_keeps_its_last_tau(target, data, tmp_path, monkeypatch):
     taus = iter([{"tau": 1.5}, {"tau": 1.75}])
-    monkeypatch.setattr(trainer_mod, "make_hook", lambda *a: lambda head, kind: next(taus, {}))
+    monkeypatch.setattr(trainer_mod, "make_hook", lambda *a: lambda head, kind, weights=None: next(taus, {}))
     cfg = config(tmp_path, target, data, max_steps=4, eval_every=2)  # evals and checkpoints at steps 2 and 4
     save = trainer_mod.save_drafter
 
