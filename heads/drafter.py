@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .kinds import KINDS, DraftShape, folder_shape, get
+from .kinds import KINDS, DraftShape, get
 
 FORMAT_VERSION = 1
 TOKEN_COUNTS = "token_counts.safetensors"
@@ -241,8 +241,3 @@ def shape_text(shape: DraftShape) -> str:
         return f"a chain of {shape.num_tokens}"
     kept = f", keeping {shape.total_tokens} nodes" if shape.total_tokens else ""
     return f"a tree of depth {shape.num_tokens} with {shape.topk} children per node{kept}"
-
-
-def drafter_shape(folder: Path) -> DraftShape:
-    """The draft shape the drafter folder was made for (heads/kinds.folder_shape)."""
-    return folder_shape(read_meta(folder))
