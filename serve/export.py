@@ -9,9 +9,7 @@ copy, and the validator's pieces. `export` writes them to a temp folder beside O
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +29,7 @@ from draftsmith.heads.drafter import (
     own_state,
     read_meta,
 )
+from draftsmith.heads.files import move_into_place, temp_folder_beside
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 
@@ -367,17 +366,6 @@ def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None
         f.chmod(0o644)  # save_file writes owner-only files
 
 
-def swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out is moved aside first and removed only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def export(
     drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None, dtype: str = "bf16", overwrite: bool = False
 ) -> Path:
@@ -393,17 +381,12 @@ def export(
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
     exp = f.export(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it owner-only; an engine in a container may run as another user
-    try:
+    with temp_folder_beside(out, mode=0o755) as tmp:  # 755: an engine in a container may run as another user
         write(exp, src, f, dtype, tmp)
         token_map = TOKEN_MAP if exp.token_map is not None else None
         (tmp / "README.md").write_text(model_card(src, fmt, dtype, out.resolve(), token_map))
         check_export(tmp, src, fmt)
-        swap_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        move_into_place(tmp, out)
     return out
 
 

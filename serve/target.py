@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
+from draftsmith.heads.files import move_into_place, temp_folder_beside  # noqa: E402
 from draftsmith.heads.llama import Transformer  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 
@@ -68,9 +67,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF into an HF safetensors folder, written beside `out` and renamed into place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with temp_folder_beside(out) as tmp:
         kw = dict(gguf_file=gguf.name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
@@ -80,13 +77,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / DONE).write_text(f"{gguf}\n")
-        if (out / DONE).is_file():  # another process finished first
-            return
-        if out.exists():  # a stale, incomplete folder from an interrupted run
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / DONE).is_file():  # else another process finished first; an incomplete out is stale
+            move_into_place(tmp, out)
 
 
 def cached_conversion(gguf: Path, out: Path) -> Path:

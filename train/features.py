@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from draftsmith.heads.files import move_into_place, write_file_atomic
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.target import cache_root
 
@@ -232,9 +232,7 @@ def write_shard(
     }
     if layers:
         tensors["aux"] = torch.cat(aux)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    write_file_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -265,7 +263,7 @@ def finish(partial: Path, folder: Path, key: dict, examples: list[Example], rang
     (partial / "key.json").unlink()
     if folder.exists():  # an empty folder named by features.dir
         folder.rmdir()
-    os.replace(partial, folder)
+    move_into_place(partial, folder)
 
 
 # ---- reading
