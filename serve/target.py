@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +63,13 @@ def cache_root(cache_dir: str | None = None) -> Path:
     """Where converted targets, feature caches and self-distilled answers go: target.cache_dir when set, else
     $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
     return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE") or DEFAULT_CACHE).expanduser()
+
+
+def keyed_cache_path(cache_dir: str | None, group: str, target: str, key: dict, suffix: str = "") -> Path:
+    """<cache root>/<group>/<target>-<hash of key><suffix>: one entry per target and per setting that changes it."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = re.sub(r"[^\w.-]", "_", target)
+    return cache_root(cache_dir) / group / f"{name}-{digest}{suffix}"
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

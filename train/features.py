@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from tqdm import tqdm
 
 from draftsmith.heads.files import move_into_place, write_file_atomic
 from draftsmith.heads.llama import Transformer
-from draftsmith.serve.target import cache_root
+from draftsmith.serve.target import keyed_cache_path
 
 from .chat import Example
 from .data import DataConfig, data_key
@@ -89,13 +88,10 @@ def source_stamp(source: str) -> str:
 
 
 def cache_folder(cfg: FeatureConfig, key: dict, cache_dir: str | None = None) -> Path:
-    """features.dir, else <cache root (serve/target.cache_root of target.cache_dir)>/features/<target>-<key hash>."""
+    """features.dir, else <cache root>/features/<target>-<key hash> (serve/target.keyed_cache_path)."""
     if cfg.dir:
         return Path(cfg.dir).expanduser()
-    root = cache_root(cache_dir) / "features"
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    name = re.sub(r"[^\w.-]", "_", key["target"])
-    return root / f"{name}-{digest}"
+    return keyed_cache_path(cache_dir, "features", key["target"], key)
 
 
 def check_manifest(folder: Path, key: dict) -> dict:
