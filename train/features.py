@@ -24,14 +24,14 @@ from tqdm import tqdm
 
 from draftsmith.heads.files import move_into_place, write_file_atomic
 from draftsmith.heads.llama import Transformer
-from draftsmith.serve.target import keyed_cache_path
+from draftsmith.serve.target import DTYPES, keyed_cache_path
 
 from .chat import Example
 from .data import DataConfig, data_key
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE_DTYPES = ("bfloat16", "float16")  # float32 would double the cache for no gain
 
 
 @dataclass
@@ -45,8 +45,8 @@ class FeatureConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("online", "cached"):
             raise ValueError(f"features.mode must be online or cached, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"features.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"features.dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}")
 
 
 def target_states(model: Transformer, input_ids: Tensor, layers: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
