@@ -45,7 +45,7 @@ Arm = tuple[str, bool]  # (method label or "ar", prefix cache on)
 @dataclass
 class EvalConfig:
     out: str
-    prompts: str | None = None  # a prompts file (DESIGN.md format) ...
+    prompts: str | None = None  # a prompts file (docs/design.md format) ...
     suite: SuiteConfig | None = None  # ... or a packaged suite (hydra group `suite`)
     target: TargetConfig = field(default_factory=TargetConfig)
     spec: SpecConfig = field(default_factory=lambda: SpecConfig("ngram", 5))
