@@ -13,6 +13,7 @@ from draftsmith.heads.drafter import load_drafter as load_head
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
 
+from .dflash import DFlashProposer
 from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from .eagle import EagleProposer, TreeConfig
 from .engine import Engine
@@ -24,12 +25,13 @@ from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .target import TargetConfig, load_target, load_tokenizer, torch_dtype
 
-SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3")
+SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3", "dflash")
 NEEDS_DRAFTER = {
     "draft": "an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
     "medusa": "a medusa drafter folder (draftsmith-train head=medusa)",
     "eagle": "an eagle drafter folder (draftsmith-train head=eagle)",
     "eagle3": "an eagle3 drafter folder (draftsmith-train head=eagle3)",
+    "dflash": "a dflash drafter folder (draftsmith-train head=dflash)",
 }
 
 
@@ -111,6 +113,9 @@ def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
         head = load_trained(folder, target, spec.name, spec.name, target.model, dtype=dtype, draft_vocab=vocab)
         return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
+    if spec.name == "dflash":  # issue 17: serve/dflash.py; the head borrows the target's embedding
+        head = load_trained(folder, target, "dflash", spec.name, target.model, dtype=dtype)
+        return DFlashProposer(head, spec.num_tokens, spec.tree)
     raise AssertionError(spec.name)  # SpecConfig only admits SPECS
 
 
