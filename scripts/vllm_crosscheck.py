@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-FORMAT_FOR = {"eagle3": "vllm", "eagle": "vllm", "medusa": "vllm", "draft_model": "hf"}
+FORMAT_FOR = {"eagle3": "vllm", "eagle": "vllm", "medusa": "vllm", "draft_model": "hf", "dflash": "vllm"}
 VLLM_METHOD = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
+VLLM_METHOD["dflash"] = "dflash"  # issue 17
 TRAINED = {kind: f"runs/quick_{kind}/final" for kind in FORMAT_FOR}
 
 
@@ -88,6 +89,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
     the target), and the plumbing is real."""
     import torch
 
+    from draftsmith.heads.dflash import DFlashConfig, DFlashHead
     from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
     from draftsmith.heads.drafter import Recipe, save_drafter
     from draftsmith.heads.eagle import EagleConfig, EagleHead
@@ -103,6 +105,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
         "medusa": (MedusaHeads(cfg := MedusaConfig(c.hidden_size, c.vocab_size), target.model), cfg),
         # all the target's layers: a copy of the target, so tau must be k + 1 in both engines (counters checked)
         "draft_model": (DraftModel(cfg := DraftModelConfig(num_layers=0), target.model), cfg),
+        "dflash": (DFlashHead(cfg := DFlashConfig.from_target(c), target.model), cfg),
     }
     recipe = Recipe(data="none (freshly initialised, for the cross-check's plumbing)")
     return {k: save_drafter(h, cfg, k, target_info(target), recipe, folder / k) for k, (h, cfg) in heads.items()}
@@ -174,6 +177,8 @@ def main(args) -> None:
         out = work / "exports" / f"{kind}-{FORMAT_FOR[kind]}"
         export(drafter, FORMAT_FOR[kind], out, tcfg, "fp32", overwrite=True)
         k = min(args.k, drafter_heads(drafter)) if kind == "medusa" else args.k
+        if kind == "dflash":  # vLLM's block is 1 + k slots: the trained block, as draftsmith's engine runs it
+            k = json.loads((drafter / "config.json").read_text())["config"]["block_size"] - 1
         ours, m = run_draftsmith(target, chain_spec(kind, drafter, k), prompts, args.max_new_tokens, max_len)
         spec = {"method": VLLM_METHOD[kind], "model": str(out), "num_speculative_tokens": k}
         v = call_vllm(args, base_job | {"speculative_config": spec}, work, kind)
@@ -219,7 +224,7 @@ def report(rows: list, plain: list[list[int]], args, work: Path) -> None:
 
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--drafter", action="append", default=[], help="KIND=DIR (eagle3, eagle, medusa, draft_model)")
+    p.add_argument("--drafter", action="append", default=[], help=f"KIND=DIR ({', '.join(FORMAT_FOR)})")
     p.add_argument("--trained", action="store_true", help=f"use the trained drafters that exist: {TRAINED}")
     p.add_argument("--fresh", action="store_true", help="add freshly initialised drafters for kinds not given")
     p.add_argument("--kinds", default=",".join(FORMAT_FOR), help="which of the given drafters to check")

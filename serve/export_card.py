@@ -11,17 +11,21 @@ if TYPE_CHECKING:
 
 EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
 
-METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
+METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model", "dflash": "dflash"}
 SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft_model": "STANDALONE"}
 NOT_SERVED = {
     ("eagle3", "tgi"): "TGI does not load EAGLE-3 drafters; use this folder with vLLM or SGLang.",
     ("eagle", "tgi"): "TGI does not load EAGLE drafters; use vLLM or SGLang.",
     ("medusa", "sglang"): "SGLang does not serve Medusa heads; use vLLM (format=vllm) or TGI (format=tgi).",
     ("draft_model", "tgi"): "TGI does not speculate with a draft model (Medusa, MLP speculator and n-gram only).",
+    ("dflash", "sglang"): "SGLang's DFlash loader was not checked against this layout; serve it with vLLM.",
+    ("dflash", "tgi"): "TGI does not load DFlash drafters; use vLLM.",
 }
 
 
 def num_tokens(src: Source) -> int:
+    if src.kind == "dflash":  # the block's mask slots: one forward drafts them all
+        return src.head.config.block_size - 1
     return src.head.config.num_heads if src.kind == "medusa" else 5 if src.kind == "eagle3" else 4
 
 
