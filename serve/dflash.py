@@ -17,22 +17,21 @@ from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut
 
-from .eagle import TreeConfig, rerank
+from .build import Loaded, SpecConfig, spec_head
+from .eagle import rerank
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, widen
-from .tree import DraftTree
+from .tree import DraftTree, TreeConfig
 
 
 class DFlashProposer(Proposer):
     name = "dflash"
 
     def __init__(self, head: DFlashHead, num_tokens: int, tree: TreeConfig | None = None, generator=None) -> None:
-        drafts = head.config.block_size - 1
-        if not 1 <= num_tokens <= drafts:
-            raise ValueError(
-                f"spec.num_tokens={num_tokens}: a dflash drafter with block_size {drafts + 1} drafts 1 to {drafts} "
-                f"tokens per forward; set spec.num_tokens <= {drafts}, or train with a larger head.block_size"
-            )
+        if num_tokens < 1:
+            raise ValueError(f"spec.num_tokens must be >= 1, got {num_tokens}")
+        # one forward drafts block_size - 1 tokens: a deeper draft is capped there, as Medusa's at its heads
+        num_tokens = min(num_tokens, head.config.block_size - 1)
         self.head, self.depth, self.tree, self.gen = head, num_tokens, tree or TreeConfig(), generator
         self.aux_layers = tuple(head.aux_layers)
         self.vocab_ids = head.vocab_ids  # target id of each draft id
@@ -102,3 +101,7 @@ class DFlashProposer(Proposer):
             first += toks[-2].numel()
         return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), self.max_tree_size, None)
 
+
+def dflash_proposer(spec: SpecConfig, target: Loaded) -> DFlashProposer:
+    """spec=dflash: the head borrows the target's embedding; num_tokens and tree come resolved (serve/build.py)."""
+    return DFlashProposer(spec_head(spec, target, target.model), spec.num_tokens, spec.tree)

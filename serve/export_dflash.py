@@ -26,21 +26,8 @@ from draftsmith.heads.drafter import own_state
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
 
-from .export import Export, ExportError, Source, llama_head_config
-from .export_check import (
-    TOLERANCE,
-    attn_shapes,
-    head_config_problems,
-    linear,
-    mismatch,
-    mlp,
-    mlp_shapes,
-    read_export,
-    rms,
-    rotate,
-    rounded_head,
-    tensor_problems,
-)
+from .export import Export, Source, llama_head_config
+from .export_check import Probe, attn_shapes, head_config_problems, linear, mlp, mlp_shapes, rms, rotate
 
 
 def dflash_vllm(src: Source) -> Export:
@@ -67,7 +54,8 @@ def expected_config(src: Source) -> dict:
     }
 
 
-def expected_shapes(c, bias: bool) -> dict[str, tuple[int, ...]]:
+def dflash_shapes(src: Source, config: dict) -> dict[str, tuple[int, ...]]:
+    c, bias = src.head.config, bool(config.get("attention_bias"))
     h, d = c.hidden_size, c.head_dim
     s = {"fc.weight": (h, len(c.target_layers) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
     for i in range(c.num_layers):
@@ -80,15 +68,16 @@ def expected_shapes(c, bias: bool) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def config_problems(src: Source, config: dict) -> list[str]:
-    problems = [
-        f"config.json {k}={config.get(k, '<missing>')!r}, expected {v!r}"
-        for k, v in expected_config(src).items()
-        if k in KEYS_READ and config.get(k) != v
-    ]
+def dflash_config(src: Source) -> dict:
+    """The config.json keys vLLM's DFlash path reads, with the values the drafter implies."""
+    return {k: v for k, v in expected_config(src).items() if k in KEYS_READ}
+
+
+def dflash_problems(src: Source, folder: Path, config: dict) -> list[str]:
+    problems = head_config_problems(src, folder, config)
     if "layer_types" in config or "is_causal" in config or "causal" in config.get("dflash_config", {}):
         problems.append("config.json sets layer_types / is_causal / dflash_config.causal: vLLM may run it causal")
-    return problems + head_config_problems(src, config)
+    return problems
 
 
 KEYS_READ = (  # what vLLM's DFlash path reads from config.json
@@ -151,36 +140,16 @@ def dflash_forward(
     return hidden, hidden @ w["lm_head.weight"].T, torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
 
 
-def forward_pairs(src: Source, w: dict[str, Tensor], config: dict) -> dict[str, tuple]:
+def dflash_pairs(src: Source, p: Probe) -> dict[str, tuple]:
     """name -> (the export's output, the drafter's own drafting) on the same random context and block."""
-    dtype = next(t.dtype for t in w.values() if t.is_floating_point())
-    head, c, start = rounded_head(src, dtype), src.head.config, 7
-    w = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
-    g = torch.Generator().manual_seed(0)
-    aux = torch.randn(start, len(c.target_layers) * c.hidden_size, generator=g)
-    block = head.block_tokens(torch.randint(0, c.vocab_size, (), generator=g))
-    cfg = ModelConfig.from_hf(config | {"model_type": "qwen3"})
-    with torch.no_grad():
-        slots = start + c.block_size
-        cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, slots, torch.float32, "cpu")
-        head.write_context(head.target_features(None, aux), torch.arange(start), cache, 0)
-        mine = head.draft(block, start, cache)
-        hidden, logits, ids = dflash_forward(w, cfg, aux, head.embed_tokens(block), start)
-        pairs = {"hidden": (hidden, head.norm(mine)), "target ids": (ids, head.vocab_ids)}
-        if logits is not None:
-            pairs["logits"] = (logits, head.logits(mine))
-    return pairs
-
-
-def check_dflash(folder: Path, src: Source, fmt: str) -> None:
-    """Raise ExportError listing every problem with the dflash export at `folder`."""
-    config, tensors = read_export(folder, fmt)
-    want = expected_shapes(src.head.config, bool(config.get("attention_bias")))
-    problems = config_problems(src, config) + tensor_problems(tensors, want)
-    if not problems:  # the forward needs every tensor in place
-        for name, (theirs, mine) in forward_pairs(src, tensors, config).items():
-            err = mismatch(theirs, mine)
-            if err > TOLERANCE:
-                problems.append(f"vllm dflash forward differs from the drafter's: {name} off by {err:.2e} (relative)")
-    if problems:
-        raise ExportError(f"export {folder} (dflash -> {fmt}) fails validation:\n  - " + "\n  - ".join(problems))
+    head, c, start = p.head, src.head.config, 7
+    aux = torch.randn(start, len(c.target_layers) * c.hidden_size, generator=p.g)
+    block = head.block_tokens(p.tokens[0])
+    cfg = ModelConfig.from_hf(p.config | {"model_type": "qwen3"})
+    slots = start + c.block_size
+    cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, slots, torch.float32, "cpu")
+    head.write_context(head.target_features(None, aux), torch.arange(start), cache, 0)
+    mine = head.draft(block, start, cache)
+    hidden, logits, ids = dflash_forward(p.w, cfg, aux, head.embed_tokens(block), start)
+    pairs = {"hidden": (hidden, head.norm(mine)), "target ids": (ids, head.vocab_ids)}
+    return pairs | ({"logits": (logits, head.logits(mine))} if logits is not None else {})

@@ -16,6 +16,7 @@ from torch import Tensor
 from draftsmith.heads.dflash import DFlashHead
 
 from .batch import FeatureBatch
+from .losses import agreement, sharpened, weighted_mean
 
 
 def sample_anchors(loss_mask: Tensor, count: int) -> tuple[Tensor, Tensor]:
@@ -39,8 +40,6 @@ def dflash_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """anchors: blocks per sequence; decay_gamma: slot i's weight is exp(-(i-1) / decay_gamma);
     target_temperature < 1 sharpens the target's distribution toward its top token, 0 is that token alone."""
-    from .losses import agreement, sharpened, weighted_mean  # losses.py registers this loss: imported here
-
     if anchors < 1 or decay_gamma <= 0 or target_temperature < 0:
         raise ValueError(
             f"dflash loss options: anchors >= 1, decay_gamma > 0 and target_temperature >= 0, got {anchors}, "
