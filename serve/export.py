@@ -54,6 +54,7 @@ TARGET_TYPES = {
     "sglang": SUPPORTED_TYPES,
     "tgi": ("llama", "mistral", "qwen2"),
     "hf": SUPPORTED_TYPES,
+    "speculators": SUPPORTED_TYPES,
 }
 
 
@@ -106,6 +107,13 @@ def eagle3_vllm(src: Source) -> Export:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True},
     }
     return Export(config, {"model.safetensors": state})
+
+
+def eagle3_speculators(src: Source) -> Export:
+    """vLLM's native speculators format (serve/speculators.py)."""
+    from .speculators import eagle3_speculators as exporter  # which imports this module
+
+    return exporter(src)
 
 
 def eagle_vllm(src: Source) -> Export:
@@ -207,12 +215,12 @@ DROPPED_HF_KEYS = (
 )
 
 FORMATS: dict[str, dict[str, Callable[[Source], Export]]] = {
-    "eagle3": {"vllm": eagle3_vllm, "sglang": eagle3_vllm},
+    "eagle3": {"vllm": eagle3_vllm, "sglang": eagle3_vllm, "speculators": eagle3_speculators},
     "eagle": {"vllm": eagle_vllm, "sglang": eagle_sglang},
     "medusa": {"vllm": medusa_vllm, "tgi": medusa_tgi},
     "draft_model": {"hf": draft_model_hf},
 }
-ALL_FORMATS = ("vllm", "sglang", "tgi", "hf")
+ALL_FORMATS = ("vllm", "sglang", "tgi", "hf", "speculators")
 
 
 def llama_head_config(src: Source, arch: str) -> dict:

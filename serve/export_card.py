@@ -30,6 +30,18 @@ def vllm_command(src: Source, out: Path) -> str:
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 
+def speculators_vllm(src: Source, out: Path) -> str:
+    """vLLM reads the target and the method from a speculators folder; given the target as the model, it needs
+    the method spelled out (without it, it takes the folder for a plain draft model and fails)."""
+    return (
+        "**vLLM** (the folder names its target in `speculators_config.verifier.name_or_path`: point that at the "
+        "target's hub id when serving elsewhere):\n\n"
+        f"```bash\nvllm serve {out}\n```\n\n"
+        'or, naming the target yourself (keep `"method": "eagle3"`):\n\n'
+        f"```bash\n{vllm_command(src, out)}\n```\n"
+    )
+
+
 def sglang_command(src: Source, out: Path, token_map: str | None = None) -> str:
     k = num_tokens(src)
     flag = f" --speculative-token-map {out}/{token_map}" if token_map else ""
@@ -64,7 +76,9 @@ def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None
             lines.append(f"**{engine}**: {NOT_SERVED[src.kind, engine]}\n")
         elif engine == "vllm" and fmt in ("vllm", "hf"):
             lines.append(f"**vLLM**:\n\n```bash\n{vllm_command(src, out)}\n```\n")
-        elif engine == "sglang" and (fmt == "sglang" or src.kind in ("eagle3", "draft_model")):
+        elif engine == "vllm" and fmt == "speculators":
+            lines.append(speculators_vllm(src, out))
+        elif engine == "sglang" and fmt != "speculators" and (fmt == "sglang" or src.kind in ("eagle3", "draft_model")):
             lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, token_map)}\n```\n")
         elif engine == "tgi" and fmt == "tgi":
             base = "`base_model_name_or_path` in config.json names the target; point it at the target's hub id"

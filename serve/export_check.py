@@ -394,6 +394,10 @@ def token_map_problems(folder: Path, src: Source, fmt: str) -> list[str]:
 
 def check_export(folder: Path, src: Source, fmt: str) -> None:
     """Raise ExportError listing every problem with the export at `folder`."""
+    if fmt == "speculators":
+        from .speculators import check_speculators  # which imports this module
+
+        return check_speculators(folder, src)
     config, tensors = read_export(folder, fmt)
     problems = config_problems(src, fmt, config) + tensor_problems(tensors, expected_shapes(src, fmt, config))
     if fmt == "hf" and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
