@@ -16,6 +16,7 @@ from draftsmith.heads.packed import can_pack, pack_linears
 from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from .eagle import EagleProposer, TreeConfig
 from .engine import Engine
+from .foreign import foreign_format, load_foreign
 from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
 from .medusa import MedusaProposer
@@ -155,14 +156,20 @@ def load_trained(
     dtype: torch.dtype | None = None,
     draft_vocab: int = 0,
 ):
-    """A draftsmith drafter folder of `kind`, refused unless it was made for this target; `shared`: target
-    pieces the kind borrows (heads/drafter.load_drafter); dtype: its weights' (default: the target's);
-    draft_vocab > 0: its logits over the training answers' draft_vocab most frequent tokens only."""
-    found = read_meta(folder)["kind"]
-    if found != kind:
-        raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
+    """A draftsmith drafter folder of `kind` (or an EAGLE-3 head made elsewhere, serve/foreign.py), refused unless
+    it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.load_drafter); dtype: its
+    weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab most
+    frequent tokens only."""
     m = target.model
-    head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
+    if fmt := foreign_format(folder):  # an EAGLE-3 head made elsewhere: speculators or SpecForge layout
+        if kind != "eagle3":
+            raise ValueError(f"spec.drafter={folder} is an EAGLE-3 head ({fmt} layout); use it with spec=eagle3")
+        head = load_foreign(folder, fmt, m, target.target_id, dtype or m.dtype)
+    else:
+        found = read_meta(folder)["kind"]
+        if found != kind:
+            raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
+        head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
     if draft_vocab:
         head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
     pack_linears(head.eval().requires_grad_(False))
