@@ -130,6 +130,8 @@ def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None,
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
+    if fmt := foreign_format(folder):
+        raise ValueError(f"spec.drafter={folder} is an EAGLE-3 head ({fmt} layout); use it with spec=eagle3")
     if "kind" in hf:  # a draftsmith drafter folder (heads/drafter.py), checked against the target's id
         return load_trained(folder, target, "draft_model", "draft", dtype=dtype, draft_vocab=draft_vocab)
     if draft_vocab:

@@ -327,7 +327,19 @@ def test_refuses_an_embedding_that_is_not_the_targets(tiny, tmp_path):
         build_engine(target, chain(folder), False, 256)
 
 
-def test_a_foreign_head_needs_spec_eagle3(tiny):
-    _, target, _, spec, _ = tiny
+@pytest.mark.parametrize("spec", ["eagle", "draft"])
+def test_a_foreign_head_needs_spec_eagle3(tiny, spec):
+    _, target, _, folder, _ = tiny
     with pytest.raises(ValueError, match=r"is an EAGLE-3 head \(speculators layout\); use it with spec=eagle3"):
-        load_trained(spec, target, "eagle", "eagle", target.model)
+        build_engine(target, SpecConfig(spec, 3, drafter=str(folder)), False, 256)
+
+
+def test_round_trip_of_a_qwen2_head(tiny_llama_dir, tmp_path):
+    """Qwen2 heads have q/k/v biases; the engines' attention_bias adds an o_proj bias, exported as zeros."""
+    tcfg = copy_target(tiny_llama_dir, tmp_path / "target", "qwen2")
+    target = load(tcfg)
+    drafter = save_head(target, tcfg, tmp_path / "eagle3")
+    out = export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
+    assert "layers.0.self_attn.o_proj.bias" in load_file(str(out / "model.safetensors"))
+    mine, theirs = own_state(loaded(target, drafter)), own_state(loaded(target, out))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
