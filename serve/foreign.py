@@ -33,6 +33,8 @@ PREFIX = {"speculators": "layers.0.", "specforge": "midlayer."}  # the head's la
 OTHER_SPECULATORS = ("peagle", "dflash", "dflash2", "dspark", "mtp", "xpress")  # speculators types not run here
 TARGET_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TARGET_ARCHS["qwen3"] = "Qwen3ForCausalLM"
+# variants of the EAGLE-3 layer draftsmith's head does not compute: each key -> the value it runs (the default)
+PLAIN = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 
 
 @dataclass
@@ -66,7 +68,7 @@ def foreign_format(folder: Path) -> str | None:
 
 def read_foreign(folder: Path, fmt: str) -> Foreign:
     config = json.loads((Path(folder) / "config.json").read_text())
-    return read_speculators(folder, config) if fmt == "speculators" else read_specforge(config)
+    return read_speculators(folder, config) if fmt == "speculators" else read_specforge(folder, config)
 
 
 def read_speculators(folder: Path, config: dict) -> Foreign:
@@ -86,8 +88,7 @@ def read_speculators(folder: Path, config: dict) -> Foreign:
         missing.append("speculators_config.verifier.name_or_path")
     if missing:
         raise ValueError(f"{path} is missing {', '.join(missing)}: not a complete speculators eagle3 config")
-    unsupported(path, config, {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False})
-    unsupported(path, config, {"norm_output": False})
+    unsupported(path, config, PLAIN)
     layer = config["transformer_layer_config"]
     if not isinstance(layer, dict):
         raise ValueError(f"{path}: transformer_layer_config must be an object (a Llama config)")
@@ -101,10 +102,9 @@ def read_speculators(folder: Path, config: dict) -> Foreign:
     )
 
 
-def read_specforge(config: dict) -> Foreign:
-    eagle = config.get("eagle_config") or {}
-    if eagle.get("use_aux_hidden_state") is False:
-        raise ValueError(f"{ARCH} config with eagle_config.use_aux_hidden_state=false: not an EAGLE-3 head")
+def read_specforge(folder: Path, config: dict) -> Foreign:
+    path, eagle = Path(folder) / "config.json", config.get("eagle_config") or {}
+    unsupported(path, config | eagle, PLAIN | {"use_aux_hidden_state": True})  # vLLM reads eagle_config too
     layer = {k: v for k, v in config.items() if k not in ("eagle_config", "architectures")}
     return Foreign(
         "specforge",

@@ -296,6 +296,8 @@ BAD = [
     (FLAT, None, lambda s: s.update({"layers.0.mlp.up_proj.weight": s.pop("midlayer.mlp.up_proj.weight")}), "unknown"),
     (FLAT, lambda c: c.update(draft_vocab_size=50), None, r"lm_head.weight has shape \(48, 64\), expected \(50, 64\)"),
     (FLAT, lambda c: c.update(hidden_size=32), None, "hidden_size=32"),
+    (FLAT, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"),
+    (FLAT, lambda c: c["eagle_config"].update(norm_before_fc=True), None, "norm_before_fc=True"),
 ]
 
 
