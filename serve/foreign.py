@@ -25,9 +25,10 @@ from draftsmith.heads.eagle import EagleConfig
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.llama import ModelConfig, Transformer
 
-from .export_check import eagle3_shapes
+from .export_check import eagle3_table
 from .loader import load_state_dict, weight_files
 
+FOREIGN_KIND = "eagle3"  # the registered kind these folders load as (spec=eagle3)
 ARCH = "LlamaForCausalLMEagle3"
 PREFIX = {"speculators": "layers.0.", "specforge": "midlayer."}  # the head's layer in each layout
 OTHER_SPECULATORS = ("peagle", "dflash", "dflash2", "dspark", "mtp", "xpress")  # speculators types not run here
@@ -191,7 +192,7 @@ def check_verifier(f: Foreign, target: ModelConfig, target_id: str, path: Path) 
 
 def expected_shapes(cfg: Eagle3Config, prefix: str) -> tuple[dict, dict]:
     """(required, optional) tensor name -> shape in the folder's spelling."""
-    flat = eagle3_shapes(cfg, cfg.attention_bias)
+    flat = eagle3_table(cfg, cfg.attention_bias)
     required = {prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: s for k, s in flat.items()}
     optional = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.draft_vocab_size == cfg.vocab_size:  # a full vocabulary may still carry an (identity) map

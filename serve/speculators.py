@@ -12,17 +12,11 @@ and reuses that format's table and forward (serve/export_check.py).
 
 from __future__ import annotations
 
-from .export import Export, ExportError, Source, eagle3_vllm
-from .export_card import num_tokens
-from .export_check import (
-    TOLERANCE,
-    eagle3_shapes,
-    forward_pairs,
-    head_config_problems,
-    mismatch,
-    read_export,
-    tensor_problems,
-)
+from dataclasses import replace
+from pathlib import Path
+
+from .export import Export, Source, eagle3_vllm
+from .export_check import Probe, Shapes, eagle3_pairs, eagle3_shapes, head_config_problems
 
 SCHEMA_VERSION = "0.9.0"  # the speculators release whose classes these keys follow
 LAYER, FLAT_LAYER = "layers.0.", "midlayer."
@@ -81,27 +75,39 @@ def layer_config(flat_config: dict) -> dict:
     return {k: v for k, v in flat_config.items() if k not in eagle3_keys}
 
 
-def speculators_config(src: Source, flat_config: dict) -> dict:
-    c = src.head.config
-    greedy = {"proposal_type": "greedy", "speculative_tokens": num_tokens(src), "verifier_accept_k": 1}
+def speculators_config(
+    src: Source, flat_config: dict, model_type: str = "eagle3", architecture: str = "Eagle3DraftModel"
+) -> dict:
+    """A speculators config.json of `model_type` (eagle3; peagle adds its keys to this) for an EAGLE-3-shaped
+    head: flat_config is its format=vllm config.json."""
+    greedy = {"proposal_type": "greedy", "speculative_tokens": src.shape.num_tokens, "verifier_accept_k": 1}
     return {
-        "architectures": ["Eagle3DraftModel"],  # speculators' class for these weights; vLLM picks its own
-        "speculators_model_type": "eagle3",
+        "architectures": [architecture],  # speculators' class for these weights; vLLM picks its own
+        "speculators_model_type": model_type,
         "speculators_version": SCHEMA_VERSION,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": model_type,
             "proposal_methods": [greedy | {"accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
             "verifier": verifier(src),
         },
         "transformer_layer_config": layer_config(flat_config),
+        **eagle3_values(src, model_type),
+        "tie_word_embeddings": False,
+    }
+
+
+def eagle3_values(src: Source, model_type: str = "eagle3") -> dict:
+    """The top-level keys whose values the head fixes (written, and checked by equality)."""
+    c = src.head.config
+    return {
+        "speculators_model_type": model_type,
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.target_layers),
         # our layer's residual is the un-normed feature; vLLM reads a missing key as true, speculators as false
         "norm_before_residual": False,
         **{k: False for k in OFF},
-        "tie_word_embeddings": False,
     }
 
 
@@ -109,51 +115,38 @@ def verifier(src: Source) -> dict:
     return {"name_or_path": str(src.target_dir.resolve()), "architectures": src.target_hf.get("architectures") or []}
 
 
-# ---------------------------------------------------------------- the validator
+# ---------------------------------------------------------------- the validator's pieces (serve/formats.py)
 
 
-def check_speculators(folder, src: Source) -> None:
-    """Raise ExportError listing every problem of the speculators export at `folder`."""
-    config, tensors = read_export(folder, "speculators")
+def layer_of(config: dict) -> dict:
     layer = config.get("transformer_layer_config")
-    layer = layer if isinstance(layer, dict) else {}
-    problems = config_problems(src, config) + layer_problems(src, layer)
-    flat_shapes = eagle3_shapes(src.head.config, bool(layer.get("attention_bias")))
-    want = {speculators_name(k): s for k, s in flat_shapes.items()}
-    problems += tensor_problems(tensors, want)
-    if not problems:  # the forward needs every tensor in place
-        flat = {flat_name(k): v for k, v in tensors.items()}
-        for name, (theirs, mine) in forward_pairs(src, "vllm", folder, flat, layer).items():
-            err = mismatch(theirs, mine)
-            if err > TOLERANCE:
-                problems.append(f"vLLM's forward differs from the drafter's: {name} off by {err:.2e} (relative)")
-    if problems:
-        raise ExportError(f"export {folder} (eagle3 -> speculators) fails validation:\n  - " + "\n  - ".join(problems))
+    return layer if isinstance(layer, dict) else {}
+
+
+def speculators_shapes(src: Source, config: dict) -> Shapes:
+    """format=vllm's table under speculators' names; attention_bias from transformer_layer_config."""
+    return {speculators_name(k): s for k, s in eagle3_shapes(src, layer_of(config)).items()}
+
+
+def speculators_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+    """vLLM's EAGLE-3 forward on the tensors renamed back, with the layer config."""
+    return eagle3_pairs(src, replace(p, w={flat_name(k): v for k, v in p.w.items()}, config=layer_of(p.config)))
+
+
+def speculators_problems(
+    src: Source, folder: Path, config: dict, model_type: str = "eagle3", keys: frozenset = TOP_KEYS
+) -> list[str]:
+    """Every key one speculators defines for `model_type`; its speculators_config and transformer_layer_config."""
+    problems = unknown(config, keys, "config.json")
+    return problems + spec_problems(src, config.get("speculators_config"), model_type) + layer_problems(src, config)
 
 
 def unknown(keys, known: frozenset, where: str) -> list[str]:
     return [f"{where} has {k!r}, which speculators does not define" for k in sorted(set(keys) - known)]
 
 
-def config_problems(src: Source, config: dict) -> list[str]:
-    """Every key known to speculators, each value the drafter implies."""
-    c = src.head.config
-    want = {
-        "speculators_model_type": "eagle3",
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(c.target_layers),
-        "norm_before_residual": False,
-    } | {k: False for k in OFF}
-    problems = unknown(config, TOP_KEYS, "config.json")
-    problems += [
-        f"config.json {k}={config.get(k, '<missing>')!r}, expected {v!r}" for k, v in want.items() if config.get(k) != v
-    ]
-    return problems + spec_problems(src, config.get("speculators_config"))
-
-
-def spec_problems(src: Source, spec) -> list[str]:
-    """speculators_config: eagle3, a greedy chain, the verifier = this target (what vLLM loads as the model)."""
+def spec_problems(src: Source, spec, algorithm: str = "eagle3") -> list[str]:
+    """speculators_config: `algorithm`, a greedy chain, the verifier = this target (what vLLM loads as the model)."""
     if not isinstance(spec, dict):
         return ["config.json has no speculators_config object"]
     problems = unknown(spec, SPECULATORS_CONFIG_KEYS, "speculators_config")
@@ -166,8 +159,8 @@ def spec_problems(src: Source, spec) -> list[str]:
         problems.append("speculators_config: the proposal method must be greedy, and the default one")
     if not isinstance(first.get("speculative_tokens"), int) or first["speculative_tokens"] < 1:
         problems.append("proposal_methods[0].speculative_tokens must be an integer >= 1 (vLLM's chain length)")
-    if spec.get("algorithm") != "eagle3":
-        problems.append(f"speculators_config.algorithm={spec.get('algorithm')!r}, expected 'eagle3'")
+    if spec.get("algorithm") != algorithm:
+        problems.append(f"speculators_config.algorithm={spec.get('algorithm')!r}, expected {algorithm!r}")
     found = spec.get("verifier")
     problems += unknown(found if isinstance(found, dict) else {}, VERIFIER_KEYS, "speculators_config.verifier")
     if found != verifier(src):
@@ -175,8 +168,9 @@ def spec_problems(src: Source, spec) -> list[str]:
     return problems
 
 
-def layer_problems(src: Source, layer: dict) -> list[str]:
+def layer_problems(src: Source, config: dict) -> list[str]:
     """transformer_layer_config: a one-layer Llama of the drafter's sizes, the target's rope and positions."""
+    layer = layer_of(config)
     if not layer:
         return ["config.json has no transformer_layer_config object"]
     c = src.head.config
@@ -188,5 +182,5 @@ def layer_problems(src: Source, layer: dict) -> list[str]:
         for k, v in want.items()
         if layer.get(k) != v
     ]
-    rope = [p.removeprefix("config.json ") for p in head_config_problems(src, layer)]
+    rope = [p.removeprefix("config.json ") for p in head_config_problems(src, Path(), layer)]
     return problems + [f"transformer_layer_config: {p}" for p in rope]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,7 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.serve import export as export_mod
-from draftsmith.serve import foreign, speculators
+from draftsmith.serve import foreign, formats, speculators
 from draftsmith.serve.build import SpecConfig, build_engine, load, load_trained
 from draftsmith.serve.eagle import TreeConfig
 from draftsmith.serve.export import ExportError, export, validate
@@ -158,7 +158,7 @@ def test_check_true_validates_an_existing_export(tiny):
         (lambda c: c.pop("norm_before_residual"), None, "norm_before_residual='<missing>', expected False"),
         (lambda c: c.update(bogus=1), None, "'bogus', which speculators does not define"),
         (lambda c: c["transformer_layer_config"].update(rope_theta=5.0), None, "rope settings differ"),
-        (None, lambda s: s["layers.0.hidden_norm.weight"].mul_(1.01), "vLLM's forward differs"),
+        (None, lambda s: s["layers.0.hidden_norm.weight"].mul_(1.01), "speculators forward differs"),
     ],
 )
 def test_validator_catches(tiny, tmp_path, change_config, change_weights, message):
@@ -176,7 +176,7 @@ def test_failed_export_writes_nothing(tiny, tmp_path, monkeypatch):
         exp.tensors["model.safetensors"].pop("d2t")
         return exp
 
-    monkeypatch.setitem(export_mod.FORMATS["eagle3"], "speculators", without_d2t)
+    monkeypatch.setattr(formats, "SPECULATORS", replace(formats.SPECULATORS, export=without_d2t))
     with pytest.raises(ExportError, match="missing key d2t"):
         export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -216,7 +216,7 @@ def drafted(target, drafter: Path) -> tuple[list, list]:
 
 
 def loaded(target, folder: Path):
-    return load_trained(folder, target, "eagle3", "eagle3", target.model, dtype=torch.float32)
+    return load_trained(folder, target, "eagle3", target.model, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("which", [3, 4], ids=["speculators", "format=vllm"])
