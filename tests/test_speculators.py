@@ -18,6 +18,7 @@ from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve import foreign, formats, speculators
 from draftsmith.serve.build import SpecConfig, build_engine, load, load_trained
 from draftsmith.serve.eagle import TreeConfig
@@ -46,7 +47,9 @@ def copy_target(tiny_llama_dir, folder: Path, model_type: str = "llama", **overr
     return TargetConfig(path=str(folder), dtype="float32", device="cpu")
 
 
-def save_head(target, tcfg: TargetConfig, folder: Path, draft_vocab: int = DRAFT_V) -> Path:
+def save_head(
+    target, tcfg: TargetConfig, folder: Path, draft_vocab: int = DRAFT_V, draft: DraftShape | None = None
+) -> Path:
     """An EAGLE-3 head of trained-looking weights, saved as draftsmith-train does."""
     torch.manual_seed(1)
     head = Eagle3Head(Eagle3Config.from_target(target.model.config, draft_vocab_size=draft_vocab), target.model)
@@ -56,7 +59,7 @@ def save_head(target, tcfg: TargetConfig, folder: Path, draft_vocab: int = DRAFT
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
     info = TargetInfo(target.target_id, H, V, 3)
-    return save_drafter(head, head.config, "eagle3", info, Recipe(data="tiny"), folder)
+    return save_drafter(head, head.config, "eagle3", info, Recipe(data="tiny"), folder, draft=draft)
 
 
 @pytest.fixture(scope="module")
@@ -142,9 +145,14 @@ def test_card_serves_with_vllm_alone_or_with_the_method_spelled_out(tiny):
     assert "sglang.launch_server" not in card  # SGLang reads format=sglang
 
 
-def test_check_true_validates_an_existing_export(tiny):
-    tcfg, _, drafter, out, _ = tiny
-    validate(drafter, "speculators", out, tcfg)
+def test_vllm_drafts_the_depth_the_folder_records(tiny, tmp_path):
+    """speculative_tokens (what `vllm serve OUT` drafts) and the card's command: the drafter folder's draft depth."""
+    tcfg, target, *_ = tiny
+    drafter = save_head(target, tcfg, tmp_path / "eagle3", draft=DraftShape(num_tokens=2, topk=3, total_tokens=4))
+    out = export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
+    assert '"num_speculative_tokens": 2' in (out / "README.md").read_text()
 
 
 @pytest.mark.parametrize(
@@ -180,18 +188,6 @@ def test_failed_export_writes_nothing(tiny, tmp_path, monkeypatch):
     with pytest.raises(ExportError, match="missing key d2t"):
         export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
-
-
-def test_only_eagle3_heads_export_as_speculators(tiny, tmp_path):
-    tcfg, target, _, _, _ = tiny
-    from draftsmith.heads.eagle import EagleConfig, EagleHead
-
-    head = EagleHead(EagleConfig.from_target(target.model.config), target.model)
-    info = TargetInfo(target.target_id, H, V, 3)
-    eagle = save_drafter(head, head.config, "eagle", info, Recipe(), tmp_path / "eagle")
-    with pytest.raises(ExportError, match="format=speculators cannot hold eagle drafters; use format=vllm|sglang"):
-        export(eagle, "speculators", tmp_path / "out", tcfg, "fp32")
-    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- in: round trips draft what the original drafts
