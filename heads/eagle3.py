@@ -189,7 +189,11 @@ register(
         features=("hidden", "aux"),
         loss="draftsmith.train.losses:eagle3_loss",
         proposer="draftsmith.serve.eagle:eagle_proposer",
-        formats={"vllm": "draftsmith.serve.formats:EAGLE3", "sglang": "draftsmith.serve.formats:EAGLE3"},
+        formats={
+            "vllm": "draftsmith.serve.formats:EAGLE3",
+            "sglang": "draftsmith.serve.formats:EAGLE3",
+            "speculators": "draftsmith.serve.formats:SPECULATORS",
+        },
         draft_shape=DraftShape(num_tokens=5, topk=4, total_tokens=12),  # a GPU's: a dozen verify rows cost ~1 step
         draft_keys=("num_tokens", "topk", "total_tokens"),
     )

@@ -4,7 +4,9 @@ For each drafter: export it (the first format of its kind that vLLM loads: eagle
 draft_model -> format=hf), run vLLM with the
 matching speculative_config and draftsmith's engine at the same k, and print: vLLM's mean acceptance length
 (from llm.get_metrics(): 1 + vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts), draftsmith's,
-and whether vLLM's outputs equal draftsmith's plain greedy outputs token for token.
+and whether vLLM's outputs equal draftsmith's plain greedy outputs token for token. An eagle3 drafter also goes
+out as format=speculators: the speculators package (in vLLM's environment) reads it first, then vLLM serves it
+both ways its model card gives, against draftsmith's engine on the export read back (spec.drafter=OUT).
 
 vLLM lives in its own virtual environment (it pins its own torch): this script runs in draftsmith's Python and
 starts `--vllm-python` on itself in worker mode (`--vllm-job`), one process per method.
@@ -19,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 KINDS = ("eagle3", "eagle", "medusa", "draft_model")  # checked by default; their vLLM format comes from the registry
@@ -53,6 +56,40 @@ def vllm_worker(job_file: Path, out_file: Path) -> None:
     counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "counters": counters, "seconds": seconds}
     out_file.write_text(json.dumps(result))
+
+
+def speculators_check(folder: Path) -> None:
+    """In vLLM's environment, with `pip install --no-deps speculators==0.9.0`: its config class and model class
+    read the folder. Its training-only imports (datasets, hs_connectors) are not installed: stubbed."""
+    import types
+
+    def stub(attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return object
+
+    for name in ("datasets", "hs_connectors"):
+        sys.modules.setdefault(name, types.ModuleType(name)).__getattr__ = stub  # type: ignore[attr-defined]
+    import torch
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModelConfig
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    config = SpeculatorModelConfig.from_pretrained(str(folder))
+    assert isinstance(config, Eagle3SpeculatorConfig), type(config)
+    state = Eagle3DraftModel.from_pretrained(str(folder)).state_dict()
+    tensors = load_file(str(folder / "model.safetensors"))
+    unread = sorted(tensors.keys() - state.keys())
+    differ = sorted(
+        k for k in tensors.keys() & state.keys() if not torch.equal(state[k].to(tensors[k].dtype), tensors[k])
+    )
+    from_verifier = sorted(state.keys() - tensors.keys())
+    if unread or differ:
+        sys.exit(f"speculators package: tensors it does not read {unread}, loaded differently {differ}")
+    print(
+        f"speculators package: config.json is a valid {type(config).__name__}; Eagle3DraftModel loads all "
+        f"{len(tensors)} tensors as written (from the verifier: {', '.join(from_verifier)})"
+    )
 
 
 # ---------------------------------------------------------------- draftsmith side
@@ -155,6 +192,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def main(args) -> None:
+    from draftsmith.heads.kinds import get
     from draftsmith.serve.build import SpecConfig, load
     from draftsmith.serve.export import export
     from draftsmith.serve.target import TargetConfig
@@ -179,26 +217,87 @@ def main(args) -> None:
     if args.plain:
         v = call_vllm(args, base_job | {"speculative_config": None}, work, "plain")
         rows.append(("none (plain)", "-", "-", same(v["outputs"], plain), v["outputs"]))
+    run = Runner(args, target, tcfg, prompts, plain, base_job, work, max_len)
     for kind, drafter in drafters.items():
         fmt, method = vllm_format(kind)
         out = work / "exports" / f"{kind}-{fmt}"
         export(drafter, fmt, out, tcfg, "fp32", overwrite=True)
         k = min(args.k, max_depth(kind, drafter))
-        ours, m = run_draftsmith(target, chain_spec(kind, drafter, k), prompts, args.max_new_tokens, max_len)
         spec = {"method": method, "model": str(out), "num_speculative_tokens": k}
-        v = call_vllm(args, base_job | {"speculative_config": spec}, work, kind)
-        tau, drafts = vllm_tau(v["counters"])
-        rows.append(
-            (
-                f"{kind} (k={k})",
-                f"{tau:.3f} ({drafts} drafts)",
-                f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts)",
-                same(v["outputs"], plain),
-                v["outputs"],
-            )
-        )
-        print(f"[{kind}] draftsmith engine == plain: {same(ours, plain)}/{len(prompts)}", flush=True)
+        rows.append(run.row(f"{kind} (k={k})", kind, chain_spec(kind, drafter, k), {"speculative_config": spec}))
+        if args.speculators and "speculators" in get(kind).formats:
+            rows += speculators_rows(run, kind, drafter)
     report(rows, plain, args, work)
+
+
+@dataclass
+class Runner:
+    """One row of the table: draftsmith's engine and vLLM on the same prompts."""
+
+    args: argparse.Namespace
+    target: object
+    tcfg: object
+    prompts: list[list[int]]
+    plain: list[list[int]]
+    base_job: dict
+    work: Path
+    max_len: int
+
+    def row(self, label: str, name: str, spec, job: dict) -> tuple:
+        ours, m = run_draftsmith(self.target, spec, self.prompts, self.args.max_new_tokens, self.max_len)
+        print(f"[{name}] draftsmith engine == plain: {same(ours, self.plain)}/{len(self.prompts)}", flush=True)
+        v = call_vllm(self.args, self.base_job | job, self.work, name)
+        tau, drafts = vllm_tau(v["counters"])
+        return (
+            label,
+            f"{tau:.3f} ({drafts} drafts)",
+            f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts)",
+            same(v["outputs"], self.plain),
+            v["outputs"],
+        )
+
+
+def speculators_rows(run: Runner, kind: str, drafter: Path) -> list[tuple]:
+    """format=speculators, checked by the speculators package itself, then served both ways the model card
+    gives (the folder alone: vLLM reads the target and the method from it, at its speculative_tokens; the target
+    with the method spelled out), against draftsmith's engine on the export read back (spec.drafter=OUT)."""
+    from draftsmith.heads.kinds import get, resolve
+    from draftsmith.serve.export import export
+
+    method = resolve(get(kind).formats["speculators"]).vllm
+    out = export(drafter, "speculators", run.work / "exports" / f"{kind}-speculators", run.tcfg, "fp32", overwrite=True)
+    print(speculators_package_check(run.args, out, run.work), flush=True)
+    config = json.loads((out / "config.json").read_text())
+    k_folder = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    k = run.args.k
+    spec = {"method": method, "model": str(out), "num_speculative_tokens": k}
+    return [
+        run.row(
+            f"{kind} speculators, target + method (k={k})",
+            f"{kind}-spec",
+            chain_spec(kind, out, k),
+            {"speculative_config": spec},
+        ),
+        run.row(
+            f"{kind} speculators, the folder alone (k={k_folder})",
+            f"{kind}-spec-alone",
+            chain_spec(kind, out, k_folder),
+            {"target": str(out), "speculative_config": None, "max_model_len": run.max_len + k_folder + 16},
+        ),
+    ]
+
+
+def speculators_package_check(args, folder: Path, work: Path) -> str:
+    """The speculators package (0.9.0, in vLLM's environment) reads the export: its config class validates
+    config.json and Eagle3DraftModel.from_pretrained loads every tensor into the parameter of that name."""
+    log = work / "speculators-check.log"
+    cmd = [args.vllm_python, __file__, "--speculators-check", str(folder)]
+    with open(log, "w") as f:
+        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": ""})
+    last = log.read_text().strip().splitlines()[-1:] or [""]
+    if done.returncode != 0:
+        raise RuntimeError(f"the speculators package refuses {folder} (log: {log}): {last[0]}")
+    return last[0]
 
 
 def max_depth(kind: str, folder: Path) -> int:
@@ -242,10 +341,17 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (a chain)")
     p.add_argument("--plain", action=argparse.BooleanOptionalAction, default=True, help="also run vLLM plain")
+    p.add_argument(
+        "--speculators",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kinds with format=speculators (eagle3): also that format (the speculators package, then vLLM two ways)",
+    )
     p.add_argument("--work", default="runs/vllm_crosscheck")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
     p.add_argument("--vllm-job", help=argparse.SUPPRESS)
     p.add_argument("--vllm-out", help=argparse.SUPPRESS)
+    p.add_argument("--speculators-check", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trained:
         repo = Path(__file__).resolve().parent.parent
@@ -258,6 +364,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: everything runs un
     cli = parse_args()
     if cli.vllm_job:
         vllm_worker(Path(cli.vllm_job), Path(cli.vllm_out))
+    elif cli.speculators_check:
+        speculators_check(Path(cli.speculators_check))
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("WANDB_MODE", "offline")

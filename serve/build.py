@@ -10,11 +10,12 @@ from transformers import PreTrainedTokenizerBase
 
 from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, read_meta
 from draftsmith.heads.drafter import load_drafter as load_head
-from draftsmith.heads.kinds import KINDS, DraftShape, by_spec, folder_shape, resolve, specs
+from draftsmith.heads.kinds import KINDS, DraftShape, by_spec, folder_shape, get, resolve, specs
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
 
 from .engine import Engine
+from .foreign import FOREIGN_KIND, foreign_format, load_foreign
 from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
 from .ngram import NgramConfig, NgramProposer
@@ -143,7 +144,7 @@ def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None,
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
-    if "kind" in hf:  # a draftsmith drafter folder (heads/drafter.py), checked against the target's id
+    if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/foreign.py)
         return load_trained(folder, target, "draft", dtype=dtype, draft_vocab=draft_vocab)
     if draft_vocab:
         raise ValueError(
@@ -174,14 +175,20 @@ def load_trained(
     dtype: torch.dtype | None = None,
     draft_vocab: int = 0,
 ):
-    """A draftsmith drafter folder of spec_name's kind, refused unless it was made for this target; `shared`: target
-    pieces the kind borrows (heads/drafter.load_drafter); dtype: its weights' (default: the target's);
-    draft_vocab > 0: its logits over the training answers' draft_vocab most frequent tokens only."""
-    kind, found = by_spec(spec_name).name, read_meta(folder)["kind"]
+    """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere, serve/foreign.py), refused
+    unless it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.load_drafter);
+    dtype: its weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab
+    most frequent tokens only."""
+    kind, fmt = by_spec(spec_name).name, foreign_format(folder)
+    found = FOREIGN_KIND if fmt else read_meta(folder)["kind"]
     if found != kind:
-        raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
+        what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).spec}" if fmt else f"a {found} drafter"
+        raise ValueError(f"spec.drafter={folder} is {what}; spec={spec_name} needs a {kind} drafter")
     m = target.model
-    head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
+    if fmt:  # no draftsmith target id: checked against the target by what the folder records
+        head = load_foreign(folder, fmt, m, target.target_id, dtype or m.dtype)
+    else:
+        head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
     if draft_vocab:
         head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
     pack_linears(head.eval().requires_grad_(False))

@@ -112,6 +112,7 @@ class Format:
     torch_dtype: bool = True  # config.json says the export's dtype
     target_types: tuple[str, ...] = SUPPORTED_TYPES  # target model_types its engines run these drafters with
     vllm: str = ""  # vLLM's speculative method for this folder ("": vLLM does not load it)
+    vllm_alone: bool = False  # the folder names its target and method: `vllm serve OUT` serves it (speculators)
     sglang: str = ""  # SGLang's --speculative-algorithm ("": SGLang does not load it)
     tgi: bool = False  # TGI loads it
     hf: bool = False  # transformers loads it (assisted generation)

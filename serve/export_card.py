@@ -20,6 +20,19 @@ def vllm_command(src: Source, out: Path, method: str) -> str:
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 
+def vllm_text(src: Source, out: Path, method: str, alone: bool) -> str:
+    """alone: the folder names its target and method (speculators), so `vllm serve OUT` serves it too; given the
+    target as the model, vLLM needs the method spelled out (without it, it takes the folder for a draft model)."""
+    command = f"```bash\n{vllm_command(src, out, method)}\n```\n"
+    if not alone:
+        return f"**vLLM**:\n\n{command}"
+    return (
+        "**vLLM** (the folder names its target in `speculators_config.verifier.name_or_path`: point that at the "
+        f"target's hub id when serving elsewhere):\n\n```bash\nvllm serve {out}\n```\n\n"
+        f'or, naming the target yourself (keep `"method": "{method}"`):\n\n{command}'
+    )
+
+
 def sglang_command(src: Source, out: Path, algorithm: str, token_map: str | None = None) -> str:
     """The drafter's shape: depth, children per node, and the verified tree's tokens (its nodes + the root)."""
     shape = src.shape
@@ -55,7 +68,7 @@ def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None
     for engine, title in ENGINES.items():
         others = [name for name, g in formats.items() if getattr(g, engine)]
         if engine == "vllm" and f.vllm:
-            lines.append(f"**vLLM**:\n\n```bash\n{vllm_command(src, out, f.vllm)}\n```\n")
+            lines.append(vllm_text(src, out, f.vllm, f.vllm_alone))
         elif engine == "sglang" and f.sglang:
             lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, f.sglang, token_map)}\n```\n")
         elif engine == "tgi" and f.tgi:

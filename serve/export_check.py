@@ -47,7 +47,11 @@ def mlp_shapes(p: str, c) -> Shapes:
 
 
 def eagle3_shapes(src: Source, config: dict) -> Shapes:
-    c, bias = src.head.config, bool(config.get("attention_bias"))
+    return eagle3_table(src.head.config, bool(config.get("attention_bias")))
+
+
+def eagle3_table(c, bias: bool) -> Shapes:
+    """An EAGLE-3 head of config c in the LlamaForCausalLMEagle3 names (also what serve/foreign.py reads)."""
     h = c.hidden_size
     s = {"fc.weight": (h, len(c.target_layers) * h), **attn_shapes("midlayer.self_attn", 2 * h, c, bias)}
     s |= mlp_shapes("midlayer.mlp", c)

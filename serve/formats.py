@@ -9,6 +9,7 @@ from functools import partial
 from . import export as ex
 from . import export_check as ck
 from . import export_dflash as dfl
+from . import speculators as sp
 
 # vLLM's and SGLang's LlamaForCausalLMEagle3: one folder for both
 EAGLE3 = ex.Format(
@@ -75,4 +76,14 @@ DFLASH_VLLM = ex.Format(
     forward=dfl.dflash_pairs,
     problems=dfl.dflash_problems,
     vllm="dflash",
+)
+# vLLM's native format, as the speculators package defines it (serve/speculators.py); vLLM serves the folder alone
+SPECULATORS = ex.Format(
+    export=sp.eagle3_speculators,
+    shapes=sp.speculators_shapes,
+    config=sp.eagle3_values,
+    forward=sp.speculators_pairs,
+    problems=sp.speculators_problems,
+    vllm="eagle3",
+    vllm_alone=True,
 )
