@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from draftsmith.serve.build import SpecConfig
+from draftsmith.serve.build import LOOKUPS, SpecConfig
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
@@ -25,20 +25,22 @@ def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[st
         out[label] = m
     if not out:
         raise ValueError(
-            "eval compares methods against plain decoding (ar): pick spec=ngram|draft|layerskip|eagle|eagle3|medusa "
-            "or methods=[ngram,eagle3]"
+            "eval compares methods against plain decoding (ar): pick "
+            "spec=ngram|suffix|draft|layerskip|eagle|eagle3|medusa or methods=[ngram,eagle3]"
         )
     return out
 
 
 def spec_label(spec: SpecConfig) -> str:
-    return f"{spec.name}+ngram" if spec.ngram_tokens and spec.name != "ngram" else spec.name
+    if spec.name in LOOKUPS:
+        return spec.name
+    return spec.name + ("+ngram" if spec.ngram_tokens else "+suffix" if spec.suffix_tokens else "")
 
 
 def drafter_params(spec: SpecConfig) -> int | None:
-    """Parameters stored in the drafter's weight files (0 for n-gram lookup; None when it has no files of its
-    own: plain decoding, layerskip)."""
-    if spec.name == "ngram":
+    """Parameters stored in the drafter's weight files (0 for n-gram lookup and suffix decoding; None when it has
+    no files of its own: plain decoding, layerskip)."""
+    if spec.name in ("ngram", "suffix"):
         return 0
     if not spec.drafter:
         return None

@@ -22,9 +22,11 @@ from .medusa import MedusaProposer
 from .ngram import NgramConfig, NgramProposer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
+from .suffix import SuffixConfig, SuffixProposer
 from .target import TargetConfig, load_target, load_tokenizer, torch_dtype
 
-SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3")
+SPECS = ("ar", "ngram", "suffix", "draft", "layerskip", "medusa", "eagle", "eagle3")
+LOOKUPS = ("ar", "ngram", "suffix")  # drafters without a model: spec.ngram_tokens / suffix_tokens add nothing to them
 NEEDS_DRAFTER = {
     "draft": "an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
     "medusa": "a medusa drafter folder (draftsmith-train head=medusa)",
@@ -38,7 +40,7 @@ class SpecConfig:
     """Mirrors the hydra group `spec`; each method reads the fields it needs."""
 
     name: str = "ar"
-    num_tokens: int = 4  # chain length k (tree depth for tree proposers)
+    num_tokens: int = 4  # chain length k (tree depth for tree proposers; suffix: the most tokens a draft holds)
     min_n: int = 2  # ngram
     max_n: int = 4  # ngram
     drafter: str | None = None  # draft: an HF folder sharing the target's tokenizer, or a draft_model drafter folder
@@ -46,7 +48,9 @@ class SpecConfig:
     choices: list[list[int]] | None = None  # medusa: tree paths, e.g. [[0], [0, 0], [1]]; None = the default tree
     tree: TreeConfig = field(default_factory=TreeConfig)  # eagle, eagle3: topk (1 = a chain), total_tokens
     ngram_tokens: int = 0  # eagle, eagle3, medusa: also draft an n-gram lookup chain this long (0 = off)
-    ngram_policy: str = "prefer"  # prefer: the chain alone when found, else the tree | merge: the chain joins the tree
+    suffix_tokens: int = 0  # eagle, eagle3, medusa: also draft by suffix decoding, up to this many tokens (0 = off)
+    ngram_policy: str = "prefer"  # for either lookup: prefer: its draft alone when found, else the tree | merge: both
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # suffix (and suffix_tokens): vLLM's suffix settings
     draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
 
@@ -61,6 +65,10 @@ class SpecConfig:
             raise ValueError(f"spec.draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.ngram_tokens < 0:
             raise ValueError(f"spec.ngram_tokens must be >= 0 (0 = off), got {self.ngram_tokens}")
+        if self.suffix_tokens < 0:
+            raise ValueError(f"spec.suffix_tokens must be >= 0 (0 = off), got {self.suffix_tokens}")
+        if self.ngram_tokens and self.suffix_tokens:
+            raise ValueError("spec.ngram_tokens and spec.suffix_tokens both set: pair the drafter with one lookup")
         if self.draft_vocab < 0:
             raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
         if self.draft_vocab and self.name not in ("eagle", "medusa", "draft"):
@@ -88,10 +96,21 @@ def target_info(target: Loaded) -> TargetInfo:
 
 def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     proposer = model_proposer(spec, target)
-    if spec.ngram_tokens and spec.name not in ("ar", "ngram"):
-        ngram = NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
-        return HybridProposer(proposer, ngram, spec.ngram_policy)
-    return proposer
+    lookup = lookup_proposer(spec)
+    return HybridProposer(proposer, lookup, spec.ngram_policy) if lookup else proposer
+
+
+def lookup_proposer(spec: SpecConfig) -> Proposer | None:
+    """The lookup drafter paired with a model drafter (serve/hybrid.py), if any. Under `prefer` a suffix draft
+    must score (expect to get accepted) spec.num_tokens tokens to be taken over the drafter's, as ArcticInference
+    takes it over its speculator's."""
+    if spec.name in LOOKUPS:
+        return None
+    if spec.ngram_tokens:
+        return NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
+    if spec.suffix_tokens:
+        return SuffixProposer(spec.suffix, spec.suffix_tokens, spec.num_tokens if spec.ngram_policy == "prefer" else 0)
+    return None
 
 
 def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
@@ -99,6 +118,8 @@ def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
         return None
     if spec.name == "ngram":
         return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
+    if spec.name == "suffix":
+        return SuffixProposer(spec.suffix, spec.num_tokens)
     if spec.name == "layerskip":
         return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
     dtype = draft_dtype(spec, target.model)  # the trained drafters' weights
