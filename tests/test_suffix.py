@@ -18,7 +18,7 @@ from test_eval_runner import config
 import draftsmith.conf
 from draftsmith.eval.methods import drafter_params, spec_label
 from draftsmith.eval.runner import run_eval
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.build import Loaded, SpecConfig, lookup_proposer, make_proposer
 from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.hybrid import HybridProposer, merge_tree
@@ -366,6 +366,17 @@ def test_spec_configs_build_suffix_proposers(target):
 def test_bad_settings_are_refused(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_lookup_pairs_with_a_head_by_the_spec():
+    """spec.suffix_tokens: a suffix lookup of that length; under prefer its draft must score spec.num_tokens."""
+    prefer = lookup_proposer(SpecConfig("eagle3", 5, drafter="x", suffix_tokens=8))
+    assert isinstance(prefer, SuffixProposer) and (prefer.num_tokens, prefer.min_score) == (8, 5)
+    merge = lookup_proposer(SpecConfig("eagle3", 5, drafter="x", suffix_tokens=8, ngram_policy="merge"))
+    assert merge.min_score == 0
+    assert lookup_proposer(SpecConfig("eagle3", 5, drafter="x", ngram_tokens=4)).name == "ngram"
+    assert lookup_proposer(SpecConfig("suffix", suffix_tokens=8)) is None  # a lookup is not paired with itself
+    assert lookup_proposer(SpecConfig("eagle3", drafter="x")) is None
 
 
 def test_suffix_tokens_need_a_head(target):
