@@ -11,9 +11,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from draftsmith.serve.__main__ import typed
+from draftsmith.serve.__main__ import typed_or_exit
 
-from .report import write_report
+from .methods import check_drafters
+from .report import ci, iv, speedup_cell, write_report
 from .runner import EvalConfig, run_eval
 from .wandb_log import log_eval
 
@@ -31,14 +32,15 @@ def print_headline(r: dict) -> None:
     lines = [
         f"{r['target']} on {r['device']} ({r['dtype']}), {r['prompts']} prompts"
         + (f" x {r['repeats']} repeats" if r["repeats"] > 1 else "")
-        + f", {r['max_new_tokens']} new tokens"
+        + f", {r['max_new_tokens']} new tokens; [95% intervals over prompts]"
         + ("  [PARTIAL]" if r["partial"] else ""),
-        f"  {'ar':<13} {b['tokens_per_s']:6.1f} tok/s  TTFT {b['ttft_ms']:6.0f} ms  TPOT {b['tpot_ms']:5.1f} ms",
+        f"  {'ar':<13} {b['tokens_per_s']:6.1f} tok/s  TPOT {ci(b['tpot_ms'], iv(b, 'tpot_ms'), '{:.1f}')} ms"
+        f"  TTFT {b['ttft_ms']:.0f} ms",
     ]
     for label, m in r["methods"].items():
         lines.append(
-            f"  {label:<13} {m['tokens_per_s']:6.1f} tok/s  TTFT {m['ttft_ms']:6.0f} ms  TPOT {m['tpot_ms']:5.1f} ms"
-            f"  speedup {m['speedup']:.2f}x  tau {m['mean_acceptance_length']:.2f}"
+            f"  {label:<13} {m['tokens_per_s']:6.1f} tok/s  TPOT {m['tpot_ms']:5.1f} ms  speedup {speedup_cell(m)}"
+            f"  tau {ci(m['mean_acceptance_length'], iv(m, 'mean_acceptance_length'))}"
         )
     lossless, cache = r["lossless"], r["prefix_cache"]
     check = f"lossless: {lossless['identical']}/{lossless['checked']} identical" if r["temperature"] == 0 else ""
@@ -47,14 +49,25 @@ def print_headline(r: dict) -> None:
             f"{label} p={m['distribution_check']['p_value']}" for label, m in r["methods"].items()
         )
     lines.append(f"  {check}; prefix cache hit {cache['hit_tokens']}/{cache['queried_tokens']} tokens")
+    lines += noise_lines(r)
     if "study" in r:
         lines.append(f"  prefix cache x {r['study']['method']}: {r['study']['finding']}")
     print("\n".join(lines))
 
 
+def noise_lines(r: dict) -> list[str]:
+    out = []
+    if r.get("noise", {}).get("noisy"):
+        spread = r["noise"]["repeat_spread"]
+        out.append(f"  NOISY: plain decoding of the same prompt varied {spread['median']:.0%} between repeats")
+    if r.get("skipped", {}).get("turns"):
+        out.append(f"  {r['skipped']['turns']} turn(s) skipped (beyond the context): see the report")
+    return out
+
+
 @hydra.main(config_path="../conf", config_name="eval", version_base=None)
 def _main(cfg: DictConfig) -> None:
-    config = typed(cfg, EvalConfig)
+    config = typed_or_exit(cfg, EvalConfig, "draftsmith-eval", check_drafters)
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # each sweep job in out/<job number>, grouped together in W&B
         config.out = hc.runtime.output_dir

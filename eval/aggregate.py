@@ -1,4 +1,5 @@
-"""Per-request records -> summaries: overall, per category, per prompt; counters pooled, never means of means."""
+"""Per-request records -> summaries: overall, per category, per prompt; counters pooled, never means of means,
+each pooled number with its 95% interval (eval/stats.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from draftsmith.serve.metrics import Metrics
+
+from .stats import Bootstrap, intervals, significant, speedup_interval, spread
 
 
 @dataclass
@@ -54,10 +57,31 @@ def speedup(m: Metrics, base: Metrics) -> float:
     return m.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
 
 
-def compared(name: str, records: list[Record], base: list[Record]) -> dict:
-    """A method's summary with its speedup over the plain-decoding records of the same prompts."""
-    m = pool(records)
-    return {**method_summary(name, m), "speedup": speedup(m, pool(base))}
+def summary(name: str, records: list[Record], boot: Bootstrap, positions: int = 0) -> dict:
+    """method_summary with an `intervals` dict beside it (empty with fewer than two prompts)."""
+    return {**method_summary(name, pool(records)), "intervals": intervals(boot, records, positions)}
+
+
+def compared(name: str, records: list[Record], base: list[Record], seed: int = 0, positions: int = 0) -> dict:
+    """A method's summary with its speedup over plain decoding on the same turns (a turn one of them skipped
+    counts for neither), each with its interval; `significant`: the speedup's interval excludes 1.0."""
+    records, base = paired(records, base)
+    boot = Bootstrap.over([r.id for r in base + records], seed)
+    out = summary(name, records, boot, positions)
+    out["speedup"] = speedup(pool(records), pool(base))
+    out["intervals"]["speedup"] = speedup_interval(boot, records, base)
+    out["significant"] = significant(out["intervals"]["speedup"])
+    return out
+
+
+def paired(records: list[Record], base: list[Record]) -> tuple[list[Record], list[Record]]:
+    """Both sides restricted to the (prompt, turn, repeat) both answered."""
+    both = {key(r) for r in records} & {key(r) for r in base}
+    return [r for r in records if key(r) in both], [r for r in base if key(r) in both]
+
+
+def key(r: Record) -> tuple[str, int, int]:
+    return r.id, r.turn, r.repeat
 
 
 def of(records: list[Record], method: str, **where) -> list[Record]:
@@ -85,17 +109,34 @@ def speedup_per_repeat(records: list[Record], base: list[Record], repeats: int) 
     ]
 
 
-def by_category(records: list[Record], labels: list[str]) -> dict:
+def by_category(records: list[Record], labels: list[str], seed: int = 0) -> dict:
     out = {}
     for cat in sorted({r.category for r in records}):
         rows = [r for r in records if r.category == cat]
         base = of(rows, "ar")
         out[cat] = {
             "prompts": len({r.id for r in rows}),
-            "baseline": method_summary("ar", pool(base)),
-            "methods": {label: compared(label, of(rows, label), base) for label in labels},
+            "baseline": summary("ar", base, Bootstrap.over([r.id for r in base], seed)),
+            "methods": {label: compared(label, of(rows, label), base, seed) for label in labels},
         }
     return out
+
+
+def repeat_spread(records: list[Record]) -> dict | None:
+    """How much the time per new token of the same prompt varied between repeats: with identical work (greedy)
+    this is the machine's own noise. None with a single repeat."""
+    times: dict[str, dict[int, list[Metrics]]] = {}
+    for r in records:
+        times.setdefault(r.id, {}).setdefault(r.repeat, []).append(r.metrics)
+    per_token = [
+        [sum(m.total_s for m in ms) / max(1, sum(m.new_tokens for m in ms)) for ms in reps.values()]
+        for reps in times.values()
+        if len(reps) > 1
+    ]
+    if not per_token:
+        return None
+    spreads = sorted(spread(t) for t in per_token)
+    return {"prompts": len(spreads), "median": spreads[len(spreads) // 2], "max": spreads[-1]}
 
 
 SHORT = ("tokens_per_s", "ttft_ms", "tpot_ms", "new_tokens", "mean_acceptance_length")

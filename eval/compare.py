@@ -1,15 +1,19 @@
 """draftsmith-compare EVAL1 EVAL2 ... out=REPORT: one report over several eval folders, e.g. a sweep over draft
-size (a sweep folder DIR stands for its numbered runs DIR/0, DIR/1, ...): speedup and tau against drafter
-parameters, with the Pareto front."""
+size (a sweep folder DIR stands for its numbered runs DIR/0, DIR/1, ...): speedup and tau with their intervals
+against drafter parameters, with the Pareto front; which differences between runs are significant, and a warning
+when the runs come from different machines."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
+from .machine import describe, machine_key
 from .plots import category_plot, params_plot
-from .report import table
+from .report import ci, table
 
 USAGE = "usage: draftsmith-compare EVAL1 EVAL2 ... out=REPORT   (each EVAL: a draftsmith-eval out folder)"
 
@@ -24,7 +28,10 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path]:
         raise ValueError(f"give one out=REPORT; {USAGE}")
     if not folders:
         raise ValueError(f"give at least one eval folder; {USAGE}")
-    return folders, Path(outs[0])
+    out = Path(outs[0])
+    if (out / "results.json").is_file() or out.resolve() in {Path(f).resolve() for f in folders}:
+        raise ValueError(f"out={out} is an eval folder (its report.md and plots would be overwritten): pick another")
+    return folders, out
 
 
 def find_evals(folders: list[str]) -> list[Path]:
@@ -70,38 +77,85 @@ def row(folder: Path, label: str, r: dict, m: dict) -> dict:
         "drafter_params": m.get("drafter_params"),
         "speedup": m["speedup"],
         "mean_acceptance_length": m["mean_acceptance_length"],
+        "intervals": {k: (m.get("intervals") or {}).get(k) for k in ("speedup", "mean_acceptance_length")},
+        "significant": m.get("significant"),
+        "environment": r.get("environment") or {},
         "tokens_per_s": m["tokens_per_s"],
         "lossless": f"{m['lossless']['identical']}/{m['lossless']['checked']}" if "lossless" in m else "",
         "partial": r.get("partial", False),
-        "by_category": {c: v["methods"][m["method"]]["speedup"] for c, v in r.get("by_category", {}).items()},
+        "by_category": {c: v["methods"][m["method"]] for c, v in r.get("by_category", {}).items()},
     }
 
 
 def render(rows: list[dict], plots: list[Path]) -> str:
-    params = lambda n: "-" if n is None else "0" if n == 0 else f"{n / 1e6:.2f}M"
+    params = lambda n: "-" if n is None else "0" if n == 0 else f"{n / 1e6:.2f}M"  # noqa: E731
     table_rows = [
         [
             r["label"] + (" (partial)" if r["partial"] else ""),
             r["suite"],
             params(r["drafter_params"]),
-            f"{r['speedup']:.2f}x",
-            f"{r['mean_acceptance_length']:.2f}",
+            ci(r["speedup"], r["intervals"]["speedup"], unit="x") + (" (n.s.)" if r["significant"] is False else ""),
+            ci(r["mean_acceptance_length"], r["intervals"]["mean_acceptance_length"]),
             f"{r['tokens_per_s']:.1f}",
             r["lossless"],
         ]
         for r in rows
     ]
-    header = ["run:method", "suite", "drafter params", "speedup", "τ", "tokens/s", "lossless"]
+    header = ["run:method", "suite", "drafter params", "speedup [95%]", "τ [95%]", "tokens/s", "lossless"]
     parts = ["# Comparison of " + ", ".join(sorted({r["eval"] for r in rows})), table(header, table_rows)]
+    parts.append("n.s.: the speedup's interval holds 1.00x. " + machines_note(rows))
     targets = sorted({r["target"] for r in rows})
     if len(targets) > 1:
         parts.append(f"**Note:** these evals ran on different targets ({', '.join(targets)}); compare with care.")
+    parts.append("## Differences between runs\n\n" + differences(rows))
     cats = common_categories(rows)
     if cats:
-        cat_rows = [[r["label"]] + [f"{r['by_category'][c]:.2f}x" for c in cats] for r in rows]
+        cat_rows = [
+            [r["label"]]
+            + [ci(m["speedup"], (m.get("intervals") or {}).get("speedup"), unit="x") for m in cols(r, cats)]
+            for r in rows
+        ]
         parts.append("## Speedup by category\n\n" + table(["run:method", *cats], cat_rows))
     parts.append("## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots))
     return "\n\n".join(parts) + "\n"
+
+
+def cols(row: dict, cats: list[str]) -> list[dict]:
+    return [row["by_category"][c] for c in cats]
+
+
+def machines_note(rows: list[dict]) -> str:
+    """A warning when the evals ran on different machines: speed is comparable only within one."""
+    machines = {machine_key(r["environment"]): describe(r["environment"]) for r in rows if r["environment"]}
+    if len(machines) <= 1:
+        return f"All runs on one machine: {next(iter(machines.values()), 'unknown')}."
+    return (
+        "**Warning: these runs come from different machines** ("
+        + "; ".join(sorted(machines.values()))
+        + "): speedups measured on different CPUs are not comparable."
+    )
+
+
+def log_se(iv: list[float] | None) -> float | None:
+    """Standard error of log(speedup) read off a 95% interval."""
+    return None if not iv or iv[0] <= 0 else (math.log(iv[1]) - math.log(iv[0])) / (2 * 1.96)
+
+
+def differences(rows: list[dict]) -> str:
+    """Each pair of runs on the same suite: is their speedup difference significant (z-test on log speedup, the
+    standard errors read off each run's interval; runs on different prompts are independent samples)?"""
+    out = []
+    for a, b in itertools.combinations(rows, 2):
+        if a["suite"] != b["suite"]:
+            continue
+        se_a, se_b = log_se(a["intervals"]["speedup"]), log_se(b["intervals"]["speedup"])
+        if se_a is None or se_b is None or a["speedup"] <= 0 or b["speedup"] <= 0:
+            verdict = "no intervals"
+        else:
+            gap, se = abs(math.log(a["speedup"] / b["speedup"])), math.hypot(se_a, se_b)
+            verdict = "significant" if (gap > 1.96 * se if se else gap > 0) else "not significant"
+        out.append([a["label"], b["label"], f"{a['speedup']:.2f}x vs {b['speedup']:.2f}x", verdict])
+    return table(["run:method", "run:method", "speedup", "difference"], out) if out else "(one run per suite)"
 
 
 def common_categories(rows: list[dict]) -> list[str]:
@@ -113,7 +167,7 @@ def compare(folders: list[str], out: Path) -> Path:
     rows = load_rows(find_evals(folders))
     out.mkdir(parents=True, exist_ok=True)
     cats = common_categories(rows)
-    by_cat = {c: {"methods": {r["label"]: {"speedup": r["by_category"][c]} for r in rows}} for c in cats}
+    by_cat = {c: {"methods": {r["label"]: r["by_category"][c] for r in rows}} for c in cats}
     plots = [
         params_plot(rows, out / "speedup_vs_params.png"),
         category_plot(by_cat, out / "speedup_by_category.png") if cats else None,

@@ -12,6 +12,15 @@ def save(fig: Figure, path: Path) -> Path:
     return path
 
 
+def errors(values: list[float], intervals: list) -> list[list[float]] | None:
+    """matplotlib's yerr ([below], [above]) from 95% intervals; 0 where a value has none."""
+    if not any(intervals):
+        return None
+    below = [v - iv[0] if iv else 0.0 for v, iv in zip(values, intervals, strict=True)]
+    above = [iv[1] - v if iv else 0.0 for v, iv in zip(values, intervals, strict=True)]
+    return [[max(0.0, b) for b in below], [max(0.0, a) for a in above]]
+
+
 def acceptance_plot(methods: dict, path: Path) -> Path | None:
     """Per-position acceptance rate: the share of drafts whose token at depth i was accepted."""
     rates = {k: m["acceptance_rate_per_position"] for k, m in methods.items() if m["acceptance_rate_per_position"]}
@@ -21,7 +30,15 @@ def acceptance_plot(methods: dict, path: Path) -> Path | None:
     ax = fig.subplots()
     for label, r in rates.items():
         tau = methods[label]["mean_acceptance_length"]
-        ax.plot(range(1, len(r) + 1), r, marker="o", label=f"{label} (tau {tau:.2f})")
+        ivs = methods[label].get("intervals", {}).get("acceptance_rate_per_position") or [None] * len(r)
+        ax.errorbar(
+            range(1, len(r) + 1),
+            r,
+            yerr=errors(r, ivs[: len(r)]),
+            marker="o",
+            capsize=3,
+            label=f"{label} (tau {tau:.2f})",
+        )
     ax.set(xlabel="draft position", ylabel="acceptance rate", ylim=(0, 1.02), title="Per-position acceptance")
     ax.set_xticks(range(1, max(len(r) for r in rates.values()) + 1))
     ax.grid(alpha=0.3)
@@ -30,7 +47,7 @@ def acceptance_plot(methods: dict, path: Path) -> Path | None:
 
 
 def category_plot(by_category: dict, path: Path) -> Path:
-    """Speedup over plain decoding per category, one bar per method."""
+    """Speedup over plain decoding per category, one bar per method, with its 95% interval."""
     cats = list(by_category)
     labels = list(next(iter(by_category.values()))["methods"])
     width = 0.8 / len(labels)
@@ -38,7 +55,10 @@ def category_plot(by_category: dict, path: Path) -> Path:
     ax = fig.subplots()
     for j, label in enumerate(labels):
         xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(cats))]
-        ax.bar(xs, [by_category[c]["methods"][label]["speedup"] for c in cats], width, label=label)
+        rows = [by_category[c]["methods"][label] for c in cats]
+        ys = [m["speedup"] for m in rows]
+        yerr = errors(ys, [m.get("intervals", {}).get("speedup") for m in rows])
+        ax.bar(xs, ys, width, yerr=yerr, capsize=3, label=label)
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set_xticks(range(len(cats)), cats, rotation=20)
     ax.set(ylabel="speedup vs plain decoding", title="Speedup by category")
@@ -47,7 +67,8 @@ def category_plot(by_category: dict, path: Path) -> Path:
 
 
 def study_plot(study: dict, path: Path) -> Path:
-    """Mean latency per request of the 2x2 cells, split into prefill (TTFT) and decode."""
+    """Mean latency per request of the 2x2 cells, split into prefill (TTFT) and decode; the bar's whisker is the
+    total's 95% interval."""
     cells = study["cells"]
     names = [f"{'cache' if c['prefix_cache'] else 'no cache'}\n{c['speculation'] or 'plain'}" for c in cells]
     ttft = [c["ttft_ms"] for c in cells]
@@ -55,7 +76,9 @@ def study_plot(study: dict, path: Path) -> Path:
     fig = Figure(figsize=(6, 3.8))
     ax = fig.subplots()
     ax.bar(names, ttft, label="prefill (TTFT)")
-    ax.bar(names, decode, bottom=ttft, label="decode")
+    totals = [c["total_ms"] for c in cells]
+    yerr = errors(totals, [c.get("intervals", {}).get("total_ms") for c in cells])
+    ax.bar(names, decode, bottom=ttft, yerr=yerr, capsize=4, label="decode")
     ax.set(ylabel="ms per request", title="Prefix cache x speculation")
     ax.set_ylim(0, 1.25 * max(c["total_ms"] for c in cells) or 1)
     ax.legend(ncol=2, loc="upper right")
@@ -81,7 +104,7 @@ def params_plot(rows: list[dict], path: Path) -> Path | None:
     left, right = fig.subplots(1, 2)
     for ax, key, name in ((left, "speedup", "speedup"), (right, "mean_acceptance_length", "tau")):
         ys = [r[key] for r in rows]
-        ax.scatter(xs, ys)
+        ax.errorbar(xs, ys, yerr=errors(ys, [r.get("intervals", {}).get(key) for r in rows]), fmt="o", capsize=3)
         for x, y, r in zip(xs, ys, rows, strict=True):
             ax.annotate(r["label"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set(xlabel="drafter parameters (M)", ylabel=name)

@@ -20,7 +20,8 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+        line = utf8_line(raw, f"{path}:{lineno}")
         if line.strip():
             prompts.append(parse_line(line, f"{path}:{lineno}"))
     if not prompts:
@@ -48,3 +49,12 @@ def parse_line(line: str, where: str) -> Prompt:
     if isinstance(row.get("prompt"), str) and row["prompt"].strip():
         return Prompt(str(row["id"]), [row["prompt"]], True, category)
     raise ValueError(f"{where}: needs `turns` (list of user messages) or `prompt` (non-empty raw text)")
+
+
+def utf8_line(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): save it as UTF-8"
+        ) from e

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .machine import describe
 from .plots import write_plots
 
 
@@ -13,26 +14,51 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
+def ci(value: float, iv: list[float] | None, fmt: str = "{:.2f}", unit: str = "") -> str:
+    """'1.18x [1.10, 1.26]': a number and its 95% interval (the number alone where there is none)."""
+    text = fmt.format(value) + unit
+    return text if not iv else f"{text} [{fmt.format(iv[0])}, {fmt.format(iv[1])}]"
+
+
+def speedup_cell(m: dict) -> str:
+    iv = m.get("intervals", {}).get("speedup")
+    flag = " (not significant)" if m.get("significant") is False else ""
+    return ci(m["speedup"], iv, unit="x") + flag
+
+
+def iv(m: dict, key: str) -> list[float] | None:
+    return m.get("intervals", {}).get(key)
+
+
 def overall(r: dict) -> str:
     b = r["baseline"]
-    rows = [["ar", f"{b['tokens_per_s']:.1f}", "1.00x", "-", "-", f"{b['ttft_ms']:.0f}", f"{b['tpot_ms']:.1f}", "-"]]
+    rows = [
+        ["ar", ci(b["tokens_per_s"], iv(b, "tokens_per_s"), "{:.1f}"), "1.00x", "-", "-"]
+        + [ci(b["ttft_ms"], iv(b, "ttft_ms"), "{:.0f}"), ci(b["tpot_ms"], iv(b, "tpot_ms"), "{:.1f}"), "-"]
+    ]
     for label, m in r["methods"].items():
-        spread = m.get("speedup_per_repeat", [])
-        span = f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else ""
         rows.append(
             [
                 label,
-                f"{m['tokens_per_s']:.1f}",
-                f"{m['speedup']:.2f}x{span}",
-                f"{m['mean_acceptance_length']:.2f}",
+                ci(m["tokens_per_s"], iv(m, "tokens_per_s"), "{:.1f}"),
+                speedup_cell(m),
+                ci(m["mean_acceptance_length"], iv(m, "mean_acceptance_length")),
                 f"{m['draft_acceptance_rate']:.2f}",
-                f"{m['ttft_ms']:.0f}",
-                f"{m['tpot_ms']:.1f}",
+                ci(m["ttft_ms"], iv(m, "ttft_ms"), "{:.0f}"),
+                ci(m["tpot_ms"], iv(m, "tpot_ms"), "{:.1f}"),
                 lossless_cell(m),
             ]
         )
     header = ["method", "tokens/s", "speedup", "τ", "draft acc.", "TTFT ms", "TPOT ms", "lossless"]
     return table(header, rows)
+
+
+def intervals_line(r: dict) -> str:
+    return (
+        f"Brackets: 95% intervals, a percentile bootstrap over the {r['prompts']} prompts (all turns and repeats of a "
+        "prompt resampled together; speedup paired with plain decoding on the same prompts). A speedup whose "
+        "interval holds 1.00x is marked not significant. With few prompts the intervals are optimistic."
+    )
 
 
 def lossless_cell(m: dict) -> str:
@@ -44,8 +70,12 @@ def lossless_cell(m: dict) -> str:
 
 def by_category(r: dict, key: str, fmt: str) -> str:
     cats = list(r["by_category"])
+
+    def cell(m: dict) -> str:
+        return speedup_cell(m) if key == "speedup" else ci(m[key], iv(m, key), fmt)
+
     rows = [
-        [label] + [fmt.format(r["by_category"][c]["methods"][label][key]) for c in cats] + [fmt.format(m[key])]
+        [label] + [cell(r["by_category"][c]["methods"][label]) for c in cats] + [cell(m)]
         for label, m in r["methods"].items()
     ]
     return table(["method", *cats, "all"], rows)
@@ -53,8 +83,11 @@ def by_category(r: dict, key: str, fmt: str) -> str:
 
 def acceptance(r: dict) -> str:
     depth = max((len(m["acceptance_rate_per_position"]) for m in r["methods"].values()), default=0)
-    rates = {label: m["acceptance_rate_per_position"] for label, m in r["methods"].items()}
-    rows = [[label] + [f"{x:.2f}" for x in a] + ["-"] * (depth - len(a)) for label, a in rates.items()]
+    rows = []
+    for label, m in r["methods"].items():
+        rates = m["acceptance_rate_per_position"]
+        ivs = iv(m, "acceptance_rate_per_position") or [None] * len(rates)
+        rows.append([label] + [ci(x, i) for x, i in zip(rates, ivs, strict=False)] + ["-"] * (depth - len(rates)))
     return table(["method", *(str(i) for i in range(1, depth + 1))], rows) if depth else "(no drafts)"
 
 
@@ -68,27 +101,72 @@ def lossless_line(r: dict) -> str:
     return f"Greedy: {same}/{checked} turns identical to plain decoding ({verdict})."
 
 
+EFFECTS = {
+    "control": "control: plain TPOT, cache on / off (should be 1.00x)",
+    "prefill": "prefix cache: TTFT cut (plain, off / on)",
+    "decode_cold": "speculation: TPOT cut without the cache",
+    "decode_hit": "speculation: TPOT cut with the cache",
+    "stacking": "decode cut without / with the cache (1.00x: they stack)",
+    "total": "both: total latency cut (plain off / speculation on)",
+}
+
+
 def study(s: dict) -> str:
     rows = [
         [
             "on" if c["prefix_cache"] else "off",
             c["speculation"] or "plain",
-            f"{c['ttft_ms']:.0f}",
-            f"{c['tpot_ms']:.1f}",
-            f"{c['total_ms']:.0f}",
+            ci(c["ttft_ms"], iv(c, "ttft_ms"), "{:.0f}"),
+            ci(c["tpot_ms"], iv(c, "tpot_ms"), "{:.1f}"),
+            ci(c["total_ms"], iv(c, "total_ms"), "{:.0f}"),
             f"{c['prefix_cache_hit_rate']:.0%}",
         ]
         for c in s["cells"]
     ]
     text = table(["prefix cache", "speculation", "TTFT ms", "TPOT ms", "total ms", "cache hit"], rows)
+    effects = [[EFFECTS[k], ci(e["ratio"], e["interval"], unit="x")] for k, e in s.get("effects", {}).items()]
+    if effects:
+        text += "\n\n" + table(["ratio", "value [95% interval]"], effects)
     same = s["identical"]
     check = f"\n\nOutputs identical to the plain uncached cell: {same['identical']}/{same['checked']}." if same else ""
     return f"{text}\n\n**Finding:** {s['finding']}{check}"
 
 
+def noise(r: dict) -> str:
+    """The run's own noise controls, in words."""
+    env, lines = r["environment"], []
+    spread = (r.get("noise") or {}).get("repeat_spread")
+    if spread:
+        verdict = "the machine was noisy: compare with care" if r["noise"]["noisy"] else "steady"
+        lines.append(
+            f"Plain decoding's time per token for the same prompt varied by a median {spread['median']:.1%} "
+            f"(max {spread['max']:.1%}) between repeats over {spread['prompts']} prompts: {verdict}."
+        )
+    else:
+        lines.append("One repeat: no repeat-to-repeat control (use repeats=2 or more).")
+    before, after = env.get("load_before"), env.get("load_after")
+    if before and after:
+        lines.append(
+            f"Load average (1 min) {before[0]:.2f} before and {after[0]:.2f} after, on {env.get('cpu_count')} CPUs."
+        )
+    if "study" in r and r["study"].get("control", {}).get("noisy"):
+        lines.append("The 2x2 study's control failed: its finding is withheld.")
+    return " ".join(lines)
+
+
+def skipped(r: dict) -> str:
+    s = r.get("skipped") or {"turns": 0, "list": []}
+    if not s["turns"]:
+        return "No turn was skipped."
+    rows = [[x["id"], x["turn"] + 1, x["method"], x["reason"]] for x in s["list"]]
+    head = f"{s['turns']} turn(s) skipped, not counted anywhere above:\n\n"
+    return head + table(["prompt", "turn", "method", "why"], rows)
+
+
 def environment(r: dict) -> str:
     env = r["environment"]
-    rows = [[k, env.get(k, "")] for k in ("device", "dtype", "torch", "python", "threads", "cpu_count", "commit")]
+    keys = ("device", "cpu_flags", "gpu", "dtype", "torch", "python", "threads", "cpu_count", "commit")
+    rows = [["machine", describe(env)]] + [[k, env.get(k, "")] for k in keys]
     return table(["", ""], rows)
 
 
@@ -100,6 +178,7 @@ def render(r: dict, plots: list[Path]) -> str:
         f"Target {r['target']}, {r['prompts']} prompts x {r['repeats']} repeat(s), {r['max_new_tokens']} new tokens, "
         f"temperature {r['temperature']}, prefix cache {'on' if r['prefix_cache']['enabled'] else 'off'}.",
         "## Overall\n\n" + overall(r),
+        intervals_line(r),
         lossless_line(r),
         "## Speedup by category\n\n" + by_category(r, "speedup", "{:.2f}x"),
         "## τ by category\n\n" + by_category(r, "mean_acceptance_length", "{:.2f}"),
@@ -107,6 +186,8 @@ def render(r: dict, plots: list[Path]) -> str:
     ]
     if "study" in r:
         parts.append("## Prefix cache x speculation\n\n" + study(r["study"]))
+    parts.append("## Noise\n\n" + noise(r))
+    parts.append("## Skipped turns\n\n" + skipped(r))
     parts.append("## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots))
     parts.append("## Environment\n\n" + environment(r))
     return "\n\n".join(parts) + "\n"

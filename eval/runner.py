@@ -1,30 +1,41 @@
 """Plain decoding vs one or more speculative methods on the same prompts: interleaved, repeated, after a
-warm-up; records every answered turn, then aggregates and writes DIR/results.json, outputs.jsonl, per_prompt.jsonl.
+warm-up; appends every finished prompt to DIR/records.jsonl (eval/journal.py), then aggregates and writes
+DIR/results.json, outputs.jsonl, per_prompt.jsonl.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load
+from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load, resolve_shape
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
 from draftsmith.train.log import WandbConfig
 
-from .aggregate import Record, by_category, by_prompt, compared, lossless, method_summary, of, pool, speedup_per_repeat
+from .aggregate import (
+    Record,
+    by_category,
+    by_prompt,
+    compared,
+    lossless,
+    of,
+    pool,
+    repeat_spread,
+    speedup_per_repeat,
+    summary,
+)
 from .distribution import distribution_check
+from .journal import Journal, Skip, Unit, atomic_write
+from .machine import environment, load_average
 from .methods import drafter_params, resolve_methods
 from .prompts import Prompt, load_prompts
+from .stats import Bootstrap
 from .study import STUDIES, study_arms, study_cells
 from .suites import SUITES, SuiteConfig, load_suite
 
@@ -51,14 +62,19 @@ class EvalConfig:
     warmup: int = 1
     repeats: int = 1
     study: str | None = None  # prefix_x_spec: the 2x2 of prefix cache off/on x plain/first method
+    resume: bool = False  # continue the run in `out` from its records.jsonl (same settings)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
+NOISY_SPREAD = 0.10  # plain decoding's time per token of the same prompt varying more than this between repeats
+
+
 def run_eval(cfg: EvalConfig) -> dict:
-    """Everything a user can get wrong is checked before any prompt runs; nothing is written before the end."""
+    """Everything a user can get wrong is checked before any prompt runs; each finished prompt is on disk."""
     check_settings(cfg)
     SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)  # validates them
-    methods = resolve_methods(cfg.spec, cfg.methods)
+    # the shape each method drafts: its own settings, else its drafter folder's, else its kind's default
+    methods = {label: resolve_shape(m) for label, m in resolve_methods(cfg.spec, cfg.methods).items()}
     prompts = pick_prompts(cfg)
     target = load(cfg.target)
     engines = {
@@ -66,12 +82,24 @@ def run_eval(cfg: EvalConfig) -> dict:
         for arm in arms(cfg, methods)
     }
     check_first_turns_fit(prompts, target.tokenizer, cfg, min(e.max_seq_len for e in engines.values()))
+    journal = Journal(Path(cfg.out), settings(cfg, target.target_id), cfg.resume)
+    load_before = load_average()
     warm_up(engines, prompts[0], target.tokenizer, cfg)
-    records, partial = run_all(engines, prompts, target.tokenizer, cfg)
-    results = summarize(cfg, target.target_id, engines[("ar", cfg.prefix_cache)], methods, records, partial)
+    partial = run_all(engines, prompts, target.tokenizer, cfg, journal)
+    records = [r for u in journal.units for r in u.records]
+    skipped = [s for u in journal.units for s in u.skipped]
+    engine = engines[("ar", cfg.prefix_cache)]
+    results = summarize(cfg, target.target_id, engine, methods, records, skipped, partial)
+    results["environment"] |= {"load_before": load_before, "load_after": load_average()}
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     write_outputs(Path(cfg.out), main, by_prompt(main, list(methods), cfg.temperature == 0), results)
     return results
+
+
+def settings(cfg: EvalConfig, target_id: str) -> dict:
+    """What the records depend on: a resume must match it."""
+    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "wandb")}
+    return json.loads(json.dumps({**keep, "target_id": target_id}, default=str))
 
 
 def check_settings(cfg: EvalConfig) -> None:
@@ -103,29 +131,33 @@ def spec_of(arm: Arm, methods: dict[str, SpecConfig]) -> SpecConfig:
     return SpecConfig("ar") if arm[0] == "ar" else methods[arm[0]]
 
 
-def run_all(engines: dict[Arm, Engine], prompts: list[Prompt], tokenizer, cfg: EvalConfig) -> tuple[list, bool]:
-    """Every prompt through every arm, arm order rotating per prompt so none always runs first. On Ctrl-C the
-    prompts finished by every arm are kept and the run is marked partial."""
-    order, records, done = list(engines), [], set()
+def run_all(engines: dict[Arm, Engine], prompts: list[Prompt], tokenizer, cfg: EvalConfig, journal: Journal) -> bool:
+    """Every prompt through every arm, arm order rotating per prompt so none always runs first; each prompt is
+    appended to the journal once every arm has answered it (prompts it already holds are skipped: a resume).
+    Returns True when Ctrl-C cut the run short (what finished is kept)."""
+    order, done = list(engines), journal.done()
     names = ", ".join(dict.fromkeys(a[0] for a in order if a[0] != "ar"))
-    bar = tqdm(total=cfg.repeats * len(prompts), desc=f"eval ar vs {names}", unit="prompt")
+    bar = tqdm(total=cfg.repeats * len(prompts), initial=len(done), desc=f"eval ar vs {names}", unit="prompt")
     try:
         for rep in range(cfg.repeats):
             for engine in engines.values():  # each repeat starts cold, so repeats measure the same thing
                 reset_prefix_cache(engine)
             for i, prompt in enumerate(prompts):
+                if (prompt.id, rep) in done:
+                    continue
                 k = (i + rep) % len(order)
-                for arm in order[k:] + order[:k]:
-                    records += answer(engines[arm], arm, prompt, tokenizer, cfg, rep, i)
-                done.add((prompt.id, rep))
+                answers = [answer(engines[arm], arm, prompt, tokenizer, cfg, rep, i) for arm in order[k:] + order[:k]]
+                journal.append(
+                    Unit(prompt.id, rep, [r for a in answers for r in a[0]], [s for a in answers for s in a[1]])
+                )
                 bar.update()
     except KeyboardInterrupt:
-        if not done:
+        if not journal.units:
             raise
-        return [r for r in records if (r.id, r.repeat) in done], True
+        return True
     finally:
         bar.close()
-    return records, False
+    return False
 
 
 def seed_for(cfg: EvalConfig, arm: Arm, rep: int, i: int, turn: int) -> int:
@@ -134,19 +166,26 @@ def seed_for(cfg: EvalConfig, arm: Arm, rep: int, i: int, turn: int) -> int:
     return zlib.crc32(f"{cfg.seed}|{arm}|{rep}|{i}|{turn}".encode())
 
 
-def answer(engine: Engine, arm: Arm, prompt: Prompt, tokenizer, cfg: EvalConfig, rep: int, i: int) -> list[Record]:
-    """All turns of one prompt, each answer fed back as the assistant message (as MT-bench does)."""
+def answer(
+    engine: Engine, arm: Arm, prompt: Prompt, tokenizer, cfg: EvalConfig, rep: int, i: int
+) -> tuple[list[Record], list[Skip]]:
+    """All turns of one prompt, each answer fed back as the assistant message (as MT-bench does). A turn that
+    would exceed the context is skipped with its reason, and so are the turns after it."""
     messages: list[dict] = []
     out = []
     for t, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         ids = encode_turn(tokenizer, prompt, messages)
+        try:
+            engine.check_fits(len(ids), cfg.max_new_tokens)
+        except ValueError as e:
+            return out, [Skip(prompt.id, t, rep, arm[0], arm[1], f"turn {t + 1}: {e}")]
         sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, seed_for(cfg, arm, rep, i, t))
         g = engine.generate(ids, cfg.max_new_tokens, sp)
         text = tokenizer.decode(g.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         out.append(Record(prompt.id, prompt.category, t, rep, arm[0], arm[1], g.output_ids, text, g.metrics))
-    return out
+    return out, []
 
 
 def encode_turn(tokenizer, prompt: Prompt, messages: list[dict]) -> list[int]:
@@ -188,7 +227,7 @@ def reset_prefix_cache(engine: Engine) -> None:
 def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig) -> dict:
     base, mine = of(main, "ar"), of(main, label)
     greedy = cfg.temperature == 0
-    out = compared(label, mine, base)
+    out = compared(label, mine, base, cfg.seed, positions=spec.num_tokens)
     rates = out["acceptance_rate_per_position"]
     if out["drafts"]:  # depths never accepted still count: their rate is 0
         out["acceptance_rate_per_position"] = rates + [0.0] * (spec.num_tokens - len(rates))
@@ -204,13 +243,19 @@ def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalCon
 
 
 def summarize(
-    cfg: EvalConfig, target_id: str, engine: Engine, methods: dict[str, SpecConfig], records: list, partial: bool
+    cfg: EvalConfig,
+    target_id: str,
+    engine: Engine,
+    methods: dict[str, SpecConfig],
+    records: list[Record],
+    skipped: list[Skip],
+    partial: bool,
 ) -> dict:
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
-    base = pool(of(main, "ar"))
+    base = of(main, "ar")
     rows = {label: method_result(label, spec, main, cfg) for label, spec in methods.items()}
     checks = [row["lossless"] for row in rows.values()]
-    every = pool(main)
+    every = [r.metrics for r in main]
     results = {
         "target": target_id,
         "device": str(engine.model.device),
@@ -222,7 +267,7 @@ def summarize(
         "prompts_file": cfg.prompts,
         "repeats": cfg.repeats,
         "partial": partial,
-        "baseline": method_summary("ar", base),
+        "baseline": summary("ar", base, Bootstrap.over([r.id for r in base], cfg.seed)),
         "spec": rows[next(iter(rows))],  # the first method, as issue 2's schema has it
         "methods": rows,
         "lossless": {
@@ -232,10 +277,12 @@ def summarize(
         },
         "prefix_cache": {
             "enabled": cfg.prefix_cache,
-            "queried_tokens": every.prefix_queried_tokens,
-            "hit_tokens": every.prefix_hit_tokens,
+            "queried_tokens": sum(m.prefix_queried_tokens for m in every),
+            "hit_tokens": sum(m.prefix_hit_tokens for m in every),
         },
-        "by_category": by_category(main, list(methods)),
+        "by_category": by_category(main, list(methods), cfg.seed),
+        "noise": noise(base),
+        "skipped": {"turns": len(skipped), "list": [asdict(s) for s in skipped]},
         "config": {
             "spec": asdict(cfg.spec),
             "max_seq_len": cfg.max_seq_len,
@@ -243,51 +290,18 @@ def summarize(
             "seed": cfg.seed,
             "warmup": cfg.warmup,
         },
-        "environment": environment(engine),
+        "environment": environment(engine.model.device, engine.model.dtype),
     }
     if cfg.study:
-        results["study"] = study_cells(records, next(iter(methods)), cfg.temperature == 0)
+        results["study"] = study_cells(records, next(iter(methods)), cfg.temperature == 0, cfg.seed)
     return results
 
 
-def environment(engine: Engine) -> dict:
-    device = engine.model.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return {
-        "device": f"{device.type}: {name}",
-        "dtype": str(engine.model.dtype).removeprefix("torch."),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-        "commit": git_commit(),
-    }
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_commit() -> str:
-    """The checkout's commit, `-dirty` when it has uncommitted changes; empty outside a git checkout."""
-    try:
-        run = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=5,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return run.stdout.strip() if run.returncode == 0 else ""
+def noise(base: list[Record]) -> dict:
+    """The control every eval carries: how much plain decoding of the same prompt varied between repeats."""
+    spread = repeat_spread(base)
+    noisy = spread is not None and spread["median"] > NOISY_SPREAD
+    return {"repeat_spread": spread, "noisy": noisy, "threshold": NOISY_SPREAD}
 
 
 def write_outputs(out: Path, records: list[Record], prompts: list[dict], results: dict) -> None:
@@ -297,9 +311,3 @@ def write_outputs(out: Path, records: list[Record], prompts: list[dict], results
     atomic_write(out / "outputs.jsonl", "".join(json.dumps({k: getattr(r, k) for k in keys}) + "\n" for r in records))
     atomic_write(out / "per_prompt.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
     atomic_write(out / "results.json", json.dumps(results, indent=2) + "\n")
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

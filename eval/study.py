@@ -2,14 +2,20 @@
 
 The cache can only shorten prefill (TTFT); speculation can only shorten decode (TPOT). The question is whether
 they stack: is the relative decode win the same with and without a cache hit?
+
+The four cells run prompt by prompt in a rotating order (eval/runner.py), so a slow spell of the machine hits
+them alike. Plain decoding with and without the cache is the built-in control: the cache cannot change what a
+decode step costs, so when their TPOTs differ significantly the machine was too noisy and no finding is drawn.
 """
 
 from __future__ import annotations
 
-from .aggregate import Record, method_summary, of, pool
+from .aggregate import Record, of, summary
+from .stats import Bootstrap, Interval, interval, ratio, significant, summary_samples
 
 STUDIES = ("prefix_x_spec",)
-SAME = 0.15  # relative decode wins within 15% of each other count as "the same" on a shared CPU
+CONTROL_TOLERANCE = 0.03  # a control TPOT ratio within 3% of 1.0 passes even when its interval excludes 1.0
+CELL_KEYS = ("ttft_ms", "tpot_ms", "total_ms", "tokens_per_s", "new_tokens", "requests", "prefix_cache_hit_rate")
 
 
 def study_arms(method: str) -> list[tuple[str, bool]]:
@@ -17,19 +23,65 @@ def study_arms(method: str) -> list[tuple[str, bool]]:
     return [("ar", False), ("ar", True), (method, False), (method, True)]
 
 
-def study_cells(records: list[Record], method: str, greedy: bool) -> dict:
-    cells = []
-    for name, cache in study_arms(method):
-        s = method_summary(name, pool(of(records, name, prefix_cache=cache)))
-        keep = ("ttft_ms", "tpot_ms", "total_ms", "tokens_per_s", "new_tokens", "requests", "prefix_cache_hit_rate")
-        cells.append({"prefix_cache": cache, "speculation": name if name != "ar" else None, **{k: s[k] for k in keep}})
+def study_cells(records: list[Record], method: str, greedy: bool, seed: int = 0) -> dict:
+    boot = Bootstrap.over([r.id for r in records], seed)
+    groups = [of(records, name, prefix_cache=cache) for name, cache in study_arms(method)]
+    cells = [cell(name, cache, rows, boot) for (name, cache), rows in zip(study_arms(method), groups, strict=True)]
+    fx = effects(cells, [summary_samples(boot.sums(rows)) for rows in groups] if boot.enough else None)
+    noisy = control_failed(fx["control"])
     return {
         "study": "prefix_x_spec",
         "method": method,
         "cells": cells,
+        "effects": fx,
+        "control": {**fx["control"], "noisy": noisy},
         "identical": identical(records, method) if greedy else None,
-        "finding": finding(cells, method),
+        "finding": withheld(cells, fx["control"]) if noisy else finding(fx, method),
     }
+
+
+def cell(name: str, cache: bool, rows: list[Record], boot: Bootstrap) -> dict:
+    s = summary(name, rows, boot)
+    iv = {k: v for k, v in s["intervals"].items() if k in ("ttft_ms", "tpot_ms", "total_ms", "tokens_per_s")}
+    return {"prefix_cache": cache, "speculation": name if name != "ar" else None, **{k: s[k] for k in CELL_KEYS}} | {
+        "intervals": iv
+    }
+
+
+RATIOS = {  # name: (key, numerator cell, denominator cell); cells: plain, cached, spec, both
+    "control": ("tpot_ms", 1, 0),
+    "prefill": ("ttft_ms", 0, 1),
+    "decode_cold": ("tpot_ms", 0, 2),
+    "decode_hit": ("tpot_ms", 1, 3),
+    "total": ("total_ms", 0, 3),
+}
+
+
+def effects(cells: list[dict], samples: list[dict] | None) -> dict[str, dict]:
+    """Each ratio the finding states, with its paired interval. control: plain TPOT with the cache over without
+    (should be 1.0); prefill: the cache's TTFT cut; decode_cold/decode_hit: speculation's TPOT cut without and
+    with the cache; stacking: decode_cold over decode_hit (1.0: the wins stack); total: plain uncached total
+    latency over speculation with the cache."""
+    out, draws = {}, {}
+    for name, (k, a, b) in RATIOS.items():
+        draws[name] = ratio(samples[a][k], samples[b][k]) if samples else None
+        out[name] = effect(safe_ratio(cells[a][k], cells[b][k]), draws[name])
+    stack = ratio(draws["decode_cold"], draws["decode_hit"]) if samples else None
+    out["stacking"] = effect(safe_ratio(out["decode_cold"]["ratio"], out["decode_hit"]["ratio"]), stack)
+    return out
+
+
+def effect(point: float, draws) -> dict:
+    return {"ratio": point, "interval": interval(draws) if draws is not None else None}
+
+
+def safe_ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def control_failed(control: dict) -> bool:
+    """Plain TPOT with and without the cache differ significantly, and by more than CONTROL_TOLERANCE."""
+    return bool(significant(control["interval"])) and abs(control["ratio"] - 1) > CONTROL_TOLERANCE
 
 
 def identical(records: list[Record], method: str) -> dict:
@@ -40,31 +92,44 @@ def identical(records: list[Record], method: str) -> dict:
     return {"checked": len(pairs), "identical": sum(a == b for a, b in pairs)}
 
 
-def ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
+def fmt(e: dict) -> str:
+    """1.23x [1.10, 1.31]"""
+    iv: Interval = e["interval"]
+    return f"{e['ratio']:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
 
 
-def finding(cells: list[dict], method: str) -> str:
-    """One sentence from the numbers: what the cache saves, what speculation saves, and whether they stack."""
-    plain, cached, spec, both = cells
-    prefill = ratio(plain["ttft_ms"], cached["ttft_ms"])
-    win_cold, win_hit = ratio(plain["tpot_ms"], spec["tpot_ms"]), ratio(cached["tpot_ms"], both["tpot_ms"])
-    cache_says = (
-        f"the prefix cache cut TTFT {prefill:.1f}x ({plain['ttft_ms']:.0f} -> {cached['ttft_ms']:.0f} ms)"
-        if prefill >= 1.1
-        else f"the prefix cache did not shorten TTFT ({plain['ttft_ms']:.0f} vs {cached['ttft_ms']:.0f} ms)"
-    )
-    spec_says = (
-        f"{method} cut TPOT {win_cold:.2f}x without the cache and {win_hit:.2f}x with it"
-        if min(win_cold, win_hit) >= 1.05
-        else f"{method} did not reliably cut TPOT (plain/{method} TPOT {win_cold:.2f}x without the cache, "
-        f"{win_hit:.2f}x with it)"
-    )
-    same = abs(win_cold - win_hit) <= SAME * max(win_cold, win_hit)
-    effect = "decode win" if min(win_cold, win_hit) >= 1.05 else "decode effect"
-    stack = f"the relative {effect} is the same with and without a cache hit" if same else f"the {effect} differs"
-    total = ratio(plain["total_ms"], both["total_ms"])
+def withheld(cells: list[dict], control: dict) -> str:
+    plain, cached = cells[0]["tpot_ms"], cells[1]["tpot_ms"]
     return (
-        f"{cache_says[0].upper()}{cache_says[1:]}, {spec_says}: {stack}, and together they take total latency "
-        f"from {plain['total_ms']:.0f} to {both['total_ms']:.0f} ms ({total:.2f}x)."
+        f"Finding withheld: the machine was too noisy for this study. Plain decoding's TPOT was {plain:.1f} ms "
+        f"without the prefix cache and {cached:.1f} ms with it ({fmt(control)}), though the cache cannot change "
+        "what a decode step costs. Rerun on an idle machine (or with more repeats)."
+    )
+
+
+def cut(e: dict, what: str, name: str) -> str:
+    """'X cut TPOT 1.20x [...]', or says it did not, from the interval (the point estimate alone when None).
+    e's ratio is the time without X over the time with it."""
+    low, high = e["interval"] or [e["ratio"], e["ratio"]]
+    if low > 1:
+        return f"{name} cut {what} {fmt(e)}"
+    if high < 1:
+        return f"{name} made {what} longer (without / with it: {fmt(e)})"
+    return f"{name} did not significantly change {what} ({fmt(e)})"
+
+
+def finding(fx: dict[str, dict], method: str) -> str:
+    """One sentence from the ratios and their intervals: what the cache saves, what speculation saves, and
+    whether they stack."""
+    stack = fx["stacking"]
+    differs = significant(stack["interval"]) if stack["interval"] else abs(stack["ratio"] - 1) > 0.15
+    stacks = (
+        "the relative decode effect differs with and without a cache hit"
+        if differs
+        else "the relative decode effect does not differ significantly with and without a cache hit"
+    )
+    return (
+        f"{cut(fx['prefill'], 'TTFT', 'The prefix cache')}; {cut(fx['decode_cold'], 'TPOT', method)} without the "
+        f"cache and {fmt(fx['decode_hit'])} with it: {stacks} "
+        f"(ratio {fmt(stack)}); {cut(fx['total'], 'total latency', 'together they')}."
     )

@@ -20,6 +20,10 @@ def headline(r: dict) -> dict[str, float]:
             f"ttft_ms/{label}": m["ttft_ms"],
             f"tpot_ms/{label}": m["tpot_ms"],
         }
+        for key in ("speedup", "mean_acceptance_length"):  # the 95% interval's ends, for error bars in W&B
+            iv = (m.get("intervals") or {}).get(key)
+            name = "tau" if key == "mean_acceptance_length" else key
+            out |= {f"{name}_low/{label}": iv[0], f"{name}_high/{label}": iv[1]} if iv else {}
     out |= {"lossless/identical": r["lossless"]["identical"], "lossless/checked": r["lossless"]["checked"]}
     for c in r.get("study", {}).get("cells", []):
         cell = f"{'cache' if c['prefix_cache'] else 'nocache'}_{c['speculation'] or 'plain'}"
@@ -61,6 +65,7 @@ def log_eval(cfg: WandbConfig, out: Path, results: dict, run_config: dict) -> st
     if "study" in results:
         logged["study"] = wandb.Table(columns=STUDY_COLUMNS, data=study_rows(results["study"]))
         run.summary["study/finding"] = results["study"]["finding"]
+        run.summary["study/control_noisy"] = results["study"]["control"]["noisy"]
     logged |= {f"plots/{p.stem}": wandb.Image(str(p)) for p in sorted(Path(out).glob("*.png"))}
     run.log(logged)
     run.finish()

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import frequent_ids, register
+from .drafter import frequent_ids
 from .eagle import EagleConfig, HeadBase, borrow, sdpa_mask
+from .kinds import DraftShape, Kind, register
 from .kv_cache import KVCache
 from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 
@@ -154,7 +155,7 @@ class Eagle3Head(HeadBase):
         feature = feature.to(self.fc.weight.dtype)
         attn, kv, outs = self.midlayer.self_attn, [], []
         for j in range(steps):
-            embeds = self.embed_tokens(tokens[:, j : j + m])
+            embeds = self.embed_tokens(tokens[:, j : j + m]).to(feature.dtype)  # as in forward()
             cos, sin = self.rope(torch.arange(1 + j, m + 1 + j, device=tokens.device), embeds.dtype)
             q, k, v = attn.qkv(self.midlayer.attn_input(embeds, feature), cos, sin)
             kv.append((k, v))
@@ -180,4 +181,16 @@ def ttt_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]]) -> Tensor:
     return out
 
 
-register("eagle3", Eagle3Config, Eagle3Head)
+register(
+    Kind(
+        name="eagle3",
+        config=Eagle3Config,
+        module=Eagle3Head,
+        features=("hidden", "aux"),
+        loss="draftsmith.train.losses:eagle3_loss",
+        proposer="draftsmith.serve.eagle:eagle_proposer",
+        formats={"vllm": "draftsmith.serve.formats:EAGLE3", "sglang": "draftsmith.serve.formats:EAGLE3"},
+        draft_shape=DraftShape(num_tokens=5, topk=4, total_tokens=12),  # a GPU's: a dozen verify rows cost ~1 step
+        draft_keys=("num_tokens", "topk", "total_tokens"),
+    )
+)

@@ -262,8 +262,8 @@ class Transformer(nn.Module):
 
     def rope_cache(self, max_len: int) -> None:
         cos, sin = rope_tables(self.config, max_len)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos", cos.to(self.device), persistent=False)  # also when rebuilt on a loaded model
+        self.register_buffer("sin", sin.to(self.device), persistent=False)
 
     @property
     def device(self) -> torch.device:

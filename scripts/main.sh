@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct), end to end:
 #   1. train an EAGLE-3 head with train=quick (ShareGPT answers, the target's features cached once)
-#   2. evaluate it against plain decoding, n-gram lookup and the two merged (eagle3_ngram) on MT-bench
+#   2. evaluate it against plain decoding, n-gram lookup and the two merged (eagle3_ngram) on MT-bench, twice over
+#      (repeats=2: the intervals cover prompts and repeats, and the repeat spread is the run's noise control)
 #   3. the rag suite with the prefix cache x speculation 2x2 study
 #   4. export the head for vLLM / SGLang (validated after writing)
 #   5. print the headline numbers and where the reports are
@@ -18,14 +19,17 @@ HEAD="$OUT/eagle3"
 TARGET="${MAIN_TARGET:-target=smollm2-135m}"
 read -r -a TRAIN_ARGS <<< "${MAIN_TRAIN_ARGS:-}"
 read -r -a RAG_ARGS <<< "${MAIN_RAG_ARGS:-}"
-# the draft for this CPU: depth 1, the head's 3 best tokens verified side by side (train=quick trains an eagle3
-# head for exactly that). Deeper levels cost a head forward each (~0.07 of a target step in fp32) and a quick
-# head's 2nd and 3rd positions accept only ~0.08 and ~0.01: on an AVX2 EPYC depth 3 x 2 children x 6 nodes ran
-# 0.92-0.95x where depth 1 x 3 ran 1.13x with the same head; the 1-step x 7-epoch head runs 1.20x at depth 1 x 3
-# (tau 1.50), 1.17x as a chain of 1 and 1.16x with 5 candidates (scripts/bench_drafters.py, README)
-TREE=(num_tokens=1 tree.topk=3 tree.total_tokens=0)
+# The evals and the export draft the shape the head folder records: train=quick makes an eagle3 head for depth 1,
+# its 3 best tokens verified side by side (conf/tuning/eagle3-quick.yaml), the draft that pays on this CPU. Deeper
+# levels cost a head forward each (~0.07 of a target step in fp32) and a quick head's 2nd and 3rd positions accept
+# only ~0.08 and ~0.01: on an AVX2 EPYC depth 3 x 2 children x 6 nodes ran 0.92-0.95x where depth 1 x 3 ran 1.13x
+# with the same head; the 1-step x 7-epoch head runs 1.20x at depth 1 x 3 (tau 1.50), 1.17x as a chain of 1 and
+# 1.16x with 5 candidates (scripts/bench_drafters.py, README)
 began=$(date +%s)
 stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
+# an eval killed part-way continues from its records.jsonl; a finished one is run again
+resume() { python -c "import sys; from draftsmith.eval.journal import unfinished; from pathlib import Path
+print('resume=' + str(unfinished(Path(sys.argv[1]))).lower())" "$1"; }
 
 stage "1/4 train an EAGLE-3 head (train=quick) -> $HEAD"
 if [ "${FRESH:-0}" = 1 ]; then rm -rf "$HEAD"; fi
@@ -38,13 +42,13 @@ else
 fi
 
 stage "2/4 MT-bench: plain vs EAGLE-3, n-gram, and EAGLE-3 with n-gram lookup -> $OUT/mt_bench"
-draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" "${TREE[@]/#/spec.}" \
-  'methods=[ngram,eagle3_ngram]' methods.eagle3_ngram.drafter="$HEAD/final" "${TREE[@]/#/methods.eagle3_ngram.}" \
-  suite=mt_bench limit=8 max_new_tokens=64 out="$OUT/mt_bench" "$@"
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" \
+  'methods=[ngram,eagle3_ngram]' methods.eagle3_ngram.drafter="$HEAD/final" \
+  suite=mt_bench limit=8 max_new_tokens=64 repeats=2 out="$OUT/mt_bench" "$(resume "$OUT/mt_bench")" "$@"
 
 stage "3/4 rag: prefix cache x EAGLE-3, the 2x2 study -> $OUT/rag"
-draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" "${TREE[@]/#/spec.}" suite=rag study=prefix_x_spec \
-  limit=6 max_new_tokens=64 out="$OUT/rag" "${RAG_ARGS[@]}" "$@"
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" suite=rag study=prefix_x_spec \
+  limit=6 max_new_tokens=64 out="$OUT/rag" "$(resume "$OUT/rag")" "${RAG_ARGS[@]}" "$@"
 
 stage "4/4 export for vLLM and SGLang -> $OUT/export-vllm"
 draftsmith-export "$TARGET" drafter="$HEAD/final" format=vllm out="$OUT/export-vllm" overwrite=true

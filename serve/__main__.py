@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from .build import SpecConfig, build_engine, encode_chat, encode_raw, load
 from .sampling import SamplingParams
@@ -33,6 +36,19 @@ def typed(cfg: DictConfig, schema: type):
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 
+def typed_or_exit(cfg: DictConfig, schema: type, prog: str, *checks: Callable[[DictConfig], None]):
+    """typed() after `checks` of the raw config, a bad or missing setting ending the command with its one-line
+    message, not a traceback."""
+    try:
+        for check in checks:
+            check(cfg)
+        return typed(cfg, schema)
+    except MissingMandatoryValue as e:
+        sys.exit(f"{prog}: missing mandatory value: {e.full_key}; pass {e.full_key}=...")
+    except (ValueError, OmegaConfBaseException) as e:
+        sys.exit(f"{prog}: {str(e).strip().splitlines()[0]}")
+
+
 def run(cfg: GenerateConfig) -> None:
     sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
     if not cfg.prompt.strip():
@@ -57,7 +73,7 @@ def run(cfg: GenerateConfig) -> None:
 
 @hydra.main(config_path="../conf", config_name="generate", version_base=None)
 def _main(cfg: DictConfig) -> None:
-    run(typed(cfg, GenerateConfig))
+    run(typed_or_exit(cfg, GenerateConfig, "draftsmith-generate"))
 
 
 def main() -> None:

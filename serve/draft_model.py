@@ -7,6 +7,8 @@ training-free draft that shares the target's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +19,9 @@ from draftsmith.heads.llama import ForwardOut, Transformer
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, sample, widen
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .build import Loaded, SpecConfig
 
 
 @dataclass
@@ -40,31 +45,36 @@ class DraftModelProposer(Proposer):
 
     def reserve(self, max_len: int) -> None:
         self.cache = self.model.new_cache(max_len)
+        # Slot j holds position j. A draft LM with a shorter max_position_embeddings than the engine's context gets
+        # its rope table extended, rather than the engine capped to it: past its trained context its drafts may be
+        # worse, never wrong (the target verifies every token).
+        if self.model.cos.shape[0] < max_len:
+            self.model.rope_cache(max_len)
 
     def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
         self.cached = start
         self.run(tokens[start:-1], logits=False)
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        ids = self.vocab_ids
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        ids, k = self.vocab_ids, min(self.cfg.num_tokens, budget)
         logits = self.run(tokens[self.cached :])
         drafted, probs = [], []
-        for i in range(self.cfg.num_tokens):
+        for i in range(k):
             if sp.greedy:
                 pick = int(logits.argmax())
             else:
                 probs.append(probs_from_logits(logits, sp))
                 pick = sample(probs[-1], self.gen)
             drafted.append(pick if ids is None else int(ids[pick]))
-            if i + 1 < self.cfg.num_tokens:
+            if i + 1 < k:
                 logits = self.run(torch.tensor(drafted[-1:], device=tokens.device))
-        self.cached -= self.cfg.num_tokens - 1  # drafted KV stays in the slots, valid only once accepted
+        self.cached -= k - 1  # drafted KV stays in the slots, valid only once accepted
         draft_probs = widen(torch.stack(probs), ids, self.model.config.vocab_size) if probs else None
         return DraftTree.chain(torch.tensor(drafted, device=tokens.device), draft_probs)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
-        # slots hold the old pending token, then drafts 1..k-1; the accepted prefix of them is valid
-        self.cached += min(len(path), self.cfg.num_tokens - 1)
+        # slots hold the old pending token, then drafts 1..k-1 of this k-token chain; the accepted prefix is valid
+        self.cached += min(len(path), len(tree) - 1)
 
     def run(self, tokens: Tensor, logits: bool = True) -> Tensor:
         """Feed tokens at the next slots; returns the last row's logits."""
@@ -80,6 +90,18 @@ class DraftModelProposer(Proposer):
         )
         self.cached += n
         return out.logits[-1] if logits else out.logits
+
+
+def draft_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
+    """spec=draft: an HF draft LM, or a draft_model drafter folder."""
+    from .build import draft_dtype, load_drafter  # build imports this module (through the engine)
+
+    model = load_drafter(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
+    return DraftModelProposer(model, DraftModelConfig(spec.num_tokens))
+
+
+def layerskip_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
+    return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
 
 
 def causal_mask(start: int, n: int, device) -> Tensor | None:

@@ -11,35 +11,21 @@ token: the first level of the next draft.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut
 
+from .build import Loaded, SpecConfig, spec_head
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, widen
-from .tree import DraftTree
-
-
-@dataclass
-class TreeConfig:
-    """EAGLE-2 dynamic tree: every level expands the topk best nodes (by cumulative log-prob) into topk children
-    each; at the end the total_tokens best of all drafted nodes are kept. topk=1 drafts a chain."""
-
-    topk: int = 1
-    total_tokens: int = 0  # 0: keep every drafted node (topk + (depth - 1) * topk^2)
-
-    def __post_init__(self) -> None:
-        if self.topk < 1:
-            raise ValueError(f"spec.tree.topk must be >= 1, got {self.topk}")
-        if self.total_tokens < 0:
-            raise ValueError(f"spec.tree.total_tokens must be >= 0 (0 = keep all), got {self.total_tokens}")
+from .tree import DraftTree, TreeConfig
 
 
 class EagleProposer(Proposer):
+    mergeable = True
+
     def __init__(
         self,
         head: nn.Module,
@@ -101,19 +87,20 @@ class EagleProposer(Proposer):
         self.feature, self.logits = h[0, -1], self.head.logits(h[0, -1:]).float()
         self.cached = n
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         """Level d's nodes sit at position n-1+d; the nodes expanded at level d take slots n+(d-1)*topk onwards
-        and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache)."""
-        n, k, dev = tokens.numel(), self.tree.topk, tokens.device
+        and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache).
+        Those slots are scratch: accept() overwrites them from the target's features, whatever the depth."""
+        n, k, dev, depth = tokens.numel(), self.tree.topk, tokens.device, min(self.depth, budget)
         if n != self.cached:
             raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {n}")
         sampled = k == 1 and not sp.greedy
-        visible = torch.zeros(1, n + (self.depth - 1) * k, dtype=torch.bool, device=dev)
+        visible = torch.zeros(1, n + (depth - 1) * k, dtype=torch.bool, device=dev)
         visible[:, 1:n] = True
         feats, logits, scores = self.feature[None], self.logits, torch.zeros(1, device=dev)
         frontier = torch.full((1,), -1, device=dev)  # node index of each expanded row (-1: the root)
         toks, parents, cum, probs = [], [], [], []
-        for d in range(1, self.depth + 1):
+        for d in range(1, depth + 1):
             logp, ids, p = self.children(logits, sp, sampled)  # [rows, k]
             first = sum(t.numel() for t in toks)
             toks.append(self.to_target(ids).flatten())
@@ -121,7 +108,7 @@ class EagleProposer(Proposer):
             cum.append((scores[:, None] + logp).flatten())
             if p is not None:
                 probs.append(p)
-            if d == self.depth:
+            if d == depth:
                 break
             best = cum[-1].topk(min(k, cum[-1].numel())).indices  # the level's nodes to expand
             rows = best // k
@@ -155,6 +142,11 @@ class EagleProposer(Proposer):
 
     def to_target_probs(self, p: Tensor) -> Tensor:
         return widen(p, self.vocab_ids, self.head.config.vocab_size)
+
+
+def eagle_proposer(spec: SpecConfig, target: Loaded) -> EagleProposer:
+    """spec=eagle, eagle3: the head borrows the target's embedding (and EAGLE-1 its lm_head)."""
+    return EagleProposer(spec_head(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
 
 
 def feature_store(max_len: int, hidden: int, dtype: torch.dtype, device) -> KVCache:

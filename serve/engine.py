@@ -86,8 +86,8 @@ class Engine:
         finished = self.finish_reason(tokens[p:n], n - p, max_new_tokens)
         while finished is None:
             old = n
-            n = self.step(tokens, n, sp, gen, m)
-            # a step may accept past max_new_tokens: an EOS out there does not count
+            n = self.step(tokens, n, p + max_new_tokens - n, sp, gen, m)
+            # a step's bonus token may land past max_new_tokens: an EOS out there does not count
             finished = self.finish_reason(tokens[old : min(n, p + max_new_tokens)], n - p, max_new_tokens)
         self.sync()
         m.total_s = time.perf_counter() - begin
@@ -115,10 +115,11 @@ class Engine:
             m.prefix_queried_tokens, m.prefix_hit_tokens = p, hit
         return p + 1
 
-    def step(self, tokens: Tensor, n: int, sp: SamplingParams, gen, m: Metrics) -> int:
-        """One target pass over [pending token, draft tree]; returns the new sequence length."""
+    def step(self, tokens: Tensor, n: int, budget: int, sp: SamplingParams, gen, m: Metrics) -> int:
+        """One target pass over [pending token, draft tree]; returns the new sequence length.
+        budget: how many more tokens the request may emit (the pending one counted as emitted)."""
         cached = n - 1
-        tree = self.proposer.propose(tokens[:n], sp) if self.proposer else DraftTree.empty(tokens.device)
+        tree = self.proposer.propose(tokens[:n], sp, budget) if self.proposer else DraftTree.empty(tokens.device)
         size = len(tree)
         if size == 0:
             out = self.forward(tokens[cached:n], torch.arange(cached, n, device=tokens.device), cached, None)
@@ -127,12 +128,13 @@ class Engine:
             out = self.forward(inputs, tree.positions(cached), cached, tree.attention_mask(cached))
         verdict = verify(tree, out.logits, sp, gen)
         path = verdict.path
-        m.record_step(size, len(path))
         if path:
             nodes = torch.tensor(path, device=tokens.device)
             self.cache.keep(n, nodes + n)  # node i sat at slot cached + 1 + i = n + i
             tokens[n : n + len(path)] = tree.tokens[nodes]
         end = n + len(path)
+        reach = self.reach(tokens[n:end].tolist(), budget)
+        m.record_step(int((tree.depths <= reach).sum()), min(len(path), reach))
         tokens[end] = verdict.next_token
         if self.proposer:
             rows = torch.tensor([0] + [i + 1 for i in path], device=tokens.device)
@@ -145,6 +147,14 @@ class Engine:
         if self.static is not None and logit_rows is None:
             return self.static(inputs, positions, start, mask)
         return self.model(inputs, positions, self.cache, start, mask, logit_rows, self.aux_layers)
+
+    def reach(self, accepted: list[int], budget: int) -> int:
+        """How many draft depths this step's output covers: up to the budget or an accepted EOS, whichever
+        comes first. Metrics count only nodes within it: the rest were cut, never emitted."""
+        for i, t in enumerate(accepted[:budget]):
+            if t in self.eos_ids:
+                return i + 1
+        return budget
 
     def finish_reason(self, new: Tensor, generated: int, max_new: int) -> str | None:
         if any(t in self.eos_ids for t in new.tolist()):

@@ -9,7 +9,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from .__main__ import typed
+from .__main__ import typed_or_exit
 from .export import ExportError, export, validate
 from .target import TargetConfig
 
@@ -40,7 +40,7 @@ def run(cfg: ExportConfig) -> None:
 @hydra.main(config_path="../conf", config_name="export", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
-        run(typed(cfg, ExportConfig))
+        run(typed_or_exit(cfg, ExportConfig, "draftsmith-export"))
     except ExportError as e:
         sys.exit(f"draftsmith-export: {e}")
 

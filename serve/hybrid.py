@@ -31,7 +31,6 @@ from .sampling import SamplingParams
 from .suffix import SuffixProposer
 from .tree import DraftTree
 
-MERGEABLE = ("eagle", "eagle3", "medusa")
 POLICIES = ("prefer", "merge")
 
 
@@ -39,12 +38,12 @@ class HybridProposer(Proposer):
     def __init__(self, drafter: Proposer, lookup: NgramProposer | SuffixProposer, policy: str = "prefer") -> None:
         if policy not in POLICIES:
             raise ValueError(f"spec.ngram_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if drafter.name not in MERGEABLE:
+        if not drafter.mergeable:
             what = "n-gram lookup" if lookup.name == "ngram" else f"{lookup.name} decoding"
             raise ValueError(
-                f"spec.{lookup.name}_tokens pairs {what} with {', '.join(MERGEABLE)} drafters only, not "
-                f"{drafter.name} (its cache follows its own chain); use spec={lookup.name} alone or set "
-                f"spec.{lookup.name}_tokens=0"
+                f"spec.{lookup.name}_tokens pairs {what} with drafters that rebuild their state from the target "
+                f"(EAGLE heads, Medusa) only, not {drafter.name} (its cache follows its own chain); use "
+                f"spec={lookup.name} alone or set spec.{lookup.name}_tokens=0"
             )
         self.drafter, self.lookup, self.policy = drafter, lookup, policy
         self.name = f"{drafter.name}+{lookup.name}"
@@ -79,12 +78,12 @@ class HybridProposer(Proposer):
         self.drafter.forget()
         self.lookup.forget()
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        found = self.lookup.propose(tokens, sp)
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        found = self.lookup.propose(tokens, sp, budget)
         if self.policy == "prefer" and len(found):
             self.merged += 1
             return found
-        tree = self.drafter.propose(tokens, sp)
+        tree = self.drafter.propose(tokens, sp, budget)
         if tree.draft_probs is not None or not len(found):
             return tree
         self.merged += 1

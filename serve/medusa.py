@@ -12,23 +12,12 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.llama import ForwardOut
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa import DEFAULT_CHOICES, MedusaHeads
 
+from .build import Loaded, SpecConfig, spec_head
 from .proposer import Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
-
-# Medusa's mc_sim_7b_63 (paths sorted by their simulated acceptance on Vicuna-7B)
-MC_SIM_7B_63 = [
-    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5],
-    [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9],
-    [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1],
-    [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0],
-    [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0],
-    [0, 0, 0, 1], [1, 6], [0, 7, 0],
-]  # fmt: skip
-# its 24 most likely paths, plus the top-1 chain to depth 4: verifying ~25 tokens stays cheap on a CPU
-DEFAULT_CHOICES = MC_SIM_7B_63[:24] + [[0, 0, 0, 0]]
 
 
 def tree_from_choices(choices: list[list[int]], max_depth: int) -> list[tuple[int, ...]]:
@@ -48,6 +37,7 @@ def tree_from_choices(choices: list[list[int]], max_depth: int) -> list[tuple[in
 
 class MedusaProposer(Proposer):
     name = "medusa"
+    mergeable = True
 
     def __init__(self, heads: MedusaHeads, choices: list[list[int]] | None = None, max_depth: int = 4) -> None:
         self.heads = heads
@@ -59,7 +49,9 @@ class MedusaProposer(Proposer):
         self.rank_of = torch.tensor([p[-1] for p in paths], device=device)
         self.depth = max(len(p) for p in paths)
         self.topk = max(p[-1] for p in paths) + 1
+        check_ranks(self.topk, heads.lm_heads[0].out_features)
         self.max_tree_size = len(paths)
+        self.sizes = [sum(len(p) <= d for p in paths) for d in range(self.depth + 1)]  # [d]: nodes of depth <= d
         self.hidden: Tensor | None = None  # the target's final hidden state at the last verified position
 
     def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
@@ -68,10 +60,26 @@ class MedusaProposer(Proposer):
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
         self.hidden = target.hidden[-1]
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling."""
-        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), self.depth)  # [depth, V]
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling.
+        Paths are sorted shortest first, so the nodes within the budget's depth are a prefix of the tree."""
+        depth = min(self.depth, budget)
+        n = self.sizes[depth]
+        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), depth)  # [depth, V]
         ranked = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
         if self.heads.vocab_ids is not None:
             ranked = self.heads.vocab_ids[ranked]
-        return DraftTree(ranked[self.head_of, self.rank_of], self.parents)
+        return DraftTree(ranked[self.head_of[:n], self.rank_of[:n]], self.parents[:n])
+
+
+def medusa_proposer(spec: SpecConfig, target: Loaded) -> MedusaProposer:
+    return MedusaProposer(spec_head(spec, target), spec.choices, spec.num_tokens)
+
+
+def check_ranks(topk: int, vocab: int) -> None:
+    """A tree path of rank r takes a head's (r+1)-th most likely token: the heads need at least topk logits."""
+    if topk > vocab:
+        raise ValueError(
+            f"the medusa tree uses ranks up to {topk - 1}, but the heads draft over {vocab} tokens; "
+            f"set spec.draft_vocab >= {topk} (or 0 for the full vocabulary), or spec.choices with ranks below {vocab}"
+        )

@@ -21,6 +21,8 @@ class Metrics:
     requests: int = 1  # pooled totals start from Metrics(requests=0)
 
     def record_step(self, draft_size: int, accepted: int) -> None:
+        """One target pass. draft_size, accepted: drafted and accepted nodes within the output only (the engine
+        leaves out those past max_new_tokens or an accepted EOS), so tau never counts tokens that were cut."""
         self.target_forward_passes += 1
         if draft_size == 0:
             return

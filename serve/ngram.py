@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from .proposer import Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .build import Loaded, SpecConfig
 
 
 @dataclass
@@ -32,13 +36,17 @@ class NgramProposer(Proposer):
         self.cfg = cfg
         self.max_tree_size = cfg.num_tokens
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        history = tokens[-self.cfg.window :]
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        history, k = tokens[-self.cfg.window :], min(self.cfg.num_tokens, budget)
         for n in range(self.cfg.max_n, self.cfg.min_n - 1, -1):
-            draft = lookup(history, n, self.cfg.num_tokens)
+            draft = lookup(history, n, k)
             if draft is not None:
                 return DraftTree.chain(draft)
         return DraftTree.empty(tokens.device)
+
+
+def ngram_proposer(spec: SpecConfig, target: Loaded) -> NgramProposer:
+    return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
 
 
 def lookup(tokens: Tensor, n: int, k: int) -> Tensor | None:

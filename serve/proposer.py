@@ -23,6 +23,8 @@ class Proposer:
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
     max_tree_size = 0  # upper bound on nodes per proposal (the engine reserves cache slots)
     gen: torch.Generator | None = None  # draw random drafts from this; the engine sets the request's generator
+    mergeable = False  # rebuilds its state from the target's outputs after each step, so it can take a path
+    # through nodes it did not draft (serve/hybrid.py merges n-gram lookup into its tree)
 
     @property
     def kv_caches(self) -> list[KVCache]:
@@ -35,8 +37,10 @@ class Proposer:
         """New sequence. tokens: prompt + first generated token; slots [0, start) were restored
         from the prefix cache; target: the target's outputs for tokens[start:-1]."""
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        """Draft continuations of tokens (the last one is pending: not yet run by the target)."""
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        """Draft continuations of tokens (the last one is pending: not yet run by the target).
+        budget (>= 1): how many tokens the request may still emit, so no node deeper than that is drafted
+        (it could never be kept: verify rows, and the drafter's work, would be spent on nothing)."""
         raise NotImplementedError
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:

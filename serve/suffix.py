@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -30,6 +32,11 @@ from draftsmith.heads.llama import ForwardOut
 from .proposer import Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .build import Loaded, SpecConfig
+
+UNBOUNDED = sys.maxsize  # no budget: drafts only as deep as num_tokens and the match allow
 
 
 @dataclass
@@ -193,16 +200,19 @@ class SuffixTree:
 
     # ------------------------------------------------------------ drafting
 
-    def speculate(self, matches: list[Node], k: int, cfg: SuffixConfig) -> Draft:
+    def speculate(self, matches: list[Node], k: int, cfg: SuffixConfig, deepest: int = UNBOUNDED) -> Draft:
         """The best-scored draft over match lengths, longest first: ties go to the longer match, and a match
-        whose length caps its draft at no more than the best score so far cannot beat it, nor can a shorter."""
+        whose length caps its draft at no more than the best score so far cannot beat it, nor can a shorter.
+        No node deeper than `deepest` (the tokens the request may still emit)."""
         best = Draft()
         for m in range(len(matches), 0, -1):
             n = min(k, int(m * cfg.max_spec_factor + 1e-6))
             if n <= best.score:
                 break
-            draw = self.draft_tree if cfg.tree else self.draft_path
-            draft = draw(matches[m - 1], m, n, cfg.min_token_prob)
+            if cfg.tree:
+                draft = self.draft_tree(matches[m - 1], m, n, cfg.min_token_prob, deepest)
+            else:
+                draft = self.draft_path(matches[m - 1], m, min(n, deepest), cfg.min_token_prob)
             if draft.score > best.score:
                 best, draft.match_len = draft, m
         return best
@@ -230,12 +240,14 @@ class SuffixTree:
         out.score = sum(out.probs)
         return out
 
-    def draft_tree(self, node: Node, d: int, n: int, min_prob: float) -> Draft:
+    def draft_tree(self, node: Node, d: int, n: int, min_prob: float, deepest: int) -> Draft:
         """The n likeliest continuations, best first (a node's probability: the product of count ratios on its
-        path), each at least min_prob."""
-        out, heap, order = Draft(), [], itertools.count()
+        path), each at least min_prob, none deeper than `deepest` below the match."""
+        out, heap, order, top = Draft(), [], itertools.count(), d + deepest
 
         def expand(node: Node, d: int, prob: float, parent: int) -> None:
+            if d >= top:
+                return
             for token, child, p in self.children(node, d, prob):
                 if p >= min_prob:
                     heapq.heappush(heap, (-p, next(order), token, child, d + 1, parent))
@@ -313,17 +325,23 @@ class SuffixProposer(Proposer):
                 self.glob.append(self.requests, t)
                 self.matches = self.glob.follow(self.matches, seq, t)
 
-    def propose(self, tokens: Tensor, sp: SamplingParams) -> DraftTree:
-        draft = self.speculate()
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        draft = self.speculate(budget)
         if not draft.tokens or draft.score < self.min_score:
             return DraftTree.empty(tokens.device)
         as_tensor = torch.tensor
         return DraftTree(as_tensor(draft.tokens, device=tokens.device), as_tensor(draft.parents, device=tokens.device))
 
-    def speculate(self) -> Draft:
-        best = self.local.speculate(self.local.suffixes(0), self.num_tokens, self.cfg)
+    def speculate(self, deepest: int = UNBOUNDED) -> Draft:
+        """The better of the request tree's and the global tree's drafts (the request's on ties), no node deeper
+        than `deepest`."""
+        best = self.local.speculate(self.local.suffixes(0), self.num_tokens, self.cfg, deepest)
         if self.glob is not None:
-            other = self.glob.speculate(self.matches, self.num_tokens, self.cfg)
+            other = self.glob.speculate(self.matches, self.num_tokens, self.cfg, deepest)
             if other.score > best.score:
                 best = other
         return best
+
+
+def suffix_proposer(spec: SpecConfig, target: Loaded) -> SuffixProposer:
+    return SuffixProposer(spec.suffix, spec.num_tokens)

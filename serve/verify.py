@@ -58,7 +58,7 @@ def verify_sampling(tree: DraftTree, probs: Tensor, gen: torch.Generator | None)
             x = tokens[c]
             p = None if tree.draft_probs is None else tree.draft_probs[c]
             px = 1.0 if p is None else float(p[x])
-            if px > 0 and float(torch.rand((), generator=gen)) * px < float(q[x]):
+            if px > 0 and uniform(gen, q.device) * px < float(q[x]):
                 accepted = c
                 break
             q = residual(q, x, p)
@@ -66,6 +66,12 @@ def verify_sampling(tree: DraftTree, probs: Tensor, gen: torch.Generator | None)
             return Verdict(path, sample(q, gen))
         path.append(accepted)
         row = accepted + 1
+
+
+def uniform(gen: torch.Generator | None, device: torch.device) -> float:
+    """One U[0, 1) draw, made on the generator's device: the engine's lives on the model's (a CUDA generator
+    cannot draw a CPU tensor)."""
+    return float(torch.rand((), generator=gen, device=gen.device if gen is not None else device))
 
 
 def residual(q: Tensor, x: int, p: Tensor | None) -> Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -35,6 +36,10 @@ ISSUE2_SPEC_KEYS = (
     "tpot_ms",
     "new_tokens",
 )
+
+
+# tests that must hold on whatever device is present: the CUDA case runs on a machine that has one
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
 def build_tiny(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:

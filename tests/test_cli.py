@@ -117,6 +117,29 @@ def test_eval_refuses_bad_prompt_files_and_writes_nothing(tiny_target, tmp_path,
     assert not out.exists()
 
 
+def test_eval_names_the_line_of_a_non_utf8_byte_and_refuses_nan_temperature(tiny_target, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    out = tmp_path / "ev"
+    with pytest.raises(ValueError, match=re.escape("latin1.jsonl:2: not UTF-8 text (byte 0xe9 at column 27)")):
+        eval_in_process([f"target.path={tiny_target}", "spec=ngram", f"prompts={path}", f"out={out}"])
+    path.write_text('{"id": "a", "prompt": "hi"}\n')
+    with pytest.raises(ValueError, match="temperature must be >= 0 .*got nan"):
+        eval_in_process([f"target.path={tiny_target}", f"prompts={path}", "temperature=nan", f"out={out}"])
+    assert not out.exists()
+
+
+def test_a_method_without_its_drafter_names_its_own_key(tmp_path):
+    r = run(
+        "draftsmith.eval", "spec=ar", "methods=[ngram,eagle3]", "suite=mt_bench", f"out={tmp_path / 'ev'}", cwd=tmp_path
+    )
+    assert r.returncode != 0 and not (tmp_path / "ev").exists()
+    assert r.stderr.strip() == (
+        "draftsmith-eval: methods.eagle3 needs methods.eagle3.drafter=DIR: an eagle3 drafter folder "
+        "(draftsmith-train head=eagle3)"
+    )
+
+
 def test_eval_refuses_a_prompt_longer_than_the_context(tiny_target, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "long", "prompt": "word " * 400}])
     out = tmp_path / "ev"
@@ -136,6 +159,7 @@ def test_eval_needs_one_prompt_source(tmp_path):
     "overrides, error, message",
     [
         (["temperature=-1"], ValueError, "temperature must be >= 0"),
+        (["temperature=nan"], ValueError, "temperature must be >= 0"),
         (["max_new_tokens=0"], ValueError, "max_new_tokens must be > 0"),
         (["target.name=llama-9000", "target.path=null"], ValueError, "unknown target"),
         (["spec=draft"], ValueError, "spec=draft needs spec.drafter=DIR"),

@@ -8,9 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.loader import load_model
+from draftsmith.serve.medusa import MedusaProposer
 from draftsmith.serve.ngram import NgramConfig, NgramProposer
 from draftsmith.serve.sampling import SamplingParams
 from helpers import PROMPTS
@@ -29,10 +33,18 @@ def proposer(name, target):
         return NgramProposer(NgramConfig(num_tokens=4))
     if name == "layerskip":
         return DraftModelProposer(layerskip_model(target, 1), DraftModelConfig(3))
+    torch.manual_seed(0)  # the same random head for the eager and the graphs engine
+    if name == "eagle3-tree":  # the target's aux layers come out of the captured graph; tree masks
+        head = Eagle3Head(Eagle3Config.from_target(target.config), target).to(target.device).eval()
+        return EagleProposer(head, "eagle3", 3, TreeConfig(topk=2, total_tokens=5))
+    if name == "medusa":  # a static 2-level tree from the final hidden state the graph returns
+        c = target.config
+        heads = MedusaHeads(MedusaConfig(c.hidden_size, c.vocab_size, num_heads=2), target).to(target.device)
+        return MedusaProposer(heads.eval(), [[0], [1], [0, 0], [0, 1]], 2)
     return None
 
 
-@pytest.mark.parametrize("name", [None, "ngram", "layerskip"])
+@pytest.mark.parametrize("name", [None, "ngram", "layerskip", "eagle3-tree", "medusa"])
 def test_graphs_equal_eager(name, target):
     eager = Engine(target, proposer(name, target), max_seq_len=MAX_SEQ, cuda_graphs="off")
     graphs = Engine(target, proposer(name, target), max_seq_len=MAX_SEQ, cuda_graphs="graphs")

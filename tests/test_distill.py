@@ -234,7 +234,7 @@ def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, mon
 
     train(config("a", "cached"))
     (made,) = (tmp_path / "home" / "distill").glob("*.jsonl")
-    assert made == distill_path(data, load(TargetConfig(path=str(target_dir))), "unused")
+    assert made == distill_path(data, load(TargetConfig(path=str(target_dir))), None)  # None: $DRAFTSMITH_CACHE
     assert len(file_ids(made)) == 12
     (features,) = (tmp_path / "home" / "features").iterdir()
     manifest = json.loads((features / "manifest.json").read_text())

@@ -20,7 +20,7 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.proposer import Proposer
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.tree import DraftTree
-from helpers import PROMPTS, exact_joint
+from helpers import DEVICES, PROMPTS, exact_joint
 
 GREEDY = SamplingParams()
 ALPHA = 1e-4
@@ -45,10 +45,14 @@ def other(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def noisy(tiny_llama_dir):
     """The target with its weights perturbed: agrees often, not always."""
-    model = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+    return load_noisy(tiny_llama_dir, "cpu")
+
+
+def load_noisy(tiny_llama_dir, device: str):
+    model = load_model(tiny_llama_dir("llama"), torch.float32, device)
     g = torch.Generator().manual_seed(0)
     for p in model.parameters():
-        p.add_(0.005 * torch.randn(p.shape, generator=g))
+        p.add_(0.005 * torch.randn(p.shape, generator=g).to(p.device))
     return model
 
 
@@ -81,7 +85,7 @@ class OracleTreeProposer(Proposer):
     def __init__(self, future: list[int], vocab: int) -> None:
         self.future, self.vocab, self.calls = future, vocab, 0
 
-    def propose(self, tokens: torch.Tensor, sp: SamplingParams) -> DraftTree:
+    def propose(self, tokens: torch.Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         t = self.future[tokens.numel() : tokens.numel() + 3]
         if len(t) < 3:
             return DraftTree.empty()
@@ -122,9 +126,9 @@ def check_metrics(m, out: list[int], k: int) -> None:
         assert m.mean_acceptance_length == pytest.approx(1 + m.accepted_tokens / m.drafts)
     else:
         assert m.mean_acceptance_length == 1.0 and m.accepted_tokens == 0
-    # the prefill emits 1 token, each step accepted + 1; the last step may overshoot by at most k
+    # the prefill emits 1 token, each step its accepted tokens + 1; only the last step's bonus may be cut
     emitted = 1 + m.target_forward_passes + m.accepted_tokens
-    assert m.new_tokens <= emitted <= m.new_tokens + k
+    assert m.new_tokens <= emitted <= m.new_tokens + 1
 
 
 # ---------------------------------------------------------------- greedy: lossless for every proposer
@@ -144,7 +148,9 @@ def test_greedy_speculative_equals_plain(name, target, other, noisy, plain):
         check_metrics(out.metrics, out.output_ids, proposer.max_tree_size)
         if isinstance(proposer, DraftModelProposer):
             assert out.metrics.drafts == out.metrics.target_forward_passes  # it drafts at every step
-            assert out.metrics.draft_tokens == out.metrics.drafts * proposer.cfg.num_tokens
+            # k per draft, less only near the end (test_drafts_never_reach_past_max_new_tokens)
+            k = proposer.cfg.num_tokens
+            assert (out.metrics.drafts - k) * k < out.metrics.draft_tokens <= out.metrics.drafts * k
         accepted += out.metrics.accepted_tokens
         passes += out.metrics.target_forward_passes
         plain_passes += ref.metrics.target_forward_passes
@@ -220,6 +226,109 @@ def test_max_new_tokens_is_exact(name, target, other, noisy, plain):
         out = engine.generate(p, n, GREEDY)
         assert out.output_ids == ref[:n] and out.finished_by == "length" and out.metrics.new_tokens == n
     assert engine.generate(p, 1, GREEDY).metrics.target_forward_passes == 0  # the prefill gave it
+
+
+# ---------------------------------------------------------------- drafts within the budget, metrics of what was kept
+
+
+def test_tau_counts_only_tokens_kept_within_max_new_tokens(target, plain):
+    """Issue 15: the target drafting for itself, k=4, max_new_tokens=2 reported tau 5.00 for 2 tokens. One token
+    may still be emitted after the prefill's: the draft is one token deep, kept, and the bonus token is cut."""
+    p = PROMPTS[0]
+    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), max_seq_len=MAX_SEQ)
+    out = engine.generate(p, 2, GREEDY)
+    m = out.metrics
+    assert out.output_ids == plain[tuple(p)][0].output_ids[:2]
+    assert m.mean_acceptance_length == 2.0 and m.accepted_per_position == [1]
+    assert (m.target_forward_passes, m.drafts, m.draft_tokens, m.accepted_tokens) == (1, 1, 1, 1)
+
+
+def spy_budgets(proposer: Proposer) -> list[tuple[int, int, int]]:
+    """Per propose call: (tokens so far, budget given, deepest node drafted)."""
+    calls, propose = [], proposer.propose
+
+    def spy(tokens, sp, budget):
+        tree = propose(tokens, sp, budget)
+        calls.append((tokens.numel(), budget, int(tree.depths.max()) if len(tree) else 0))
+        return tree
+
+    proposer.propose = spy
+    return calls
+
+
+def drafter_kv_is_fresh(proposer: DraftModelProposer, seq: list[int]) -> bool:
+    """The draft model's cache slots [0, cached) hold what a fresh run of it over the sequence writes there."""
+    c = proposer.cached
+    fresh = proposer.model.new_cache(c)
+    proposer.model(torch.tensor(seq[:c]), torch.arange(c), fresh, 0)
+    return same_kv(proposer.cache.read(0, c), fresh.read(0, c), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-self", "draft-noisy", "layerskip"])
+def test_drafts_never_reach_past_max_new_tokens(name, target, other, noisy, plain):
+    """Each draft stops at the tokens the request may still emit; output stays plain decoding's, the metrics add
+    up with at most the bonus token cut, and a draft model's cache stays valid after its shortened drafts."""
+    p = PROMPTS[3]
+    ref = plain[tuple(p)][0].output_ids
+    proposer = make_proposer(name, target, other, noisy)
+    calls = spy_budgets(proposer)
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    shortened = 0  # drafts the budget made shorter than k
+    for n in range(1, 12):
+        calls.clear()
+        out = engine.generate(p, n, GREEDY)
+        assert out.output_ids == ref[:n] and out.finished_by == "length"
+        check_metrics(out.metrics, out.output_ids, proposer.max_tree_size)
+        for length, budget, depth in calls:
+            assert budget == len(p) + n - length and depth <= budget, (name, n, calls)
+        shortened += sum(0 < depth == budget < proposer.max_tree_size for _, budget, depth in calls)
+        if isinstance(proposer, DraftModelProposer):
+            assert drafter_kv_is_fresh(proposer, p + out.output_ids), (name, n)
+    assert shortened > 0
+
+
+def test_draft_tokens_and_acceptance_stop_at_an_accepted_eos(target, plain):
+    """The target drafting for itself (k=4) accepts every draft: 5 tokens per pass after the prefill's. An EOS at
+    the start of a pass's draft cuts the rest of it, which must not count as drafted or accepted."""
+    p = PROMPTS[0]
+    ref = plain[tuple(p)][0].output_ids
+    j = next(i for i in range(6, MAX_NEW) if ref[i] not in ref[:i] and i % 5 in (1, 2, 3))
+    passes, o = (j + 4) // 5, (j - 1) % 5  # the pass that emits ref[j], at draft index o
+    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), eos_ids=(ref[j],), max_seq_len=MAX_SEQ)
+    out = engine.generate(p, MAX_NEW, GREEDY)
+    m = out.metrics
+    assert out.output_ids == ref[: j + 1] and out.finished_by == "eos" and m.target_forward_passes == passes
+    assert m.accepted_per_position == [passes] * (o + 1) + [passes - 1] * (3 - o)
+    assert m.draft_tokens == m.accepted_tokens == 4 * (passes - 1) + o + 1
+    assert 1 + m.target_forward_passes + m.accepted_tokens == m.new_tokens + 1  # the cut bonus token alone
+
+
+def test_tree_nodes_past_an_accepted_eos_are_not_counted(target, plain):
+    """A tree whose accepted path starts with an EOS: only the depth-1 nodes (the EOS and its decoy sibling)
+    count as drafted; the deeper nodes, on the path or not, were cut."""
+    p = next(q for q in PROMPTS[:3] if plain[tuple(q)][0].output_ids[1] != plain[tuple(q)][0].output_ids[0])
+    ref = plain[tuple(p)][0].output_ids
+    proposer = OracleTreeProposer(p + ref, target.config.vocab_size)  # first tree: 6 nodes, path [1, 4, 5]
+    out = Engine(target, proposer, eos_ids=(ref[1],), max_seq_len=MAX_SEQ).generate(p, MAX_NEW, GREEDY)
+    m = out.metrics
+    assert out.output_ids == ref[:2] and out.finished_by == "eos"
+    assert (m.drafts, m.draft_tokens, m.accepted_tokens, m.accepted_per_position) == (1, 2, 1, [1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_model_with_a_shorter_context_than_the_target(device, tiny_llama_dir):
+    """Issue 15: a draft LM whose max_position_embeddings (16) is below the target's (256) crashed past position 16
+    (IndexError in its rope table). Its table is extended when the engine is built. The draft here is the target's
+    own weights, so with a correct table every draft is accepted."""
+    tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
+    short = load_model(tiny_llama_dir("llama", max_position_embeddings=16), torch.float32, device)
+    engine = Engine(tgt, DraftModelProposer(short, DraftModelConfig(4)), max_seq_len=MAX_SEQ)
+    plain_engine = Engine(tgt, max_seq_len=MAX_SEQ)
+    for p in PROMPTS:
+        out = engine.generate(p, MAX_NEW, GREEDY)
+        assert out.output_ids == plain_engine.generate(p, MAX_NEW, GREEDY).output_ids, p
+        assert out.metrics.accepted_tokens == out.metrics.draft_tokens, p  # tokens at positions 16..: all accepted
+    assert short.cos.shape[0] >= MAX_SEQ and short.cos.device == tgt.cos.device
 
 
 def test_context_can_be_filled_exactly(target):
@@ -310,6 +419,18 @@ def test_sampling_is_deterministic_given_a_seed(target, noisy):
             runs.append(engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=seed)).output_ids)
         assert runs[0] == runs[2], proposer
         assert runs[0] != runs[3]  # another seed, other tokens (20 tokens from a 128 vocabulary)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
+    """Issue 15: the request's generator lives on the model's device, so every draw of a T > 0 step (the draft's,
+    verification's, the bonus token's) must be made there; on a GPU, every sampled draft used to fail."""
+    tgt, drafter = load_model(tiny_llama_dir("llama"), torch.float32, device), load_noisy(tiny_llama_dir, device)
+    engine = Engine(tgt, DraftModelProposer(drafter, DraftModelConfig(3)), max_seq_len=MAX_SEQ)
+    runs = [engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=s)) for s in (3, 3, 4)]
+    assert runs[0].output_ids == runs[1].output_ids != runs[2].output_ids and len(runs[0].output_ids) == 20
+    m = runs[0].metrics
+    assert m.drafts == m.target_forward_passes and 0 < m.accepted_tokens < m.draft_tokens  # accepted and rejected
 
 
 def test_unseeded_generate_leaves_the_global_rng_alone(target, noisy):

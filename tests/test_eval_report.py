@@ -63,7 +63,9 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
         assert heading in text
     assert "| ngram |" in text and "| layerskip |" in text and "| method | rag | all |" in text
     assert "Greedy: 4/4 turns identical to plain decoding (lossless)." in text
-    assert "**Finding:** The prefix cache" in text
+    assert "**Finding:** The prefix cache" in text or "**Finding:** Finding withheld" in text  # a loaded machine
+    assert "| control: plain TPOT, cache on / off (should be 1.00x) |" in text
+    assert "Brackets: 95% intervals" in text and "## Noise" in text and "No turn was skipped." in text
     for key in ("device", "dtype", "torch", "commit"):
         assert f"| {key} |" in text
     for png in ("acceptance.png", "speedup_by_category.png", "study.png"):
@@ -71,11 +73,15 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
     assert write_report(out).read_text() == text  # from results.json alone
 
 
-def sweep_copy(src, dst, params: int, speedup: float):
+def sweep_copy(src, dst, params: int, speedup: float, cpu: str | None = None):
     """A second eval folder, as a sweep over draft size would make: same layout, other numbers."""
     shutil.copytree(src, dst)
     r = json.loads((dst / "results.json").read_text())
-    r["methods"]["layerskip"] |= {"drafter_params": params, "speedup": speedup}
+    m = r["methods"]["layerskip"]
+    m |= {"drafter_params": params, "speedup": speedup}
+    m["intervals"]["speedup"] = [speedup - 0.05, speedup + 0.05]
+    if cpu:
+        r["environment"]["cpu"] = cpu
     (dst / "results.json").write_text(json.dumps(r))
     return dst
 
@@ -86,11 +92,23 @@ def test_compare_merges_folders_into_one_report(evaluated, tmp_path):
     second = sweep_copy(out, tmp_path / "large", 4_000_000, 1.1)
     path = compare([str(first), str(second)], tmp_path / "cmp")
     text = path.read_text()
-    assert "| small:layerskip | rag | 1.00M | 1.20x |" in text and "| large:layerskip | rag | 4.00M | 1.10x |" in text
+    assert "| small:layerskip | rag | 1.00M | 1.20x [1.15, 1.25] |" in text
+    assert "| large:layerskip | rag | 4.00M | 1.10x [1.05, 1.15] |" in text
+    assert "| small:layerskip | large:layerskip | 1.20x vs 1.10x | significant |" in text
+    assert "All runs on one machine" in text
     assert "| small:ngram | rag | 0 |" in text and "## Speedup by category" in text
     assert (tmp_path / "cmp" / "speedup_vs_params.png").read_bytes()[:4] == PNG
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert len(rows) == 4 and {r["label"] for r in rows} >= {"small:ngram", "large:layerskip"}
+
+
+def test_compare_tells_overlapping_runs_apart_and_warns_about_other_machines(evaluated, tmp_path):
+    out, _ = evaluated
+    first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
+    second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18, cpu="Some Other CPU")
+    text = compare([str(first), str(second)], tmp_path / "cmp").read_text()
+    assert "| a:layerskip | b:layerskip | 1.20x vs 1.18x | not significant |" in text
+    assert "**Warning: these runs come from different machines**" in text and "Some Other CPU" in text
 
 
 def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
@@ -100,6 +118,19 @@ def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
     compare([str(tmp_path / "sweep")], tmp_path / "cmp")
     labels = [r["label"] for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())]
     assert labels == ["0:ngram", "0:layerskip", "1:ngram", "1:layerskip"]
+
+
+def test_compare_refuses_to_write_into_an_eval_folder(evaluated, tmp_path, capsys):
+    out, _ = evaluated
+    sweep = tmp_path / "sweep"
+    for i in range(2):
+        shutil.copytree(out, sweep / str(i))
+    before = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()}
+    for target in (sweep / "0", sweep):
+        with pytest.raises(SystemExit) as exit_:
+            main([str(sweep), f"out={target}"])
+        assert exit_.value.code == 2 and "is an eval folder" in capsys.readouterr().err
+    assert {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file()} == before
 
 
 def test_compare_refuses_bad_input_and_writes_nothing(evaluated, tmp_path, capsys):

@@ -16,9 +16,14 @@ from draftsmith.eval.methods import resolve_methods
 from draftsmith.eval.prompts import Prompt
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding
+from draftsmith.heads.drafter import Recipe, save_drafter
+from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.__main__ import typed
+from draftsmith.serve.build import load, target_info
 from draftsmith.serve.engine import Generation
 from draftsmith.serve.metrics import Metrics
+from draftsmith.serve.target import TargetConfig
+from draftsmith.train.head import HeadConfig, build_head
 from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -98,10 +103,26 @@ class Recorder:
     def __init__(self, tokenizer, answers: list[str]):
         self.tokenizer, self.answers, self.prompts = tokenizer, answers, []
 
+    def check_fits(self, prompt_len, max_new_tokens):
+        pass
+
     def generate(self, ids, max_new_tokens, sp):
         self.prompts.append(ids)
         out = self.tokenizer(self.answers[len(self.prompts) - 1], add_special_tokens=False)["input_ids"]
         return Generation(out, Metrics(new_tokens=len(out)), "length")
+
+
+def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, prompts_file, tmp_path):
+    """Issue 16: spec=eagle3 spec.drafter=HEAD drafted the spec's defaults (depth 5, top-4, 12 nodes), not the depth
+    1 x 3 the head was made for; the shape is now the folder's where the spec leaves it unset."""
+    target = load(TargetConfig(path=str(tiny_target)))
+    head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
+    shape = DraftShape(num_tokens=1, topk=3, total_tokens=0)
+    folder = save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "head", draft=shape)
+    overrides = ["spec=eagle3", f"spec.drafter={folder}", "limit=1", "warmup=0", "max_new_tokens=4"]
+    m = run_eval(config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides))["methods"]["eagle3"]
+    assert (m["config"]["num_tokens"], m["config"]["tree"]) == (1, {"topk": 3, "total_tokens": 0})
+    assert len(m["acceptance_rate_per_position"]) == 1 and m["lossless"]["identical"] == m["lossless"]["checked"]
 
 
 def test_multi_turn_feeds_the_models_own_answer_back(tiny_target):
@@ -109,7 +130,8 @@ def test_multi_turn_feeds_the_models_own_answer_back(tiny_target):
     engine = Recorder(tok, ["FIRST-ANSWER", "SECOND-ANSWER"])
     prompt = Prompt("q", ["Question one?", "Question two?"], False, "writing")
     cfg = EvalConfig(out="unused")
-    records = runner.answer(engine, ("ar", True), prompt, tok, cfg, rep=0, i=0)
+    records, skipped = runner.answer(engine, ("ar", True), prompt, tok, cfg, rep=0, i=0)
+    assert skipped == []
     assert [r.text for r in records] == ["FIRST-ANSWER", "SECOND-ANSWER"] and [r.turn for r in records] == [0, 1]
     second = tok.decode(engine.prompts[1])
     assert second.index("Question one?") < second.index("FIRST-ANSWER") < second.index("Question two?")
@@ -131,22 +153,31 @@ def test_tau_and_speedup_are_pooled_not_means_of_means():
     assert cats["a"]["methods"]["s"]["mean_acceptance_length"] == 5.0 and cats["b"]["prompts"] == 1
 
 
-def cell(cache: bool, spec: str | None, ttft: float, tpot: float, total: float) -> dict:
-    return {"prefix_cache": cache, "speculation": spec, "ttft_ms": ttft, "tpot_ms": tpot, "total_ms": total}
+def fx(
+    prefill=(5.0, 4.0, 6.0), cold=(2.0, 1.8, 2.2), hit=(2.0, 1.8, 2.2), stack=(1.0, 0.9, 1.1), total=(2.5, 2.2, 2.8)
+):
+    e = lambda t: {"ratio": t[0], "interval": list(t[1:])}
+    return {
+        "prefill": e(prefill),
+        "decode_cold": e(cold),
+        "decode_hit": e(hit),
+        "stacking": e(stack),
+        "total": e(total),
+    }
 
 
-def test_study_finding_is_computed_from_the_numbers():
-    stacks = [cell(False, None, 500, 20, 1500), cell(True, None, 100, 20, 1100), cell(False, "ngram", 500, 10, 1000)]
-    text = finding([*stacks, cell(True, "ngram", 100, 10, 600)], "ngram")
-    assert "cut TTFT 5.0x (500 -> 100 ms)" in text and "2.00x without the cache and 2.00x with it" in text
-    assert "the same with and without a cache hit" in text and "1500 to 600 ms (2.50x)" in text
-    differs = finding([*stacks, cell(True, "ngram", 100, 20, 600)], "ngram")
-    assert "did not reliably cut TPOT" in differs and "differs" in differs
-    flat = [cell(False, None, 100, 20, 1), cell(True, None, 100, 20, 1), *stacks[2:], cell(True, "ngram", 100, 10, 1)]
-    assert "did not shorten TTFT" in finding(flat, "ngram")
-    slower = finding([*stacks[:2], cell(False, "eagle3", 500, 35, 2000), cell(True, "eagle3", 100, 34, 1600)], "eagle3")
-    assert "did not reliably cut TPOT" in slower and "relative decode effect is the same" in slower
-    assert "decode win" not in slower  # a slowdown is not called a win
+def test_study_finding_is_computed_from_the_ratios_and_their_intervals():
+    text = finding(fx(), "ngram")
+    assert "The prefix cache cut TTFT 5.00x [4.00, 6.00]" in text
+    assert "ngram cut TPOT 2.00x [1.80, 2.20] without the cache and 2.00x [1.80, 2.20] with it" in text
+    assert "does not differ significantly with and without a cache hit" in text
+    assert "together they cut total latency 2.50x [2.20, 2.80]" in text
+    assert "did not significantly change TPOT (1.05x [0.90, 1.20])" in finding(fx(cold=(1.05, 0.9, 1.2)), "ngram")
+    assert "did not significantly change TTFT" in finding(fx(prefill=(1.02, 0.95, 1.1)), "ngram")
+    slower = finding(fx(cold=(0.6, 0.5, 0.7)), "eagle3")
+    assert "eagle3 made TPOT longer (without / with it: 0.60x [0.50, 0.70])" in slower
+    assert "cut TPOT" not in slower  # a slowdown is not called a win
+    assert "decode effect differs" in finding(fx(stack=(1.3, 1.2, 1.5)), "ngram")
 
 
 def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
@@ -164,7 +195,11 @@ def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
     ]
     hits = [c["prefix_cache_hit_rate"] for c in s["cells"]]
     assert hits[0] == hits[2] == 0 and hits[1] > 0.3 and hits[3] > 0.3  # question 2 reuses the document
-    assert s["identical"] == {"checked": 6, "identical": 6} and "TTFT" in s["finding"]
+    assert s["identical"] == {"checked": 6, "identical": 6}
+    assert set(s["effects"]) == {"control", "prefill", "decode_cold", "decode_hit", "stacking", "total"}
+    # a loaded machine may withhold the finding (the control); either way the sentence says which
+    assert s["finding"].startswith("Finding withheld") == s["control"]["noisy"]
+    assert ("TTFT" in s["finding"]) != s["control"]["noisy"]
     assert r["lossless"]["checked"] == 2 and r["prompts"] == 2  # the main results: the cached cells
 
 
@@ -223,3 +258,49 @@ def test_an_empty_prompts_file_writes_nothing(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="is empty"):
         run_eval(config(tiny_target, out, f"prompts={empty}", "methods=[layerskip]"))
     assert not out.exists()
+
+
+def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, prompts_file, tmp_path, monkeypatch):
+    real, asked = runner.answer, []
+
+    def crash_on_c(engine, arm, prompt, *args):
+        if prompt.id == "c":
+            raise RuntimeError("boom")
+        return real(engine, arm, prompt, *args)
+
+    out = tmp_path / "ev"
+    overrides = [f"prompts={prompts_file}", "max_new_tokens=4", "methods=[layerskip]", "methods.layerskip.layers=1"]
+    monkeypatch.setattr(runner, "answer", crash_on_c)
+    with pytest.raises(RuntimeError, match="boom"):
+        run_eval(config(tiny_target, out, *overrides))
+    lines = (out / "records.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in lines] == ["a", "b"] and not (out / "results.json").exists()
+
+    with pytest.raises(ValueError, match="unfinished eval .* resume=true"):
+        run_eval(config(tiny_target, out, *overrides))
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens\)"):
+        run_eval(config(tiny_target, out, *overrides[:1], "max_new_tokens=5", *overrides[2:], "resume=true"))
+
+    with open(out / "records.jsonl", "a") as f:
+        f.write('{"id": "c", "repeat": 0, "reco')  # a kill mid-write
+    monkeypatch.setattr(
+        runner, "answer", lambda engine, arm, prompt, *a: asked.append(prompt.id) or real(engine, arm, prompt, *a)
+    )
+    r = run_eval(config(tiny_target, out, *overrides, "resume=true"))
+    assert set(asked) == {"c"}  # a and b came from disk
+    assert r["prompts"] == 3 and r["partial"] is False
+    assert r["methods"]["ngram"]["lossless"] == {"checked": 4, "identical": 4, "note": r["lossless"]["note"]}
+    assert len((out / "records.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_later_turn_beyond_the_context_is_skipped_and_counted(tiny_target, tmp_path):
+    path = tmp_path / "long.jsonl"
+    rows = [{"id": "long", "turns": ["Say hi.", "Repeat this: " + "words and more words " * 120]}, ROWS[1]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "ev"
+    r = run_eval(config(tiny_target, out, f"prompts={path}", "max_new_tokens=4", "max_seq_len=200"))
+    skipped = r["skipped"]
+    assert skipped["turns"] == 2  # plain decoding and ngram each skipped turn 2 of "long"
+    assert {(s["id"], s["turn"], s["method"]) for s in skipped["list"]} == {("long", 1, "ar"), ("long", 1, "ngram")}
+    assert "exceeds the context" in skipped["list"][0]["reason"]
+    assert r["lossless"]["checked"] == 2  # the turns that ran: long's first, and the raw prompt

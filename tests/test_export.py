@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve import export as export_mod
+from draftsmith.serve import formats
 from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.export_main import ExportConfig, run
 from draftsmith.serve.loader import load_model
@@ -276,6 +278,58 @@ def test_validator_catches(tiny, tmp_path, kind, fmt, change, message):
     assert message in str(e.value)
 
 
+def flip_ten(key: str):
+    """Ten small weights (5th percentile) sign-flipped: at these tiny sizes a change of the output by ~1e-3."""
+
+    def change(t):
+        flat = t[key].view(-1)
+        idx = flat.float().abs().argsort()[flat.numel() // 20 :][:10]
+        flat[idx] = -flat[idx]
+
+    return change
+
+
+def scale(key: str, factor: float):
+    return lambda t: t.__setitem__(key, (t[key].float() * factor).to(t[key].dtype))
+
+
+@pytest.mark.parametrize(
+    "kind,change",
+    [
+        ("eagle3", flip_ten("midlayer.self_attn.v_proj.weight")),
+        ("eagle3", scale("norm.weight", 1.003)),
+        ("eagle", flip_ten("layers.0.self_attn.v_proj.weight")),
+        ("eagle", scale("layers.0.self_attn.v_proj.bias", 1.003)),  # fc's bias, moved: rounded apart
+        ("medusa", flip_ten("blocks.1.layers.0.weight")),
+    ],
+    ids=["eagle3-v_proj", "eagle3-norm", "eagle-v_proj", "eagle-moved-bias", "medusa-block"],
+)
+def test_validator_catches_small_tampering_of_a_bf16_export(tiny, tmp_path, kind, change):
+    """Rounding to bf16 explains ~3e-7 (relative) between the forwards, not 1e-3."""
+    out = do_export(tiny, kind, "vllm", tmp_path / "out", dtype="bf16")
+    before = load_file(str(out / "model.safetensors"))
+    edit_weights(out, "vllm", change)
+    assert any(not torch.equal(v, before[k]) for k, v in load_file(str(out / "model.safetensors")).items())
+    with pytest.raises(ExportError, match="fails validation"):
+        validate(tiny[1][kind], "vllm", out, tiny[0])
+
+
+def test_validator_catches_a_missing_or_other_token_map(tiny, tmp_path):
+    tcfg, _, target = tiny
+    head, cfg = tiny_head("eagle", target)
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    counts = torch.randint(0, 50, (V,), generator=torch.Generator().manual_seed(0))
+    drafter = save_drafter(head, cfg, "eagle", info, Recipe(), tmp_path / "eagle", token_counts=counts)
+    out = export(drafter, "sglang", tmp_path / "sglang", tcfg)
+    validate(drafter, "sglang", out, tcfg)
+    torch.save(torch.arange(V - 1), out / "token_map.pt")  # valid ids, but not the drafter's
+    with pytest.raises(ExportError, match="token_map.pt is not the 128 most frequent ids"):
+        validate(drafter, "sglang", out, tcfg)
+    (out / "token_map.pt").unlink()  # the card still passes --speculative-token-map
+    with pytest.raises(ExportError, match="token_map.pt is missing, but README.md passes it"):
+        validate(drafter, "sglang", out, tcfg)
+
+
 def test_validator_catches_config_errors(tiny, tmp_path):
     out = do_export(tiny, "eagle3", "vllm", tmp_path / "out")
     config = json.loads((out / "config.json").read_text())
@@ -327,9 +381,28 @@ def test_existing_out_needs_overwrite(tiny, tmp_path):
     with pytest.raises(ExportError, match="exists; pass overwrite=true"):
         do_export(tiny, "medusa", "vllm", out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    do_export(tiny, "medusa", "vllm", out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    (out / "keep.txt").unlink()
+    do_export(tiny, "medusa", "vllm", out, overwrite=True)  # an empty folder
+    do_export(tiny, "medusa", "tgi", out, overwrite=True)  # an earlier export
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "medusa_lm_head.safetensors"]
     assert leftovers(tmp_path) == []
+
+
+def test_overwrite_replaces_only_an_earlier_export(tiny, tmp_path, monkeypatch):
+    """Not a training run (checkpoints included) or any other folder, and not the folder the command runs in."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-0000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    shutil.copytree(tiny[1]["medusa"], run / "final")
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    with pytest.raises(ExportError, match="is not an earlier export .*overwrite=true replaces only an export"):
+        do_export(tiny, "medusa", "vllm", run, overwrite=True)
+    monkeypatch.chdir(run / "checkpoints")
+    for out in (Path("."), Path(".."), tmp_path):
+        with pytest.raises(ExportError, match="is the current folder or holds it"):
+            do_export(tiny, "medusa", "vllm", out, overwrite=True)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before and leftovers(tmp_path) == []
+    assert leftovers(run) == [] and leftovers(run / "checkpoints") == []
 
 
 def test_refuses_out_overlapping_the_drafter(tiny):
@@ -375,6 +448,15 @@ def test_refuses_a_drafter_for_another_target(tiny, tiny_llama_dir, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_copied_target_folder_is_the_same_target(tiny, tmp_path):
+    """Same config.json and weights under another folder name: its drafters fit it (old folders included)."""
+    copy = Path(shutil.copytree(tiny[0].path, tmp_path / "copied-elsewhere"))
+    tcfg = TargetConfig(path=str(copy))
+    assert target_id(tcfg, copy) != target_id(tiny[0], Path(tiny[0].path))  # the readable name differs
+    out = export(tiny[1]["eagle"], "vllm", tmp_path / "out", tcfg, "fp32")
+    assert f"`{target_id(tiny[0], Path(tiny[0].path))}`" in (out / "README.md").read_text()
+
+
 def test_refuses_an_unsupported_target_architecture(tiny, tmp_path):
     """A target the format's engines do not run these drafters for (a Qwen3 target for TGI's Medusa heads)."""
     tdir = tmp_path / "qwen3ish"
@@ -398,7 +480,7 @@ def test_failed_validation_writes_nothing(tiny, tmp_path, monkeypatch):
         exp.tensors["model.safetensors"]["fc.bias"] = exp.tensors["model.safetensors"]["fc.bias"] + 1.0
         return exp
 
-    monkeypatch.setitem(export_mod.FORMATS["eagle"], "sglang", broken)
+    monkeypatch.setattr(formats, "EAGLE_SGLANG", replace(formats.EAGLE_SGLANG, export=broken))
     with pytest.raises(ExportError, match="forward differs"):
         do_export(tiny, "eagle", "sglang", out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export is untouched

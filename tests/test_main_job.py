@@ -63,9 +63,16 @@ def test_main_job_runs_end_to_end_and_reuses_the_head(smollm2_dir, chats, tmp_pa
     assert len(json.loads((out / "rag" / "results.json").read_text())["study"]["cells"]) == 4
     config = json.loads((out / "export-vllm" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert "MT-bench (2 questions" in first.stdout and "rag 2x2" in first.stdout and "export-vllm" in first.stdout
+    assert "MT-bench (2 questions x 2 repeats" in first.stdout and "rag 2x2" in first.stdout
+    assert "export-vllm" in first.stdout and "control (plain TPOT, cache on / off)" in first.stdout
+    assert "machine: " in first.stdout and "speedup" in first.stdout
+
+    records = (out / "mt_bench" / "records.jsonl").read_bytes()
+    (out / "mt_bench" / "results.json").unlink()  # as if the first run had been killed after its last prompt
 
     weights = (out / "eagle3" / "final" / "model.safetensors").read_bytes()
     second = main_job(out, target, chats, tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "reusing" in second.stdout and (out / "eagle3" / "final" / "model.safetensors").read_bytes() == weights
+    assert (out / "mt_bench" / "records.jsonl").read_bytes() == records  # resumed: nothing ran again
+    assert (out / "mt_bench" / "results.json").is_file()

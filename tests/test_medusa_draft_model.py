@@ -22,7 +22,8 @@ from draftsmith.serve.medusa import DEFAULT_CHOICES, MedusaProposer, tree_from_c
 from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.train.batch import FeatureBatch
-from draftsmith.train.losses import LOSSES, draft_model_loss, medusa_loss
+from draftsmith.train.losses import draft_model_loss, medusa_loss
+from draftsmith.train.trainer import loss_for
 
 GREEDY = SamplingParams()
 INFO = TargetInfo("tiny@0123abcd", 64, 128, 3)
@@ -72,7 +73,7 @@ def trained(target, data, tmp_path_factory):
         ("medusa", MedusaHeads(MedusaConfig(64, 128, num_heads=4, num_layers=1), target)),
         ("draft_model", DraftModel(DraftModelConfig(num_layers=2), target)),
     ):
-        curve = train(head, LOSSES[kind], data[1])
+        curve = train(head, loss_for(kind), data[1])
         cfg = head.config if kind == "medusa" else head.draft_config
         save_drafter(head, cfg, kind, INFO, Recipe(data="tiny", steps=30), folder / kind)
         out[kind] = (head.eval().requires_grad_(False), folder / kind, curve)
@@ -221,7 +222,7 @@ def test_medusa_proposer_tree_uses_head_d_minus_1_at_depth_d(target, data):
     hidden = data[1].hidden[0, :5]
     proposer.prefill(data[1].input_ids[0, :6], 0, ForwardOut(torch.zeros(1, 128), hidden, []))
     with torch.no_grad():
-        tree = proposer.propose(data[1].input_ids[0, :6], GREEDY)
+        tree = proposer.propose(data[1].input_ids[0, :6], GREEDY, 4)
         top = [heads.head_logits(k, hidden[-1]).topk(3).indices.tolist() for k in range(3)]
     assert tree.tokens.tolist() == [top[0][0], top[0][1], top[1][0], top[1][1], top[1][0], top[2][2]]
     assert tree.parents.tolist() == [-1, -1, 0, 0, 1, 2] and tree.draft_probs is None
@@ -279,7 +280,7 @@ def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data
     ids = frequent_ids(counts, 16)
     assert torch.equal(drafter.vocab_ids, ids)
     drafted, propose = [], proposer.propose
-    proposer.propose = lambda tokens, sp: drafted.append(propose(tokens, sp)) or drafted[-1]
+    proposer.propose = lambda tokens, sp, budget: drafted.append(propose(tokens, sp, budget)) or drafted[-1]
     engine = Engine(target, proposer, max_seq_len=64)
     prompts = data[0][:3] + [list(range(40, 49))]
     accepted = 0
@@ -302,6 +303,38 @@ def test_medusa_choices_and_depth_from_spec(target, trained):
     chain = make_proposer(SpecConfig("medusa", 2, drafter=folder, choices=[[0], [0, 0], [0, 0, 0]]), lt)
     assert chain.max_tree_size == 2
     assert make_proposer(SpecConfig("medusa", 4, drafter=folder), lt).max_tree_size == len(DEFAULT_CHOICES)
+
+
+def test_medusa_drafts_never_reach_past_max_new_tokens(target, data, trained):
+    """Near the end of a request the static tree is cut to the depth still allowed: its first nodes, the paths
+    that short (they come first); output stays plain decoding's."""
+    proposer = MedusaProposer(trained["medusa"][0])
+    trees, propose = [], proposer.propose
+    proposer.propose = lambda tokens, sp, budget: trees.append((budget, t := propose(tokens, sp, budget))) or t
+    engine = Engine(target, proposer, max_seq_len=64)
+    p = data[0][0]
+    ref = plain_outputs(target, [p], 8)[0]
+    for n in range(1, 9):
+        assert engine.generate(p, n, GREEDY).output_ids == ref[:n], n
+    paths = tree_from_choices(DEFAULT_CHOICES, 4)
+    for budget, tree in trees:
+        assert len(tree) == sum(len(q) <= budget for q in paths) and int(tree.depths.max()) <= budget
+    assert {min(b, 4) for b, _ in trees} == {1, 2, 3, 4}
+
+
+def test_medusa_tree_ranks_past_the_heads_vocabulary_are_refused_at_build(target, data, trained, tmp_path):
+    """Issue 15: a tree rank at or past the drafted vocabulary crashed the first step (topk out of range)."""
+    lt, heads = loaded_target(target), trained["medusa"][0]
+    with pytest.raises(ValueError, match=r"ranks up to 200, but the heads draft over 128 tokens; set spec.draft_vocab"):
+        MedusaProposer(heads, [[0], [200]])
+    batch = data[1]
+    counts = torch.bincount(batch.input_ids[batch.loss_mask.bool()], minlength=INFO.vocab_size)
+    folder = save_drafter(heads, heads.config, "medusa", INFO, Recipe(), tmp_path / "medusa", token_counts=counts)
+    top = max(c[-1] for c in DEFAULT_CHOICES if len(c) <= 3)  # 8: the default tree needs 9 tokens per head
+    with pytest.raises(ValueError, match=rf"ranks up to {top}, .* over 8 tokens; set spec.draft_vocab >= {top + 1}"):
+        make_proposer(SpecConfig("medusa", 3, drafter=str(folder), draft_vocab=8), lt)
+    ok = make_proposer(SpecConfig("medusa", 3, drafter=str(folder), draft_vocab=8, choices=[[0], [7], [0, 1]]), lt)
+    assert len(Engine(target, ok, max_seq_len=64).generate(data[0][0], 6, GREEDY).output_ids) == 6
 
 
 def test_wrong_kind_or_target_is_refused_by_the_engine_builder(target, trained):

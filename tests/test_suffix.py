@@ -12,13 +12,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from test_eagle import make_head
-from test_engine import SMALL, pooled_chi2_pvalue
+from test_engine import SMALL, check_metrics, pooled_chi2_pvalue, spy_budgets
 from test_eval_runner import config
 
 import draftsmith.conf
 from draftsmith.eval.methods import drafter_params, spec_label
 from draftsmith.eval.runner import run_eval
-from draftsmith.serve.build import Loaded, SpecConfig, lookup_proposer, make_proposer
+from draftsmith.serve.build import Loaded, SpecConfig, lookup_proposer, make_proposer, resolve_shape
 from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.hybrid import HybridProposer, merge_tree
@@ -238,7 +238,7 @@ def test_greedy_suffix_decoding_equals_plain(cfg, target, plain):
     proposer = SuffixProposer(cfg, 8)
     trees = []
     propose = proposer.propose
-    proposer.propose = lambda tokens, sp: trees.append(t := propose(tokens, sp)) or t
+    proposer.propose = lambda tokens, sp, budget: trees.append(t := propose(tokens, sp, budget)) or t
     engine = Engine(target, proposer, PrefixCache(), max_seq_len=MAX_SEQ)
     accepted = 0
     for rep in range(2):
@@ -265,6 +265,27 @@ def test_global_tree_drafts_a_repeated_request_from_the_first_answer(cached, tar
             assert tau2 > tau1 and tau2 > 4, (p, tau1, tau2)
         else:
             assert tau2 == tau1
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_drafts_never_reach_past_max_new_tokens(tree, target, plain):
+    """A request answered before drafts all of a repeat from the global tree: each draft still stops at the
+    tokens the request may emit (budget), and the output and metrics stay plain decoding's."""
+    p = PROMPTS[3]
+    ref = plain[tuple(p)].output_ids
+    proposer = SuffixProposer(SuffixConfig(tree=tree), 8)
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    engine.generate(p, MAX_NEW, GREEDY)
+    calls = spy_budgets(proposer)
+    shortened = 0  # drafts the budget made shorter than num_tokens
+    for n in range(1, 12):
+        calls.clear()
+        out = engine.generate(p, n, GREEDY)
+        assert out.output_ids == ref[:n] and out.finished_by == "length"
+        check_metrics(out.metrics, out.output_ids, proposer.max_tree_size)
+        assert all(depth <= budget for _, budget, depth in calls), (n, calls)
+        shortened += sum(0 < depth == budget < 8 for _, budget, depth in calls)
+    assert shortened > 0
 
 
 def test_forget_drops_earlier_answers(target):
@@ -339,7 +360,7 @@ def test_spec_configs_build_suffix_proposers(target):
     spec = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(SpecConfig), OmegaConf.load(f"{conf}/spec/suffix.yaml"))
     )
-    assert spec.name == "suffix" and spec.num_tokens == 24 and spec.suffix == SuffixConfig()
+    assert spec.name == "suffix" and resolve_shape(spec).num_tokens == 24 and spec.suffix == SuffixConfig()
     proposer = make_proposer(spec, loaded)
     assert isinstance(proposer, SuffixProposer) and proposer.max_tree_size == 24 and proposer.min_score == 0
     assert spec_label(spec) == "suffix" and drafter_params(spec) == 0
@@ -381,7 +402,7 @@ def test_lookup_pairs_with_a_head_by_the_spec():
 
 def test_suffix_tokens_need_a_head(target):
     layerskip = SpecConfig("layerskip", 2, layers=1, suffix_tokens=4)
-    with pytest.raises(ValueError, match="spec.suffix_tokens pairs suffix decoding with eagle, eagle3, medusa"):
+    with pytest.raises(ValueError, match="spec.suffix_tokens pairs suffix decoding with drafters that rebuild"):
         make_proposer(layerskip, Loaded(target, None, "tiny@0"))
 
 

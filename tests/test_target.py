@@ -155,3 +155,27 @@ def test_qwen2_always_has_attention_bias() -> None:
     base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
     assert ModelConfig.from_hf({**base, "model_type": "qwen2", "attention_bias": None}).attention_bias
     assert not ModelConfig.from_hf({**base, "model_type": "mistral"}).attention_bias
+
+
+def test_cache_dir_set_explicitly_wins_over_the_environment(tmp_path: Path, monkeypatch) -> None:
+    """Precedence of the cache root, the same for converted targets, feature caches and self-distilled answers:
+    target.cache_dir, else $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    from draftsmith.train.features import FeatureConfig, cache_folder
+
+    explicit, env, home = tmp_path / "explicit", tmp_path / "env", tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(env))
+    assert target_mod.cache_root(str(explicit)) == explicit
+    assert target_mod.cache_root(None) == env
+    key = {"target": "t@1234abcd"}
+    assert cache_folder(FeatureConfig(), key, str(explicit)).parent == explicit / "features"
+    assert cache_folder(FeatureConfig(), key, None).parent == env / "features"
+    monkeypatch.delenv("DRAFTSMITH_CACHE")
+    assert target_mod.cache_root(None) == home / ".cache" / "draftsmith"
+    assert TargetConfig().cache_dir is None  # "not set" is distinguishable from the default
+
+
+def test_failed_conversion_leaves_nothing_whatever_the_environment(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "elsewhere"))
+    test_failed_conversion_leaves_nothing(tmp_path)
+    assert not (tmp_path / "elsewhere").exists()

@@ -9,6 +9,7 @@ from draftsmith.serve.target import load_tokenizer
 from draftsmith.train.chat import encode, encode_all, render
 from draftsmith.train.data import (
     DataConfig,
+    DistillConfig,
     Skipped,
     heldout_conversations,
     is_heldout,
@@ -147,6 +148,18 @@ def test_empty_dataset_after_filtering_is_a_clear_error(tmp_path):
     (tmp_path / "broken.jsonl").write_text('{"id": 1}\n{not json\n')
     with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
         load_conversations(DataConfig(source=str(tmp_path / "broken.jsonl")))
+
+
+def test_a_non_utf8_byte_names_its_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b"\n" + '{"id": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at column 12\)"):
+        load_conversations(DataConfig(source=str(path)))
+
+
+def test_self_distillation_refuses_a_nan_temperature():
+    with pytest.raises(ValueError, match="data.distill.temperature must be >= 0 and top_p in .*got nan"):
+        DistillConfig(temperature=float("nan"))
 
 
 def test_a_truncated_json_array_is_read_up_to_the_cut_and_counted(tmp_path):

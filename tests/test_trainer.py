@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,12 @@ from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
+from draftsmith.heads import kinds
 from draftsmith.heads.drafter import load_drafter, load_token_counts
+from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.__main__ import typed
-from draftsmith.serve.build import load, target_info
+from draftsmith.serve.build import load, resolve_shape, target_info
 from draftsmith.serve.target import TargetConfig, native_bf16
 from draftsmith.train import acceptance as acceptance_mod
 from draftsmith.train import features as features_mod
@@ -31,6 +34,7 @@ from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
 from helpers import build_tiny_chat_target
 
 TESTS = Path(__file__).parent
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # this interpreter's, venv or not
 ENV = {
     **os.environ,
     "HF_HUB_OFFLINE": "1",
@@ -163,6 +167,8 @@ def test_resume_after_a_kill_continues_at_the_same_step_with_the_same_data(
     assert losses(tmp_path)[-1][0] == 7
     with pytest.raises(ValueError, match="already holds checkpoints: pass resume=true"):
         train(cfg)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "epoch": 1.3, "lo')  # killed mid-write: a torn last line
     cfg.resume = True
     second = record_batches(monkeypatch)
     train(cfg)
@@ -208,6 +214,65 @@ def test_all_checkpoints_corrupt_or_other_settings_are_clear_errors(target, data
     cfg.resume = True
     with pytest.raises(ValueError, match=r"no usable checkpoint: .*step-0000004 .*step-0000002"):
         train(cfg)
+
+
+def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(target, data, tmp_path, monkeypatch):
+    """Not "corrupt" with advice to delete good checkpoints; betas count, and checkpoints written before they were
+    fingerprinted still resume."""
+    cfg = config(tmp_path, target, data, max_steps=4)
+    with monkeypatch.context() as mp:
+        kill_after(mp, 2)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    ck = tmp_path / "checkpoints" / "step-0000002"
+    before = {p: p.stat().st_mtime_ns for p in ck.rglob("*")}
+    resized = config(tmp_path, target, data, max_steps=4)
+    resized.head.args, resized.resume = {"classes": 256}, True
+    with pytest.raises(ValueError, match=r"made with other settings \(head: ") as e:
+        train(resized)
+    assert "corrupt" not in str(e.value) and "Delete" not in str(e.value)
+    betas = config(tmp_path, target, data, max_steps=4, betas=[0.8, 0.99])
+    betas.resume = True
+    with pytest.raises(ValueError, match=r"made with other settings \(betas: \[0.9, 0.95\] then, \[0.8, 0.99\] now"):
+        train(betas)
+    assert {p: p.stat().st_mtime_ns for p in ck.rglob("*")} == before
+
+    trainer_json = ck / "trainer.json"
+    meta = json.loads(trainer_json.read_text())
+    head = {k: v for k, v in asdict(resized.head).items() if k != "draft"}  # the fingerprint leaves the shape out
+    same_head = {**meta, "fingerprint": {**meta["fingerprint"], "head": json.loads(json.dumps(head))}}
+    trainer_json.write_text(json.dumps(same_head))  # same settings, yet weights of another shape: other code
+    with pytest.raises(ValueError, match=r"does not fit the head this run builds \(proj.\w+ has shape") as e:
+        train(resized)
+    assert "corrupt" not in str(e.value) and "Delete" not in str(e.value)
+
+    del meta["fingerprint"]["betas"]  # as written before betas were fingerprinted: still resumes
+    trainer_json.write_text(json.dumps(meta))
+    cfg.resume = True
+    train(cfg)
+    assert json.loads((tmp_path / "final" / "config.json").read_text())["recipe"]["steps"] == 4
+
+
+def test_a_run_resumed_after_a_kill_in_the_final_write_keeps_its_last_tau(target, data, tmp_path, monkeypatch):
+    taus = iter([{"tau": 1.5}, {"tau": 1.75}])
+    monkeypatch.setattr(trainer_mod, "make_hook", lambda *a: lambda head, kind, weights=None: next(taus, {}))
+    cfg = config(tmp_path, target, data, max_steps=4, eval_every=2)  # evals and checkpoints at steps 2 and 4
+    save = trainer_mod.save_drafter
+
+    def killed_writing_final(head, config, kind, info, recipe, folder, *rest, **kw):
+        if Path(folder).name == "final":
+            raise KeyboardInterrupt("simulated kill")
+        return save(head, config, kind, info, recipe, folder, *rest, **kw)
+
+    with monkeypatch.context() as mp:
+        mp.setattr(trainer_mod, "save_drafter", killed_writing_final)
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg)
+    assert not (tmp_path / "final").exists()
+    cfg.resume = True
+    train(cfg)
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert "mean acceptance length 1.75 (training eval)" in card
 
 
 def test_feature_cache_is_built_once_reused_and_refused_for_another_target(
@@ -286,21 +351,24 @@ def test_cached_features_pick_the_layers_asked_for(tmp_path):
 
 def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, tmp_path, capsys, monkeypatch):
     specs, build = [], acceptance_mod.build_engine
-    monkeypatch.setattr(acceptance_mod, "build_engine", lambda t, spec, *a: specs.append(spec) or build(t, spec, *a))
+    spy = lambda t, spec, *a: specs.append(resolve_shape(spec)) or build(t, spec, *a)  # noqa: E731
+    monkeypatch.setattr(acceptance_mod, "build_engine", spy)
     cfg = config(tmp_path / "eagle", target, data, head="eagle", max_steps=2, eval_every=2, eval_prompts=2)
-    cfg.train.eval_max_new_tokens, cfg.train.eval_num_tokens, cfg.train.eval_topk = 8, 1, 3  # depth 1 x 3
+    cfg.train.eval_max_new_tokens, cfg.head.draft = 8, DraftShape(num_tokens=1, topk=3)  # depth 1 x 3
     train(cfg)
     evals = [json.loads(x) for x in (tmp_path / "eagle" / "metrics.jsonl").read_text().splitlines() if "eval/tau" in x]
     assert len(evals) == 1 and evals[0]["step"] == 2 and evals[0]["eval/tau"] >= 1.0
     assert [(s.name, s.num_tokens, s.tree.topk) for s in specs] == [("eagle", 1, 3)]
     assert not [k for k in evals[0] if k.startswith("eval/accept_pos_") and k != "eval/accept_pos_1"]
     assert "training eval" in (tmp_path / "eagle" / "final" / "README.md").read_text()
+    draft = json.loads((tmp_path / "eagle" / "final" / "config.json").read_text())["draft"]
+    assert draft == {"num_tokens": 1, "topk": 3, "total_tokens": 0, "choices": None}  # the rest: eagle's default
     cfg = config(tmp_path / "standin", target, data, max_steps=2, eval_every=1, eval_prompts=2)
     train(cfg)
     assert f"acceptance eval skipped: serve has no proposer for {standin_head.KIND}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft_model"])
+@pytest.mark.parametrize("kind", [k.name for k in kinds.trained() if k.module.__module__.startswith("draftsmith.")])
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_every_head_group_trains_through_the_trainer(kind, precision, target, data, tmp_path):
     """conf/head/<kind>.yaml builds its head on the target and its loss options fit train/losses.py (also
@@ -371,6 +439,20 @@ def test_quick_preset_trains_one_medusa_head_for_depth_one_drafts():
     assert composed("head.num_heads=3").head.num_heads == 3
 
 
+def test_presets_set_the_draft_shape_the_head_is_made_for():
+    """The shape goes into the drafter folder (heads/drafter.py): the main job's head is made for depth 1 x 3."""
+
+    def draft(*overrides: str) -> dict:
+        with initialize_config_module("draftsmith.conf", version_base=None):
+            return asdict(typed(compose("train", overrides=["out=x", *overrides]), RunConfig).head.draft)
+
+    assert draft("head=eagle3") == {"num_tokens": 1, "topk": 3, "total_tokens": 0, "choices": None}
+    assert draft("head=eagle3", "train=full")["num_tokens"] == 4 and draft("head=eagle3", "train=full")["topk"] is None
+    assert draft("head=medusa") == {"num_tokens": 1, "topk": None, "total_tokens": None, "choices": [[0], [1], [2]]}
+    assert draft("head=eagle") == asdict(DraftShape()) == draft("head=draft_model")  # the kinds' defaults
+    assert draft("head=eagle3", "head.draft.num_tokens=2")["num_tokens"] == 2
+
+
 def test_self_distill_defaults_per_head_and_overrides():
     def self_distill(*overrides: str) -> bool:
         with initialize_config_module("draftsmith.conf", version_base=None):
@@ -404,6 +486,25 @@ def cli_args(target, data) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize(
+    "key, value", [(k, 0) for k in ("max_steps", "checkpoint_every", "log_every", "batch_size", "grad_accum")]
+)
+def test_bad_train_settings_are_refused_when_the_config_is_built(key, value):
+    with pytest.raises(ValueError, match=rf"train.{key} must be >= 1.*got 0"):
+        TrainConfig(**{key: value})
+
+
+def test_a_bad_or_missing_setting_is_one_line_at_the_command_line(target, data, tmp_path):
+    """Before the target loads or anything is written; no hydra traceback."""
+    for args, message in (
+        ([f"out={tmp_path / 'run'}", "train.max_steps=0"], "train.max_steps must be >= 1"),
+        ([], "missing mandatory value: out; pass out="),
+    ):
+        r = run([sys.executable, "-m", "draftsmith.train", *cli_args(target, data), *args], tmp_path)
+        assert r.returncode == 1 and r.stderr.strip().startswith(f"draftsmith-train: {message}"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
+
+
 def test_hydra_multirun_gives_each_run_its_own_folder(target, data, tmp_path):
     out = tmp_path / "sweep"
     r = run(
@@ -418,13 +519,22 @@ def test_hydra_multirun_gives_each_run_its_own_folder(target, data, tmp_path):
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
+def test_accelerate_launch_of_the_train_folder_from_the_repo_root(target, data, tmp_path):
+    """The form users type: `accelerate launch train/ ...` runs the folder as a script, not the package."""
+    out = tmp_path / "run"
+    args = [*cli_args(target, data), "train.max_steps=1", "wandb.enabled=false", f"out={out}"]
+    r = run([*ACCELERATE, "launch", "train/", *args], TESTS.parent)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert json.loads((out / "final" / "config.json").read_text())["recipe"]["steps"] == 1
+
+
 @pytest.mark.ddp
 def test_two_process_cpu_ddp_through_accelerate_launch(target, data, tmp_path):
     """Both processes build the feature cache (alternate shards); then 2 processes x batch 2 see the examples
     1 process x batch 4 sees, step by step, and with gradients averaged over the processes the losses match
     (up to per-process vs. per-batch token weighting)."""
     out, cache = tmp_path / "ddp", tmp_path / "cache"
-    launch = [str(Path(sys.executable).parent / "accelerate"), "launch", "--cpu", "--num_processes", "2"]
+    launch = [*ACCELERATE, "launch", "--cpu", "--num_processes", "2"]
     args = [a for a in cli_args(target, data) if a != "train.features.mode=online"]
     args += ["train.max_steps=3", "train.checkpoint_every=2", "wandb.enabled=false"]
     args += [

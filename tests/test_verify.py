@@ -12,6 +12,7 @@ from draftsmith.serve import verify as verify_mod
 from draftsmith.serve.sampling import SamplingParams, pick, probs_from_logits
 from draftsmith.serve.tree import DraftTree
 from draftsmith.serve.verify import Verdict, residual, verify, verify_greedy, verify_sampling
+from helpers import DEVICES
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -218,22 +219,26 @@ def sample_trees(kind: str, ctx: torch.Tensor, gen: torch.Generator, draft: torc
     return toks, (torch.nn.functional.one_hot(toks, V).double() if kind == "onehot_rows" else None)
 
 
-def emitted(kind: str, ctx: torch.Tensor, gen: torch.Generator, **kw) -> list[list[int]]:
-    """One verification per context: the accepted path's tokens, then next_token."""
+def emitted(kind: str, ctx: torch.Tensor, gen: torch.Generator, vgen: torch.Generator | None = None, **kw):
+    """One verification per context: the accepted path's tokens, then next_token. Trees are drawn with gen (CPU);
+    verification runs on vgen's device with vgen's draws (default: gen), as the engine's on the model's."""
+    vgen = vgen or gen
     tokens, dprobs = sample_trees(kind, ctx, gen, **kw)
-    probs = Q.float()[torch.cat([ctx[:, None], tokens], 1)]  # [N, n + 1, V]: row 0 the root's
-    dprobs = None if dprobs is None else dprobs.float()
-    parents, out = PARENTS[kind], []
+    probs = Q.float()[torch.cat([ctx[:, None], tokens], 1)].to(vgen.device)  # [N, n + 1, V]: row 0 the root's
+    dprobs = None if dprobs is None else dprobs.float().to(vgen.device)
+    parents, nodes, out = PARENTS[kind].to(vgen.device), tokens.to(vgen.device), []
     for i, toks in enumerate(tokens.tolist()):
-        v = verify_sampling(DraftTree(tokens[i], parents, None if dprobs is None else dprobs[i]), probs[i], gen)
+        v = verify_sampling(DraftTree(nodes[i], parents, None if dprobs is None else dprobs[i]), probs[i], vgen)
         out.append([toks[j] for j in v.path] + [v.next_token])
     return out
 
 
-def first_two(kind: str, n: int, seed: int, **kw) -> torch.Tensor:
+def first_two(kind: str, n: int, seed: int, device: str | None = None, **kw) -> torch.Tensor:
     """[n, 2]: the first two tokens emitted after ROOT. When a step emits only one, the next step
-    (a fresh tree rooted at that token) gives the second, as the engine would."""
+    (a fresh tree rooted at that token) gives the second, as the engine would. device: verify there, drawing
+    from a generator on it (default: on the CPU, from the trees' generator)."""
     gen = torch.Generator().manual_seed(seed)
+    kw["vgen"] = torch.Generator(device).manual_seed(seed) if device else None
     first = emitted(kind, torch.full((n,), ROOT), gen, **kw)
     short = [i for i, e in enumerate(first) if len(e) < 2]
     second = emitted(kind, torch.tensor([first[i][0] for i in short], dtype=torch.long), gen, **kw)
@@ -292,6 +297,15 @@ SHARP = torch.softmax(4 * B.double(), -1)  # a more confident draft (top token 0
 )
 def test_sampling_is_lossless(kind, n, draft):
     check_lossless(first_two(kind, n, seed=1234, draft=draft))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_sampling_draws_on_the_generators_device(kind, device):
+    """Issue 15: the engine's generator lives on the model's device, and verification drew its uniforms on the
+    CPU from it: PyTorch refuses that for a CUDA generator, so every T > 0 draft failed on a GPU. Verifying on
+    the device with a generator there must work and stay lossless."""
+    check_lossless(first_two(kind, 6000, seed=4321, device=device))
 
 
 def test_draws_reach_deep_nodes():

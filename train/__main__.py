@@ -1,25 +1,37 @@
-"""draftsmith-train: train a drafter for a target (hydra app; also under `accelerate launch -m draftsmith.train`)."""
+"""draftsmith-train: train a drafter for a target (hydra app; also under `accelerate launch -m draftsmith.train`,
+or `accelerate launch train/` from a checkout)."""
 
 from __future__ import annotations
 
+import os
+import runpy
 import sys
 
-import hydra
-from omegaconf import DictConfig
+if not __package__:  # run as a folder or file (`accelerate launch train/ ...`): run the installed package instead
+    here = os.path.dirname(os.path.abspath(__file__))  # its modules (data, log, ...) would shadow top-level ones
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    runpy.run_module("draftsmith.train", run_name="__main__", alter_sys=True)
+    sys.exit()
 
-from .launch import relaunch, requested_cpu_processes
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from .launch import relaunch, requested_cpu_processes  # noqa: E402
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base=None)
 def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    from draftsmith.serve.__main__ import typed
+    from draftsmith.serve.__main__ import typed_or_exit
 
     from .trainer import RunConfig, train
 
-    run = typed(cfg, RunConfig)
-    run.out = HydraConfig.get().runtime.output_dir  # = out, or out/<job number> in a multirun sweep
+    run = typed_or_exit(cfg, RunConfig, "draftsmith-train")
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.MULTIRUN:  # each sweep job in out/<job number>
+        run.out = hc.runtime.output_dir
     train(run)
 
 

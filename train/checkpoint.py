@@ -24,6 +24,7 @@ from draftsmith.heads.drafter import own_state
 
 PREFIX = "step-"
 DRAFTER = "drafter"
+LATER_KEYS = {"betas"}  # fingerprint keys added after checkpoints were first written: compared where recorded
 
 
 @dataclass
@@ -31,6 +32,7 @@ class State:
     step: int
     tokens: int
     wandb_id: str | None = None
+    tau: float | None = None  # the last in-training acceptance eval, as the checkpoint's drafter card has it
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -53,7 +55,7 @@ def save(
 ) -> Path:
     """All processes call this (each writes its RNG state); the main one writes the rest and renames.
     write_drafter(folder): the head as a drafter folder. engine: the Accelerator under DeepSpeed, whose
-    ZeRO-sharded optimizer only it can save (untested here)."""
+    ZeRO-sharded model and optimizer only it can save (engine/: DeepSpeed's own checkpoint, a file per process)."""
     folder = Path(out) / "checkpoints"
     final, tmp = folder / f"{PREFIX}{state.step:07d}", folder / f".tmp-{PREFIX}{state.step:07d}"
     if rank == 0:
@@ -95,16 +97,18 @@ def load_latest(
     failures = []
     for folder in found:
         try:
-            loaded = read(folder, head, rank)
+            loaded = read(folder, head, rank, fingerprint)
+        except Refusal:  # a good checkpoint made for other settings: not corrupt, and not to be skipped
+            raise
         except Exception as e:  # a truncated or garbled file: any reader may raise
             failures.append(f"{folder} ({brief(e)})")
             log(f"checkpoint {folder} is corrupt ({brief(e)}); falling back to the previous one")
             continue
-        check_fingerprint(folder, loaded["meta"]["fingerprint"], fingerprint)
-        head.load_state_dict(loaded["head"], strict=False)
-        if engine is not None:
+        if engine is not None:  # the engine's own checkpoint holds the weights (ZeRO-3: this process's shard)
+            # DeepSpeed's loader unpickles (torch.load weights_only=False): it reads only files this run wrote
             engine.load_state(str(folder / "engine"))
         else:
+            head.load_state_dict(loaded["head"], strict=False)
             optimizer.load_state_dict(loaded["optim"]["optimizer"])
         scheduler.load_state_dict(loaded["optim"]["scheduler"])
         torch.set_rng_state(loaded["rng"]["cpu"])
@@ -112,7 +116,7 @@ def load_latest(
             torch.cuda.set_rng_state(loaded["rng"]["cuda"])
         meta = loaded["meta"]
         log(f"resumed from {folder} at step {meta['step']}")
-        return State(meta["step"], meta["tokens"], meta.get("wandb_id"))
+        return State(meta["step"], meta["tokens"], meta.get("wandb_id"), loaded["tau"])
     if failures:
         raise ValueError(
             "no usable checkpoint: " + "; ".join(failures) + ". Delete them to start over, or restore a good copy"
@@ -125,27 +129,52 @@ def brief(e: Exception) -> str:
     return f"{type(e).__name__}: {first[:150]}"
 
 
-def read(folder: Path, head: nn.Module, rank: int) -> dict:
-    """Everything a checkpoint holds, checked against the head, before anything is applied."""
+def read(folder: Path, head: nn.Module, rank: int, fingerprint: dict) -> dict:
+    """Everything a checkpoint holds, checked against the settings, then the head, before anything is applied."""
     meta = json.loads((folder / "trainer.json").read_text())
+    check_fingerprint(folder, meta["fingerprint"], fingerprint)  # first: another head size is a settings change
     weights = folder / DRAFTER / "model.safetensors"
     state = load_file(str(weights if weights.is_file() else folder / "head.safetensors"))  # older: head.safetensors
-    expected = own_state(head)
+    expected = own_shapes(head)
     if state.keys() != expected.keys():
-        raise ValueError(f"its weights do not match the head: {sorted(state.keys() ^ expected.keys())[:3]}")
+        misfit(folder, f"weights {sorted(state.keys() ^ expected.keys())[:3]} do not match the head's")
     for k, v in state.items():
-        if v.shape != expected[k].shape:
-            raise ValueError(f"{k} has shape {tuple(v.shape)}, the head has {tuple(expected[k].shape)}")
+        if v.shape != expected[k]:
+            misfit(folder, f"{k} has shape {tuple(v.shape)}, the head has {tuple(expected[k])}")
     optim = torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True)
     rng = torch.load(folder / f"rng-{rank}.pt", weights_only=True)
-    return {"meta": meta, "head": state, "optim": optim, "rng": rng}
+    return {"meta": meta, "head": state, "optim": optim, "rng": rng, "tau": measured_tau(folder / DRAFTER)}
+
+
+def measured_tau(drafter: Path) -> float | None:
+    if not (drafter / "config.json").is_file():  # older checkpoints: head.safetensors only
+        return None
+    return json.loads((drafter / "config.json").read_text())["recipe"]["acceptance"].get("mean_acceptance_length")
+
+
+class Refusal(ValueError):
+    """A good checkpoint this run cannot resume from: never skipped as corrupt."""
+
+
+def misfit(folder: Path, detail: str) -> None:
+    raise Refusal(
+        f"checkpoint {folder} does not fit the head this run builds ({detail}): it was made with other head "
+        "settings or code; restore them, or train into another out folder"
+    )
+
+
+def own_shapes(head: nn.Module) -> dict[str, torch.Size]:
+    """ZeRO-3 leaves each process a shard of a parameter; ds_shape is its full shape."""
+    params = dict(head.named_parameters())
+    return {k: getattr(params.get(k), "ds_shape", v.shape) for k, v in own_state(head).items()}
 
 
 def check_fingerprint(folder: Path, saved: dict, current: dict) -> None:
-    diff = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    keys = (saved.keys() | current.keys()) - (LATER_KEYS - saved.keys())  # older checkpoints lack LATER_KEYS
+    diff = sorted(k for k in keys if saved.get(k) != current.get(k))
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in diff)
-        raise ValueError(
+        raise Refusal(
             f"checkpoint {folder} was made with other settings ({detail}); resume=true needs the same settings "
             "(they fix the data order and schedule): restore them, or train into another out folder"
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -37,13 +38,13 @@ class DistillConfig:
     seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
     batch_size: int = 16  # conversations decoded together; 1 = the engine, one at a time
     spec: str = "ngram"  # batch_size 1: the engine's proposer, ar | ngram (lossless either way)
-    out: str | None = None  # the JSONL; default <DRAFTSMITH_CACHE or target.cache_dir>/distill/<target>-<key>.jsonl
+    out: str | None = None  # the JSONL; default <target.cache_dir or $DRAFTSMITH_CACHE>/distill/<target>-<key>.jsonl
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1 or self.batch_size < 1:
             n, b = self.max_new_tokens, self.batch_size
             raise ValueError(f"data.distill.max_new_tokens and batch_size must be >= 1, got {n} and {b}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
             t, p = self.temperature, self.top_p
             raise ValueError(f"data.distill.temperature must be >= 0 and top_p in (0, 1], got {t} and {p}")
         if self.spec not in ("ar", "ngram"):
@@ -207,14 +208,24 @@ def json_array_rows(path: Path, skipped: Skipped, chunk: int = 1 << 20) -> Itera
 
 
 def jsonl_rows(path: Path) -> Iterator[dict]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = utf8_line(raw, f"{path}:{lineno}")
             if not line.strip():
                 continue
             try:
                 yield json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
+
+
+def utf8_line(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): save it as UTF-8"
+        ) from e
 
 
 def dataset_rows(path: Path) -> Iterator[dict]:

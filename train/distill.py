@@ -38,10 +38,11 @@ from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids
 from draftsmith.serve.draft_model import causal_mask
 from draftsmith.serve.sampling import SamplingParams, pick
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.target import TargetConfig, cache_root
 
 from .data import ANSWER_FIELDS, Conversation, DataConfig, DistillConfig, Skipped
 from .features import source_stamp
+from .jsonl import complete_rows
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
 
@@ -276,30 +277,15 @@ def answer_text(tokenizer, out: list[int], eos) -> str:
 # ---- the output file
 
 
-def parse_line(line: bytes) -> dict | None:
-    """A row this module wrote, or None (a torn or foreign line)."""
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    ok = line.endswith(b"\n") and isinstance(row, dict) and isinstance(row.get("id"), str)
-    return row if ok and isinstance(row.get("messages"), list) else None
-
-
 def parse_rows(data: bytes, path: Path) -> tuple[dict[str, list], int]:
     """id -> messages of the complete rows, and the byte length they span (a torn last line excluded)."""
-    rows, end = {}, 0
-    lines = data.splitlines(keepends=True)
-    for n, line in enumerate(lines, 1):
-        row = parse_line(line)
-        if row is None and n < len(lines):
-            raise ValueError(
-                f"{path}:{n} is not a self-distillation row ({{id, messages}}): delete the file or set "
-                "data.distill.out to another path"
-            )
-        if row is not None:
-            rows[row["id"]], end = row["messages"], end + len(line)
-    return rows, end
+    bad = "is not a self-distillation row ({id, messages}): delete the file or set data.distill.out to another path"
+    rows, end = complete_rows(data, path, is_answer_row, bad)
+    return {row["id"]: row["messages"] for row in rows}, end
+
+
+def is_answer_row(row: dict) -> bool:
+    return isinstance(row.get("id"), str) and isinstance(row.get("messages"), list)
 
 
 def read_rows(path: Path) -> dict[str, list]:
@@ -398,9 +384,9 @@ def part_path(path: Path, rank: int, world: int) -> Path:
     return path.with_name(f"{path.stem}.part{rank}-of-{world}{path.suffix}")
 
 
-def distill_path(data: DataConfig, target: Loaded, cache_dir: str) -> Path:
-    """data.distill.out, else <DRAFTSMITH_CACHE or cache_dir>/distill/<target>-<key hash>.jsonl, keyed by what
-    changes the answers (not max_conversations: a run with more conversations appends to the same file)."""
+def distill_path(data: DataConfig, target: Loaded, cache_dir: str | None) -> Path:
+    """data.distill.out, else <cache_root(cache_dir)>/distill/<target>-<key hash>.jsonl, keyed by what changes the
+    answers (not max_conversations: a run with more conversations appends to the same file)."""
     if data.distill.out:
         return Path(data.distill.out).expanduser()
     key = {
@@ -412,7 +398,7 @@ def distill_path(data: DataConfig, target: Loaded, cache_dir: str) -> Path:
         **{k: getattr(data.distill, k) for k in ANSWER_FIELDS},
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(os.environ.get("DRAFTSMITH_CACHE") or cache_dir).expanduser() / "distill"
+    root = cache_root(cache_dir) / "distill"
     name = re.sub(r"[^\w.-]", "_", target.target_id)
     return root / f"{name}-{digest}.jsonl"
 
@@ -443,11 +429,11 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from draftsmith.serve.__main__ import typed
+    from draftsmith.serve.__main__ import typed_or_exit
 
     @hydra.main(config_path="../conf", config_name="distill", version_base=None)
     def _main(cfg: DictConfig) -> None:
-        run(typed(cfg, DistillRun))
+        run(typed_or_exit(cfg, DistillRun, "python -m draftsmith.train.distill"))
 
     _main()
 

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from draftsmith.heads.llama import Transformer
+from draftsmith.serve.target import cache_root
 
 from .chat import Example
 from .data import DataConfig, data_key
@@ -38,7 +39,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 class FeatureConfig:
     mode: str = "online"  # online: the target runs in every step | cached: once, to disk, reused
     dtype: str = "bfloat16"  # cached storage dtype: bfloat16 | float16
-    dir: str | None = None  # the cache folder; default <DRAFTSMITH_CACHE or target.cache_dir>/features/<key>
+    dir: str | None = None  # the cache folder; default <target.cache_dir or $DRAFTSMITH_CACHE>/features/<key>
     batch_tokens: int = 8192  # padded tokens per target forward while building the cache
     shard_tokens: int = 65536  # tokens per shard file
 
@@ -87,11 +88,11 @@ def source_stamp(source: str) -> str:
     return hashlib.sha256(json.dumps(stats).encode()).hexdigest()[:16]
 
 
-def cache_folder(cfg: FeatureConfig, key: dict, cache_dir: str = "~/.cache/draftsmith") -> Path:
-    """features.dir, else <DRAFTSMITH_CACHE or cache_dir (target.cache_dir)>/features/<target>-<key hash>."""
+def cache_folder(cfg: FeatureConfig, key: dict, cache_dir: str | None = None) -> Path:
+    """features.dir, else <cache root (serve/target.cache_root of target.cache_dir)>/features/<target>-<key hash>."""
     if cfg.dir:
         return Path(cfg.dir).expanduser()
-    root = Path(os.environ.get("DRAFTSMITH_CACHE") or cache_dir).expanduser() / "features"
+    root = cache_root(cache_dir) / "features"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     name = re.sub(r"[^\w.-]", "_", key["target"])
     return root / f"{name}-{digest}"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .jsonl import complete_rows
+
 
 @dataclass
 class WandbConfig:
@@ -48,10 +50,12 @@ class MetricsLog:
 
 
 def truncate_after(path: Path, step: int) -> None:
+    """Keep the rows up to `step`; a torn last line (a kill mid-write) goes too."""
     if not path.is_file():
         return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln).get("step", 0) <= step]
-    path.write_text("".join(ln + "\n" for ln in lines))
+    bad = "is not a metrics row (a JSON object with an integer step): delete that line, then resume again"
+    rows, _ = complete_rows(path.read_bytes(), path, lambda row: isinstance(row.get("step", 0), int), bad)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows if row.get("step", 0) <= step))
 
 
 def start_wandb(out: Path, cfg, run_config: dict, name: str, tags: list[str], run_id: str | None):

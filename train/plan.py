@@ -28,7 +28,8 @@ class Plan:
                 f"{n} examples make no full step of batch_size {tc.batch_size} x grad_accum {tc.grad_accum} x "
                 f"{world} processes: use more data or smaller batches"
             )
-        return cls(per_epoch, tc.max_steps or tc.epochs * per_epoch, tc.batch_size, tc.grad_accum, tc.seed)
+        total = tc.epochs * per_epoch if tc.max_steps is None else tc.max_steps
+        return cls(per_epoch, total, tc.batch_size, tc.grad_accum, tc.seed)
 
     def batches(self, n: int, epoch: int, rank: int, world: int) -> list[list[int]]:
         """This process's micro-batches of `epoch`: a seeded permutation cut into batches, dealt round-robin."""

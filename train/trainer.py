@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -19,13 +20,14 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, set_seed
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
 from omegaconf import OmegaConf
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from draftsmith.heads.drafter import Recipe, save_drafter
+from draftsmith.heads.drafter import Recipe, own_state, save_drafter
+from draftsmith.heads.kinds import resolve
 from draftsmith.serve.build import Loaded, load, target_info
 from draftsmith.serve.target import TargetConfig, native_bf16, pick_device
 
@@ -35,7 +37,7 @@ from .batch import FeatureBatch
 from .data import DataConfig, data_key
 from .dataset import make_dataset, pad_id
 from .features import FeatureConfig, collate, target_states
-from .head import HeadConfig, build_head, head_layers
+from .head import HeadConfig, build_head, head_layers, trained_kind
 from .log import MetricsLog, WandbConfig, Window
 from .plan import Plan, warmup_cosine
 
@@ -61,13 +63,25 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     eval_every: int = 0  # acceptance on held-out prompts every N steps (0 = off) and at the end
-    eval_prompts: int = 4
-    eval_num_tokens: int = 4  # the eval draft's depth
-    eval_topk: int = 1  # EAGLE heads: children per node of the eval draft tree (1 = a chain)
+    eval_prompts: int = 4  # the eval drafts the shape the head is made for (head.draft)
     eval_max_new_tokens: int = 32
     num_workers: int = 0
     seed: int = 0
     features: FeatureConfig = field(default_factory=FeatureConfig)
+
+    def __post_init__(self) -> None:  # when the config is built: before the target loads or features are made
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 (null: epochs x steps per epoch), got {self.max_steps}")
+        for key in ("epochs", "batch_size", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        if self.eval_every < 0 or self.warmup_steps < 0 or self.num_workers < 0:
+            e, w, n = self.eval_every, self.warmup_steps, self.num_workers
+            raise ValueError(f"train.eval_every, warmup_steps and num_workers must be >= 0, got {e}, {w} and {n}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"train.lr must be a positive number, got {self.lr}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {list(self.betas)}")
 
 
 @dataclass
@@ -108,11 +122,7 @@ def setup(cfg: RunConfig) -> Loop:
     for name in cfg.imports:
         importlib.import_module(name)
     tc, out = cfg.train, Path(cfg.out)
-    acc = Accelerator(
-        cpu=not torch.cuda.is_available(),  # processes started by torchrun on a CPU machine then join via gloo
-        mixed_precision=resolve_precision(tc.mixed_precision),
-        gradient_accumulation_steps=tc.grad_accum,
-    )
+    acc = make_accelerator(tc)
     say = tqdm.write if acc.is_main_process else (lambda *_: None)
     if not cfg.resume and checkpoint.checkpoints(out):
         raise ValueError(f"{out} already holds checkpoints: pass resume=true to continue, or pick another out")
@@ -121,7 +131,7 @@ def setup(cfg: RunConfig) -> Loop:
     check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
     target = load_target(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
-    layers = head_layers(head)
+    layers = head_layers(cfg.head.kind, head_cfg)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
     token_counts = dataset.token_counts(target.model.config.vocab_size)  # saved with the drafter
     if hasattr(head, "set_vocab"):  # EAGLE-3's draft vocabulary: the most frequent answer tokens
@@ -130,17 +140,67 @@ def setup(cfg: RunConfig) -> Loop:
     plan = Plan.make(len(dataset), tc, acc.num_processes)
     say(f"{len(dataset)} examples, {plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps; {data_info}")
 
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        keep_borrowed_out(head)
+        fill_deepspeed_config(acc.state.deepspeed_plugin.deepspeed_config, tc)
     model = LossModule(head, loss_fn, dict(cfg.head.loss))
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc, plan.total_steps))
-    if acc.distributed_type == DistributedType.DEEPSPEED:  # "auto" in the DeepSpeed json needs it
-        acc.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = tc.batch_size
     model, optimizer = acc.prepare(model, optimizer)
-    fingerprint = make_fingerprint(cfg, target, acc.num_processes, len(dataset))
+    fingerprint = make_fingerprint(cfg, target, acc.num_processes, len(dataset), zero_stage(acc))
     hook = make_hook(cfg, target, head_cfg, say) if acc.is_main_process and tc.eval_every else None
     parts = (cfg, acc, say, model, head, head_cfg, optimizer, scheduler, target, layers, dataset, plan, fingerprint)
     return Loop(*parts, hook, token_counts)
+
+
+def make_accelerator(tc: TrainConfig) -> Accelerator:
+    """On a CPU machine, processes started by torchrun join via gloo. accelerate runs DeepSpeed only with
+    cpu=False, and then picks no backend when there is no GPU: name gloo (DeepSpeed's CPU accelerator uses it)."""
+    cpu = not torch.cuda.is_available()
+    deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    if cpu and deepspeed:
+        skip_shm_comm_build()
+    return Accelerator(
+        cpu=cpu and not deepspeed,
+        mixed_precision=resolve_precision(tc.mixed_precision),
+        gradient_accumulation_steps=tc.grad_accum,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and deepspeed else None,
+    )
+
+
+def skip_shm_comm_build() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce when it starts (g++ and ninja, about a
+    CPU-minute, once per machine) that only its inference path calls: ZeRO training reduces through gloo.
+    Marked unbuildable (DeepSpeed keeps this one dict of compatible ops), no compiler is needed."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def keep_borrowed_out(head: nn.Module) -> None:
+    """The frozen target modules a head borrows (its shared_prefixes: embedding, lm_head) become plain
+    attributes, out of the module tree DeepSpeed takes over: it would cast them to bf16 and, under ZeRO-3, shard
+    them, and they are the target's own (features and evals run it on the main process alone)."""
+    for prefix in getattr(head, "shared_prefixes", ()):
+        name = prefix.rstrip(".")
+        module = head._modules.get(name)
+        if module is not None and not any(p.requires_grad for p in module.parameters()):
+            object.__setattr__(head, name, head._modules.pop(name))
+
+
+def fill_deepspeed_config(ds: dict, tc: TrainConfig) -> None:
+    """The DeepSpeed json's "auto" values accelerate cannot know: the batch comes from our own loader, and
+    accelerate would clip at 1.0 (DeepSpeed clips inside its step; clip_grad_norm_ only reads the norm)."""
+    ds["train_micro_batch_size_per_gpu"] = tc.batch_size
+    if ds.get("gradient_clipping", "auto") == "auto":
+        ds["gradient_clipping"] = tc.max_grad_norm
+
+
+def zero_stage(acc: Accelerator) -> int | None:
+    if acc.distributed_type != DistributedType.DEEPSPEED:
+        return None
+    return acc.state.deepspeed_plugin.deepspeed_config.get("zero_optimization", {}).get("stage", 0)
 
 
 def engine_state(acc: Accelerator) -> Accelerator | None:
@@ -161,11 +221,11 @@ def load_target(cfg: TargetConfig, acc: Accelerator) -> Loaded:
 
 
 def loss_for(kind: str):
-    from .losses import LOSSES
-
-    if kind not in LOSSES:
-        raise ValueError(f"no loss for head kind {kind!r} in train/losses.LOSSES ({', '.join(sorted(LOSSES))})")
-    return LOSSES[kind]
+    """The kind's registered loss (heads/kinds.py)."""
+    found = trained_kind(kind)
+    if not found.loss:
+        raise ValueError(f"head kind {kind!r} registers no loss: give its Kind a loss=\"module:function\"")
+    return resolve(found.loss)
 
 
 def check_loss_options(loss_fn, options: dict, kind: str) -> None:
@@ -188,25 +248,28 @@ def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
     if not prompts:
         say("acceptance eval off: no held-out prompt fits (raise data.heldout_fraction)")
         return None
-    return acceptance_hook(
-        target, head_cfg, prompts, tc.eval_num_tokens, tc.eval_max_new_tokens, say, topk=tc.eval_topk
-    )
+    return acceptance_hook(target, head_cfg, prompts, tc.eval_max_new_tokens, say, cfg.head.draft)
 
 
-def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int) -> dict:
-    """What must not change between a checkpoint and its resume (it fixes the data order and schedule)."""
+def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int, zero: int | None = None) -> dict:
+    """What must not change between a checkpoint and its resume (it fixes the data order and schedule; under
+    DeepSpeed the ZeRO stage fixes how the optimizer state was saved). The key is added only under DeepSpeed, so
+    earlier checkpoints keep their fingerprint; head.draft (what the drafter is recorded for) is left out."""
     tc = cfg.train
+    deepspeed = {} if zero is None else {"deepspeed_zero_stage": zero}
+    head = {k: v for k, v in asdict(cfg.head).items() if k != "draft"}
     return json.loads(
         json.dumps(
             {
                 "target": target.target_id,
-                "head": asdict(cfg.head),
+                "head": head,
                 "data": data_key(cfg.data),
                 "features": tc.features.mode,
                 "examples": examples,
                 "processes": world,
                 **{k: getattr(tc, k) for k in ("epochs", "max_steps", "batch_size", "grad_accum", "seed")},
-                **{k: getattr(tc, k) for k in ("lr", "warmup_steps", "min_lr_ratio", "weight_decay")},
+                **{k: getattr(tc, k) for k in ("lr", "betas", "warmup_steps", "min_lr_ratio", "weight_decay")},
+                **deepspeed,
             }
         )
     )
@@ -260,6 +323,8 @@ class Loop:
             loaded = checkpoint.load_latest(self.out, *args, engine=engine_state(acc))
             if loaded is None:
                 self.say(f"resume=true but {self.out}/checkpoints holds none: starting at step 0")
+            elif loaded.tau:  # kept for the final drafter's card, should no eval run after the resume
+                self.last_eval = {"tau": loaded.tau}
             state = loaded or state
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -270,8 +335,24 @@ class Loop:
             state.wandb_id = self.log.wandb_id
         return state
 
-    def write_drafter(self, state: checkpoint.State, folder: Path) -> Path:
-        """The head as it stands as a drafter folder, with the recipe so far and the last acceptance eval."""
+    def full_state(self) -> dict[str, Tensor] | None:
+        """The head's own weights in fp32 when DeepSpeed holds them: its module has bf16/fp16 copies (ZeRO-3: a
+        shard each) and the fp32 masters lie sharded in the optimizer. Gathering them is collective: every process
+        calls this. None elsewhere: the head holds its weights."""
+        if self.acc.distributed_type != DistributedType.DEEPSPEED:
+            return None
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        state = own_state(self.head)
+        for name, p in self.head.named_parameters():  # one order on every process: each gather is a collective
+            full = safe_get_full_fp32_param(p) if name in state else None
+            if full is not None:  # None: not in the optimizer (frozen), held whole
+                state[name] = full
+        return state
+
+    def write_drafter(self, state: checkpoint.State, folder: Path, weights: dict | None = None) -> Path:
+        """The head as it stands as a drafter folder, with the recipe so far and the last acceptance eval.
+        weights: full_state() under DeepSpeed."""
         cfg, tc = self.cfg, self.cfg.train
         tau = self.last_eval.get("tau")
         measured = {"mean_acceptance_length": tau, "source": "training eval"} if tau else {}
@@ -284,12 +365,14 @@ class Loop:
             acceptance=measured,
         )
         info = target_info(self.target)
-        return save_drafter(self.head, self.head_cfg, cfg.head.kind, info, recipe, folder, self.token_counts)
+        args = (self.head, self.head_cfg, cfg.head.kind, info, recipe, folder, self.token_counts, weights)
+        return save_drafter(*args, draft=cfg.head.draft)
 
     def finish(self, state: checkpoint.State) -> Path:
         """Write OUT/final (main process)."""
+        weights = self.full_state()
         if self.acc.is_main_process:
-            final = self.write_drafter(state, self.out / "final")
+            final = self.write_drafter(state, self.out / "final", weights)
             self.say(f"drafter written to {final}")
             self.log.close()
         self.acc.wait_for_everyone()
@@ -323,7 +406,7 @@ class Loop:
                 if state.step >= plan.total_steps:
                     break
         bar.close()
-        if self.hook is not None and state.step % tc.eval_every:
+        if tc.eval_every and state.step % tc.eval_every:
             self.evaluate(state.step)
 
     def micro_step(self, batch: dict) -> None:
@@ -348,20 +431,24 @@ class Loop:
             if self.log:
                 self.log.log(row)
         paused = time.perf_counter()  # evals and checkpoints do not count against tokens/s
-        if self.hook is not None and step % tc.eval_every == 0:
+        if tc.eval_every and step % tc.eval_every == 0:
             self.evaluate(step)
         if step % tc.checkpoint_every == 0 or step == self.plan.total_steps:
             acc = self.acc
-            write = partial(self.write_drafter, state)
+            write = partial(self.write_drafter, state, weights=self.full_state())
             args = (self.optimizer, self.scheduler, self.fingerprint, acc.process_index, acc.wait_for_everyone)
             checkpoint.save(self.out, state, write, *args, tc.keep_checkpoints, engine_state(acc))
         self.window.started += time.perf_counter() - paused
 
     def evaluate(self, step: int) -> None:
-        """Main process only (the others wait at the next checkpoint barrier or the end)."""
+        """Every process calls this (DeepSpeed gathers the weights); the main one evaluates while the others wait
+        at the next checkpoint barrier or the end."""
+        weights = self.full_state()
+        if self.hook is None:
+            return
         self.head.eval()
         try:
-            result = self.hook(self.head, self.cfg.head.kind)
+            result = self.hook(self.head, self.cfg.head.kind, weights)
         except Exception as e:  # an eval must not end a long run: say why and carry on
             self.say(f"acceptance eval at step {step} failed: {type(e).__name__}: {e}")
             result = {}

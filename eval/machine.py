@@ -1,0 +1,87 @@
+"""Which machine a result came from: the same fp32 decode ran 22 tok/s on one 2-core EPYC and 44 on another, so a
+figure is only comparable with figures from the same CPU model, instruction sets, threads and load."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # CPU features that change matmul speed
+SAME_MACHINE = ("cpu", "cpu_flags", "gpu", "threads")  # what must match for two results to be compared
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    return {
+        "device": f"{device.type}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_name()}",
+        "cpu": cpu_name(),
+        "cpu_flags": cpu_flags(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "commit": git_commit(),
+    }
+
+
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                name, _, value = line.partition(":")
+                info[name.strip()] = value.strip()
+    except OSError:
+        pass
+    return info
+
+
+def cpu_name() -> str:
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    flags = set(cpuinfo().get("flags", "").split())
+    return [f for f in SPEED_FLAGS if f in flags]
+
+
+def load_average() -> list[float] | None:
+    """1, 5 and 15 minute load averages: above the core count, something else competed for the CPU."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def git_commit() -> str:
+    """The checkout's commit, `-dirty` when it has uncommitted changes; empty outside a git checkout."""
+    try:
+        run = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return run.stdout.strip() if run.returncode == 0 else ""
+
+
+def machine_key(env: dict) -> tuple:
+    return tuple(str(env.get(k)) for k in SAME_MACHINE)
+
+
+def describe(env: dict) -> str:
+    """'AMD EPYC (avx2, avx512f, avx512_bf16), 2 threads' or with the GPU."""
+    flags = ", ".join(env.get("cpu_flags") or []) or "no AVX2"
+    gpu = f", GPU {env['gpu']}" if env.get("gpu") else ""
+    return f"{env.get('cpu', '?')} ({flags}){gpu}, {env.get('threads', '?')} threads"
