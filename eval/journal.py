@@ -9,6 +9,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from draftsmith.heads.files import write_text_atomic
 from draftsmith.serve.metrics import Metrics
 
 from .aggregate import Record
@@ -70,7 +71,7 @@ class Journal:
             )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
-        atomic_write(self.run, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        write_text_atomic(self.run, json.dumps(settings, indent=2, sort_keys=True) + "\n")
         return []
 
     def resume(self, settings: dict) -> list[Unit]:
@@ -127,9 +128,3 @@ def unfinished(out: Path) -> bool:
         return bool(json.loads((out / "results.json").read_text()).get("partial", True))
     except (OSError, json.JSONDecodeError):
         return True
-
-
-def atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -1,4 +1,4 @@
-"""Prompt files (DESIGN.md): JSON lines with `id`, optional `category`, and `turns` or `prompt`."""
+"""Prompt files (docs/design.md, Formats): JSON lines with `id`, optional `category`, and `turns` or `prompt`."""
 
 from __future__ import annotations
 

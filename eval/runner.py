@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from draftsmith.heads.files import write_text_atomic
 from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load, resolve_shape
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.sampling import SamplingParams
@@ -31,7 +32,7 @@ from .aggregate import (
     summary,
 )
 from .distribution import distribution_check
-from .journal import Journal, Skip, Unit, atomic_write
+from .journal import Journal, Skip, Unit
 from .machine import environment, load_average
 from .methods import drafter_params, resolve_methods
 from .prompts import Prompt, load_prompts
@@ -45,7 +46,7 @@ Arm = tuple[str, bool]  # (method label or "ar", prefix cache on)
 @dataclass
 class EvalConfig:
     out: str
-    prompts: str | None = None  # a prompts file (DESIGN.md format) ...
+    prompts: str | None = None  # a prompts file (docs/design.md format) ...
     suite: SuiteConfig | None = None  # ... or a packaged suite (hydra group `suite`)
     target: TargetConfig = field(default_factory=TargetConfig)
     spec: SpecConfig = field(default_factory=lambda: SpecConfig("ngram", 5))
@@ -308,6 +309,7 @@ def write_outputs(out: Path, records: list[Record], prompts: list[dict], results
     """outputs.jsonl, per_prompt.jsonl and (last) results.json, each written to a temp file and renamed."""
     out.mkdir(parents=True, exist_ok=True)
     keys = ("id", "turn", "method", "output_ids", "text", "repeat")
-    atomic_write(out / "outputs.jsonl", "".join(json.dumps({k: getattr(r, k) for k in keys}) + "\n" for r in records))
-    atomic_write(out / "per_prompt.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
-    atomic_write(out / "results.json", json.dumps(results, indent=2) + "\n")
+    lines = (json.dumps({k: getattr(r, k) for k in keys}) + "\n" for r in records)
+    write_text_atomic(out / "outputs.jsonl", "".join(lines))
+    write_text_atomic(out / "per_prompt.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
+    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")

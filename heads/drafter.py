@@ -10,9 +10,6 @@ refused before anything runs.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -21,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .files import move_into_place, temp_folder_beside
 from .kinds import KINDS, DraftShape, get
 
 FORMAT_VERSION = 1
@@ -65,9 +63,7 @@ def save_drafter(
     draft: the shape the drafter is made for (unset fields: the kind's default), what the engine drafts by default."""
     out = Path(out)
     shape = get(kind).shape(draft or DraftShape())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with temp_folder_beside(out) as tmp:
         meta = {
             "format_version": FORMAT_VERSION,
             "kind": kind,
@@ -82,12 +78,7 @@ def save_drafter(
         (tmp / "README.md").write_text(model_card(kind, target, config, recipe, shape))
         if token_counts is not None:
             save_file({"counts": token_counts.detach().long().cpu().contiguous()}, str(tmp / TOKEN_COUNTS))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        move_into_place(tmp, out)
     return out
 
 

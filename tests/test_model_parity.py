@@ -18,9 +18,11 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
     "rope_theta": 10000.0,
 }
+LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
 FAMILIES = {
     "llama": ("llama", {}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}),
+    "linear-rope": ("llama", {"rope_parameters": LINEAR_ROPE}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
@@ -90,12 +92,22 @@ def test_tiny_parity(family: str, tiny_llama_dir) -> None:
     check_parity(folder, tokens, cuts=[37, 38, 50, 71])
 
 
-def test_llama3_rope_is_applied(tiny_llama_dir) -> None:
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, LINEAR_ROPE], ids=["llama3", "linear"])
+def test_rope_scaling_is_applied(rope: dict, tiny_llama_dir) -> None:
     """The scaled config must differ from plain rope past the original context (so parity means something)."""
     plain = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
-    scaled = load_model(tiny_llama_dir("llama", rope_parameters=LLAMA3_ROPE), torch.float32, "cpu")
-    assert scaled.config.rope_scaling["rope_type"] == "llama3"
+    scaled = load_model(tiny_llama_dir("llama", rope_parameters=rope), torch.float32, "cpu")
+    assert scaled.config.rope_scaling["rope_type"] == rope["rope_type"]
     assert not torch.allclose(plain.cos[80], scaled.cos[80])
+
+
+def test_linear_rope_stretches_positions(tiny_llama_dir) -> None:
+    """linear: position p under factor f is rotated as plain rope rotates p / f."""
+    plain = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+    scaled = load_model(tiny_llama_dir("llama", rope_parameters=LINEAR_ROPE), torch.float32, "cpu")
+    f = int(LINEAR_ROPE["factor"])
+    torch.testing.assert_close(scaled.cos[::f][:20], plain.cos[:20])
+    torch.testing.assert_close(scaled.sin[::f][:20], plain.sin[:20])
 
 
 @pytest.mark.slow

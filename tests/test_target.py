@@ -170,6 +170,9 @@ def test_cache_dir_set_explicitly_wins_over_the_environment(tmp_path: Path, monk
     key = {"target": "t@1234abcd"}
     assert cache_folder(FeatureConfig(), key, str(explicit)).parent == explicit / "features"
     assert cache_folder(FeatureConfig(), key, None).parent == env / "features"
+    # the entry names existing caches were written under: a change would orphan them and rebuild
+    assert cache_folder(FeatureConfig(), key, None).name == "t_1234abcd-c4a9d927f0d7"
+    assert target_mod.keyed_cache_path(None, "distill", "t@1", {}, ".jsonl") == env / "distill/t_1-44136fa355b3.jsonl"
     monkeypatch.delenv("DRAFTSMITH_CACHE")
     assert target_mod.cache_root(None) == home / ".cache" / "draftsmith"
     assert TargetConfig().cache_dir is None  # "not set" is distinguishable from the default

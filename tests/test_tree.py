@@ -140,3 +140,49 @@ def test_merge_chain_reuses_the_trees_nodes_then_appends():
     assert inside.tokens.tolist() == tree.tokens.tolist() and inside.parents.tolist() == tree.parents.tolist()
     fresh = merge_chain(DraftTree.empty(), torch.tensor([3, 4]))
     assert fresh.is_chain and fresh.tokens.tolist() == [3, 4]
+
+
+def random_scored_tree(g: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Parents before children, scores as cumulative log-probs: a child never scores above its parent. Many
+    log-probs are 0 (a certain token), so children tie with their parents and with unrelated nodes."""
+    parents, scores = [], []
+    for i in range(n):
+        p = int(torch.randint(-1, i, (1,), generator=g)) if i else -1
+        step = -float(torch.randint(0, 3, (1,), generator=g))  # 0, -1 or -2
+        parents.append(p)
+        scores.append((scores[p] if p >= 0 else 0.0) + step)
+    return torch.tensor(parents), torch.tensor(scores)
+
+
+def test_rerank_keeps_the_best_nodes_with_all_their_ancestors():
+    """serve/eagle.rerank: the kept nodes are the `keep` best by score, every kept node's ancestors are kept
+    (ties broken by index, so a parent wins a tie with its child), parents are re-indexed and order stays
+    topological, and each kept node keeps its token and draft distribution."""
+    from draftsmith.serve.eagle import rerank
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=g))
+        parents, scores = random_scored_tree(g, n)
+        keep = int(torch.randint(1, n + 2, (1,), generator=g))
+        probs = torch.eye(n)  # row i names node i
+        tree = rerank(torch.arange(n) + 100, parents, scores, keep, probs)
+        kept = (tree.tokens - 100).tolist()  # original index of each kept node
+        assert len(kept) == min(keep, n) and kept == sorted(kept)
+        assert tree.draft_probs.argmax(-1).tolist() == kept
+        dropped = [i for i in range(n) if i not in kept]
+        if dropped:
+            assert min(scores[kept]) >= max(scores[dropped])
+        for new, old in enumerate(kept):
+            p = int(parents[old])
+            assert p == -1 or p in kept, (parents.tolist(), scores.tolist(), keep, kept)  # the ancestor rule
+            assert int(tree.parents[new]) == (-1 if p == -1 else kept.index(p))
+            assert int(tree.parents[new]) < new
+
+
+def test_rerank_keeps_all_when_the_tree_fits():
+    from draftsmith.serve.eagle import rerank
+
+    tokens, parents = torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0])
+    tree = rerank(tokens, parents, torch.tensor([-1.0, -1.0, -3.0]), 3, None)
+    assert tree.tokens.equal(tokens) and tree.parents.equal(parents) and tree.draft_probs is None

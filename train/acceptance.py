@@ -22,9 +22,10 @@ from .data import DataConfig, heldout_conversations
 
 
 def heldout_prompts(data: DataConfig, tokenizer, n: int, max_tokens: int) -> list[list[int]]:
-    """The first user turns of up to n held-out conversations, chat-encoded, that fit in max_tokens."""
+    """The first user turns of up to n held-out conversations, chat-encoded, that fit in max_tokens; none when
+    nothing is held out (the trainer then turns its acceptance eval off)."""
     prompts = []
-    for conv in heldout_conversations(data, limit=4 * n):
+    for conv in heldout_conversations(data, limit=4 * n, required=False):
         first = next((m for m in conv.messages if m["role"] == "user"), None)
         ids = encode_chat(tokenizer, [first]) if first else []
         if 0 < len(ids) <= max_tokens:

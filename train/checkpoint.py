@@ -10,7 +10,6 @@ that fix the data order). Resuming takes the newest one that loads; a corrupt on
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from draftsmith.heads.drafter import own_state
+from draftsmith.heads.files import move_into_place
 
 PREFIX = "step-"
 DRAFTER = "drafter"
@@ -72,9 +72,7 @@ def save(
         torch.save({**optim, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         meta = {"step": state.step, "tokens": state.tokens, "wandb_id": state.wandb_id, "fingerprint": fingerprint}
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        move_into_place(tmp, final)
         for old in checkpoints(out)[keep:]:
             shutil.rmtree(old)
     barrier()

@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import os
-import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,7 +37,7 @@ from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids
 from draftsmith.serve.draft_model import causal_mask
 from draftsmith.serve.sampling import SamplingParams, pick
-from draftsmith.serve.target import TargetConfig, cache_root
+from draftsmith.serve.target import TargetConfig, keyed_cache_path
 
 from .data import ANSWER_FIELDS, Conversation, DataConfig, DistillConfig, Skipped
 from .features import source_stamp
@@ -397,10 +396,7 @@ def distill_path(data: DataConfig, target: Loaded, cache_dir: str | None) -> Pat
         "chat_template": hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest()[:12],
         **{k: getattr(data.distill, k) for k in ANSWER_FIELDS},
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    root = cache_root(cache_dir) / "distill"
-    name = re.sub(r"[^\w.-]", "_", target.target_id)
-    return root / f"{name}-{digest}.jsonl"
+    return keyed_cache_path(cache_dir, "distill", target.target_id, key, ".jsonl")
 
 
 @dataclass

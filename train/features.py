@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,15 +22,16 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from draftsmith.heads.files import move_into_place, write_file_atomic
 from draftsmith.heads.llama import Transformer
-from draftsmith.serve.target import cache_root
+from draftsmith.serve.target import DTYPES, keyed_cache_path
 
 from .chat import Example
 from .data import DataConfig, data_key
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+STORAGE_DTYPES = ("bfloat16", "float16")  # float32 would double the cache for no gain
 
 
 @dataclass
@@ -46,8 +45,8 @@ class FeatureConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("online", "cached"):
             raise ValueError(f"features.mode must be online or cached, got {self.mode!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"features.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"features.dtype must be one of {', '.join(STORAGE_DTYPES)}, got {self.dtype!r}")
 
 
 def target_states(model: Transformer, input_ids: Tensor, layers: tuple[int, ...]) -> tuple[Tensor, Tensor | None]:
@@ -89,13 +88,10 @@ def source_stamp(source: str) -> str:
 
 
 def cache_folder(cfg: FeatureConfig, key: dict, cache_dir: str | None = None) -> Path:
-    """features.dir, else <cache root (serve/target.cache_root of target.cache_dir)>/features/<target>-<key hash>."""
+    """features.dir, else <cache root>/features/<target>-<key hash> (serve/target.keyed_cache_path)."""
     if cfg.dir:
         return Path(cfg.dir).expanduser()
-    root = cache_root(cache_dir) / "features"
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    name = re.sub(r"[^\w.-]", "_", key["target"])
-    return root / f"{name}-{digest}"
+    return keyed_cache_path(cache_dir, "features", key["target"], key)
 
 
 def check_manifest(folder: Path, key: dict) -> dict:
@@ -232,9 +228,7 @@ def write_shard(
     }
     if layers:
         tensors["aux"] = torch.cat(aux)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    write_file_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -265,7 +259,7 @@ def finish(partial: Path, folder: Path, key: dict, examples: list[Example], rang
     (partial / "key.json").unlink()
     if folder.exists():  # an empty folder named by features.dir
         folder.rmdir()
-    os.replace(partial, folder)
+    move_into_place(partial, folder)
 
 
 # ---- reading

@@ -1,0 +1,107 @@
+"""DFlash proposer: one head forward drafts a block, a chain or a tree from each draft slot's top-k.
+
+The drafter's cache holds, per layer, the keys and values of the context: slot j is the head's projection of the
+target's features of token j, at position j (it depends on tokens[: j + 1] only, so it goes through the prefix
+cache with the target's KV). With the pending token at position p, the block [pending token, mask x (B-1)] runs at
+slots and positions p .. p+B-1, attending to context slots [0, p) and to the whole block; slot i's logits draft
+depth i. The block's own keys and values are scratch: the next accept() writes the real context of the verified
+tokens over them, so a rejected draft leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from draftsmith.heads.dflash import DFlashHead
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut
+
+from .build import Loaded, SpecConfig, spec_head
+from .eagle import rerank
+from .proposer import Proposer
+from .sampling import SamplingParams, probs_from_logits, widen
+from .tree import DraftTree, TreeConfig
+
+
+class DFlashProposer(Proposer):
+    name = "dflash"
+
+    def __init__(self, head: DFlashHead, num_tokens: int, tree: TreeConfig | None = None, generator=None) -> None:
+        if num_tokens < 1:
+            raise ValueError(f"spec.num_tokens must be >= 1, got {num_tokens}")
+        # one forward drafts block_size - 1 tokens: a deeper draft is capped there, as Medusa's at its heads
+        num_tokens = min(num_tokens, head.config.block_size - 1)
+        self.head, self.depth, self.tree, self.gen = head, num_tokens, tree or TreeConfig(), generator
+        self.aux_layers = tuple(head.aux_layers)
+        self.vocab_ids = head.vocab_ids  # target id of each draft id
+        k, vocab = self.tree.topk, head.lm_head.out_features
+        if k > vocab:
+            raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
+        drafted = k + (num_tokens - 1) * k * k
+        self.max_tree_size = min(self.tree.total_tokens or drafted, drafted)
+        self.cache: KVCache | None = None
+        self.cached = 0  # context slots [0, cached) are written
+        self.logits: Tensor | None = None  # [block_size - 1, draft vocab]: row d-1 drafts depth d
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return [self.cache] if self.cache is not None else []
+
+    def reserve(self, max_len: int) -> None:
+        c, w = self.head.config, self.head.fc.weight
+        room = max_len + c.block_size
+        self.cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
+        if self.head.cos.shape[0] < room:  # the block reaches block_size - 1 positions past the pending token
+            self.head.rope_cache(room)
+
+    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+        """Context slots [0, start) came from the prefix cache; the target's outputs cover tokens [start, n-1)."""
+        self.cached = start
+        self.extend(tokens, target)
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+        self.extend(tokens, target)
+
+    def extend(self, tokens: Tensor, target: ForwardOut) -> None:
+        """The verified tokens' context into slots cached.., then the next block from the pending token (the last)."""
+        context = self.head.target_features(target.hidden, torch.cat(target.aux, dim=-1))
+        s, n = self.cached, tokens.numel()
+        if s + context.shape[0] != n - 1:
+            raise RuntimeError(f"the drafter holds {s} tokens and got {context.shape[0]} more, the engine has {n}")
+        self.head.write_context(context, torch.arange(s, n - 1, device=tokens.device), self.cache, s)
+        block = self.head.block_tokens(tokens[n - 1])
+        self.logits = self.head.logits(self.head.draft(block, n - 1, self.cache)[1:]).float()
+        self.cached = n - 1
+
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        """Level d takes slot d's top-k under the level above's topk best nodes (by cumulative log-prob): a slot's
+        distribution does not depend on the tokens drafted before it. topk=1 is a chain; a sampled chain draws
+        depth d from slot d's distribution, which verification needs."""
+        if tokens.numel() != self.cached + 1:
+            raise RuntimeError(f"the drafter holds {self.cached} tokens + the pending one, the engine {tokens.numel()}")
+        depth, k = min(self.depth, budget), self.tree.topk
+        logits = self.logits[:depth]
+        if k == 1 and not sp.greedy:
+            p = probs_from_logits(logits, sp)
+            ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
+            return DraftTree.chain(self.vocab_ids[ids], widen(p, self.vocab_ids, self.head.config.vocab_size))
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
+        return self.tree_of(self.vocab_ids[top.indices], top.values)
+
+    def tree_of(self, ids: Tensor, logp: Tensor) -> DraftTree:
+        """ids, logp [depth, k]: level d's candidates, each expanded under the level above's k best nodes."""
+        k = ids.shape[1]
+        toks, parents, cum, first = [ids[0]], [torch.full((k,), -1, device=ids.device)], [logp[0]], 0
+        for d in range(1, ids.shape[0]):
+            best = cum[-1].topk(min(k, cum[-1].numel())).indices
+            toks.append(ids[d].repeat(best.numel()))
+            parents.append((first + best).repeat_interleave(k))
+            cum.append((cum[-1][best][:, None] + logp[d][None]).flatten())
+            first += toks[-2].numel()
+        return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), self.max_tree_size, None)
+
+
+def dflash_proposer(spec: SpecConfig, target: Loaded) -> DFlashProposer:
+    """spec=dflash: the head borrows the target's embedding; num_tokens and tree come resolved (serve/build.py)."""
+    return DFlashProposer(spec_head(spec, target, target.model), spec.num_tokens, spec.tree)

@@ -1,0 +1,70 @@
+"""DFlash's loss: blocks at anchors sampled from the loss-masked positions, soft CE per slot, weights decaying
+with the slot's distance from the anchor.
+
+The block of anchor a drafts the tokens a+1 .. a+B-1 (B = block_size): slot i's soft target is the target's
+distribution of token a+i (its lm_head on hidden[a+i-1], restricted to the draft vocabulary), weighted by
+loss_mask[a+i] * exp(-(i-1) / decay_gamma), as speculators' DFlash weights slot i. An anchor is an answer token
+(loss_mask[a] = 1) with at least one position after it: the pending token drafting starts from is one too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from draftsmith.heads.dflash import DFlashHead
+
+from .batch import FeatureBatch
+from .losses import agreement, sharpened, weighted_mean
+
+
+def sample_anchors(loss_mask: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """Up to `count` distinct anchors per row, drawn uniformly from the positions a >= 1 with loss_mask[a] > 0
+    and a token after them (the global RNG: seeded, restored on resume). Returns anchors [b, A] and which of them
+    are real [b, A] (a row with fewer candidates pads with weight-0 anchors)."""
+    b, n = loss_mask.shape
+    pos = torch.arange(n, device=loss_mask.device)
+    ok = (loss_mask > 0) & (pos >= 1) & (pos < n - 1)
+    scores = torch.rand(b, n, device=loss_mask.device).masked_fill(~ok, -1.0)
+    top = scores.topk(min(count, n), dim=1)
+    return top.indices, top.values >= 0
+
+
+def dflash_loss(
+    head: DFlashHead,
+    batch: FeatureBatch,
+    anchors: int = 64,
+    decay_gamma: float = 4.0,
+    target_temperature: float = 1.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """anchors: blocks per sequence; decay_gamma: slot i's weight is exp(-(i-1) / decay_gamma);
+    target_temperature < 1 sharpens the target's distribution toward its top token, 0 is that token alone."""
+    if anchors < 1 or decay_gamma <= 0 or target_temperature < 0:
+        raise ValueError(
+            f"dflash loss options: anchors >= 1, decay_gamma > 0 and target_temperature >= 0, got {anchors}, "
+            f"{decay_gamma} and {target_temperature}"
+        )
+    if batch.aux is None:
+        raise ValueError(f"dflash_loss needs batch.aux: the target's inputs to layers {head.aux_layers}")
+    ids, n, s = batch.input_ids, batch.input_ids.shape[1], head.config.block_size
+    if n < 3:
+        raise ValueError(f"DFlash needs sequences of >= 3 tokens (context, an anchor and a token after), got {n}")
+    anchor, real = sample_anchors(batch.loss_mask, anchors)
+    out = head.anchored(head.target_features(batch.hidden, batch.aux), ids, anchor)[:, :, 1:]  # [b, A, B-1, H]
+    predicted = anchor[..., None] + torch.arange(1, s, device=ids.device)  # [b, A, B-1]: the token slot i drafts
+    inside = predicted < n
+    at = predicted.clamp(max=n - 1)
+    decay = torch.exp(-torch.arange(s - 1, device=ids.device) / decay_gamma)
+    w = batch.loss_mask.gather(1, at.flatten(1)).view_as(at) * inside * real[..., None] * decay
+    sel = w > 0
+    rows = head.target_lm_head.weight[head.vocab_ids]  # [draft vocab, H]: never the full vocabulary
+    with torch.no_grad():
+        source = batch.hidden.gather(1, (at - 1).flatten(1)[..., None].expand(-1, -1, batch.hidden.shape[-1]))
+        target = sharpened((source.view(*at.shape, -1)[sel].to(rows.dtype) @ rows.T).float(), target_temperature)
+    logits = head.logits(out[sel]).float()
+    ce = F.cross_entropy(logits, target, reduction="none")
+    loss = weighted_mean(ce, w[sel])
+    slot = torch.arange(1, s, device=ids.device).expand_as(at)[sel]
+    logs = {f"acc_{i}": agreement(logits[slot == i], target[slot == i], w[sel][slot == i]) for i in range(1, s)}
+    return loss, {"loss": loss.item(), **logs}
