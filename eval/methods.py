@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 
 from draftsmith.heads.kinds import by_spec, specs
-from draftsmith.serve.build import SpecConfig, needs_drafter
+from draftsmith.serve.build import SpecConfig, is_lookup, needs_drafter
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
@@ -43,12 +43,14 @@ def check_drafters(cfg: DictConfig) -> None:
 
 
 def spec_label(spec: SpecConfig) -> str:
-    return f"{spec.name}+ngram" if spec.ngram_tokens and spec.name != "ngram" else spec.name
+    if is_lookup(spec.name):
+        return spec.name
+    return spec.name + ("+ngram" if spec.ngram_tokens else "+suffix" if spec.suffix_tokens else "")
 
 
 def drafter_params(spec: SpecConfig) -> int | None:
     """Parameters stored in the drafter's weight files; without a drafter, what its kind registers (0 for n-gram
-    lookup; None when it drafts with the target's own weights: layerskip)."""
+    lookup and suffix decoding; None when it drafts with the target's own weights: layerskip)."""
     if not spec.drafter:
         return by_spec(spec.name).parameters
     files = sorted(Path(spec.drafter).glob("*.safetensors"))

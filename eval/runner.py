@@ -26,6 +26,7 @@ from .aggregate import (
     compared,
     lossless,
     of,
+    pool,
     repeat_spread,
     speedup_per_repeat,
     summary,
@@ -215,6 +216,8 @@ def warm_up(engines: dict[Arm, Engine], prompt: Prompt, tokenizer, cfg: EvalConf
     for engine in engines.values():
         for _ in range(cfg.warmup):
             engine.generate(ids, min(16, cfg.max_new_tokens), SamplingParams(cfg.temperature, seed=0))
+        if engine.proposer:  # the warm-up's answer must not help the first prompt (suffix decoding's global tree)
+            engine.proposer.forget()
 
 
 def reset_prefix_cache(engine: Engine) -> None:
@@ -230,6 +233,8 @@ def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalCon
     if out["drafts"]:  # depths never accepted still count: their rate is 0
         out["acceptance_rate_per_position"] = rates + [0.0] * (spec.num_tokens - len(rates))
     out["speedup_per_repeat"] = speedup_per_repeat(mine, base, cfg.repeats)
+    # repeats are not alike where a drafter learns across requests (suffix decoding's global tree)
+    out["tau_per_repeat"] = [pool(of(mine, label, repeat=i)).mean_acceptance_length for i in range(cfg.repeats)]
     out["lossless"] = lossless(base, mine, greedy)
     if not greedy:
         out["distribution_check"] = distribution_check(base, mine, seed=cfg.seed)

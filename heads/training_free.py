@@ -1,5 +1,5 @@
 """Training-free drafting methods: kinds with no module, no loss and no drafter folder, drafting from the target
-(its prompt and output, or its own first layers). Their proposers live in serve/."""
+(its prompt and output, earlier responses, or its own first layers). Their proposers live in serve/."""
 
 from __future__ import annotations
 
@@ -10,6 +10,14 @@ register(
         name="ngram",
         proposer="draftsmith.serve.ngram:ngram_proposer",
         draft_shape=DraftShape(num_tokens=5, topk=1, total_tokens=0),
+        parameters=0,
+    )
+)
+register(
+    Kind(  # suffix decoding (arXiv 2411.04975, vLLM's method: suffix); its settings: spec.suffix (SuffixConfig)
+        name="suffix",
+        proposer="draftsmith.serve.suffix:suffix_proposer",
+        draft_shape=DraftShape(num_tokens=24, topk=1, total_tokens=0),  # vLLM: num_speculative_tokens = max depth
         parameters=0,
     )
 )

@@ -10,8 +10,9 @@ position, identical outputs, and the drafter's time per verify step as a share o
 
 A drafter is SPEC[=DIR][:key=value,...] with SPEC one of heads.kinds.specs() and keys num_tokens, topk,
 total_tokens (EAGLE trees), choices (Medusa paths as 0|1|0.0 for [[0], [1], [0, 0]]), layers (layerskip),
-ngram_tokens (an n-gram chain merged into the tree), ngram_policy (merge | prefer), draft_dtype (auto |
-float32 | bfloat16), draft_vocab (eagle, medusa, draft: logits over the N most frequent training tokens).
+ngram_tokens (an n-gram chain merged into the tree), suffix_tokens (the same with suffix decoding), ngram_policy
+(merge | prefer, for either), draft_dtype (auto | float32 | bfloat16), draft_vocab (eagle, medusa, draft: logits
+over the N most frequent training tokens).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def parse_drafter(text: str) -> tuple[str, SpecConfig]:
         label += f" {choices}"
     if spec.draft_vocab:
         label += f" v{spec.draft_vocab}"
-    if spec.ngram_tokens:
-        label += f" +ngram{spec.ngram_tokens}" + (f" {spec.ngram_policy}" if spec.ngram_policy != "prefer" else "")
+    for lookup, k in (("ngram", spec.ngram_tokens), ("suffix", spec.suffix_tokens)):
+        if k:
+            label += f" +{lookup}{k}" + (f" {spec.ngram_policy}" if spec.ngram_policy != "prefer" else "")
     if spec.draft_dtype != "auto":
         label += f" {spec.draft_dtype}"
     return label, spec

@@ -8,9 +8,15 @@ and whether vLLM's outputs equal draftsmith's plain greedy outputs token for tok
 out as format=speculators: the speculators package (in vLLM's environment) reads it first, then vLLM serves it
 both ways its model card gives, against draftsmith's engine on the export read back (spec.drafter=OUT).
 
+--suffix adds suffix decoding (vLLM's `method: suffix`, ArcticInference's trees; draftsmith's spec=suffix): the
+prompts run one at a time, `--passes` times over, in one engine each, so the global tree holds the earlier answers
+as it would in a server; τ is printed per pass. It also feeds the same token streams (the prompts and draftsmith's
+plain answers) to arctic_inference's SuffixDecodingCache and to draftsmith's SuffixProposer and counts the steps
+where both draft the same tokens: that separates the algorithm from the engines.
+
 vLLM lives in its own virtual environment (it pins its own torch): this script runs in draftsmith's Python and
-starts `--vllm-python` on itself in worker mode (`--vllm-job`), one process per method.
-One command: bash scripts/vllm_crosscheck.sh [--drafter eagle3=DIR ...] [--fresh] (creates the venv once).
+starts `--vllm-python` on itself in worker mode (`--vllm-job`, `--arctic-job`), one process per method.
+One command: bash scripts/vllm_crosscheck.sh [--drafter eagle3=DIR ...] [--fresh] [--suffix] (creates the venv once).
 """
 
 from __future__ import annotations
@@ -50,11 +56,15 @@ def vllm_worker(job_file: Path, out_file: Path) -> None:
         speculative_config=job["speculative_config"],
     )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+    sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
     begin = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"]))
-    seconds = time.perf_counter() - begin
-    counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
-    result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "counters": counters, "seconds": seconds}
+    if "passes" in job:  # one prompt at a time, as draftsmith's engine runs them: each sees every earlier answer
+        passes = [vllm_pass(llm, prompts, sp) for _ in range(job["passes"])]
+        result = {"outputs": passes[-1][0], "per_pass": passes, "counters": passes[-1][1]}
+    else:
+        outs = llm.generate(prompts, sp)
+        result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "counters": counters_of(llm)}
+    result["seconds"] = time.perf_counter() - begin
     out_file.write_text(json.dumps(result))
 
 
@@ -90,6 +100,43 @@ def speculators_check(folder: Path) -> None:
         f"speculators package: config.json is a valid {type(config).__name__}; Eagle3DraftModel loads all "
         f"{len(tensors)} tensors as written (from the verifier: {', '.join(from_verifier)})"
     )
+
+
+def counters_of(llm) -> dict:
+    return {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+
+
+def vllm_pass(llm, prompts: list, sp) -> tuple[list, dict]:
+    """Outputs of one pass over the prompts, one request at a time, and the counters (cumulative) after it."""
+    outputs = [list(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
+    return outputs, counters_of(llm)
+
+
+def arctic_worker(job_file: Path, out_file: Path) -> None:
+    """Drafts of arctic_inference's SuffixDecodingCache (as vLLM calls it) after each token of each stream."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    job = json.loads(job_file.read_text())
+    cfg, depth = job["suffix"], job["suffix"]["max_tree_depth"]
+    cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cfg["max_cached_requests"])
+    drafts = []
+    for rid, (prompt, response) in enumerate(job["streams"]):
+        cache.start_request(rid, prompt)
+        seq = list(prompt)
+        for t in response:
+            cache.add_active_response(rid, [t])
+            seq.append(t)
+            d = cache.speculate(
+                rid,
+                seq[-depth:],
+                max_spec_tokens=job["k"],
+                max_spec_factor=cfg["max_spec_factor"],
+                min_token_prob=cfg["min_token_prob"],
+                use_tree_spec=cfg["tree"],
+            )
+            drafts.append([list(d.token_ids), list(d.parents), float(d.score)])
+        cache.stop_request(rid)
+    out_file.write_text(json.dumps(drafts))
 
 
 # ---------------------------------------------------------------- draftsmith side
@@ -162,12 +209,12 @@ def prompts_for(target, n: int) -> list[list[int]]:
     return [encode_chat(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in mt_bench(n)]
 
 
-def call_vllm(args, job: dict, work: Path, name: str) -> dict:
+def call_vllm(args, job: dict, work: Path, name: str, mode: str = "--vllm-job") -> dict:
     job_file, out_file = work / f"job-{name}.json", work / f"vllm-{name}.json"
     job_file.write_text(json.dumps(job))
     out_file.unlink(missing_ok=True)
     log = work / f"vllm-{name}.log"
-    cmd = [args.vllm_python, __file__, "--vllm-job", str(job_file), "--vllm-out", str(out_file)]
+    cmd = [args.vllm_python, __file__, mode, str(job_file), "--vllm-out", str(out_file)]
     print(f"[{name}] vLLM running (log: {log})", flush=True)
     with open(log, "w") as f:
         done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": ""})
@@ -177,10 +224,15 @@ def call_vllm(args, job: dict, work: Path, name: str) -> dict:
     return json.loads(out_file.read_text())
 
 
-def vllm_tau(counters: dict) -> tuple[float, int]:
-    drafts = counters.get("vllm:spec_decode_num_drafts", 0)
-    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+def vllm_tau(counters: dict, before: dict | None = None) -> tuple[float, int]:
+    """τ from the counters, or from their growth since `before`."""
+    before = before or {}
+    grown = {k: counters.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
+    drafts, accepted = grown["vllm:spec_decode_num_drafts"], grown["vllm:spec_decode_num_accepted_tokens"]
     return (1.0 + accepted / drafts if drafts else float("nan")), int(drafts)
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
 
 
 def same(a: list[list[int]], b: list[list[int]]) -> int:
@@ -205,8 +257,8 @@ def main(args) -> None:
     if args.fresh:
         drafters = {k: str(v) for k, v in fresh_drafters(target, work / "fresh").items()} | drafters
     drafters = {k: Path(v) for k, v in drafters.items() if k in args.kinds.split(",")}
-    if not drafters:
-        sys.exit(f"no drafters: pass --drafter KIND=DIR (kinds: {', '.join(KINDS)}) or --fresh")
+    if not drafters and not args.suffix:
+        sys.exit(f"no drafters: pass --drafter KIND=DIR (kinds: {', '.join(KINDS)}), --fresh or --suffix")
     prompts = prompts_for(target, args.prompts)
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
     base_job = {"target": str(target_dir(tcfg)), "prompts": prompts, "max_new_tokens": args.max_new_tokens}
@@ -227,6 +279,8 @@ def main(args) -> None:
         rows.append(run.row(f"{kind} (k={k})", kind, chain_spec(kind, drafter, k), {"speculative_config": spec}))
         if args.speculators and "speculators" in get(kind).formats:
             rows += speculators_rows(run, kind, drafter)
+    if args.suffix:
+        rows += suffix_rows(args, target, prompts, plain, base_job, work, max_len)
     report(rows, plain, args, work)
 
 
@@ -300,6 +354,65 @@ def speculators_package_check(args, folder: Path, work: Path) -> str:
     return last[0]
 
 
+def suffix_rows(args, target, prompts: list[list[int]], plain: list[list[int]], job: dict, work: Path, max_len: int):
+    """Suffix decoding in both engines, pass by pass (the global tree keeps every earlier answer), and the
+    draft-for-draft comparison of the two implementations on the same token streams."""
+    from draftsmith.serve.build import SpecConfig, build_engine
+    from draftsmith.serve.metrics import Metrics
+    from draftsmith.serve.sampling import SamplingParams
+
+    spec = SpecConfig("suffix", args.suffix_k)
+    engine = build_engine(target, spec, False, max_len)
+    vspec = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
+    v = call_vllm(args, job | {"speculative_config": vspec, "passes": args.passes}, work, "suffix")
+    rows, before = [], {}
+    for i, (outs, counters) in enumerate(v["per_pass"], 1):
+        total, ours = Metrics(requests=0), []
+        for ids in prompts:
+            g = engine.generate(ids, args.max_new_tokens, SamplingParams())
+            ours.append(g.output_ids)
+            total.merge(g.metrics)
+        tau, drafts = vllm_tau(counters, before)
+        before = counters
+        mine = f"{total.mean_acceptance_length:.3f} ({total.drafts} drafts)"
+        name = f"suffix (k={args.suffix_k}) pass {i}"
+        rows.append((name, f"{tau:.3f} ({drafts} drafts)", mine, same(outs, plain), outs))
+        print(f"[suffix pass {i}] draftsmith engine == plain: {same(ours, plain)}/{len(prompts)}", flush=True)
+    print(draft_agreement(args, spec, prompts, plain, work), flush=True)
+    return rows
+
+
+def draft_agreement(args, spec, prompts: list[list[int]], plain: list[list[int]], work: Path) -> str:
+    """Both implementations fed the same streams (each prompt and its plain answer, `passes` times over), one
+    token at a time: how often their drafts are the same tokens, and the same score."""
+    from dataclasses import asdict
+
+    from draftsmith.serve.suffix import SuffixProposer
+
+    streams = [[p, o] for p, o in zip(prompts, plain, strict=True)] * args.passes
+    job = {"streams": streams, "k": spec.num_tokens, "suffix": asdict(spec.suffix)}
+    theirs = call_vllm(args, job, work, "arctic-drafts", mode="--arctic-job")
+    proposer, ours = SuffixProposer(spec.suffix, spec.num_tokens), []
+    for prompt, answer in streams:
+        proposer.start(prompt)
+        for t in answer:
+            proposer.learn([t])
+            d = proposer.speculate()
+            ours.append([d.tokens, d.parents, d.score])
+    tokens = sum(a[:2] == b[:2] for a, b in zip(ours, theirs, strict=True))
+    scores = sum(abs(a[2] - b[2]) < 1e-4 for a, b in zip(ours, theirs, strict=True))
+    return (
+        f"[suffix] drafts on the same streams vs arctic_inference {arctic_version(args)}: same tokens at "
+        f"{tokens}/{len(ours)} steps, same score at {scores}/{len(ours)}"
+    )
+
+
+def arctic_version(args) -> str:
+    code = "import importlib.metadata as m; print(m.version('arctic-inference'))"
+    run = subprocess.run([args.vllm_python, "-c", code], capture_output=True, text=True)
+    return run.stdout.strip() or "?"
+
+
 def max_depth(kind: str, folder: Path) -> int:
     """The deepest draft the drafter's config allows (Medusa: its heads), else unbounded."""
     from draftsmith.heads.kinds import get
@@ -347,9 +460,13 @@ def parse_args(argv: list[str] | None = None):
         default=True,
         help="kinds with format=speculators (eagle3): also that format (the speculators package, then vLLM two ways)",
     )
+    p.add_argument("--suffix", action="store_true", help="also check suffix decoding (needs arctic-inference)")
+    p.add_argument("--suffix-k", type=int, default=24, help="suffix: num_speculative_tokens (vLLM's default: 24)")
+    p.add_argument("--passes", type=int, default=2, help="suffix: passes over the prompts in one engine")
     p.add_argument("--work", default="runs/vllm_crosscheck")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
     p.add_argument("--vllm-job", help=argparse.SUPPRESS)
+    p.add_argument("--arctic-job", help=argparse.SUPPRESS)
     p.add_argument("--vllm-out", help=argparse.SUPPRESS)
     p.add_argument("--speculators-check", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -366,6 +483,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: everything runs un
         vllm_worker(Path(cli.vllm_job), Path(cli.vllm_out))
     elif cli.speculators_check:
         speculators_check(Path(cli.speculators_check))
+    elif cli.arctic_job:
+        arctic_worker(Path(cli.arctic_job), Path(cli.vllm_out))
     else:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("WANDB_MODE", "offline")

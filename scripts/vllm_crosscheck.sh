@@ -16,5 +16,8 @@ fi
 if ! "$VENV/bin/pip" show -q speculators >/dev/null 2>&1; then
   "$VENV/bin/pip" install -q --no-deps speculators==0.9.0
 fi
+if [[ " $* " == *" --suffix "* ]] && ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" >/dev/null 2>&1; then
+  "$VENV/bin/pip" install -q arctic-inference  # vLLM's suffix decoding; builds its C++ trees (cmake, g++)
+fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
 exec nice -n 10 python scripts/vllm_crosscheck.py --vllm-python "$VENV/bin/python" "$@"

@@ -21,6 +21,7 @@ from .loader import load_model, read_hf_config
 from .ngram import NgramConfig, NgramProposer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
+from .suffix import SuffixConfig, SuffixProposer
 from .target import TargetConfig, load_target, load_tokenizer, torch_dtype
 from .tree import TreeConfig
 
@@ -32,7 +33,8 @@ class SpecConfig:
     (resolve_shape)."""
 
     name: str = "ar"
-    num_tokens: int | None = None  # chain length k (tree depth for tree proposers); None: the drafter's
+    num_tokens: int | None = None  # chain length k (tree depth for tree proposers; suffix: the most tokens a draft
+    # holds); None: the drafter's
     min_n: int = 2  # ngram
     max_n: int = 4  # ngram
     drafter: str | None = None  # draft: an HF folder sharing the target's tokenizer, or a draft_model drafter folder
@@ -41,7 +43,9 @@ class SpecConfig:
     # eagle, eagle3: topk (1 = a chain), total_tokens; None: the drafter's
     tree: TreeConfig = field(default_factory=lambda: TreeConfig(None, None))
     ngram_tokens: int = 0  # eagle, eagle3, medusa: also draft an n-gram lookup chain this long (0 = off)
-    ngram_policy: str = "prefer"  # prefer: the chain alone when found, else the tree | merge: the chain joins the tree
+    suffix_tokens: int = 0  # eagle, eagle3, medusa: also draft by suffix decoding, up to this many tokens (0 = off)
+    ngram_policy: str = "prefer"  # for either lookup: prefer: its draft alone when found, else the tree | merge: both
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # suffix (and suffix_tokens): vLLM's suffix settings
     draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
 
@@ -56,6 +60,10 @@ class SpecConfig:
             raise ValueError(f"spec.draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.ngram_tokens < 0:
             raise ValueError(f"spec.ngram_tokens must be >= 0 (0 = off), got {self.ngram_tokens}")
+        if self.suffix_tokens < 0:
+            raise ValueError(f"spec.suffix_tokens must be >= 0 (0 = off), got {self.suffix_tokens}")
+        if self.ngram_tokens and self.suffix_tokens:
+            raise ValueError("spec.ngram_tokens and spec.suffix_tokens both set: pair the drafter with one lookup")
         if self.draft_vocab < 0:
             raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
         if self.draft_vocab and self.name not in vocab_specs():
@@ -117,16 +125,33 @@ def target_info(target: Loaded) -> TargetInfo:
 
 
 def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
-    """The kind's proposer factory (heads/kinds.py) on the spec with its shape resolved; n-gram lookup added to it
-    when spec.ngram_tokens asks (n-gram lookup itself ignores that)."""
+    """The kind's proposer factory (heads/kinds.py) on the spec with its shape resolved; a lookup (n-gram or suffix
+    decoding) added to it when spec.ngram_tokens or spec.suffix_tokens asks (a lookup kind itself ignores them)."""
     if spec.name == "ar":
         return None
     spec = resolve_shape(spec)
     proposer = resolve(by_spec(spec.name).proposer)(spec, target)
-    if spec.ngram_tokens and not isinstance(proposer, NgramProposer):
-        ngram = NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
-        return HybridProposer(proposer, ngram, spec.ngram_policy)
-    return proposer
+    lookup = lookup_proposer(spec)
+    return HybridProposer(proposer, lookup, spec.ngram_policy) if lookup else proposer
+
+
+def is_lookup(name: str) -> bool:
+    """A spec that drafts by lookup, with no model of its own (plain decoding, or a kind registered with 0
+    parameters): spec.ngram_tokens / spec.suffix_tokens add nothing to it."""
+    return name == "ar" or by_spec(name).parameters == 0
+
+
+def lookup_proposer(spec: SpecConfig) -> Proposer | None:
+    """The lookup drafter paired with a model drafter (serve/hybrid.py), if any. Under `prefer` a suffix draft
+    must score (expect to get accepted) spec.num_tokens tokens to be taken over the drafter's, as ArcticInference
+    takes it over its speculator's."""
+    if is_lookup(spec.name):
+        return None
+    if spec.ngram_tokens:
+        return NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
+    if spec.suffix_tokens:
+        return SuffixProposer(spec.suffix, spec.suffix_tokens, spec.num_tokens if spec.ngram_policy == "prefer" else 0)
+    return None
 
 
 def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:

@@ -1,12 +1,14 @@
-"""A model drafter plus n-gram prompt lookup.
+"""A model drafter plus a lookup drafter: n-gram prompt lookup (spec.ngram_tokens) or suffix decoding
+(spec.suffix_tokens, serve/suffix.py).
 
 Small targets repeat themselves and their prompts (SmolLM2's MT-bench answers: n-gram tau ~3), which a
 one-layer head trained on a few hundred thousand tokens rarely predicts, and the lookup costs nothing to
 draft (Arctic Inference pairs suffix decoding with its speculators for the same reason). Two policies:
-`prefer` (the default) verifies the lookup's chain alone when it finds one and the drafter's tree otherwise,
-so a step pays for one of them, never both; `merge` puts the lookup's chain into the drafter's tree (sharing
-the nodes where the chain repeats them), so the target keeps whichever path it accepts and verification pays
-at most the chain's extra rows.
+`prefer` (the default) verifies the lookup's draft alone when it finds one and the drafter's tree otherwise,
+so a step pays for one of them, never both (a suffix draft counts as found when its score, the expected
+accepted length by its counts, reaches the drafter's spec.num_tokens: ArcticInference's rule); `merge` puts the
+lookup's draft into the drafter's tree (sharing the nodes where the draft repeats them), so the target keeps
+whichever path it accepts and verification pays at most the draft's extra rows.
 
 Only drafters that rebuild their state from the target's outputs after each step (EAGLE heads, Medusa) can
 take a path through nodes they did not draft. Under `merge`, a sampled chain (topk 1, T > 0) carries draft
@@ -26,26 +28,28 @@ from draftsmith.heads.llama import ForwardOut
 from .ngram import NgramProposer
 from .proposer import Proposer
 from .sampling import SamplingParams
+from .suffix import SuffixProposer
 from .tree import DraftTree
 
 POLICIES = ("prefer", "merge")
 
 
 class HybridProposer(Proposer):
-    def __init__(self, drafter: Proposer, ngram: NgramProposer, policy: str = "prefer") -> None:
+    def __init__(self, drafter: Proposer, lookup: NgramProposer | SuffixProposer, policy: str = "prefer") -> None:
         if policy not in POLICIES:
             raise ValueError(f"spec.ngram_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if not drafter.mergeable:
+            what = "n-gram lookup" if lookup.name == "ngram" else f"{lookup.name} decoding"
             raise ValueError(
-                "spec.ngram_tokens pairs n-gram lookup with drafters that rebuild their state from the target "
-                f"(EAGLE heads, Medusa) only, not {drafter.name} (its cache follows its own chain); use spec=ngram "
-                "alone or set spec.ngram_tokens=0"
+                f"spec.{lookup.name}_tokens pairs {what} with drafters that rebuild their state from the target "
+                f"(EAGLE heads, Medusa) only, not {drafter.name} (its cache follows its own chain); use "
+                f"spec={lookup.name} alone or set spec.{lookup.name}_tokens=0"
             )
-        self.drafter, self.ngram, self.policy = drafter, ngram, policy
-        self.name = f"{drafter.name}+ngram"
+        self.drafter, self.lookup, self.policy = drafter, lookup, policy
+        self.name = f"{drafter.name}+{lookup.name}"
         self.aux_layers = drafter.aux_layers
-        self.max_tree_size = drafter.max_tree_size + ngram.max_tree_size
-        self.merged = 0  # proposals where the lookup found a chain
+        self.max_tree_size = drafter.max_tree_size + lookup.max_tree_size
+        self.merged = 0  # proposals where the lookup found a draft
 
     @property
     def gen(self) -> torch.Generator | None:
@@ -64,35 +68,45 @@ class HybridProposer(Proposer):
 
     def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
         self.drafter.prefill(tokens, start, target)
+        self.lookup.prefill(tokens, start, target)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
         self.drafter.accept(tokens, tree, path, target)
+        self.lookup.accept(tokens, tree, path, target)
+
+    def forget(self) -> None:
+        self.drafter.forget()
+        self.lookup.forget()
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
-        chain = self.ngram.propose(tokens, sp, budget)
-        if self.policy == "prefer" and len(chain):
+        found = self.lookup.propose(tokens, sp, budget)
+        if self.policy == "prefer" and len(found):
             self.merged += 1
-            return chain
+            return found
         tree = self.drafter.propose(tokens, sp, budget)
-        if tree.draft_probs is not None or not len(chain):
+        if tree.draft_probs is not None or not len(found):
             return tree
         self.merged += 1
-        return merge_chain(tree, chain.tokens)
+        return merge_tree(tree, found)
 
 
 def merge_chain(tree: DraftTree, chain: Tensor) -> DraftTree:
-    """The tree plus a chain from the root: follow the tree while it holds the chain's tokens, then append the
-    rest as new nodes (after every old one, so the order stays topological)."""
+    return merge_tree(tree, DraftTree.chain(chain))
+
+
+def merge_tree(tree: DraftTree, other: DraftTree) -> DraftTree:
+    """The tree plus another from the same root: follow the tree while it holds the other's nodes, then append
+    the rest as new nodes (after every old one, so the order stays topological)."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     kids = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}  # (parent, token) -> node
-    node = -1
-    for t in chain.tolist():
-        child = kids.get((node, t))
+    where: list[int] = []  # other's node i is merged node where[i]
+    for t, p in zip(other.tokens.tolist(), other.parents.tolist(), strict=True):
+        parent = -1 if p < 0 else where[p]
+        child = kids.get((parent, t))
         if child is None:
             tokens.append(t)
-            parents.append(node)
-            child = len(tokens) - 1
-            kids[(node, t)] = child
-        node = child
+            parents.append(parent)
+            child = kids[(parent, t)] = len(tokens) - 1
+        where.append(child)
     as_tensor = partial(torch.tensor, dtype=torch.long, device=tree.tokens.device)
     return DraftTree(as_tensor(tokens), as_tensor(parents))

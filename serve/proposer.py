@@ -46,3 +46,6 @@ class Proposer:
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
         """The target accepted tree nodes `path`; tokens now ends with the next pending token.
         target: the target's outputs for the verified tokens (old pending token, then the path)."""
+
+    def forget(self) -> None:
+        """Drop what earlier requests taught it (suffix decoding's global tree), e.g. after a warm-up."""

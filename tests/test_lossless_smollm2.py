@@ -34,10 +34,11 @@ def draft_dir(smollm2_dir, tmp_path_factory):
     return truncated_copy(smollm2_dir, tmp_path_factory.mktemp("draft-smollm2-2l"), 2)
 
 
-@pytest.mark.parametrize("spec", ["ngram", "layerskip", "draft"])
+@pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip", "draft"])
 def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain, draft_dir):
     cfg = {
         "ngram": SpecConfig("ngram", 5),
+        "suffix": SpecConfig("suffix", 24),
         "layerskip": SpecConfig("layerskip", 2, layers=4),
         "draft": SpecConfig("draft", 3, drafter=str(draft_dir)),
     }[spec]
