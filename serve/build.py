@@ -20,16 +20,18 @@ from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
 from .medusa import MedusaProposer
 from .ngram import NgramConfig, NgramProposer
+from .peagle import PEagleProposer, check_target_layers
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .target import TargetConfig, load_target, load_tokenizer, torch_dtype
 
-SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3")
+SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3", "peagle")
 NEEDS_DRAFTER = {
     "draft": "an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
     "medusa": "a medusa drafter folder (draftsmith-train head=medusa)",
     "eagle": "an eagle drafter folder (draftsmith-train head=eagle)",
     "eagle3": "an eagle3 drafter folder (draftsmith-train head=eagle3)",
+    "peagle": "a peagle drafter folder (draftsmith-train head=peagle)",
 }
 
 
@@ -111,6 +113,10 @@ def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
         head = load_trained(folder, target, spec.name, spec.name, target.model, dtype=dtype, draft_vocab=vocab)
         return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
+    if spec.name == "peagle":  # issue 17: serve/peagle.py
+        head = load_trained(folder, target, "peagle", spec.name, target.model, dtype=dtype)
+        check_target_layers(head, target.model, str(folder))
+        return PEagleProposer(head, spec.num_tokens, spec.tree)
     raise AssertionError(spec.name)  # SpecConfig only admits SPECS
 
 

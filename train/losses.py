@@ -20,6 +20,7 @@ from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.medusa import MedusaHeads
 
 from .batch import FeatureBatch
+from .losses_peagle import peagle_loss
 
 
 def weighted_mean(x: Tensor, w: Tensor) -> Tensor:
@@ -140,4 +141,5 @@ LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
     "eagle3": eagle3_loss,
     "medusa": medusa_loss,
     "draft_model": draft_model_loss,
+    "peagle": peagle_loss,  # issue 17: in losses_peagle.py
 }
