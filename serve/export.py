@@ -196,6 +196,13 @@ def draft_model_hf(src: Source) -> Export:
     return Export(config, {"model.safetensors": own_state(src.head)}, copy)
 
 
+def peagle_vllm(src: Source) -> Export:
+    """issue 17: the speculators `peagle` layout, in export_peagle.py (which imports this module)."""
+    from .export_peagle import peagle_speculators
+
+    return peagle_speculators(src)
+
+
 # the dtype goes in once, as torch_dtype, which transformers 4 and 5 both read
 DROPPED_HF_KEYS = (
     "_name_or_path",
@@ -211,6 +218,7 @@ FORMATS: dict[str, dict[str, Callable[[Source], Export]]] = {
     "eagle": {"vllm": eagle_vllm, "sglang": eagle_sglang},
     "medusa": {"vllm": medusa_vllm, "tgi": medusa_tgi},
     "draft_model": {"hf": draft_model_hf},
+    "peagle": {"vllm": peagle_vllm},
 }
 ALL_FORMATS = ("vllm", "sglang", "tgi", "hf")
 

@@ -11,22 +11,28 @@ if TYPE_CHECKING:
 
 EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
 
-METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
+METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model", "peagle": "eagle3"}
 SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft_model": "STANDALONE"}
 NOT_SERVED = {
     ("eagle3", "tgi"): "TGI does not load EAGLE-3 drafters; use this folder with vLLM or SGLang.",
     ("eagle", "tgi"): "TGI does not load EAGLE drafters; use vLLM or SGLang.",
     ("medusa", "sglang"): "SGLang does not serve Medusa heads; use vLLM (format=vllm) or TGI (format=tgi).",
     ("draft_model", "tgi"): "TGI does not speculate with a draft model (Medusa, MLP speculator and n-gram only).",
+    ("peagle", "sglang"): "SGLang does not load P-EAGLE (parallel drafting) checkpoints; use vLLM.",
+    ("peagle", "tgi"): "TGI does not load P-EAGLE drafters; use vLLM.",
 }
 
 
 def num_tokens(src: Source) -> int:
+    if src.kind == "peagle":
+        return src.head.config.num_depths
     return src.head.config.num_heads if src.kind == "medusa" else 5 if src.kind == "eagle3" else 4
 
 
 def vllm_command(src: Source, out: Path) -> str:
     spec = {"method": METHODS[src.kind], "model": str(out), "num_speculative_tokens": num_tokens(src)}
+    if src.kind == "peagle":  # vLLM drafts all tokens from one forward: eagle3 with parallel drafting
+        spec["parallel_drafting"] = True
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 

@@ -394,6 +394,10 @@ def token_map_problems(folder: Path, src: Source, fmt: str) -> list[str]:
 
 def check_export(folder: Path, src: Source, fmt: str) -> None:
     """Raise ExportError listing every problem with the export at `folder`."""
+    if src.kind == "peagle":  # issue 17: its own validator
+        from .export_peagle import check_peagle
+
+        return check_peagle(folder, src, fmt)
     config, tensors = read_export(folder, fmt)
     problems = config_problems(src, fmt, config) + tensor_problems(tensors, expected_shapes(src, fmt, config))
     if fmt == "hf" and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):

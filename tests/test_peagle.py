@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_chi2_pvalue, same_kv, spy_budgets
-from test_trainer import cli_args, data, run  # noqa: F401 (fixtures)
+from test_export import H, V, edit_weights, layer_shapes, save_tiny_tokenizer, tiny  # noqa: F401 (tiny: a fixture)
+from test_trainer import cli_args, data, run  # noqa: F401 (data: a fixture)
 
 from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -24,10 +28,12 @@ from draftsmith.heads.peagle import PEagleConfig, PEagleHead
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
 from draftsmith.serve.eagle import TreeConfig
 from draftsmith.serve.engine import Engine
+from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.peagle import PEagleProposer
 from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.target import TargetConfig, target_id
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import LOSSES
 from draftsmith.train.losses_peagle import cod_anchors
@@ -445,3 +451,101 @@ def test_train_quick_through_the_cli_with_its_in_training_eval(chat_target, data
     assert any("acc_3" in row for row in rows)
     evals = [row for row in rows if "eval/tau" in row]
     assert len(evals) == 1 and evals[0]["eval/tau"] >= 1.0
+
+
+# ---------------------------------------------------------------- export: speculators `peagle`, as vLLM loads it
+
+
+@pytest.fixture(scope="module")
+def exportable(tiny):  # noqa: F811
+    """A 2-layer peagle drafter (draft vocabulary of 48) for test_export's tiny target folder."""
+    tcfg, _, tgt = tiny
+    torch.manual_seed(1)
+    head = PEagleHead(PEagleConfig.from_target(tgt.config, num_layers=2, draft_vocab_size=48, num_depths=3), tgt)
+    head.set_vocab(torch.rand(tgt.config.vocab_size))
+    with torch.no_grad():  # trained-looking weights
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    folder = save_drafter(head, head.config, "peagle", info, Recipe(data="tiny"), Path(tcfg.path).parent / "peagle")
+    return tcfg, folder
+
+
+def test_export_is_speculators_peagle_with_vllms_names(exportable, tmp_path):
+    tcfg, drafter = exportable
+    out = export(drafter, "vllm", tmp_path / "out", tcfg, "fp32")
+    tensors = load_file(str(out / "model.safetensors"))
+    want = {"fc.weight": (H, 3 * H), "mask_hidden": (1, 1, 3 * H), "norm.weight": (H,), "lm_head.weight": (48, H)}
+    want |= {"d2t": (48,), "t2d": (V,), "layers.0.input_layernorm.weight": (H,), "layers.0.hidden_norm.weight": (H,)}
+    want |= layer_shapes("layers.0", 2 * H) | layer_shapes("layers.1", H) | {"layers.1.input_layernorm.weight": (H,)}
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == want
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "peagle" and config["mask_token_id"] == 2  # the tiny target's EOS
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["speculators_config"]["verifier"]["name_or_path"] == str(Path(tcfg.path).resolve())
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2 and config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and config["draft_vocab_size"] == 48
+    card = (out / "README.md").read_text()
+    assert '"parallel_drafting": true' in card and '"num_speculative_tokens": 3' in card
+    for fmt in ("sglang", "tgi", "hf"):
+        with pytest.raises(ExportError, match=f"format={fmt} cannot hold peagle drafters; use format=vllm"):
+            export(drafter, fmt, tmp_path / fmt, tcfg)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda t: t.pop("mask_hidden"), "missing key mask_hidden"),
+        (lambda t: t.__setitem__("mask_hidden", t["mask_hidden"] * 1.01), "logits off by"),
+        (lambda t: t["layers.1.mlp.down_proj.weight"].mul_(-1), "logits off by"),
+        (lambda t: t.__setitem__("layers.2.input_layernorm.weight", torch.ones(H)), "unexpected key layers.2"),
+        (lambda t: t["d2t"].add_(1), "target ids off"),
+    ],
+    ids=["no-mask_hidden", "mask_hidden", "layer-1", "extra-layer", "d2t"],
+)
+def test_export_validator_catches_bad_tensors(change, message, exportable, tmp_path):
+    tcfg, drafter = exportable
+    out = export(drafter, "vllm", tmp_path / "out", tcfg, "bf16")
+    validate(drafter, "vllm", out, tcfg)  # the untouched export is valid
+    edit_weights(out, "vllm", change)
+    with pytest.raises(ExportError, match="fails validation") as e:
+        validate(drafter, "vllm", out, tcfg)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c.__setitem__("mask_token_id", 999), "mask_token_id=999 is not a token id below 128"),
+        (lambda c: c.pop("mask_token_id"), "mask_token_id='<missing>'"),
+        (lambda c: c["transformer_layer_config"].__setitem__("num_hidden_layers", 1), "num_hidden_layers=1"),
+        (lambda c: c.__setitem__("norm_before_residual", True), "norm_before_residual=True"),
+        (lambda c: c.__setitem__("speculators_model_type", "eagle3"), "speculators_model_type='eagle3'"),
+        (lambda c: c["transformer_layer_config"].__setitem__("rope_theta", 500.0), "rope settings differ"),
+    ],
+    ids=["mask-id", "no-mask-id", "layers", "norm", "type", "rope"],
+)
+def test_export_validator_catches_bad_config(edit, message, exportable, tmp_path):
+    tcfg, drafter = exportable
+    out = export(drafter, "vllm", tmp_path / "out", tcfg, "fp32")
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="fails validation") as e:
+        validate(drafter, "vllm", out, tcfg)
+    assert message in str(e.value)
+
+
+def test_export_for_a_qwen2_target_carries_zero_o_proj_biases(tiny_llama_dir, tmp_path):
+    tdir = tmp_path / "target"
+    shutil.copytree(tiny_llama_dir("qwen2"), tdir)
+    save_tiny_tokenizer(tdir)
+    tcfg, tgt = TargetConfig(path=str(tdir)), load_model(tdir)
+    head = PEagleHead(PEagleConfig.from_target(tgt.config, num_layers=2, draft_vocab_size=48), tgt)
+    info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
+    drafter = save_drafter(head, head.config, "peagle", info, Recipe(), tmp_path / "peagle")
+    t = load_file(str(export(drafter, "vllm", tmp_path / "out", tcfg, "fp32") / "model.safetensors"))
+    o_bias = {k: v for k, v in t.items() if k.endswith("o_proj.bias")}
+    assert set(o_bias) == {"layers.0.self_attn.o_proj.bias", "layers.1.self_attn.o_proj.bias"}
+    assert not any(v.any() for v in o_bias.values()) and "layers.1.self_attn.q_proj.bias" in t
