@@ -20,8 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-FORMAT_FOR = {"eagle3": "vllm", "eagle": "vllm", "medusa": "vllm", "draft_model": "hf"}
+FORMAT_FOR = {"eagle3": "vllm", "eagle": "vllm", "medusa": "vllm", "draft_model": "hf", "peagle": "vllm"}
 VLLM_METHOD = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
+VLLM_METHOD["peagle"] = "eagle3"  # issue 17: with parallel_drafting
 TRAINED = {kind: f"runs/quick_{kind}/final" for kind in FORMAT_FOR}
 
 
@@ -93,6 +94,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
     from draftsmith.heads.eagle import EagleConfig, EagleHead
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
     from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+    from draftsmith.heads.peagle import PEagleConfig, PEagleHead
     from draftsmith.serve.build import target_info
 
     torch.manual_seed(0)
@@ -103,6 +105,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
         "medusa": (MedusaHeads(cfg := MedusaConfig(c.hidden_size, c.vocab_size), target.model), cfg),
         # all the target's layers: a copy of the target, so tau must be k + 1 in both engines (counters checked)
         "draft_model": (DraftModel(cfg := DraftModelConfig(num_layers=0), target.model), cfg),
+        "peagle": (PEagleHead(cfg := PEagleConfig.from_target(c), target.model), cfg),
     }
     recipe = Recipe(data="none (freshly initialised, for the cross-check's plumbing)")
     return {k: save_drafter(h, cfg, k, target_info(target), recipe, folder / k) for k, (h, cfg) in heads.items()}
@@ -176,6 +179,8 @@ def main(args) -> None:
         k = min(args.k, drafter_heads(drafter)) if kind == "medusa" else args.k
         ours, m = run_draftsmith(target, chain_spec(kind, drafter, k), prompts, args.max_new_tokens, max_len)
         spec = {"method": VLLM_METHOD[kind], "model": str(out), "num_speculative_tokens": k}
+        if kind == "peagle":  # issue 17: eagle3 drafting all k tokens from one forward
+            spec["parallel_drafting"] = True
         v = call_vllm(args, base_job | {"speculative_config": spec}, work, kind)
         tau, drafts = vllm_tau(v["counters"])
         rows.append(

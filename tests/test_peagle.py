@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_chi2_pvalue, same_kv, spy_budgets
@@ -25,6 +26,7 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
+from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
 from draftsmith.serve.eagle import TreeConfig
 from draftsmith.serve.engine import Engine
@@ -37,6 +39,7 @@ from draftsmith.serve.target import TargetConfig, target_id
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import LOSSES
 from draftsmith.train.losses_peagle import cod_anchors
+from draftsmith.train.trainer import RunConfig, check_loss_options, loss_for
 from helpers import PROMPTS, build_tiny_chat_target, exact_joint
 
 GREEDY = SamplingParams()
@@ -549,3 +552,17 @@ def test_export_for_a_qwen2_target_carries_zero_o_proj_biases(tiny_llama_dir, tm
     o_bias = {k: v for k, v in t.items() if k.endswith("o_proj.bias")}
     assert set(o_bias) == {"layers.0.self_attn.o_proj.bias", "layers.1.self_attn.o_proj.bias"}
     assert not any(v.any() for v in o_bias.values()) and "layers.1.self_attn.q_proj.bias" in t
+
+
+def test_quick_and_full_presets_for_peagle():
+    """train=quick: the eagle3-quick budget (4 epochs of COD steps) with a chain of num_depths as its eval; the loss
+    options of conf/head/peagle.yaml are the loss's own."""
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        quick = typed(compose("train", overrides=["out=x", "head=peagle"]), RunConfig)
+        full = typed(compose("train", overrides=["out=x", "head=peagle", "train=full", "head.num_layers=2"]), RunConfig)
+    assert (quick.train.epochs, quick.train.eval_num_tokens, quick.train.eval_topk) == (4, 4, 1)
+    assert quick.head.args["num_depths"] == 4 == full.train.eval_num_tokens and full.train.epochs == 2
+    assert full.head.kwargs()["num_layers"] == 2 and quick.head.loss == {"ratio": 0.7, "ratio_min": 0.2, "decay": 1.0}
+    check_loss_options(loss_for("peagle"), dict(quick.head.loss), "peagle")
+    with pytest.raises(ValueError, match="head.loss.ttt_steps is not an option of the peagle loss"):
+        check_loss_options(loss_for("peagle"), {"ttt_steps": 2}, "peagle")
