@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .drafter import register
 from .eagle import sdpa_mask
 from .eagle3 import Eagle3Config, Eagle3Head
+from .kinds import DraftShape, Kind, register
 from .kv_cache import KVCache
 from .llama import DecoderLayer, ModelConfig, Transformer
 
@@ -117,4 +117,19 @@ def cod_mask(anchor: Tensor, depth: Tensor) -> Tensor:
     return ((kd == 0) & (ka <= qa)) | ((ka == qa) & (kd > 0) & (kd <= qd))
 
 
-register("peagle", PEagleConfig, PEagleHead)
+register(
+    Kind(
+        name="peagle",
+        config=PEagleConfig,
+        module=PEagleHead,
+        features=("hidden", "aux"),
+        loss="draftsmith.train.losses_peagle:peagle_loss",
+        proposer="draftsmith.serve.peagle:peagle_proposer",
+        formats={"vllm": "draftsmith.serve.formats:PEAGLE_VLLM"},
+        # a chain of the K=4 trained depths: one forward drafts all four, so depth costs ~nothing on a CPU, and a
+        # chain keeps verification at 5 rows (a tree's extra rows cost verify time the CPU does not have)
+        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
+        draft_keys=("num_tokens", "topk", "total_tokens"),
+        max_depth="num_depths",
+    )
+)

@@ -1,7 +1,7 @@
 """P-EAGLE export (issue 17): the speculators `peagle` checkpoint, which vLLM loads as eagle3 with
 `parallel_drafting: true` (transformers_utils/configs/speculators/algos.py: update_peagle maps mask_token_id to
 `pard_token`; models/llama_eagle3.py loads `mask_hidden` into a buffer and runs it through fc for every mask
-slot), and its validator.
+slot), and its validator's pieces; serve/formats.py puts them together as PEAGLE_VLLM.
 
 Keys and config fields follow speculators 0.9.0 (models/peagle, models/eagle3/config.py) and vLLM's loader,
 not memory: layers.{i}.* (layer 0 attends over [embed; feature]), fc, norm, lm_head, d2t/t2d (vLLM drops t2d and
@@ -19,22 +19,8 @@ from torch import Tensor
 from draftsmith.heads.drafter import own_state
 from draftsmith.heads.llama import ModelConfig
 
-from .export import Export, ExportError, Source, llama_head_config
-from .export_check import (
-    TOLERANCE,
-    attention,
-    attn_shapes,
-    head_config_problems,
-    linear,
-    mismatch,
-    mlp,
-    mlp_shapes,
-    read_export,
-    rms,
-    rounded_head,
-    t2d_pair,
-    tensor_problems,
-)
+from .export import Export, Source, llama_head_config
+from .export_check import Probe, attention, attn_shapes, head_config_problems, linear, mlp, mlp_shapes, rms, t2d_pair
 
 SPECULATORS_VERSION = "0.9.0"  # the speculators source the layout was checked against
 
@@ -51,6 +37,11 @@ def peagle_speculators(src: Source) -> Export:
     return Export(expected_config(src), {"model.safetensors": state})
 
 
+def peagle_config(src: Source) -> dict:
+    """The top-level keys vLLM and speculators read (the layer config is checked key by key in peagle_problems)."""
+    return {k: v for k, v in expected_config(src).items() if k != "transformer_layer_config"}
+
+
 def expected_config(src: Source) -> dict:
     c, t = src.head.config, src.target_hf
     layer = llama_head_config(src, "LlamaForCausalLM") | {"num_hidden_layers": c.num_layers}
@@ -63,7 +54,7 @@ def expected_config(src: Source) -> dict:
             "proposal_methods": [
                 {
                     "proposal_type": "greedy",
-                    "speculative_tokens": c.num_depths,
+                    "speculative_tokens": src.shape.num_tokens,
                     "verifier_accept_k": 1,
                     "accept_tolerance": 0.0,
                 }
@@ -87,8 +78,9 @@ def expected_config(src: Source) -> dict:
 # ---------------------------------------------------------------- validation
 
 
-def expected_shapes(c, bias: bool) -> dict[str, tuple[int, ...]]:
-    h = c.hidden_size
+def peagle_shapes(src: Source, config: dict) -> dict[str, tuple[int, ...]]:
+    c = src.head.config
+    h, bias = c.hidden_size, bool(c.attention_bias)
     s = {"fc.weight": (h, len(c.target_layers) * h), "mask_hidden": (1, 1, len(c.target_layers) * h)}
     for i in range(c.num_layers):
         p = f"layers.{i}"
@@ -100,19 +92,13 @@ def expected_shapes(c, bias: bool) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def config_problems(src: Source, config: dict) -> list[str]:
-    """Every field vLLM (update_peagle, llama_eagle3) and speculators read, then the layer config as a Llama
-    config beside the target (positions, rope)."""
-    want = expected_config(src)
-    problems = [
-        f"config.json {k}={config.get(k, '<missing>')!r}, expected {v!r}"
-        for k, v in want.items()
-        if k != "transformer_layer_config" and config.get(k) != v
-    ]
-    layer, want_layer = config.get("transformer_layer_config") or {}, want["transformer_layer_config"]
+def peagle_problems(src: Source, folder: Path, config: dict) -> list[str]:
+    """Beyond peagle_config's keys: the layer config vLLM builds the drafter from, the mask token, and the layer
+    config as a Llama config beside the target (positions, rope)."""
+    layer, want_layer = config.get("transformer_layer_config") or {}, expected_config(src)["transformer_layer_config"]
     keys = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
     keys += ("head_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "attention_bias")
-    problems += [
+    problems = [
         f"config.json transformer_layer_config.{k}={layer.get(k, '<missing>')!r}, expected {want_layer[k]!r}"
         for k in keys
         if layer.get(k) != want_layer[k]
@@ -120,7 +106,7 @@ def config_problems(src: Source, config: dict) -> list[str]:
     vocab = layer.get("vocab_size", 0)
     if not isinstance(config.get("mask_token_id"), int) or not 0 <= config["mask_token_id"] < vocab:
         problems.append(f"config.json mask_token_id={config.get('mask_token_id')!r} is not a token id below {vocab}")
-    return problems + head_config_problems(src, layer)
+    return problems + head_config_problems(src, folder, layer)
 
 
 def vllm_forward(w: dict[str, Tensor], cfg: ModelConfig, embeds: Tensor, aux: Tensor, positions: Tensor) -> Tensor:
@@ -141,39 +127,16 @@ def vllm_forward(w: dict[str, Tensor], cfg: ModelConfig, embeds: Tensor, aux: Te
     return linear(rms(h, w["norm.weight"], eps), w, "lm_head")
 
 
-def forward_pairs(src: Source, w: dict[str, Tensor], config: dict) -> dict[str, tuple[Tensor, Tensor]]:
-    """vLLM's drafting forward vs the drafter's over 6 real pairs then num_depths-1 mask slots."""
-    dtype = next(t.dtype for t in w.values() if t.is_floating_point())
-    head, c = rounded_head(src, dtype), src.head.config
-    w = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
-    g = torch.Generator().manual_seed(0)
-    n, k = 6, c.num_depths - 1
-    tokens = torch.cat([torch.randint(0, c.vocab_size, (n,), generator=g), torch.full((k,), c.mask_token_id)])
-    aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=g)
+def peagle_pairs(src: Source, p: Probe) -> dict[str, tuple[Tensor, Tensor]]:
+    """vLLM's drafting forward vs the drafter's over the probe's real pairs then num_depths-1 mask slots."""
+    head, c, w = p.head, src.head.config, p.w
+    n, k = p.tokens.numel(), c.num_depths - 1
+    tokens = torch.cat([p.tokens, torch.full((k,), c.mask_token_id)])
+    aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=p.g)
     positions = torch.arange(3, 3 + n + k)
-    with torch.no_grad():
-        theirs = vllm_forward(
-            w,
-            ModelConfig.from_hf(config["transformer_layer_config"]),
-            head.embed_tokens(tokens),
-            torch.cat([aux, torch.full((k, aux.shape[1]), float("nan"))]),
-            positions,
-        )
-        feats = torch.cat([head.target_features(None, aux), head.mask_feature().expand(k, -1)])
-        mine = head.logits(head(feats[None], tokens[None], positions)[0])
+    embeds, cfg = head.embed_tokens(tokens), ModelConfig.from_hf(p.config["transformer_layer_config"])
+    theirs = vllm_forward(w, cfg, embeds, torch.cat([aux, torch.full((k, aux.shape[1]), float("nan"))]), positions)
+    feats = torch.cat([head.target_features(None, aux), head.mask_feature().expand(k, -1)])
+    mine = head.logits(head(feats[None], tokens[None], positions)[0])
     ids = torch.arange(c.draft_vocab_size) + w.get("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
     return {"logits": (theirs, mine), "target ids": (ids, head.vocab_ids)} | t2d_pair(w, head)
-
-
-def check_peagle(folder: Path, src: Source, fmt: str) -> None:
-    """Raise ExportError listing every problem with the export at `folder`."""
-    config, tensors = read_export(folder, fmt)
-    problems = config_problems(src, config)
-    problems += tensor_problems(tensors, expected_shapes(src.head.config, bool(src.head.config.attention_bias)))
-    if not problems:  # the forward needs every tensor in place
-        for name, (theirs, mine) in forward_pairs(src, tensors, config).items():
-            err = mismatch(theirs, mine)
-            if err > TOLERANCE:
-                problems.append(f"{fmt} forward differs from the drafter's: {name} off by {err:.2e} (relative)")
-    if problems:
-        raise ExportError(f"export {folder} ({src.kind} -> {fmt}) fails validation:\n  - " + "\n  - ".join(problems))

@@ -18,10 +18,11 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
 
-from .eagle import TreeConfig, feature_store, rerank
+from .build import Loaded, SpecConfig, spec_head
+from .eagle import feature_store, rerank
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, widen
-from .tree import DraftTree
+from .tree import DraftTree, TreeConfig
 
 
 class PEagleProposer(Proposer):
@@ -113,6 +114,13 @@ class PEagleProposer(Proposer):
 
     def to_target(self, ids: Tensor) -> Tensor:
         return self.vocab_ids[ids]
+
+
+def peagle_proposer(spec: SpecConfig, target: Loaded) -> PEagleProposer:
+    """spec=peagle: the head borrows the target's embedding; refused if it reads layers the target lacks."""
+    head = spec_head(spec, target, target.model)
+    check_target_layers(head, target.model, spec.drafter)
+    return PEagleProposer(head, spec.num_tokens, spec.tree)
 
 
 def check_target_layers(head: PEagleHead, target: Transformer, folder: str) -> None:

@@ -20,6 +20,7 @@ from torch import Tensor
 from draftsmith.heads.peagle import PEagleHead
 
 from .batch import FeatureBatch
+from .losses import agreement, sharpened
 
 
 def cod_anchors(loss_mask: Tensor, m: int, depths: int, ratio: float, ratio_min: float) -> list[Tensor]:
@@ -52,8 +53,6 @@ def peagle_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """Soft CE at depths 0..num_depths-1 (head.config.num_depths), COD-sampled; target_temperature as
     eagle3_loss's. Logs acc_d: top-1 agreement with the target per depth."""
-    from .losses import agreement, sharpened  # losses.py registers this loss: imported here, not at the top
-
     if not (0 < ratio <= 1 and 0 <= ratio_min <= 1):
         raise ValueError(f"head.loss.ratio must be in (0, 1] and ratio_min in [0, 1], got {ratio} and {ratio_min}")
     if target_temperature < 0:
