@@ -153,11 +153,12 @@ def chain_spec(kind: str, drafter: Path, k: int):
     return SpecConfig(get(kind).spec, k, drafter=str(drafter), tree=TreeConfig(1, 0), choices=chain)
 
 
-def vllm_format(kind: str) -> tuple[str, str]:
-    """(the kind's first export format vLLM loads, vLLM's speculative method for it)."""
+def vllm_format(kind: str) -> tuple[str, str, dict]:
+    """(the kind's first export format vLLM loads, vLLM's speculative method for it, its further options)."""
     from draftsmith.heads.kinds import get, resolve
 
-    return next((name, resolve(ref).vllm) for name, ref in get(kind).formats.items() if resolve(ref).vllm)
+    f = next((name, resolve(ref)) for name, ref in get(kind).formats.items() if resolve(ref).vllm)
+    return f[0], f[1].vllm, dict(f[1].vllm_options)
 
 
 def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len: int) -> tuple[list, object]:
@@ -185,6 +186,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
     from draftsmith.heads.eagle import EagleConfig, EagleHead
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
     from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+    from draftsmith.heads.peagle import PEagleConfig, PEagleHead
     from draftsmith.serve.build import target_info
 
     torch.manual_seed(0)
@@ -196,6 +198,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
         # all the target's layers: a copy of the target, so tau must be k + 1 in both engines (counters checked)
         "draft_model": (DraftModel(cfg := DraftModelConfig(num_layers=0), target.model), cfg),
         "dflash": (DFlashHead(cfg := DFlashConfig.from_target(c), target.model), cfg),  # issue 17
+        "peagle": (PEagleHead(cfg := PEagleConfig.from_target(c), target.model), cfg),  # issue 17: --kinds peagle
     }
     recipe = Recipe(data="none (freshly initialised, for the cross-check's plumbing)")
     return {k: save_drafter(h, cfg, k, target_info(target), recipe, folder / k) for k, (h, cfg) in heads.items()}
@@ -271,11 +274,11 @@ def main(args) -> None:
         rows.append(("none (plain)", "-", "-", same(v["outputs"], plain), v["outputs"]))
     run = Runner(args, target, tcfg, prompts, plain, base_job, work, max_len)
     for kind, drafter in drafters.items():
-        fmt, method = vllm_format(kind)
+        fmt, method, options = vllm_format(kind)
         out = work / "exports" / f"{kind}-{fmt}"
         export(drafter, fmt, out, tcfg, "fp32", overwrite=True)
         k = min(args.k, max_depth(kind, drafter))
-        spec = {"method": method, "model": str(out), "num_speculative_tokens": k}
+        spec = {"method": method, "model": str(out), "num_speculative_tokens": k} | options
         rows.append(run.row(f"{kind} (k={k})", kind, chain_spec(kind, drafter, k), {"speculative_config": spec}))
         if args.speculators and "speculators" in get(kind).formats:
             rows += speculators_rows(run, kind, drafter)

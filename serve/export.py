@@ -113,6 +113,7 @@ class Format:
     target_types: tuple[str, ...] = SUPPORTED_TYPES  # target model_types its engines run these drafters with
     vllm: str = ""  # vLLM's speculative method for this folder ("": vLLM does not load it)
     vllm_alone: bool = False  # the folder names its target and method: `vllm serve OUT` serves it (speculators)
+    vllm_options: tuple[tuple[str, Any], ...] = ()  # more --speculative-config keys vLLM needs for it
     sglang: str = ""  # SGLang's --speculative-algorithm ("": SGLang does not load it)
     tgi: bool = False  # TGI loads it
     hf: bool = False  # transformers loads it (assisted generation)

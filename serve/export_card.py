@@ -15,15 +15,16 @@ EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: over
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI"}
 
 
-def vllm_command(src: Source, out: Path, method: str) -> str:
-    spec = {"method": method, "model": str(out), "num_speculative_tokens": src.shape.num_tokens}
+def vllm_command(src: Source, out: Path, method: str, options: tuple = ()) -> str:
+    spec = {"method": method, "model": str(out), "num_speculative_tokens": src.shape.num_tokens} | dict(options)
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 
-def vllm_text(src: Source, out: Path, method: str, alone: bool) -> str:
+def vllm_text(src: Source, out: Path, method: str, alone: bool, options: tuple = ()) -> str:
     """alone: the folder names its target and method (speculators), so `vllm serve OUT` serves it too; given the
-    target as the model, vLLM needs the method spelled out (without it, it takes the folder for a draft model)."""
-    command = f"```bash\n{vllm_command(src, out, method)}\n```\n"
+    target as the model, vLLM needs the method (and options) spelled out (without it, it takes the folder for a
+    draft model)."""
+    command = f"```bash\n{vllm_command(src, out, method, options)}\n```\n"
     if not alone:
         return f"**vLLM**:\n\n{command}"
     return (
@@ -68,7 +69,7 @@ def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None
     for engine, title in ENGINES.items():
         others = [name for name, g in formats.items() if getattr(g, engine)]
         if engine == "vllm" and f.vllm:
-            lines.append(vllm_text(src, out, f.vllm, f.vllm_alone))
+            lines.append(vllm_text(src, out, f.vllm, f.vllm_alone, f.vllm_options))
         elif engine == "sglang" and f.sglang:
             lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, f.sglang, token_map)}\n```\n")
         elif engine == "tgi" and f.tgi:

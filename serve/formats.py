@@ -9,6 +9,7 @@ from functools import partial
 from . import export as ex
 from . import export_check as ck
 from . import export_dflash as dfl
+from . import export_peagle as pe
 from . import speculators as sp
 
 # vLLM's and SGLang's LlamaForCausalLMEagle3: one folder for both
@@ -85,5 +86,16 @@ SPECULATORS = ex.Format(
     forward=sp.speculators_pairs,
     problems=sp.speculators_problems,
     vllm="eagle3",
+    vllm_alone=True,
+)
+# issue 17: P-EAGLE in speculators' `peagle` layout, which vLLM loads as eagle3 drafting all tokens in one forward
+PEAGLE_VLLM = ex.Format(
+    export=pe.peagle_speculators,
+    shapes=pe.peagle_shapes,
+    config=pe.peagle_config,
+    forward=pe.peagle_pairs,
+    problems=pe.peagle_problems,
+    vllm="eagle3",
+    vllm_options=(("parallel_drafting", True),),
     vllm_alone=True,
 )

@@ -1,0 +1,100 @@
+#!/usr/bin/env python
+"""What a P-EAGLE draft of K tokens costs against one EAGLE-3 level, with random heads of the real shape.
+
+SmolLM2-135M's shapes (hidden 576, three target layers, draft vocabulary 8192, one decoder layer), a context of
+--context tokens in the drafter's cache, --accepted real pairs entering per step (tau - 1 accepted + the bonus).
+Per step, interleaved over --repeats rounds (median, with the quartiles):
+  eagle3 level   the forward that gives EAGLE-3's level 1 (the real pairs) and its logits: the main job's draft
+  eagle3 chain K that, then K-1 more one-token levels (a chain of K)
+  peagle K       the one forward of the real pairs and K-1 mask slots, K rows of logits, then the chain's ids
+Only the drafters run (the target's outputs are random tensors), so this is draft cost, not acceptance; on a
+loaded machine the ratios hold better than the times.
+
+    python scripts/bench_peagle_draft.py --dtype bfloat16 --k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
+from draftsmith.heads.llama import ForwardOut  # noqa: E402
+from draftsmith.heads.packed import pack_linears  # noqa: E402
+from draftsmith.heads.peagle import PEagleConfig, PEagleHead  # noqa: E402
+from draftsmith.serve.eagle import EagleProposer  # noqa: E402
+from draftsmith.serve.peagle import PEagleProposer  # noqa: E402
+from draftsmith.serve.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.target import TargetConfig, load_target  # noqa: E402
+from draftsmith.serve.tree import TreeConfig  # noqa: E402
+
+
+def proposers(target, k: int, dtype: torch.dtype) -> dict:
+    c = target.config
+    torch.manual_seed(0)
+    e3 = Eagle3Head(Eagle3Config.from_target(c, draft_vocab_size=8192), target)
+    pe = PEagleHead(PEagleConfig.from_target(c, draft_vocab_size=8192, num_depths=k), target)
+    for head in (e3, pe):
+        head.to(dtype).eval().requires_grad_(False)
+        pack_linears(head)
+    return {
+        "eagle3 level": EagleProposer(e3, "eagle3", 1, TreeConfig(1, 0)),
+        f"eagle3 chain {k}": EagleProposer(e3, "eagle3", k, TreeConfig(1, 0)),
+        f"peagle {k}": PEagleProposer(pe, k, TreeConfig(1, 0)),
+    }
+
+
+def step(p, tokens: torch.Tensor, out: ForwardOut, accepted: int) -> None:
+    """One verify step's drafting: the accepted pairs in, then the draft."""
+    p.cached = tokens.numel() - accepted
+    p.accept(tokens, None, [], out)
+    p.propose(tokens, SamplingParams(), 64)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--accepted", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=300)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_target(TargetConfig(dtype="float32"))[0]
+    dtype = getattr(torch, args.dtype)
+    ps = proposers(target, args.k, dtype)
+    c, n = target.config, args.context
+    tokens = torch.randint(0, c.vocab_size, (n,))
+    hidden = torch.randn(n, c.hidden_size)
+    prefill = ForwardOut(torch.empty(0), hidden[:-1], [torch.randn(n - 1, c.hidden_size) for _ in range(3)])
+    out = ForwardOut(torch.empty(0), hidden[: args.accepted], [torch.randn(args.accepted, c.hidden_size)] * 3)
+    times = {name: [] for name in ps}
+    with torch.inference_mode():
+        for p in ps.values():
+            p.reserve(n + 16)
+            p.prefill(tokens, 0, prefill)
+            for _ in range(10):  # warm-up
+                step(p, tokens, out, args.accepted)
+        for _ in range(args.repeats):
+            for name, p in ps.items():
+                t = time.perf_counter()
+                step(p, tokens, out, args.accepted)
+                times[name].append(time.perf_counter() - t)
+    base = statistics.median(times["eagle3 level"])
+    print(f"{args.dtype}, context {n}, {args.accepted} pairs in per step, {args.repeats} interleaved rounds")
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4)
+        med = statistics.median(ts)
+        print(f"  {name:16s} median {1e3 * med:7.3f} ms  (IQR {1e3 * q[0]:.3f}-{1e3 * q[2]:.3f})  x{med / base:.2f}")
+
+
+if __name__ == "__main__":
+    main()

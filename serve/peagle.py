@@ -1,0 +1,133 @@
+"""P-EAGLE proposer: one head forward drafts K tokens, a chain or a tree from each draft slot's top-k.
+
+The drafter cache is laid out as EagleProposer's: slot j holds the real pair (target feature of token j-1, token
+j) at position j, slot 0 stays empty, and the per-token target features go through the prefix cache with the
+target's KV. After each verification (and after the prefill) one forward runs the new real pairs and, behind the
+last one (the pending token's), K-1 mask slots at the next positions, under a plain causal mask: the last real
+pair's logits give draft 1, mask slot d's give draft d+1. The mask slots sit past the real ones and the drafted
+tokens never enter the drafter, so rejected drafts leave nothing to discard: the next forward writes the real
+pairs over the mask slots' KV.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut, Transformer
+from draftsmith.heads.peagle import PEagleHead
+
+from .build import Loaded, SpecConfig, spec_head
+from .eagle import feature_store, rerank
+from .proposer import Proposer
+from .sampling import SamplingParams, probs_from_logits, widen
+from .tree import DraftTree, TreeConfig
+
+
+class PEagleProposer(Proposer):
+    name = "peagle"
+
+    def __init__(
+        self, head: PEagleHead, num_tokens: int | None = None, tree: TreeConfig | None = None, generator=None
+    ) -> None:
+        self.head, self.tree, self.gen = head, tree or TreeConfig(), generator
+        self.depth = num_tokens or head.config.num_depths
+        self.aux_layers = tuple(head.aux_layers)
+        self.vocab_ids = head.vocab_ids  # target id of each draft id
+        k, vocab = self.tree.topk, head.lm_head.out_features
+        if k > vocab:
+            raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
+        drafted = k + (self.depth - 1) * k * k
+        self.max_tree_size = min(self.tree.total_tokens or drafted, drafted)
+        self.cache: KVCache | None = None
+        self.store: KVCache | None = None  # per token: the fused target feature the head reads
+        self.cached = 0  # slots [0, cached) hold real pairs
+        self.logits: Tensor | None = None  # [K, draft vocab]: row d-1 drafts depth d
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return [self.cache, self.store] if self.cache is not None else []
+
+    def reserve(self, max_len: int) -> None:
+        c, w = self.head.config, self.head.fc.weight
+        room = max_len + self.depth
+        self.cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
+        self.store = feature_store(room, c.hidden_size, w.dtype, w.device)
+        self.mask_feature = self.head.mask_feature().detach()
+        if self.head.cos.shape[0] < room:  # mask slots reach K-1 positions past the pending token
+            self.head.rope_cache(room)
+
+    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+        """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
+        self.keep_features(start, target)
+        self.cached = max(start, 1)
+        self.draft_forward(tokens)
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+        self.keep_features(self.cached - 1, target)
+        self.draft_forward(tokens)
+
+    def keep_features(self, first: int, target: ForwardOut) -> None:
+        """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
+        feats = self.head.target_features(target.hidden, torch.cat(target.aux, dim=-1))
+        self.store.k[0][0, 0, first : first + feats.shape[0]] = feats
+
+    def draft_forward(self, tokens: Tensor) -> None:
+        """Real pairs into slots [cached, n), then K-1 mask slots n.. (scratch): one forward, K rows of logits."""
+        s, n, k, dev = self.cached, tokens.numel(), self.depth - 1, tokens.device
+        feats = torch.cat([self.store.k[0][0, 0, s - 1 : n - 1], self.mask_feature.expand(k, -1)])
+        toks = torch.cat([tokens[s:n], torch.full((k,), self.head.config.mask_token_id, device=dev)])
+        mask = torch.ones(n + k - s, n + k, dtype=torch.bool, device=dev).tril(s)
+        mask[:, 0] = False
+        h = self.head(feats[None], toks[None], torch.arange(s, n + k, device=dev), self.cache, s, mask)
+        self.logits = self.head.logits(h[0, n - 1 - s :]).float()
+        self.cached = n
+
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        """Level d takes slot d's top-k: the topk best nodes of level d-1 (by cumulative log-prob) each get them
+        as children (a slot's distribution does not depend on the tokens drafted before it). topk=1 is a chain;
+        a sampled chain draws depth d from slot d's distribution, which verification needs."""
+        if tokens.numel() != self.cached:
+            raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {tokens.numel()}")
+        depth, k = min(self.depth, budget), self.tree.topk
+        logits = self.logits[:depth]
+        if k == 1 and not sp.greedy:
+            p = probs_from_logits(logits, sp)
+            ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
+            return DraftTree.chain(self.to_target(ids), widen(p, self.vocab_ids, self.head.config.vocab_size))
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
+        return self.tree_of(self.to_target(top.indices), top.values)
+
+    def tree_of(self, ids: Tensor, logp: Tensor) -> DraftTree:
+        """ids, logp [depth, k]: level d's candidates, expanded under the level above's k best nodes."""
+        dev, k = ids.device, ids.shape[1]
+        toks, parents, cum = [ids[0]], [torch.full((k,), -1, device=dev)], [logp[0]]
+        first = 0
+        for d in range(1, ids.shape[0]):
+            best = cum[-1].topk(min(k, cum[-1].numel())).indices
+            toks.append(ids[d].repeat(best.numel()))
+            parents.append((first + best).repeat_interleave(k))
+            cum.append((cum[-1][best][:, None] + logp[d][None]).flatten())
+            first += toks[-2].numel()
+        return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), self.max_tree_size, None)
+
+    def to_target(self, ids: Tensor) -> Tensor:
+        return self.vocab_ids[ids]
+
+
+def peagle_proposer(spec: SpecConfig, target: Loaded) -> PEagleProposer:
+    """spec=peagle: the head borrows the target's embedding; refused if it reads layers the target lacks."""
+    head = spec_head(spec, target, target.model)
+    check_target_layers(head, target.model, spec.drafter)
+    return PEagleProposer(head, spec.num_tokens, spec.tree)
+
+
+def check_target_layers(head: PEagleHead, target: Transformer, folder: str) -> None:
+    """Refuse a drafter that reads target layers the target does not have (L: the last layer's output)."""
+    n = target.config.num_hidden_layers
+    if max(head.aux_layers) > n:
+        raise ValueError(
+            f"drafter {folder} reads the inputs of target layers {list(head.aux_layers)}, but the target has "
+            f"{n} layers (at most layer {n}): train a drafter for this target"
+        )
