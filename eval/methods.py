@@ -9,7 +9,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 from safetensors import safe_open
 
-from draftsmith.serve.build import NEEDS_DRAFTER, SpecConfig
+from draftsmith.heads.kinds import by_spec, specs
+from draftsmith.serve.build import SpecConfig, needs_drafter
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
@@ -26,7 +27,7 @@ def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[st
         out[label] = m
     if not out:
         raise ValueError(
-            "eval compares methods against plain decoding (ar): pick spec=ngram|draft|layerskip|eagle|eagle3|medusa "
+            f"eval compares methods against plain decoding (ar): pick spec={'|'.join(specs()[1:])} "
             "or methods=[ngram,eagle3]"
         )
     return out
@@ -36,8 +37,9 @@ def check_drafters(cfg: DictConfig) -> None:
     """Before the config is typed (SpecConfig would name its own key, spec.drafter): each method of `methods`
     that needs a drafter has methods.LABEL.drafter."""
     for label, m in (cfg.get("methods") or {}).items():
-        if m.get("name") in NEEDS_DRAFTER and not m.get("drafter"):
-            raise ValueError(f"methods.{label} needs methods.{label}.drafter=DIR: {NEEDS_DRAFTER[m.name]}")
+        needs = needs_drafter(m.get("name"))
+        if needs and not m.get("drafter"):
+            raise ValueError(f"methods.{label} needs methods.{label}.drafter=DIR: {needs}")
 
 
 def spec_label(spec: SpecConfig) -> str:
@@ -45,12 +47,10 @@ def spec_label(spec: SpecConfig) -> str:
 
 
 def drafter_params(spec: SpecConfig) -> int | None:
-    """Parameters stored in the drafter's weight files (0 for n-gram lookup; None when it has no files of its
-    own: plain decoding, layerskip)."""
-    if spec.name == "ngram":
-        return 0
+    """Parameters stored in the drafter's weight files; without a drafter, what its kind registers (0 for n-gram
+    lookup; None when it drafts with the target's own weights: layerskip)."""
     if not spec.drafter:
-        return None
+        return by_spec(spec.name).parameters
     files = sorted(Path(spec.drafter).glob("*.safetensors"))
     total = 0
     for file in files:

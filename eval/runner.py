@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load
+from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load, resolve_shape
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
@@ -72,7 +72,8 @@ def run_eval(cfg: EvalConfig) -> dict:
     """Everything a user can get wrong is checked before any prompt runs; each finished prompt is on disk."""
     check_settings(cfg)
     SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)  # validates them
-    methods = resolve_methods(cfg.spec, cfg.methods)
+    # the shape each method drafts: its own settings, else its drafter folder's, else its kind's default
+    methods = {label: resolve_shape(m) for label, m in resolve_methods(cfg.spec, cfg.methods).items()}
     prompts = pick_prompts(cfg)
     target = load(cfg.target)
     engines = {

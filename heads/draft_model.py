@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from .drafter import register, restricted_linear
+from .drafter import restricted_linear
+from .kinds import DraftShape, Kind, register
 from .llama import ModelConfig, Transformer
 
 INITS = ("target", "scratch")
@@ -50,8 +51,6 @@ class DraftModelConfig:
 
 
 class DraftModel(Transformer):
-    target_layers: tuple[int, ...] = ()
-
     def __init__(self, cfg: DraftModelConfig, target: Transformer | None = None) -> None:
         if cfg.model is None:
             if target is None:
@@ -110,4 +109,16 @@ def init_scratch(model: Transformer, std: float = 0.02) -> None:
                 nn.init.zeros_(m.bias)
 
 
-register("draft_model", DraftModelConfig, DraftModel)
+register(
+    Kind(
+        name="draft_model",
+        spec="draft",
+        config=DraftModelConfig,
+        module=DraftModel,
+        loss="draftsmith.train.losses:draft_model_loss",
+        proposer="draftsmith.serve.draft_model:draft_proposer",
+        formats={"hf": "draftsmith.serve.formats:DRAFT_MODEL_HF"},
+        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
+        drafter="an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
+    )
+)

@@ -1,7 +1,8 @@
-"""The drafter folder: config.json (kind, target, sizes, recipe) + model.safetensors + README.md, and
-token_counts.safetensors (how often each target token occurs in the training answers) when training wrote it.
+"""The drafter folder: config.json (kind, target, sizes, recipe, the draft shape it was made for) +
+model.safetensors + README.md, and token_counts.safetensors (how often each target token occurs in the training
+answers) when training wrote it.
 
-Every drafter kind registers its config dataclass and module class here, so training, the
+Every drafter kind registers its config dataclass and module class in heads/kinds.py, so training, the
 engine and export load any folder the same way, and a drafter made for another target is
 refused before anything runs.
 """
@@ -19,6 +20,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .kinds import KINDS, DraftShape, get
 
 FORMAT_VERSION = 1
 TOKEN_COUNTS = "token_counts.safetensors"
@@ -45,14 +48,6 @@ class Recipe:
     acceptance: dict = field(default_factory=dict)  # measured tau etc., filled in by training's eval
 
 
-REGISTRY: dict[str, tuple[type, type[nn.Module]]] = {}  # kind -> (config dataclass, module class)
-SPEC_NAMES = {"draft_model": "draft"}  # the engine's spec name where it differs from the kind
-
-
-def register(kind: str, config_cls: type, module_cls: type[nn.Module]) -> None:
-    REGISTRY[kind] = (config_cls, module_cls)
-
-
 def save_drafter(
     head: nn.Module,
     config,
@@ -62,11 +57,14 @@ def save_drafter(
     out: Path,
     token_counts: torch.Tensor | None = None,
     weights: dict[str, torch.Tensor] | None = None,
+    draft: DraftShape | None = None,
 ) -> Path:
     """Write the folder to a temp dir beside `out`, then rename it into place (never half-written).
     token_counts [vocab]: target-token counts over the training answers, for serve-time draft vocabularies.
-    weights: the head's own state where its module does not hold it whole (DeepSpeed); default own_state(head)."""
+    weights: the head's own state where its module does not hold it whole (DeepSpeed); default own_state(head).
+    draft: the shape the drafter is made for (unset fields: the kind's default), what the engine drafts by default."""
     out = Path(out)
+    shape = get(kind).shape(draft or DraftShape())
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -76,11 +74,12 @@ def save_drafter(
             "target": asdict(target),
             "config": asdict(config),
             "recipe": asdict(recipe),
+            "draft": asdict(shape),
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in (weights or own_state(head)).items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"kind": kind, "target": target.id})
-        (tmp / "README.md").write_text(model_card(kind, target, config, recipe))
+        (tmp / "README.md").write_text(model_card(kind, target, config, recipe, shape))
         if token_counts is not None:
             save_file({"counts": token_counts.detach().long().cpu().contiguous()}, str(tmp / TOKEN_COUNTS))
         if out.exists():
@@ -109,8 +108,10 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); re-export the drafter") from e
-    if meta.get("kind") not in REGISTRY:
-        raise ValueError(f"{path}: unknown drafter kind {meta.get('kind')!r}; known: {', '.join(sorted(REGISTRY))}")
+    kind = KINDS.get(meta.get("kind"))
+    if kind is None or not kind.trained:
+        known = ", ".join(k.name for k in KINDS.values() if k.trained)
+        raise ValueError(f"{path}: unknown drafter kind {meta.get('kind')!r}; known: {known}")
     return meta
 
 
@@ -142,8 +143,8 @@ def load_drafter(folder: Path, target: TargetInfo, *shared, device="cpu", dtype=
     folder = Path(folder)
     meta = read_meta(folder)
     check_target(meta, target, folder)
-    config_cls, module_cls = REGISTRY[meta["kind"]]
-    head = module_cls(config_cls(**meta["config"]), *shared)
+    kind = get(meta["kind"])
+    head = kind.module(kind.config(**meta["config"]), *shared)
     weights = folder / "model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(f"{weights} is missing; the drafter folder is incomplete")
@@ -211,7 +212,7 @@ def cast_own(head: nn.Module, dtype: torch.dtype) -> nn.Module:
     return head
 
 
-def model_card(kind: str, target: TargetInfo, config, recipe: Recipe) -> str:
+def model_card(kind: str, target: TargetInfo, config, recipe: Recipe, shape: DraftShape) -> str:
     acc = recipe.acceptance
     measured = (
         f"Measured: mean acceptance length {acc['mean_acceptance_length']:.2f}"
@@ -228,5 +229,15 @@ def model_card(kind: str, target: TargetInfo, config, recipe: Recipe) -> str:
         f"- drafter: {kind} ({sizes})\n"
         f"- recipe: data {recipe.data or 'n/a'}, {recipe.steps} steps, {recipe.tokens} tokens {recipe.extra or ''}\n\n"
         f"{measured}\n\n"
-        f"Use: `draftsmith-eval spec={SPEC_NAMES.get(kind, kind)} spec.drafter=THIS_FOLDER ...`\n"
+        f"Use: `draftsmith-eval spec={get(kind).spec} spec.drafter=THIS_FOLDER ...`. It drafts {shape_text(shape)} "
+        "(the shape it was made for) unless the spec sets its own (spec.num_tokens=K, ...).\n"
     )
+
+
+def shape_text(shape: DraftShape) -> str:
+    if shape.choices is not None:
+        return f"a static tree of {len(shape.choices)} nodes (depth <= {shape.num_tokens})"
+    if shape.topk == 1:
+        return f"a chain of {shape.num_tokens}"
+    kept = f", keeping {shape.total_tokens} nodes" if shape.total_tokens else ""
+    return f"a tree of depth {shape.num_tokens} with {shape.topk} children per node{kept}"

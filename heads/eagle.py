@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from .drafter import register, restricted_linear
+from .drafter import restricted_linear
+from .kinds import DraftShape, Kind, register
 from .kv_cache import KVCache
 from .llama import DecoderLayer, ModelConfig, Transformer, rope_tables
 
@@ -128,4 +129,15 @@ class EagleHead(HeadBase):
         self.vocab_ids = ids.to(self.fc.weight.device)
 
 
-register("eagle", EagleConfig, EagleHead)
+register(
+    Kind(
+        name="eagle",
+        config=EagleConfig,
+        module=EagleHead,
+        loss="draftsmith.train.losses:eagle_loss",
+        proposer="draftsmith.serve.eagle:eagle_proposer",
+        formats={"vllm": "draftsmith.serve.formats:EAGLE_VLLM", "sglang": "draftsmith.serve.formats:EAGLE_SGLANG"},
+        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
+        draft_keys=("num_tokens", "topk", "total_tokens"),
+    )
+)

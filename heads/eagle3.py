@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import frequent_ids, register
+from .drafter import frequent_ids
 from .eagle import EagleConfig, HeadBase, borrow, sdpa_mask
+from .kinds import DraftShape, Kind, register
 from .kv_cache import KVCache
 from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 
@@ -180,4 +181,16 @@ def ttt_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]]) -> Tensor:
     return out
 
 
-register("eagle3", Eagle3Config, Eagle3Head)
+register(
+    Kind(
+        name="eagle3",
+        config=Eagle3Config,
+        module=Eagle3Head,
+        features=("hidden", "aux"),
+        loss="draftsmith.train.losses:eagle3_loss",
+        proposer="draftsmith.serve.eagle:eagle_proposer",
+        formats={"vllm": "draftsmith.serve.formats:EAGLE3", "sglang": "draftsmith.serve.formats:EAGLE3"},
+        draft_shape=DraftShape(num_tokens=5, topk=4, total_tokens=12),  # a GPU's: a dozen verify rows cost ~1 step
+        draft_keys=("num_tokens", "topk", "total_tokens"),
+    )
+)

@@ -13,8 +13,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import register, restricted_linear
+from .drafter import restricted_linear
+from .kinds import DraftShape, Kind, register
 from .llama import Transformer
+
+# Medusa's mc_sim_7b_63 (paths sorted by their simulated acceptance on Vicuna-7B)
+MC_SIM_7B_63 = [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5],
+    [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9],
+    [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1],
+    [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0],
+    [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0],
+    [0, 0, 0, 1], [1, 6], [0, 7, 0],
+]  # fmt: skip
+# its 24 most likely paths, plus the top-1 chain to depth 4: verifying ~25 tokens stays cheap on a CPU
+DEFAULT_CHOICES = MC_SIM_7B_63[:24] + [[0, 0, 0, 0]]
 
 
 @dataclass
@@ -46,8 +59,6 @@ class ResBlocks(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    target_layers: tuple[int, ...] = ()  # feeds on the final normed hidden state only
-
     def __init__(self, cfg: MedusaConfig, target: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -83,4 +94,16 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.head_logits(k, hidden) for k in range(num_heads or self.config.num_heads)])
 
 
-register("medusa", MedusaConfig, MedusaHeads)
+register(
+    Kind(
+        name="medusa",
+        config=MedusaConfig,
+        module=MedusaHeads,
+        loss="draftsmith.train.losses:medusa_loss",
+        proposer="draftsmith.serve.medusa:medusa_proposer",
+        formats={"vllm": "draftsmith.serve.formats:MEDUSA_VLLM", "tgi": "draftsmith.serve.formats:MEDUSA_TGI"},
+        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0, choices=DEFAULT_CHOICES),
+        draft_keys=("num_tokens", "choices"),
+        max_depth="num_heads",
+    )
+)

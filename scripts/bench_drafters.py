@@ -8,7 +8,7 @@ position, identical outputs, and the drafter's time per verify step as a share o
     python scripts/bench_drafters.py --drafter eagle3=runs/quick_eagle3/final --drafter ngram
     python scripts/bench_drafters.py --drafter eagle3=DIR:topk=1,num_tokens=4     # a chain instead of the tree
 
-A drafter is SPEC[=DIR][:key=value,...] with SPEC one of serve.build.SPECS and keys num_tokens, topk,
+A drafter is SPEC[=DIR][:key=value,...] with SPEC one of heads.kinds.specs() and keys num_tokens, topk,
 total_tokens (EAGLE trees), choices (Medusa paths as 0|1|0.0 for [[0], [1], [0, 0]]), layers (layerskip),
 ngram_tokens (an n-gram chain merged into the tree), ngram_policy (merge | prefer), draft_dtype (auto |
 float32 | bfloat16), draft_vocab (eagle, medusa, draft: logits over the N most frequent training tokens).
@@ -30,7 +30,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import bench_engine as be  # noqa: E402
 import torch  # noqa: E402
 
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer  # noqa: E402
+from draftsmith.heads import kinds  # noqa: E402
+from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape  # noqa: E402
 from draftsmith.serve.eagle import TreeConfig  # noqa: E402
 from draftsmith.serve.target import TargetConfig, load_target  # noqa: E402
 
@@ -42,14 +43,15 @@ def parse_drafter(text: str) -> tuple[str, SpecConfig]:
     head, _, opts = text.partition(":")
     name, _, folder = head.partition("=")
     kv = dict(o.split("=", 1) for o in opts.split(",") if o)
-    tree = TreeConfig(**{k: int(kv.pop(k)) for k in TREE_KEYS if k in kv})
+    tree = TreeConfig(**{k: int(kv.pop(k)) if k in kv else None for k in TREE_KEYS})  # None: the drafter's
     text_keys = {k: kv.pop(k) for k in ("draft_dtype", "ngram_policy") if k in kv}
     choices = kv.pop("choices", None)
     if choices:
         text_keys["choices"] = [[int(r) for r in path.split(".")] for path in choices.split("|")]
     spec = SpecConfig(name=name, drafter=folder or None, tree=tree, **text_keys, **{k: int(v) for k, v in kv.items()})
-    label = f"{name} k{spec.num_tokens}"
-    if name in ("eagle", "eagle3"):
+    spec = resolve_shape(spec)  # unset keys: the shape the drafter folder was made for, else the kind's default
+    tree, label = spec.tree, f"{name} k{spec.num_tokens}"
+    if "topk" in kinds.by_spec(name).draft_keys:
         label += " chain" if tree.topk == 1 else f" tree{tree.topk}x{tree.total_tokens}"
     if choices:
         label += f" {choices}"

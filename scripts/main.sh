@@ -19,12 +19,12 @@ HEAD="$OUT/eagle3"
 TARGET="${MAIN_TARGET:-target=smollm2-135m}"
 read -r -a TRAIN_ARGS <<< "${MAIN_TRAIN_ARGS:-}"
 read -r -a RAG_ARGS <<< "${MAIN_RAG_ARGS:-}"
-# the draft for this CPU: depth 1, the head's 3 best tokens verified side by side (train=quick trains an eagle3
-# head for exactly that). Deeper levels cost a head forward each (~0.07 of a target step in fp32) and a quick
-# head's 2nd and 3rd positions accept only ~0.08 and ~0.01: on an AVX2 EPYC depth 3 x 2 children x 6 nodes ran
-# 0.92-0.95x where depth 1 x 3 ran 1.13x with the same head; the 1-step x 7-epoch head runs 1.20x at depth 1 x 3
-# (tau 1.50), 1.17x as a chain of 1 and 1.16x with 5 candidates (scripts/bench_drafters.py, README)
-TREE=(num_tokens=1 tree.topk=3 tree.total_tokens=0)
+# The evals and the export draft the shape the head folder records: train=quick makes an eagle3 head for depth 1,
+# its 3 best tokens verified side by side (conf/tuning/eagle3-quick.yaml), the draft that pays on this CPU. Deeper
+# levels cost a head forward each (~0.07 of a target step in fp32) and a quick head's 2nd and 3rd positions accept
+# only ~0.08 and ~0.01: on an AVX2 EPYC depth 3 x 2 children x 6 nodes ran 0.92-0.95x where depth 1 x 3 ran 1.13x
+# with the same head; the 1-step x 7-epoch head runs 1.20x at depth 1 x 3 (tau 1.50), 1.17x as a chain of 1 and
+# 1.16x with 5 candidates (scripts/bench_drafters.py, README)
 began=$(date +%s)
 stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
 # an eval killed part-way continues from its records.jsonl; a finished one is run again
@@ -42,12 +42,12 @@ else
 fi
 
 stage "2/4 MT-bench: plain vs EAGLE-3, n-gram, and EAGLE-3 with n-gram lookup -> $OUT/mt_bench"
-draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" "${TREE[@]/#/spec.}" \
-  'methods=[ngram,eagle3_ngram]' methods.eagle3_ngram.drafter="$HEAD/final" "${TREE[@]/#/methods.eagle3_ngram.}" \
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" \
+  'methods=[ngram,eagle3_ngram]' methods.eagle3_ngram.drafter="$HEAD/final" \
   suite=mt_bench limit=8 max_new_tokens=64 repeats=2 out="$OUT/mt_bench" "$(resume "$OUT/mt_bench")" "$@"
 
 stage "3/4 rag: prefix cache x EAGLE-3, the 2x2 study -> $OUT/rag"
-draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" "${TREE[@]/#/spec.}" suite=rag study=prefix_x_spec \
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" suite=rag study=prefix_x_spec \
   limit=6 max_new_tokens=64 out="$OUT/rag" "$(resume "$OUT/rag")" "${RAG_ARGS[@]}" "$@"
 
 stage "4/4 export for vLLM and SGLang -> $OUT/export-vllm"

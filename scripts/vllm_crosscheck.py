@@ -1,6 +1,7 @@
 """Cross-check exported drafters in a real vLLM: same prompts, fp32, greedy, a chain of k drafted tokens.
 
-For each drafter: export it (eagle3 / eagle / medusa -> format=vllm, draft_model -> format=hf), run vLLM with the
+For each drafter: export it (the first format of its kind that vLLM loads: eagle3 / eagle / medusa -> format=vllm,
+draft_model -> format=hf), run vLLM with the
 matching speculative_config and draftsmith's engine at the same k, and print: vLLM's mean acceptance length
 (from llm.get_metrics(): 1 + vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts), draftsmith's,
 and whether vLLM's outputs equal draftsmith's plain greedy outputs token for token.
@@ -20,9 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-FORMAT_FOR = {"eagle3": "vllm", "eagle": "vllm", "medusa": "vllm", "draft_model": "hf"}
-VLLM_METHOD = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
-TRAINED = {kind: f"runs/quick_{kind}/final" for kind in FORMAT_FOR}
+KINDS = ("eagle3", "eagle", "medusa", "draft_model")  # checked by default; their vLLM format comes from the registry
+TRAINED = {kind: f"runs/quick_{kind}/final" for kind in KINDS}
 
 
 # ---------------------------------------------------------------- vLLM worker (runs in the vLLM venv)
@@ -59,14 +59,21 @@ def vllm_worker(job_file: Path, out_file: Path) -> None:
 
 
 def chain_spec(kind: str, drafter: Path, k: int):
+    """A chain of k whatever the kind: EAGLE trees of one child, Medusa's top-1 path (head d-1's best token at
+    depth d); each kind reads the keys it drafts with."""
+    from draftsmith.heads.kinds import get
     from draftsmith.serve.build import SpecConfig
     from draftsmith.serve.eagle import TreeConfig
 
-    if kind == "medusa":  # the top-1 chain: head d-1's best token at depth d
-        return SpecConfig("medusa", k, drafter=str(drafter), choices=[[0] * d for d in range(1, k + 1)])
-    if kind == "draft_model":
-        return SpecConfig("draft", k, drafter=str(drafter))
-    return SpecConfig(kind, k, drafter=str(drafter), tree=TreeConfig(topk=1, total_tokens=0))
+    chain = [[0] * d for d in range(1, k + 1)]
+    return SpecConfig(get(kind).spec, k, drafter=str(drafter), tree=TreeConfig(1, 0), choices=chain)
+
+
+def vllm_format(kind: str) -> tuple[str, str]:
+    """(the kind's first export format vLLM loads, vLLM's speculative method for it)."""
+    from draftsmith.heads.kinds import get, resolve
+
+    return next((name, resolve(ref).vllm) for name, ref in get(kind).formats.items() if resolve(ref).vllm)
 
 
 def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len: int) -> tuple[list, object]:
@@ -159,7 +166,7 @@ def main(args) -> None:
         drafters = {k: str(v) for k, v in fresh_drafters(target, work / "fresh").items()} | drafters
     drafters = {k: Path(v) for k, v in drafters.items() if k in args.kinds.split(",")}
     if not drafters:
-        sys.exit(f"no drafters: pass --drafter KIND=DIR (kinds: {', '.join(FORMAT_FOR)}) or --fresh")
+        sys.exit(f"no drafters: pass --drafter KIND=DIR (kinds: {', '.join(KINDS)}) or --fresh")
     prompts = prompts_for(target, args.prompts)
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
     base_job = {"target": str(target_dir(tcfg)), "prompts": prompts, "max_new_tokens": args.max_new_tokens}
@@ -171,11 +178,12 @@ def main(args) -> None:
         v = call_vllm(args, base_job | {"speculative_config": None}, work, "plain")
         rows.append(("none (plain)", "-", "-", same(v["outputs"], plain), v["outputs"]))
     for kind, drafter in drafters.items():
-        out = work / "exports" / f"{kind}-{FORMAT_FOR[kind]}"
-        export(drafter, FORMAT_FOR[kind], out, tcfg, "fp32", overwrite=True)
-        k = min(args.k, drafter_heads(drafter)) if kind == "medusa" else args.k
+        fmt, method = vllm_format(kind)
+        out = work / "exports" / f"{kind}-{fmt}"
+        export(drafter, fmt, out, tcfg, "fp32", overwrite=True)
+        k = min(args.k, max_depth(kind, drafter))
         ours, m = run_draftsmith(target, chain_spec(kind, drafter, k), prompts, args.max_new_tokens, max_len)
-        spec = {"method": VLLM_METHOD[kind], "model": str(out), "num_speculative_tokens": k}
+        spec = {"method": method, "model": str(out), "num_speculative_tokens": k}
         v = call_vllm(args, base_job | {"speculative_config": spec}, work, kind)
         tau, drafts = vllm_tau(v["counters"])
         rows.append(
@@ -191,8 +199,12 @@ def main(args) -> None:
     report(rows, plain, args, work)
 
 
-def drafter_heads(folder: Path) -> int:
-    return json.loads((folder / "config.json").read_text())["config"]["num_heads"]
+def max_depth(kind: str, folder: Path) -> int:
+    """The deepest draft the drafter's config allows (Medusa: its heads), else unbounded."""
+    from draftsmith.heads.kinds import get
+
+    cap = get(kind).depth_cap(json.loads((folder / "config.json").read_text())["config"])
+    return cap if cap is not None else sys.maxsize
 
 
 def target_dir(tcfg) -> Path:
@@ -222,7 +234,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--drafter", action="append", default=[], help="KIND=DIR (eagle3, eagle, medusa, draft_model)")
     p.add_argument("--trained", action="store_true", help=f"use the trained drafters that exist: {TRAINED}")
     p.add_argument("--fresh", action="store_true", help="add freshly initialised drafters for kinds not given")
-    p.add_argument("--kinds", default=",".join(FORMAT_FOR), help="which of the given drafters to check")
+    p.add_argument("--kinds", default=",".join(KINDS), help="which of the given drafters to check")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--prompts", type=int, default=8, help="the first N MT-bench questions (first turn)")
     p.add_argument("--max-new-tokens", type=int, default=64)

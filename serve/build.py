@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -10,52 +10,46 @@ from transformers import PreTrainedTokenizerBase
 
 from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, read_meta
 from draftsmith.heads.drafter import load_drafter as load_head
+from draftsmith.heads.kinds import KINDS, DraftShape, by_spec, folder_shape, resolve, specs
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
 
-from .draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
-from .eagle import EagleProposer, TreeConfig
 from .engine import Engine
 from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
-from .medusa import MedusaProposer
 from .ngram import NgramConfig, NgramProposer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .target import TargetConfig, load_target, load_tokenizer, torch_dtype
-
-SPECS = ("ar", "ngram", "draft", "layerskip", "medusa", "eagle", "eagle3")
-NEEDS_DRAFTER = {
-    "draft": "an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
-    "medusa": "a medusa drafter folder (draftsmith-train head=medusa)",
-    "eagle": "an eagle drafter folder (draftsmith-train head=eagle)",
-    "eagle3": "an eagle3 drafter folder (draftsmith-train head=eagle3)",
-}
+from .tree import TreeConfig
 
 
 @dataclass
 class SpecConfig:
-    """Mirrors the hydra group `spec`; each method reads the fields it needs."""
+    """Mirrors the hydra group `spec`; each method reads the fields it needs. The draft's shape (num_tokens, tree,
+    choices) left None comes from the drafter folder (the shape it was made for), else the kind's default
+    (resolve_shape)."""
 
     name: str = "ar"
-    num_tokens: int = 4  # chain length k (tree depth for tree proposers)
+    num_tokens: int | None = None  # chain length k (tree depth for tree proposers); None: the drafter's
     min_n: int = 2  # ngram
     max_n: int = 4  # ngram
     drafter: str | None = None  # draft: an HF folder sharing the target's tokenizer, or a draft_model drafter folder
     layers: int = 8  # layerskip: how many of the target's layers draft
-    choices: list[list[int]] | None = None  # medusa: tree paths, e.g. [[0], [0, 0], [1]]; None = the default tree
-    tree: TreeConfig = field(default_factory=TreeConfig)  # eagle, eagle3: topk (1 = a chain), total_tokens
+    choices: list[list[int]] | None = None  # medusa: tree paths, e.g. [[0], [0, 0], [1]]; None: the drafter's
+    # eagle, eagle3: topk (1 = a chain), total_tokens; None: the drafter's
+    tree: TreeConfig = field(default_factory=lambda: TreeConfig(None, None))
     ngram_tokens: int = 0  # eagle, eagle3, medusa: also draft an n-gram lookup chain this long (0 = off)
     ngram_policy: str = "prefer"  # prefer: the chain alone when found, else the tree | merge: the chain joins the tree
     draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
 
     def __post_init__(self) -> None:  # checked when the config is built, before any model loads
-        if self.name not in SPECS:
-            raise ValueError(f"unknown spec {self.name!r}; choose one of {', '.join(SPECS)}")
-        if self.name in NEEDS_DRAFTER and not self.drafter:
-            raise ValueError(f"spec={self.name} needs spec.drafter=DIR: {NEEDS_DRAFTER[self.name]}")
-        if self.num_tokens < 1:
+        if self.name not in specs():
+            raise ValueError(f"unknown spec {self.name!r}; choose one of {', '.join(specs())}")
+        if needs_drafter(self.name) and not self.drafter:
+            raise ValueError(f"spec={self.name} needs spec.drafter=DIR: {needs_drafter(self.name)}")
+        if self.num_tokens is not None and self.num_tokens < 1:
             raise ValueError(f"spec.num_tokens must be >= 1, got {self.num_tokens}")
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"spec.draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
@@ -63,11 +57,46 @@ class SpecConfig:
             raise ValueError(f"spec.ngram_tokens must be >= 0 (0 = off), got {self.ngram_tokens}")
         if self.draft_vocab < 0:
             raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
-        if self.draft_vocab and self.name not in ("eagle", "medusa", "draft"):
-            why = "an eagle3 head has its own (draft_vocab_size, set in training)" if self.name == "eagle3" else ""
-            raise ValueError(
-                f"spec.draft_vocab applies to spec=eagle, medusa and draft, not {self.name}. {why}".strip()
-            )
+        if self.draft_vocab and self.name not in vocab_specs():
+            raise ValueError(draft_vocab_refusal(self.name))
+
+
+def needs_drafter(name: str) -> str:
+    """What spec.drafter must be for spec=name; "" when that spec takes none."""
+    return next((k.drafter_help() for k in KINDS.values() if k.spec == name and k.proposer), "")
+
+
+def vocab_specs() -> list[str]:
+    """Specs whose drafter can narrow its logits at serve time (its module has restrict_vocab)."""
+    return [k.spec for k in KINDS.values() if k.proposer and hasattr(k.module, "restrict_vocab")]
+
+
+def draft_vocab_refusal(name: str) -> str:
+    names, config = vocab_specs(), by_spec(name).config if name != "ar" else None
+    own = config is not None and "draft_vocab_size" in config.__dataclass_fields__
+    why = f" an {name} head has its own (draft_vocab_size, set in training)" if own else ""
+    return f"spec.draft_vocab applies to spec={', '.join(names[:-1])} and {names[-1]}, not {name}.{why}"
+
+
+def resolve_shape(spec: SpecConfig) -> SpecConfig:
+    """The spec with its draft shape filled in: what it sets, else what its drafter folder was made for, else the
+    kind's default. Plain decoding (ar) has none."""
+    if spec.name == "ar":
+        return spec
+    mine = DraftShape(spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices)
+    shape = by_spec(spec.name).shape(mine, saved_shape(spec))
+    tree = TreeConfig(shape.topk, shape.total_tokens)
+    return replace(spec, num_tokens=shape.num_tokens, tree=tree, choices=shape.choices)
+
+
+def saved_shape(spec: SpecConfig) -> DraftShape:
+    """The shape spec.drafter was made for; the kind's default where it is no draftsmith drafter folder (none, a
+    plain HF model, or one the proposer's loader will refuse with its own message)."""
+    folder = Path(spec.drafter) if spec.drafter else None
+    kind = by_spec(spec.name)
+    if folder is None or not (folder / "config.json").is_file() or "kind" not in read_hf_config(folder):
+        return kind.draft_shape
+    return folder_shape(read_meta(folder))
 
 
 @dataclass
@@ -87,31 +116,16 @@ def target_info(target: Loaded) -> TargetInfo:
 
 
 def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
-    proposer = model_proposer(spec, target)
-    if spec.ngram_tokens and spec.name not in ("ar", "ngram"):
+    """The kind's proposer factory (heads/kinds.py) on the spec with its shape resolved; n-gram lookup added to it
+    when spec.ngram_tokens asks (n-gram lookup itself ignores that)."""
+    if spec.name == "ar":
+        return None
+    spec = resolve_shape(spec)
+    proposer = resolve(by_spec(spec.name).proposer)(spec, target)
+    if spec.ngram_tokens and not isinstance(proposer, NgramProposer):
         ngram = NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
         return HybridProposer(proposer, ngram, spec.ngram_policy)
     return proposer
-
-
-def model_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
-    if spec.name == "ar":
-        return None
-    if spec.name == "ngram":
-        return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
-    if spec.name == "layerskip":
-        return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
-    dtype = draft_dtype(spec, target.model)  # the trained drafters' weights
-    folder, vocab = Path(spec.drafter), spec.draft_vocab  # SpecConfig refuses draft_vocab for eagle3
-    if spec.name == "draft":
-        return DraftModelProposer(load_drafter(folder, target, dtype, vocab), DraftModelConfig(spec.num_tokens))
-    if spec.name == "medusa":
-        heads = load_trained(folder, target, "medusa", spec.name, dtype=dtype, draft_vocab=vocab)
-        return MedusaProposer(heads, spec.choices, spec.num_tokens)
-    if spec.name in ("eagle", "eagle3"):  # the head borrows the target's embedding (and EAGLE-1 its lm_head)
-        head = load_trained(folder, target, spec.name, spec.name, target.model, dtype=dtype, draft_vocab=vocab)
-        return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
-    raise AssertionError(spec.name)  # SpecConfig only admits SPECS
 
 
 def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:
@@ -130,7 +144,7 @@ def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None,
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
     if "kind" in hf:  # a draftsmith drafter folder (heads/drafter.py), checked against the target's id
-        return load_trained(folder, target, "draft_model", "draft", dtype=dtype, draft_vocab=draft_vocab)
+        return load_trained(folder, target, "draft", dtype=dtype, draft_vocab=draft_vocab)
     if draft_vocab:
         raise ValueError(
             f"spec.draft_vocab needs the training answers' token counts of a draftsmith draft_model folder; "
@@ -146,19 +160,24 @@ def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None,
     return load_model(folder, dtype or target.model.dtype, str(target.model.device))
 
 
+def spec_head(spec: SpecConfig, target: Loaded, *shared):
+    """The trained drafter spec.drafter names, for spec.name's kind (load_trained), in spec.draft_dtype."""
+    dtype = draft_dtype(spec, target.model)
+    return load_trained(Path(spec.drafter), target, spec.name, *shared, dtype=dtype, draft_vocab=spec.draft_vocab)
+
+
 def load_trained(
     folder: Path,
     target: Loaded,
-    kind: str,
     spec_name: str,
     *shared,
     dtype: torch.dtype | None = None,
     draft_vocab: int = 0,
 ):
-    """A draftsmith drafter folder of `kind`, refused unless it was made for this target; `shared`: target
+    """A draftsmith drafter folder of spec_name's kind, refused unless it was made for this target; `shared`: target
     pieces the kind borrows (heads/drafter.load_drafter); dtype: its weights' (default: the target's);
     draft_vocab > 0: its logits over the training answers' draft_vocab most frequent tokens only."""
-    found = read_meta(folder)["kind"]
+    kind, found = by_spec(spec_name).name, read_meta(folder)["kind"]
     if found != kind:
         raise ValueError(f"spec.drafter={folder} is a {found} drafter; spec={spec_name} needs a {kind} drafter")
     m = target.model
@@ -180,6 +199,7 @@ def check_same_tokenizer(draft: PreTrainedTokenizerBase, tgt: PreTrainedTokenize
 def build_engine(
     target: Loaded, spec: SpecConfig, prefix_cache: bool, max_seq_len: int, cuda_graphs: str = "auto"
 ) -> Engine:
+    spec = resolve_shape(spec)  # the salt names the shape drafted
     proposer = make_proposer(spec, target)
     return Engine(
         target.model,

@@ -7,6 +7,8 @@ training-free draft that shares the target's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -17,6 +19,9 @@ from draftsmith.heads.llama import ForwardOut, Transformer
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, sample, widen
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .build import Loaded, SpecConfig
 
 
 @dataclass
@@ -85,6 +90,18 @@ class DraftModelProposer(Proposer):
         )
         self.cached += n
         return out.logits[-1] if logits else out.logits
+
+
+def draft_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
+    """spec=draft: an HF draft LM, or a draft_model drafter folder."""
+    from .build import draft_dtype, load_drafter  # build imports this module (through the engine)
+
+    model = load_drafter(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
+    return DraftModelProposer(model, DraftModelConfig(spec.num_tokens))
+
+
+def layerskip_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
+    return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
 
 
 def causal_mask(start: int, n: int, device) -> Tensor | None:

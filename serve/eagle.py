@@ -11,35 +11,21 @@ token: the first level of the next draft.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor, nn
 
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut
 
+from .build import Loaded, SpecConfig, spec_head
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, widen
-from .tree import DraftTree
-
-
-@dataclass
-class TreeConfig:
-    """EAGLE-2 dynamic tree: every level expands the topk best nodes (by cumulative log-prob) into topk children
-    each; at the end the total_tokens best of all drafted nodes are kept. topk=1 drafts a chain."""
-
-    topk: int = 1
-    total_tokens: int = 0  # 0: keep every drafted node (topk + (depth - 1) * topk^2)
-
-    def __post_init__(self) -> None:
-        if self.topk < 1:
-            raise ValueError(f"spec.tree.topk must be >= 1, got {self.topk}")
-        if self.total_tokens < 0:
-            raise ValueError(f"spec.tree.total_tokens must be >= 0 (0 = keep all), got {self.total_tokens}")
+from .tree import DraftTree, TreeConfig
 
 
 class EagleProposer(Proposer):
+    mergeable = True
+
     def __init__(
         self,
         head: nn.Module,
@@ -156,6 +142,11 @@ class EagleProposer(Proposer):
 
     def to_target_probs(self, p: Tensor) -> Tensor:
         return widen(p, self.vocab_ids, self.head.config.vocab_size)
+
+
+def eagle_proposer(spec: SpecConfig, target: Loaded) -> EagleProposer:
+    """spec=eagle, eagle3: the head borrows the target's embedding (and EAGLE-1 its lm_head)."""
+    return EagleProposer(spec_head(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
 
 
 def feature_store(max_len: int, hidden: int, dtype: torch.dtype, device) -> KVCache:

@@ -1,7 +1,8 @@
 """Export a drafter folder to the formats serving engines load: vLLM, SGLang, TGI, HF.
 
-One function per (kind, format) row of FORMATS; each returns the export's config.json, its safetensors files
-and the target files to copy. `export` writes them to a temp folder beside OUT, validates the result
+Each kind names its formats in its registry record (heads/kinds.py), each a Format (serve/formats.py for the
+built-in ones): an exporter returning the export's config.json, its safetensors files and the target files to
+copy, and the validator's pieces. `export` writes them to a temp folder beside OUT, validates the result
 (serve/export_check.py) and only then renames it into place, so a failed export leaves nothing behind.
 """
 
@@ -14,6 +15,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -29,6 +31,7 @@ from draftsmith.heads.drafter import (
     own_state,
     read_meta,
 )
+from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 
 from .export_card import EXPORT_MARK, model_card
@@ -48,15 +51,6 @@ TOKENIZER_FILES = (
     "chat_template.json",
     "generation_config.json",
 )
-# target architectures (config.json model_type) each format's engines run with these drafters
-TARGET_TYPES = {
-    "vllm": SUPPORTED_TYPES,
-    "sglang": SUPPORTED_TYPES,
-    "tgi": ("llama", "mistral", "qwen2"),
-    "hf": SUPPORTED_TYPES,
-}
-
-
 TOKEN_MAP = "token_map.pt"  # SGLang's --speculative-token-map: the ids an EAGLE-2 draft's lm_head keeps (FR-Spec)
 
 
@@ -80,6 +74,15 @@ class Source:
     def kind(self) -> str:
         return self.meta["kind"]
 
+    @property
+    def shape(self) -> DraftShape:
+        """The draft the drafter was made for: what the card's serve commands ask for."""
+        return folder_shape(self.meta)
+
+    @property
+    def formats(self) -> dict[str, Format]:
+        return {name: resolve(ref) for name, ref in get(self.kind).formats.items()}
+
 
 @dataclass
 class Export:
@@ -87,6 +90,32 @@ class Export:
     tensors: dict[str, dict[str, Tensor]]  # file name -> state dict
     copy: list[str] = field(default_factory=list)  # files copied from the target folder
     token_map: Tensor | None = None  # int64 ids, written as TOKEN_MAP
+
+
+def no_problems(*_) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Format:
+    """One export format of a kind: the exporter, what the validator checks (serve/export_check.py: tables built
+    from the drafter's own config, not from the exporter, and the format's forward in plain torch), and the
+    engines that load it (the card's serve commands)."""
+
+    export: Callable[[Source], Export]
+    shapes: Callable[[Source, dict], dict[str, tuple[int, ...]]]  # (src, written config.json) -> name -> shape
+    config: Callable[[Source], dict]  # config.json keys the engines read, with the values the drafter implies
+    forward: Callable[[Source, Any], dict[str, tuple]]  # (src, export_check.Probe) -> name -> (export's, drafter's)
+    problems: Callable[[Source, Path, dict], list[str]] = no_problems  # more checks: (src, folder, config.json)
+    tensor_checks: Callable[[Source, dict, torch.dtype], list[str]] = no_problems  # (src, tensors, export dtype)
+    token_map: Callable[[Source], Tensor | None] | None = None  # the SGLang token map the exporter writes
+    weights: str = "model.safetensors"  # the file the validator reads
+    torch_dtype: bool = True  # config.json says the export's dtype
+    target_types: tuple[str, ...] = SUPPORTED_TYPES  # target model_types its engines run these drafters with
+    vllm: str = ""  # vLLM's speculative method for this folder ("": vLLM does not load it)
+    sglang: str = ""  # SGLang's --speculative-algorithm ("": SGLang does not load it)
+    tgi: bool = False  # TGI loads it
+    hf: bool = False  # transformers loads it (assisted generation)
 
 
 # ---------------------------------------------------------------- exporters, one per (kind, format)
@@ -206,14 +235,6 @@ DROPPED_HF_KEYS = (
     "dtype",
 )
 
-FORMATS: dict[str, dict[str, Callable[[Source], Export]]] = {
-    "eagle3": {"vllm": eagle3_vllm, "sglang": eagle3_vllm},
-    "eagle": {"vllm": eagle_vllm, "sglang": eagle_sglang},
-    "medusa": {"vllm": medusa_vllm, "tgi": medusa_tgi},
-    "draft_model": {"hf": draft_model_hf},
-}
-ALL_FORMATS = ("vllm", "sglang", "tgi", "hf")
-
 
 def llama_head_config(src: Source, arch: str) -> dict:
     """The one-layer Llama config EAGLE heads are served with; rope as the target's config.json spells it."""
@@ -274,21 +295,32 @@ def load_source(drafter: Path, target: TargetConfig) -> Source:
     return Source(drafter, meta, head, target_dir, hf, counts)
 
 
-def exporter_for(kind: str, fmt: str) -> Callable[[Source], Export]:
-    if fmt not in ALL_FORMATS:
-        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(ALL_FORMATS)}")
-    if fmt not in FORMATS[kind]:
-        can = ", ".join(f"{k}: {'/'.join(f)}" for k, f in FORMATS.items())
-        raise ExportError(f"format={fmt} cannot hold {kind} drafters; use format={'|'.join(FORMATS[kind])} ({can})")
-    return FORMATS[kind][fmt]
+def all_formats() -> list[str]:
+    """Every format some registered kind exports to."""
+    return list(dict.fromkeys(name for k in KINDS.values() for name in k.formats))
 
 
-def check_target_type(src: Source, fmt: str) -> None:
+def check_format_name(fmt: str) -> None:
+    if fmt not in all_formats():
+        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(all_formats())}")
+
+
+def format_for(kind: str, fmt: str) -> Format:
+    """The Format a kind registered under `fmt`, refused (ExportError) when it has none."""
+    check_format_name(fmt)
+    mine = get(kind).formats
+    if fmt not in mine:
+        can = ", ".join(f"{k.name}: {'/'.join(k.formats)}" for k in KINDS.values() if k.formats)
+        raise ExportError(f"format={fmt} cannot hold {kind} drafters; use format={'|'.join(mine)} ({can})")
+    return resolve(mine[fmt])
+
+
+def check_target_type(src: Source, fmt: str, f: Format) -> None:
     mtype = src.target_hf.get("model_type")
-    if mtype not in TARGET_TYPES[fmt]:
+    if mtype not in f.target_types:
         raise ExportError(
             f"target {src.target_dir} has model_type={mtype!r}; format={fmt} serves {src.kind} drafters for "
-            f"{', '.join(TARGET_TYPES[fmt])} targets only: pick another format or target"
+            f"{', '.join(f.target_types)} targets only: pick another format or target"
         )
 
 
@@ -322,8 +354,8 @@ def cast(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
     return {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()}
 
 
-def write(exp: Export, src: Source, fmt: str, dtype: str, folder: Path) -> None:
-    config = exp.config | ({"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")} if fmt != "tgi" else {})
+def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None:
+    config = exp.config | ({"torch_dtype": str(DTYPES[dtype]).removeprefix("torch.")} if f.torch_dtype else {})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, state in exp.tensors.items():
         save_file(cast(state, DTYPES[dtype]), str(folder / name), metadata={"format": "pt"})
@@ -355,18 +387,17 @@ def export(
     drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
     if dtype not in DTYPES:
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if fmt not in ALL_FORMATS:
-        raise ExportError(f"unknown format {fmt!r}; choose one of {', '.join(ALL_FORMATS)}")
+    check_format_name(fmt)
     check_out(out, drafter, overwrite)
     src = load_source(drafter, target or TargetConfig())
-    exporter = exporter_for(src.kind, fmt)
-    check_target_type(src, fmt)
-    exp = exporter(src)
+    f = format_for(src.kind, fmt)
+    check_target_type(src, fmt, f)
+    exp = f.export(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it owner-only; an engine in a container may run as another user
     try:
-        write(exp, src, fmt, dtype, tmp)
+        write(exp, src, f, dtype, tmp)
         token_map = TOKEN_MAP if exp.token_map is not None else None
         (tmp / "README.md").write_text(model_card(src, fmt, dtype, out.resolve(), token_map))
         check_export(tmp, src, fmt)
@@ -381,7 +412,7 @@ def validate(drafter: Path, fmt: str, out: Path, target: TargetConfig | None = N
     from .export_check import check_export  # which imports this module
 
     src = load_source(Path(drafter).expanduser(), target or TargetConfig())
-    exporter_for(src.kind, fmt)
+    format_for(src.kind, fmt)
     if not Path(out).expanduser().is_dir():
         raise ExportError(f"out={out} is not a folder: nothing to check")
     check_export(Path(out).expanduser(), src, fmt)

@@ -6,42 +6,34 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftsmith.heads.drafter import shape_text
+
 if TYPE_CHECKING:
     from .export import Source
 
 EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
-
-METHODS = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa", "draft_model": "draft_model"}
-SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "eagle": "EAGLE", "draft_model": "STANDALONE"}
-NOT_SERVED = {
-    ("eagle3", "tgi"): "TGI does not load EAGLE-3 drafters; use this folder with vLLM or SGLang.",
-    ("eagle", "tgi"): "TGI does not load EAGLE drafters; use vLLM or SGLang.",
-    ("medusa", "sglang"): "SGLang does not serve Medusa heads; use vLLM (format=vllm) or TGI (format=tgi).",
-    ("draft_model", "tgi"): "TGI does not speculate with a draft model (Medusa, MLP speculator and n-gram only).",
-}
+ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI"}
 
 
-def num_tokens(src: Source) -> int:
-    return src.head.config.num_heads if src.kind == "medusa" else 5 if src.kind == "eagle3" else 4
-
-
-def vllm_command(src: Source, out: Path) -> str:
-    spec = {"method": METHODS[src.kind], "model": str(out), "num_speculative_tokens": num_tokens(src)}
+def vllm_command(src: Source, out: Path, method: str) -> str:
+    spec = {"method": method, "model": str(out), "num_speculative_tokens": src.shape.num_tokens}
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 
-def sglang_command(src: Source, out: Path, token_map: str | None = None) -> str:
-    k = num_tokens(src)
+def sglang_command(src: Source, out: Path, algorithm: str, token_map: str | None = None) -> str:
+    """The drafter's shape: depth, children per node, and the verified tree's tokens (its nodes + the root)."""
+    shape = src.shape
     flag = f" --speculative-token-map {out}/{token_map}" if token_map else ""
     return (
         f"python -m sglang.launch_server --model-path {src.target_dir.resolve()} "
-        f"--speculative-algorithm {SGLANG_ALGORITHMS[src.kind]} --speculative-draft-model-path {out} "
-        f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}{flag}"
+        f"--speculative-algorithm {algorithm} --speculative-draft-model-path {out} "
+        f"--speculative-num-steps {shape.num_tokens} --speculative-eagle-topk {shape.topk} "
+        f"--speculative-num-draft-tokens {shape.draft_tokens() + 1}{flag}"
     )
 
 
 def tgi_command(src: Source, out: Path) -> str:
-    return f"text-generation-launcher --model-id {out} --speculate {num_tokens(src)}"
+    return f"text-generation-launcher --model-id {out} --speculate {src.shape.num_tokens}"
 
 
 def hf_snippet(src: Source, out: Path) -> str:
@@ -56,23 +48,26 @@ def hf_snippet(src: Source, out: Path) -> str:
 
 
 def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None) -> str:
-    """The commands for every engine this export (or its sibling format) serves with; token_map: the file name
-    of the export's SGLang token map, if it has one."""
-    lines = []
-    for engine in ("vllm", "sglang", "tgi", "hf"):
-        if (src.kind, engine) in NOT_SERVED:
-            lines.append(f"**{engine}**: {NOT_SERVED[src.kind, engine]}\n")
-        elif engine == "vllm" and fmt in ("vllm", "hf"):
-            lines.append(f"**vLLM**:\n\n```bash\n{vllm_command(src, out)}\n```\n")
-        elif engine == "sglang" and (fmt == "sglang" or src.kind in ("eagle3", "draft_model")):
-            lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, token_map)}\n```\n")
-        elif engine == "tgi" and fmt == "tgi":
+    """The commands for every engine this export serves with; for the others, the format of this kind that they
+    load, or that none does. token_map: the file name of the export's SGLang token map, if it has one."""
+    formats = src.formats
+    f, lines = formats[fmt], []
+    for engine, title in ENGINES.items():
+        others = [name for name, g in formats.items() if getattr(g, engine)]
+        if engine == "vllm" and f.vllm:
+            lines.append(f"**vLLM**:\n\n```bash\n{vllm_command(src, out, f.vllm)}\n```\n")
+        elif engine == "sglang" and f.sglang:
+            lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, f.sglang, token_map)}\n```\n")
+        elif engine == "tgi" and f.tgi:
             base = "`base_model_name_or_path` in config.json names the target; point it at the target's hub id"
             lines.append(f"**TGI** ({base} when serving elsewhere):\n\n```bash\n{tgi_command(src, out)}\n```\n")
-        elif engine == "hf" and fmt == "hf":
-            lines.append(f"**HF transformers** (assisted generation):\n\n```python\n{hf_snippet(src, out)}\n```\n")
-        elif engine in ("vllm", "sglang", "tgi"):
-            lines.append(f"**{engine}**: export with `format={engine}` for this engine.\n")
+        elif others:
+            lines.append(f"**{engine}**: export with `format={others[0]}` for this engine.\n")
+        else:
+            can = " or ".join(f"format={name}" for name in formats)
+            lines.append(f"**{engine}**: {title} does not serve {src.kind} drafters; {can} serves other engines.\n")
+    if f.hf:
+        lines.append(f"**HF transformers** (assisted generation):\n\n```python\n{hf_snippet(src, out)}\n```\n")
     return "\n".join(lines)
 
 
@@ -94,7 +89,7 @@ def model_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | No
         f"{EXPORT_MARK} `{src.folder.resolve()}` in {dtype}, safetensors.\n\n"
         f"- target: `{meta['target']['id']}` at `{src.target_dir.resolve()}` (the drafter fits only this "
         "target: same config.json)\n"
-        f"- drafter: {src.kind} ({sizes})\n"
+        f"- drafter: {src.kind} ({sizes}), made to draft {shape_text(src.shape)}: the commands below ask for that\n"
         f"- recipe: data {recipe.get('data') or 'n/a'}, {recipe.get('steps', 0)} steps, "
         f"{recipe.get('tokens', 0)} tokens {recipe.get('extra') or ''}\n\n"
         f"{measured(recipe)}\n\n"

@@ -1,30 +1,32 @@
 """Validate an export: reload it, check config.json, key names, shapes and dtypes against the format's table
 (built from the drafter's own config, not from the exporter), then run the format's forward, written here in
 plain torch from the exported tensors, against the drafter's forward on random inputs.
+
+The functions here are the built-in formats' validator pieces; serve/formats.py puts each format's together.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from draftsmith.heads.drafter import TOKEN_COUNTS, own_state
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
 
-from .export import TOKEN_MAP, ExportError, Source, token_map
+from .export import TOKEN_MAP, ExportError, Format, Source, format_for
 
 Shapes = dict[str, tuple[int, ...]]
 # max |diff| / max |drafter|: both forwards run the same rounded weights in float32, so only the order of the
 # float32 operations differs (a clean export: ~3e-7). Ten sign-flipped weights or a norm scaled by 1.003 are far more.
 TOLERANCE = 1e-5
-WEIGHT_FILE = {"tgi": "medusa_lm_head.safetensors"}
 
 
 # ---------------------------------------------------------------- the table: keys and shapes per format
@@ -44,7 +46,8 @@ def mlp_shapes(p: str, c) -> Shapes:
     return {f"{p}.gate_proj.weight": (i, h), f"{p}.up_proj.weight": (i, h), f"{p}.down_proj.weight": (h, i)}
 
 
-def eagle3_shapes(c, bias: bool) -> Shapes:
+def eagle3_shapes(src: Source, config: dict) -> Shapes:
+    c, bias = src.head.config, bool(config.get("attention_bias"))
     h = c.hidden_size
     s = {"fc.weight": (h, len(c.target_layers) * h), **attn_shapes("midlayer.self_attn", 2 * h, c, bias)}
     s |= mlp_shapes("midlayer.mlp", c)
@@ -55,22 +58,24 @@ def eagle3_shapes(c, bias: bool) -> Shapes:
     return s
 
 
-def eagle_shapes(c, bias: bool, fc_bias: bool) -> Shapes:
+def eagle_shapes(src: Source, config: dict, fc_bias: bool = False) -> Shapes:
+    c, bias = src.head.config, bool(config.get("attention_bias"))
     h = c.hidden_size
     s = {"fc.weight": (h, 2 * h), **attn_shapes("layers.0.self_attn", h, c, bias), **mlp_shapes("layers.0.mlp", c)}
     s["layers.0.post_attention_layernorm.weight"] = (h,)
     return s | ({"fc.bias": (h,)} if fc_bias else {})
 
 
-def medusa_names(fmt: str, c) -> tuple[str, str]:
-    """Format strings for head h's block l and its lm_head."""
-    if fmt == "tgi":
+def medusa_names(tgi: bool, c) -> tuple[str, str]:
+    """Format strings for head h's block l and its lm_head: FasterDecoding's (TGI) or vLLM's."""
+    if tgi:
         return "{h}.{l}.linear", "{h}." + str(c.num_layers)
     return "blocks.{h}.layers.{l}", "lm_heads.{h}"
 
 
-def medusa_shapes(fmt: str, c) -> Shapes:
-    block, head = medusa_names(fmt, c)
+def medusa_shapes(src: Source, config: dict, tgi: bool = False) -> Shapes:
+    c = src.head.config
+    block, head = medusa_names(tgi, c)
     s = {}
     for h in range(c.num_heads):
         for layer in range(c.num_layers):
@@ -94,65 +99,77 @@ def hf_llama_shapes(m: ModelConfig) -> Shapes:
     return s if m.tie_word_embeddings else s | {"lm_head.weight": (m.vocab_size, h)}
 
 
-def expected_shapes(src: Source, fmt: str, config: dict) -> Shapes:
-    c = src.head.config
-    if src.kind == "eagle3":
-        return eagle3_shapes(c, bool(config.get("attention_bias")))
-    if src.kind == "eagle":
-        return eagle_shapes(c, bool(config.get("attention_bias")), fc_bias=fmt == "sglang")
-    if src.kind == "medusa":
-        return medusa_shapes(fmt, c)
-    return hf_llama_shapes(c)
+def draft_model_shapes(src: Source, config: dict) -> Shapes:
+    return hf_llama_shapes(src.head.config)
 
 
-# ---------------------------------------------------------------- config.json per format
+# ---------------------------------------------------------------- config.json per format: keys the engines read,
+# with the values the drafter implies (checked for equality)
 
 
-def expected_config(src: Source, fmt: str) -> dict:
-    """Keys the engines read, with the values the drafter implies (checked for equality)."""
-    c, t = src.head.config, src.target_hf
-    if src.kind == "medusa" and fmt == "tgi":
-        return {"medusa_num_heads": c.num_heads, "medusa_num_layers": c.num_layers}
-    if src.kind == "medusa":
-        return {
-            "model_type": "medusa",
-            "architectures": ["MedusaModel"],
-            "hidden_size": c.hidden_size,
-            "vocab_size": c.vocab_size,
-            "num_heads": c.num_heads,
-            "num_hidden_layers": c.num_layers,
-            "medusa_fc_bias": True,
-        }
+def sizes_config(c) -> dict:
     sizes = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-    want = {k: getattr(c, k) for k in sizes} | {"vocab_size": c.vocab_size}
-    if src.kind == "draft_model":
-        return want | {"model_type": t["model_type"], "num_hidden_layers": c.num_hidden_layers}
-    arch = {"eagle3": "LlamaForCausalLMEagle3", "eagle": "EagleLlamaForCausalLM"}[src.kind]
-    want |= {"architectures": ["LlamaForCausalLMEagle" if fmt == "sglang" and src.kind == "eagle" else arch]}
-    want |= {"model_type": "llama", "num_hidden_layers": 1}
-    if src.kind == "eagle3":
-        ids = {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True}
-        want |= {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size, "eagle_config": ids}
-    return want
+    return {k: getattr(c, k) for k in sizes} | {"vocab_size": c.vocab_size}
 
 
-def config_problems(src: Source, fmt: str, config: dict) -> list[str]:
+def eagle_config(src: Source, arch: str = "EagleLlamaForCausalLM") -> dict:
+    return sizes_config(src.head.config) | {"architectures": [arch], "model_type": "llama", "num_hidden_layers": 1}
+
+
+def eagle3_config(src: Source) -> dict:
+    c = src.head.config
+    ids = {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True}
+    want = eagle_config(src, "LlamaForCausalLMEagle3")
+    return want | {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size, "eagle_config": ids}
+
+
+def medusa_vllm_config(src: Source) -> dict:
+    c = src.head.config
+    return {
+        "model_type": "medusa",
+        "architectures": ["MedusaModel"],
+        "hidden_size": c.hidden_size,
+        "vocab_size": c.vocab_size,
+        "num_heads": c.num_heads,
+        "num_hidden_layers": c.num_layers,
+        "medusa_fc_bias": True,
+    }
+
+
+def medusa_tgi_config(src: Source) -> dict:
+    return {"medusa_num_heads": src.head.config.num_heads, "medusa_num_layers": src.head.config.num_layers}
+
+
+def draft_model_config(src: Source) -> dict:
+    c = src.head.config
+    return sizes_config(c) | {"model_type": src.target_hf["model_type"], "num_hidden_layers": c.num_hidden_layers}
+
+
+def config_problems(src: Source, f: Format, folder: Path, config: dict) -> list[str]:
     problems = [
         f"config.json {k}={config.get(k, '<missing>')!r}, expected {v!r}"
-        for k, v in expected_config(src, fmt).items()
+        for k, v in f.config(src).items()
         if config.get(k) != v
     ]
-    if fmt == "tgi":
-        if "architectures" in config:
-            problems.append("config.json has `architectures`: TGI then takes the folder for a full model")
-        if not config.get("base_model_name_or_path"):
-            problems.append("config.json has no base_model_name_or_path: TGI loads the target from it")
-    if src.kind in ("eagle", "eagle3"):
-        problems += head_config_problems(src, config)
+    return problems + f.problems(src, folder, config)
+
+
+def tgi_problems(src: Source, folder: Path, config: dict) -> list[str]:
+    problems = []
+    if "architectures" in config:
+        problems.append("config.json has `architectures`: TGI then takes the folder for a full model")
+    if not config.get("base_model_name_or_path"):
+        problems.append("config.json has no base_model_name_or_path: TGI loads the target from it")
     return problems
 
 
-def head_config_problems(src: Source, config: dict) -> list[str]:
+def tokenizer_problems(src: Source, folder: Path, config: dict) -> list[str]:
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        return []
+    return ["no tokenizer files (tokenizer.json / tokenizer.model)"]
+
+
+def head_config_problems(src: Source, folder: Path, config: dict) -> list[str]:
     """EAGLE heads run beside the target: its positions and its rope."""
     problems = []
     need = src.target_hf.get("max_position_embeddings", 0)
@@ -172,8 +189,8 @@ def head_config_problems(src: Source, config: dict) -> list[str]:
 # ---------------------------------------------------------------- reloading
 
 
-def read_export(folder: Path, fmt: str) -> tuple[dict, dict[str, Tensor]]:
-    path, weights = folder / "config.json", folder / WEIGHT_FILE.get(fmt, "model.safetensors")
+def read_export(folder: Path, f: Format) -> tuple[dict, dict[str, Tensor]]:
+    path, weights = folder / "config.json", folder / f.weights
     for f in (path, weights, folder / "README.md"):
         if not f.is_file():
             raise ExportError(f"export {folder} is incomplete: {f.name} is missing")
@@ -261,9 +278,9 @@ def eagle_forward(w, cfg: ModelConfig, embeds: Tensor, feature: Tensor, position
     return h, h @ lm_head.T
 
 
-def medusa_forward(w, fmt: str, c, hidden: Tensor) -> Tensor:
+def medusa_forward(w, tgi: bool, c, hidden: Tensor) -> Tensor:
     """[K, n, V]: head h = its blocks x + silu(W x + b), then its own lm_head."""
-    block, head = medusa_names(fmt, c)
+    block, head = medusa_names(tgi, c)
     out = []
     for h in range(c.num_heads):
         x = hidden
@@ -286,34 +303,61 @@ def rounded_head(src: Source, dtype: torch.dtype):
     return head
 
 
-def forward_pairs(src: Source, fmt: str, folder: Path, w: dict[str, Tensor], config: dict) -> dict[str, tuple]:
+@dataclass
+class Probe:
+    """What both forwards see: the drafter carrying the export's rounding, the exported tensors in float32, random
+    inputs."""
+
+    head: nn.Module
+    w: dict[str, Tensor]
+    config: dict
+    folder: Path
+    g: torch.Generator
+    tokens: Tensor
+    positions: Tensor
+
+
+def forward_pairs(src: Source, f: Format, folder: Path, w: dict[str, Tensor], config: dict) -> dict[str, tuple]:
     """name -> (export's output, drafter's output) on the same random inputs."""
     dtype = next(t.dtype for t in w.values() if t.is_floating_point())
-    head, c, n = rounded_head(src, dtype), src.head.config, 6
     w = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, c.vocab_size, (n,), generator=g)
-    positions = torch.arange(3, 3 + n)
+    g, n = torch.Generator().manual_seed(0), 6
+    tokens = torch.randint(0, src.head.config.vocab_size, (n,), generator=g)
     with torch.no_grad():
-        if src.kind == "medusa":
-            hidden = torch.randn(n, c.hidden_size, generator=g)
-            return {"logits": (medusa_forward(w, fmt, c, hidden), head(hidden))}
-        if src.kind == "draft_model":
-            return {"logits": (hf_logits(folder, tokens), head.lm_head(head.hidden_states(tokens[None])[0])[0])}
-        embeds, cfg = head.embed_tokens(tokens), ModelConfig.from_hf(config)
-        if src.kind == "eagle3":
-            aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=g)
-            h, logits, ids = eagle3_forward(w, cfg, embeds, aux, positions)
-            mine = head(head.target_features(None, aux[None]), tokens[None], positions)[0]
-            pairs = {"feature": (h, mine), "logits": (logits, head.logits(mine)), "target ids": (ids, head.vocab_ids)}
-            return pairs | t2d_pair(w, head)
-        feature = torch.randn(n, c.hidden_size, generator=g)
-        if bias_moved(w):  # the exact product: the rounding of the exported one is checked apart
-            own = head.state_dict()
-            w |= {k: v.float() for k, v in moved_bias(w, own, w["layers.0.self_attn.o_proj.bias"]).items()}
-        h, logits = eagle_forward(w, cfg, embeds, feature, positions, head.lm_head.weight)
-        mine = head(feature[None], tokens[None], positions)[0]
-        return {"feature": (h, mine), "logits": (logits, head.logits(mine))}
+        return f.forward(src, Probe(rounded_head(src, dtype), w, config, folder, g, tokens, torch.arange(3, 3 + n)))
+
+
+def medusa_pairs(src: Source, p: Probe, tgi: bool = False) -> dict[str, tuple]:
+    c = src.head.config
+    hidden = torch.randn(p.tokens.numel(), c.hidden_size, generator=p.g)
+    return {"logits": (medusa_forward(p.w, tgi, c, hidden), p.head(hidden))}
+
+
+def draft_model_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+    head = p.head
+    return {"logits": (hf_logits(p.folder, p.tokens), head.lm_head(head.hidden_states(p.tokens[None])[0])[0])}
+
+
+def eagle3_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+    c, head, n = src.head.config, p.head, p.tokens.numel()
+    aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=p.g)
+    embeds, cfg = head.embed_tokens(p.tokens), ModelConfig.from_hf(p.config)
+    h, logits, ids = eagle3_forward(p.w, cfg, embeds, aux, p.positions)
+    mine = head(head.target_features(None, aux[None]), p.tokens[None], p.positions)[0]
+    pairs = {"feature": (h, mine), "logits": (logits, head.logits(mine)), "target ids": (ids, head.vocab_ids)}
+    return pairs | t2d_pair(p.w, head)
+
+
+def eagle_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+    c, head, w = src.head.config, p.head, p.w
+    feature = torch.randn(p.tokens.numel(), c.hidden_size, generator=p.g)
+    if bias_moved(w):  # the exact product: the rounding of the exported one is checked apart
+        own = head.state_dict()
+        w = w | {k: v.float() for k, v in moved_bias(w, own, w["layers.0.self_attn.o_proj.bias"]).items()}
+    embeds, cfg = head.embed_tokens(p.tokens), ModelConfig.from_hf(p.config)
+    h, logits = eagle_forward(w, cfg, embeds, feature, p.positions, head.lm_head.weight)
+    mine = head(feature[None], p.tokens[None], p.positions)[0]
+    return {"feature": (h, mine), "logits": (logits, head.logits(mine))}
 
 
 def moved_bias(state: dict[str, Tensor], own: dict[str, Tensor], b: Tensor) -> dict[str, Tensor]:
@@ -331,7 +375,7 @@ def bias_moved(w: dict[str, Tensor]) -> bool:
     return "fc.bias" not in w and "layers.0.self_attn.o_proj.bias" in w
 
 
-def moved_bias_problems(w: dict[str, Tensor], src: Source, dtype: torch.dtype) -> list[str]:
+def moved_bias_problems(src: Source, w: dict[str, Tensor], dtype: torch.dtype) -> list[str]:
     """Each moved bias must be the drafter's own float32 product rounded to the export dtype: the one rounding
     the forward comparison cannot see (it puts the exact product in its place)."""
     state = own_state(src.head)
@@ -370,7 +414,7 @@ def mismatch(a: Tensor, b: Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
 
 
-def token_map_problems(folder: Path, src: Source, fmt: str) -> list[str]:
+def token_map_problems(folder: Path, src: Source, f: Format) -> list[str]:
     """SGLang's token map: there when the card passes it; distinct int64 target ids, as torch.load(weights_only=True)
     reads them; for an EAGLE drafter with training counts, the ids those counts give."""
     path = folder / TOKEN_MAP
@@ -386,24 +430,22 @@ def token_map_problems(folder: Path, src: Source, fmt: str) -> list[str]:
         return [f"{TOKEN_MAP} must hold a 1-D int64 tensor of token ids"]
     if ids.numel() == 0 or ids.min() < 0 or ids.max() >= vocab_size or ids.unique().numel() != ids.numel():
         return [f"{TOKEN_MAP} must hold distinct token ids in [0, {vocab_size})"]
-    want = token_map(src) if (src.kind, fmt) == ("eagle", "sglang") else None
+    want = f.token_map(src) if f.token_map else None
     if want is not None and not torch.equal(ids, want):
         return [f"{TOKEN_MAP} is not the {want.numel()} most frequent ids of the drafter's {TOKEN_COUNTS}: re-export"]
     return []
 
 
 def check_export(folder: Path, src: Source, fmt: str) -> None:
-    """Raise ExportError listing every problem with the export at `folder`."""
-    config, tensors = read_export(folder, fmt)
-    problems = config_problems(src, fmt, config) + tensor_problems(tensors, expected_shapes(src, fmt, config))
-    if fmt == "hf" and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        problems.append("no tokenizer files (tokenizer.json / tokenizer.model)")
-    problems += token_map_problems(folder, src, fmt)
+    """Raise ExportError listing every problem with the export at `folder` in format `fmt`."""
+    f = format_for(src.kind, fmt)
+    config, tensors = read_export(folder, f)
+    problems = config_problems(src, f, folder, config) + tensor_problems(tensors, f.shapes(src, config))
+    problems += token_map_problems(folder, src, f)
     if not problems:  # the forward needs every tensor in place
         dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
-        if src.kind == "eagle":
-            problems += moved_bias_problems(tensors, src, dtype)
-        for name, (theirs, mine) in forward_pairs(src, fmt, folder, tensors, config).items():
+        problems += f.tensor_checks(src, tensors, dtype)
+        for name, (theirs, mine) in forward_pairs(src, f, folder, tensors, config).items():
             err = mismatch(theirs, mine)
             if err > TOLERANCE:
                 problems.append(f"{fmt} forward differs from the drafter's: {name} off by {err:.2e} (relative)")

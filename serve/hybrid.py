@@ -28,7 +28,6 @@ from .proposer import Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
 
-MERGEABLE = ("eagle", "eagle3", "medusa")
 POLICIES = ("prefer", "merge")
 
 
@@ -36,10 +35,11 @@ class HybridProposer(Proposer):
     def __init__(self, drafter: Proposer, ngram: NgramProposer, policy: str = "prefer") -> None:
         if policy not in POLICIES:
             raise ValueError(f"spec.ngram_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        if drafter.name not in MERGEABLE:
+        if not drafter.mergeable:
             raise ValueError(
-                f"spec.ngram_tokens pairs n-gram lookup with {', '.join(MERGEABLE)} drafters only, not "
-                f"{drafter.name} (its cache follows its own chain); use spec=ngram alone or set spec.ngram_tokens=0"
+                "spec.ngram_tokens pairs n-gram lookup with drafters that rebuild their state from the target "
+                f"(EAGLE heads, Medusa) only, not {drafter.name} (its cache follows its own chain); use spec=ngram "
+                "alone or set spec.ngram_tokens=0"
             )
         self.drafter, self.ngram, self.policy = drafter, ngram, policy
         self.name = f"{drafter.name}+ngram"

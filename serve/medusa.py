@@ -12,23 +12,12 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.llama import ForwardOut
-from draftsmith.heads.medusa import MedusaHeads
+from draftsmith.heads.medusa import DEFAULT_CHOICES, MedusaHeads
 
+from .build import Loaded, SpecConfig, spec_head
 from .proposer import Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
-
-# Medusa's mc_sim_7b_63 (paths sorted by their simulated acceptance on Vicuna-7B)
-MC_SIM_7B_63 = [
-    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0], [0, 5],
-    [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0], [0, 9], [8], [9],
-    [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5], [0, 0, 0, 0], [0, 1, 1],
-    [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9], [6, 0], [0, 4, 0], [1, 4], [7, 0],
-    [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0], [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0],
-    [0, 0, 0, 1], [1, 6], [0, 7, 0],
-]  # fmt: skip
-# its 24 most likely paths, plus the top-1 chain to depth 4: verifying ~25 tokens stays cheap on a CPU
-DEFAULT_CHOICES = MC_SIM_7B_63[:24] + [[0, 0, 0, 0]]
 
 
 def tree_from_choices(choices: list[list[int]], max_depth: int) -> list[tuple[int, ...]]:
@@ -48,6 +37,7 @@ def tree_from_choices(choices: list[list[int]], max_depth: int) -> list[tuple[in
 
 class MedusaProposer(Proposer):
     name = "medusa"
+    mergeable = True
 
     def __init__(self, heads: MedusaHeads, choices: list[list[int]] | None = None, max_depth: int = 4) -> None:
         self.heads = heads
@@ -80,6 +70,10 @@ class MedusaProposer(Proposer):
         if self.heads.vocab_ids is not None:
             ranked = self.heads.vocab_ids[ranked]
         return DraftTree(ranked[self.head_of[:n], self.rank_of[:n]], self.parents[:n])
+
+
+def medusa_proposer(spec: SpecConfig, target: Loaded) -> MedusaProposer:
+    return MedusaProposer(spec_head(spec, target), spec.choices, spec.num_tokens)
 
 
 def check_ranks(topk: int, vocab: int) -> None:

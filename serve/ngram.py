@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from .proposer import Proposer
 from .sampling import SamplingParams
 from .tree import DraftTree
+
+if TYPE_CHECKING:
+    from .build import Loaded, SpecConfig
 
 
 @dataclass
@@ -39,6 +43,10 @@ class NgramProposer(Proposer):
             if draft is not None:
                 return DraftTree.chain(draft)
         return DraftTree.empty(tokens.device)
+
+
+def ngram_proposer(spec: SpecConfig, target: Loaded) -> NgramProposer:
+    return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
 
 
 def lookup(tokens: Tensor, n: int, k: int) -> Tensor | None:

@@ -23,6 +23,8 @@ class Proposer:
     aux_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
     max_tree_size = 0  # upper bound on nodes per proposal (the engine reserves cache slots)
     gen: torch.Generator | None = None  # draw random drafts from this; the engine sets the request's generator
+    mergeable = False  # rebuilds its state from the target's outputs after each step, so it can take a path
+    # through nodes it did not draft (serve/hybrid.py merges n-gram lookup into its tree)
 
     @property
     def kv_caches(self) -> list[KVCache]:

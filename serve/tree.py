@@ -15,6 +15,21 @@ from torch import Tensor
 
 
 @dataclass
+class TreeConfig:
+    """EAGLE-2 dynamic tree: every level expands the topk best nodes (by cumulative log-prob) into topk children
+    each; at the end the total_tokens best of all drafted nodes are kept. topk=1 drafts a chain."""
+
+    topk: int | None = 1  # None (in a spec): the drafter's
+    total_tokens: int | None = 0  # 0: keep every drafted node (topk + (depth - 1) * topk^2); None: the drafter's
+
+    def __post_init__(self) -> None:
+        if self.topk is not None and self.topk < 1:
+            raise ValueError(f"spec.tree.topk must be >= 1, got {self.topk}")
+        if self.total_tokens is not None and self.total_tokens < 0:
+            raise ValueError(f"spec.tree.total_tokens must be >= 0 (0 = keep all), got {self.total_tokens}")
+
+
+@dataclass
 class DraftTree:
     tokens: Tensor  # [n] int64
     parents: Tensor  # [n] int64, -1 for children of the root

@@ -1,7 +1,7 @@
 """A tiny stand-in drafter kind for trainer tests: a linear predictor of the next token id (mod `classes`,
 to stay cheap next to a 49k vocabulary) over the target's final hidden state and one layer's input (so both
 FeatureBatch.hidden and .aux are exercised). Importing this
-module registers kind `test_linear` and its loss; subprocess tests pass `imports=[standin_head]`."""
+module registers kind `test_linear` with its loss (heads/kinds.py); subprocess tests pass `imports=[standin_head]`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.drafter import register
-from draftsmith.train.losses import LOSSES
+from draftsmith.heads.kinds import DraftShape, Kind, register
 
 KIND = "test_linear"
 
@@ -43,5 +42,14 @@ def linear_loss(head: LinearHead, batch, scale: float = 1.0):
     return loss, {"loss": loss.item(), "masked": float(w.sum())}
 
 
-register(KIND, LinearConfig, LinearHead)
-LOSSES[KIND] = linear_loss
+# no proposer: serve cannot draft with it (the trainer's acceptance eval says so and skips)
+register(
+    Kind(
+        name=KIND,
+        config=LinearConfig,
+        module=LinearHead,
+        features=("hidden", "aux"),
+        loss="standin_head:linear_loss",
+        draft_shape=DraftShape(num_tokens=1, topk=1, total_tokens=0),
+    )
+)

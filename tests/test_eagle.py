@@ -21,7 +21,7 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.packed import can_pack
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape
 from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.hybrid import HybridProposer
@@ -30,7 +30,8 @@ from draftsmith.serve.ngram import NgramConfig, NgramProposer
 from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.train.batch import FeatureBatch
-from draftsmith.train.losses import LOSSES
+from draftsmith.train.losses import eagle3_loss, eagle_loss
+from draftsmith.train.trainer import loss_for
 from helpers import DEVICES, PROMPTS, exact_joint
 
 KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
@@ -239,7 +240,7 @@ def test_eagle_loss_shifts(target):
     mask[0, t] = 1
     base = features(target, head, ids, mask)
     for soft in (True, False):
-        loss = LOSSES["eagle"](head, base, soft=soft)[0]
+        loss = eagle_loss(head, base, soft=soft)[0]
         for name, pos, changes in (
             ("hidden", t, False),
             ("hidden", t - 1, True),
@@ -248,7 +249,7 @@ def test_eagle_loss_shifts(target):
             ("input_ids", t, not soft),
         ):
             b = perturbed(base, name, pos)
-            assert (LOSSES["eagle"](head, b, soft=soft)[0] != loss) == changes, (soft, name, pos)
+            assert (eagle_loss(head, b, soft=soft)[0] != loss) == changes, (soft, name, pos)
 
 
 def test_eagle3_loss_shifts(target):
@@ -259,7 +260,7 @@ def test_eagle3_loss_shifts(target):
     mask = torch.zeros(1, n)
     mask[0, t] = 1
     base = features(target, head, ids, mask)
-    loss, logs = LOSSES["eagle3"](head, base, ttt_steps=3)
+    loss, logs = eagle3_loss(head, base, ttt_steps=3)
     assert set(logs) == {"loss", "acc_0", "acc_1", "acc_2"}
     for name, pos, changes in (
         ("hidden", t, False),
@@ -270,7 +271,7 @@ def test_eagle3_loss_shifts(target):
         ("input_ids", t, False),
         ("input_ids", t - 1, True),
     ):
-        assert (LOSSES["eagle3"](head, perturbed(base, name, pos), ttt_steps=3)[0] != loss) == changes, (name, pos)
+        assert (eagle3_loss(head, perturbed(base, name, pos), ttt_steps=3)[0] != loss) == changes, (name, pos)
 
 
 def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
@@ -279,8 +280,8 @@ def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
     head = make_head("eagle3", target)
     ids = torch.randint(0, target.config.vocab_size, (2, 12))
     batch = features(target, head, ids, torch.ones(2, 12))
-    loss_at = {t: LOSSES["eagle3"](head, batch, ttt_steps=1, target_temperature=t)[0].item() for t in (1.0, 0.5, 0.0)}
-    assert loss_at[1.0] == LOSSES["eagle3"](head, batch, ttt_steps=1)[0].item()
+    loss_at = {t: eagle3_loss(head, batch, ttt_steps=1, target_temperature=t)[0].item() for t in (1.0, 0.5, 0.0)}
+    assert loss_at[1.0] == eagle3_loss(head, batch, ttt_steps=1)[0].item()
     with torch.no_grad():
         logits = head.logits(
             head.unroll(head.target_features(batch.hidden[:, :11], batch.aux[:, :11]), ids[:, 1:], 1)[0]
@@ -290,7 +291,7 @@ def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
     assert loss_at[0.0] == pytest.approx(hard.item(), rel=1e-4)
     assert len(set(loss_at.values())) == 3
     with pytest.raises(ValueError, match="target_temperature"):
-        LOSSES["eagle3"](head, batch, ttt_steps=1, target_temperature=-1.0)
+        eagle3_loss(head, batch, ttt_steps=1, target_temperature=-1.0)
 
 
 def perturbed(batch: FeatureBatch, name: str, pos: int) -> FeatureBatch:
@@ -314,7 +315,7 @@ def test_loss_decreases_and_target_stays_frozen(kind, target):
     options = {"ttt_steps": 3} if kind == "eagle3" else {}
     losses = []
     for _ in range(30):
-        loss, logs = LOSSES[kind](head, batch, **options)
+        loss, logs = loss_for(kind)(head, batch, **options)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -354,7 +355,7 @@ def trained(target, plain):
         batch = features(target, head, ids, mask)
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
         for _ in range(steps):
-            loss = LOSSES[kind](head, batch, **({"ttt_steps": 2} if kind == "eagle3" else {}))[0]
+            loss = loss_for(kind)(head, batch, **({"ttt_steps": 2} if kind == "eagle3" else {}))[0]
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -437,7 +438,7 @@ def test_drafts_never_reach_past_max_new_tokens(kind, topk, total, ngram, target
 
 
 def test_hybrid_refuses_chain_drafters_and_unknown_policies(target):
-    with pytest.raises(ValueError, match="pairs n-gram lookup with eagle, eagle3, medusa drafters only"):
+    with pytest.raises(ValueError, match=r"pairs n-gram lookup with drafters that rebuild their state .* not ngram"):
         HybridProposer(NgramProposer(NgramConfig()), NgramProposer(NgramConfig()))
     head = EagleProposer(make_head("eagle3", target), "eagle3")
     with pytest.raises(ValueError, match="spec.ngram_policy must be one of prefer, merge"):
@@ -595,7 +596,9 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
             OmegaConf.structured(SpecConfig), yaml, {"drafter": str(folders["eagle3"]), "tree": {"topk": 2}}
         )
     )
-    assert spec.tree == TreeConfig(2, 12) and spec.name == "eagle3"
+    assert spec.tree == TreeConfig(2, None) and spec.num_tokens is None and spec.name == "eagle3"
+    spec = resolve_shape(spec)  # the rest from the folder: saved without a shape, so the kind's default
+    assert (spec.num_tokens, spec.tree) == (5, TreeConfig(2, 12))
     for dtype in ("auto", "float32"):
         proposer = make_proposer(replace(spec, draft_dtype=dtype), loaded)
         assert isinstance(proposer, EagleProposer) and proposer.aux_layers == (0, 1, 2)
@@ -626,7 +629,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     with pytest.raises(ValueError, match="token_counts.safetensors is corrupt"):
         make_proposer(SpecConfig("eagle", 3, drafter=str(counted), draft_vocab=10), loaded)
     with pytest.raises(
-        ValueError, match="applies to spec=eagle, medusa and draft, not eagle3. an eagle3 head has its own"
+        ValueError, match="applies to spec=draft, eagle and medusa, not eagle3. an eagle3 head has its own"
     ):
         SpecConfig("eagle3", drafter="x", draft_vocab=8)
     with pytest.raises(ValueError, match="spec.draft_vocab must be >= 0"):

@@ -16,9 +16,14 @@ from draftsmith.eval.methods import resolve_methods
 from draftsmith.eval.prompts import Prompt
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding
+from draftsmith.heads.drafter import Recipe, save_drafter
+from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.__main__ import typed
+from draftsmith.serve.build import load, target_info
 from draftsmith.serve.engine import Generation
 from draftsmith.serve.metrics import Metrics
+from draftsmith.serve.target import TargetConfig
+from draftsmith.train.head import HeadConfig, build_head
 from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,6 +110,19 @@ class Recorder:
         self.prompts.append(ids)
         out = self.tokenizer(self.answers[len(self.prompts) - 1], add_special_tokens=False)["input_ids"]
         return Generation(out, Metrics(new_tokens=len(out)), "length")
+
+
+def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, prompts_file, tmp_path):
+    """Issue 16: spec=eagle3 spec.drafter=HEAD drafted the spec's defaults (depth 5, top-4, 12 nodes), not the depth
+    1 x 3 the head was made for; the shape is now the folder's where the spec leaves it unset."""
+    target = load(TargetConfig(path=str(tiny_target)))
+    head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
+    shape = DraftShape(num_tokens=1, topk=3, total_tokens=0)
+    folder = save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "head", draft=shape)
+    overrides = ["spec=eagle3", f"spec.drafter={folder}", "limit=1", "warmup=0", "max_new_tokens=4"]
+    m = run_eval(config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides))["methods"]["eagle3"]
+    assert (m["config"]["num_tokens"], m["config"]["tree"]) == (1, {"topk": 3, "total_tokens": 0})
+    assert len(m["acceptance_rate_per_position"]) == 1 and m["lossless"]["identical"] == m["lossless"]["checked"]
 
 
 def test_multi_turn_feeds_the_models_own_answer_back(tiny_target):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve import export as export_mod
+from draftsmith.serve import formats
 from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.export_main import ExportConfig, run
 from draftsmith.serve.loader import load_model
@@ -478,7 +480,7 @@ def test_failed_validation_writes_nothing(tiny, tmp_path, monkeypatch):
         exp.tensors["model.safetensors"]["fc.bias"] = exp.tensors["model.safetensors"]["fc.bias"] + 1.0
         return exp
 
-    monkeypatch.setitem(export_mod.FORMATS["eagle"], "sglang", broken)
+    monkeypatch.setattr(formats, "EAGLE_SGLANG", replace(formats.EAGLE_SGLANG, export=broken))
     with pytest.raises(ExportError, match="forward differs"):
         do_export(tiny, "eagle", "sglang", out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export is untouched

@@ -22,7 +22,8 @@ from draftsmith.serve.medusa import DEFAULT_CHOICES, MedusaProposer, tree_from_c
 from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.train.batch import FeatureBatch
-from draftsmith.train.losses import LOSSES, draft_model_loss, medusa_loss
+from draftsmith.train.losses import draft_model_loss, medusa_loss
+from draftsmith.train.trainer import loss_for
 
 GREEDY = SamplingParams()
 INFO = TargetInfo("tiny@0123abcd", 64, 128, 3)
@@ -72,7 +73,7 @@ def trained(target, data, tmp_path_factory):
         ("medusa", MedusaHeads(MedusaConfig(64, 128, num_heads=4, num_layers=1), target)),
         ("draft_model", DraftModel(DraftModelConfig(num_layers=2), target)),
     ):
-        curve = train(head, LOSSES[kind], data[1])
+        curve = train(head, loss_for(kind), data[1])
         cfg = head.config if kind == "medusa" else head.draft_config
         save_drafter(head, cfg, kind, INFO, Recipe(data="tiny", steps=30), folder / kind)
         out[kind] = (head.eval().requires_grad_(False), folder / kind, curve)

@@ -218,3 +218,16 @@ def test_conversations_a_template_rejects_or_renders_differently_in_context_are_
         assert skipped.counts == {"whose turns the chat template renders differently in context": 1}
     finally:
         tokenizer.chat_template = strict
+
+
+def test_nothing_held_out_gives_no_acceptance_prompts_instead_of_an_error(tmp_path, tokenizer):
+    from draftsmith.train.acceptance import heldout_prompts
+
+    rows = [
+        {"id": f"c{i}", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+        for i in range(3)
+    ]
+    cfg = DataConfig(source=write_jsonl(tmp_path / "few.jsonl", rows), heldout_fraction=0.0)
+    assert heldout_prompts(cfg, tokenizer, 4, 64) == []
+    with pytest.raises(ValueError, match="no usable heldout conversations"):
+        heldout_conversations(cfg)  # an eval suite drawn from it still needs some

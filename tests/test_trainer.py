@@ -17,10 +17,12 @@ from accelerate.state import AcceleratorState
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
+from draftsmith.heads import kinds
 from draftsmith.heads.drafter import load_drafter, load_token_counts
+from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.__main__ import typed
-from draftsmith.serve.build import load, target_info
+from draftsmith.serve.build import load, resolve_shape, target_info
 from draftsmith.serve.target import TargetConfig, native_bf16
 from draftsmith.train import acceptance as acceptance_mod
 from draftsmith.train import features as features_mod
@@ -237,7 +239,8 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
 
     trainer_json = ck / "trainer.json"
     meta = json.loads(trainer_json.read_text())
-    same_head = {**meta, "fingerprint": {**meta["fingerprint"], "head": json.loads(json.dumps(asdict(resized.head)))}}
+    head = {k: v for k, v in asdict(resized.head).items() if k != "draft"}  # the fingerprint leaves the shape out
+    same_head = {**meta, "fingerprint": {**meta["fingerprint"], "head": json.loads(json.dumps(head))}}
     trainer_json.write_text(json.dumps(same_head))  # same settings, yet weights of another shape: other code
     with pytest.raises(ValueError, match=r"does not fit the head this run builds \(proj.\w+ has shape") as e:
         train(resized)
@@ -256,10 +259,10 @@ def test_a_run_resumed_after_a_kill_in_the_final_write_keeps_its_last_tau(target
     cfg = config(tmp_path, target, data, max_steps=4, eval_every=2)  # evals and checkpoints at steps 2 and 4
     save = trainer_mod.save_drafter
 
-    def killed_writing_final(head, config, kind, info, recipe, folder, *rest):
+    def killed_writing_final(head, config, kind, info, recipe, folder, *rest, **kw):
         if Path(folder).name == "final":
             raise KeyboardInterrupt("simulated kill")
-        return save(head, config, kind, info, recipe, folder, *rest)
+        return save(head, config, kind, info, recipe, folder, *rest, **kw)
 
     with monkeypatch.context() as mp:
         mp.setattr(trainer_mod, "save_drafter", killed_writing_final)
@@ -348,21 +351,24 @@ def test_cached_features_pick_the_layers_asked_for(tmp_path):
 
 def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, tmp_path, capsys, monkeypatch):
     specs, build = [], acceptance_mod.build_engine
-    monkeypatch.setattr(acceptance_mod, "build_engine", lambda t, spec, *a: specs.append(spec) or build(t, spec, *a))
+    spy = lambda t, spec, *a: specs.append(resolve_shape(spec)) or build(t, spec, *a)  # noqa: E731
+    monkeypatch.setattr(acceptance_mod, "build_engine", spy)
     cfg = config(tmp_path / "eagle", target, data, head="eagle", max_steps=2, eval_every=2, eval_prompts=2)
-    cfg.train.eval_max_new_tokens, cfg.train.eval_num_tokens, cfg.train.eval_topk = 8, 1, 3  # depth 1 x 3
+    cfg.train.eval_max_new_tokens, cfg.head.draft = 8, DraftShape(num_tokens=1, topk=3)  # depth 1 x 3
     train(cfg)
     evals = [json.loads(x) for x in (tmp_path / "eagle" / "metrics.jsonl").read_text().splitlines() if "eval/tau" in x]
     assert len(evals) == 1 and evals[0]["step"] == 2 and evals[0]["eval/tau"] >= 1.0
     assert [(s.name, s.num_tokens, s.tree.topk) for s in specs] == [("eagle", 1, 3)]
     assert not [k for k in evals[0] if k.startswith("eval/accept_pos_") and k != "eval/accept_pos_1"]
     assert "training eval" in (tmp_path / "eagle" / "final" / "README.md").read_text()
+    draft = json.loads((tmp_path / "eagle" / "final" / "config.json").read_text())["draft"]
+    assert draft == {"num_tokens": 1, "topk": 3, "total_tokens": 0, "choices": None}  # the rest: eagle's default
     cfg = config(tmp_path / "standin", target, data, max_steps=2, eval_every=1, eval_prompts=2)
     train(cfg)
     assert f"acceptance eval skipped: serve has no proposer for {standin_head.KIND}" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "draft_model"])
+@pytest.mark.parametrize("kind", [k.name for k in kinds.trained() if k.module.__module__.startswith("draftsmith.")])
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_every_head_group_trains_through_the_trainer(kind, precision, target, data, tmp_path):
     """conf/head/<kind>.yaml builds its head on the target and its loss options fit train/losses.py (also
@@ -431,6 +437,20 @@ def test_quick_preset_trains_one_medusa_head_for_depth_one_drafts():
     assert composed().head.num_heads == 1 and composed().train.epochs == 2  # conf/tuning/medusa-quick.yaml
     assert composed("train=full").head.num_heads == 4  # conf/head/medusa.yaml
     assert composed("head.num_heads=3").head.num_heads == 3
+
+
+def test_presets_set_the_draft_shape_the_head_is_made_for():
+    """The shape goes into the drafter folder (heads/drafter.py): the main job's head is made for depth 1 x 3."""
+
+    def draft(*overrides: str) -> dict:
+        with initialize_config_module("draftsmith.conf", version_base=None):
+            return asdict(typed(compose("train", overrides=["out=x", *overrides]), RunConfig).head.draft)
+
+    assert draft("head=eagle3") == {"num_tokens": 1, "topk": 3, "total_tokens": 0, "choices": None}
+    assert draft("head=eagle3", "train=full")["num_tokens"] == 4 and draft("head=eagle3", "train=full")["topk"] is None
+    assert draft("head=medusa") == {"num_tokens": 1, "topk": None, "total_tokens": None, "choices": [[0], [1], [2]]}
+    assert draft("head=eagle") == asdict(DraftShape()) == draft("head=draft_model")  # the kinds' defaults
+    assert draft("head=eagle3", "head.draft.num_tokens=2")["num_tokens"] == 2
 
 
 def test_self_distill_defaults_per_head_and_overrides():

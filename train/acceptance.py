@@ -13,20 +13,19 @@ from pathlib import Path
 from torch import nn
 
 from draftsmith.heads.drafter import Recipe, save_drafter
-from draftsmith.serve.build import SPECS, Loaded, SpecConfig, build_engine, encode_chat, target_info
-from draftsmith.serve.eagle import TreeConfig
+from draftsmith.heads.kinds import DraftShape, get
+from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, target_info
 from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.sampling import SamplingParams
 
 from .data import DataConfig, heldout_conversations
 
-SPEC_FOR_KIND = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "draft_model": "draft"}
-
 
 def heldout_prompts(data: DataConfig, tokenizer, n: int, max_tokens: int) -> list[list[int]]:
-    """The first user turns of up to n held-out conversations, chat-encoded, that fit in max_tokens."""
+    """The first user turns of up to n held-out conversations, chat-encoded, that fit in max_tokens; none when
+    nothing is held out (the trainer then turns its acceptance eval off)."""
     prompts = []
-    for conv in heldout_conversations(data, limit=4 * n):
+    for conv in heldout_conversations(data, limit=4 * n, required=False):
         first = next((m for m in conv.messages if m["role"] == "user"), None)
         ids = encode_chat(tokenizer, [first]) if first else []
         if 0 < len(ids) <= max_tokens:
@@ -40,26 +39,23 @@ def acceptance_hook(
     target: Loaded,
     config,
     prompts: list[list[int]],
-    num_tokens: int,
     max_new_tokens: int,
     log: Callable,
-    topk: int = 1,
+    draft: DraftShape | None = None,
 ) -> Callable[[nn.Module, str], dict]:
     """hook(head, kind, weights=None) -> {"tau": .., "accept_pos_1": .., ...}, or {} (logged) where serve has no
     proposer. weights: the head's full weights where its module does not hold them (DeepSpeed).
-    num_tokens: the draft's depth; topk: an EAGLE tree's children per node (1 = a chain), every node kept."""
+    draft: the shape the head is made for (unset fields: its kind's default), what the eval drafts."""
     max_len = max(len(p) for p in prompts) + max_new_tokens
 
     def run(head: nn.Module, kind: str, weights: dict | None = None) -> dict:
-        spec = SPEC_FOR_KIND.get(kind, kind)
-        if spec not in SPECS:
-            log(f"acceptance eval skipped: serve has no proposer for {kind} (specs: {', '.join(SPECS)})")
+        if not get(kind).proposer:
+            log(f"acceptance eval skipped: serve has no proposer for {kind} (it registers none)")
             return {}
         with tempfile.TemporaryDirectory() as tmp:
             info, folder = target_info(target), Path(tmp) / "drafter"
-            folder = save_drafter(head, config, kind, info, Recipe(), folder, weights=weights)
-            spec_cfg = SpecConfig(spec, num_tokens, drafter=str(folder), tree=TreeConfig(topk=topk))
-            engine = build_engine(target, spec_cfg, False, max_len)
+            folder = save_drafter(head, config, kind, info, Recipe(), folder, weights=weights, draft=draft)
+            engine = build_engine(target, SpecConfig(get(kind).spec, drafter=str(folder)), False, max_len)
             total = Metrics(requests=0)
             for ids in prompts:
                 total.merge(engine.generate(ids, max_new_tokens, SamplingParams()).metrics)

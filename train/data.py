@@ -100,8 +100,11 @@ class Skipped:
         return ", ".join(f"{n} {r}" for r, n in sorted(self.counts.items())) or "none"
 
 
-def load_conversations(cfg: DataConfig, split: str = "train", limit: int | None = None) -> tuple[list, Skipped]:
-    """The first `limit` (default cfg.max_conversations) usable conversations of `split` (train | heldout)."""
+def load_conversations(
+    cfg: DataConfig, split: str = "train", limit: int | None = None, required: bool = True
+) -> tuple[list, Skipped]:
+    """The first `limit` (default cfg.max_conversations) usable conversations of `split` (train | heldout); none
+    is an error when `required`."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be train or heldout, got {split!r}")
     limit = cfg.max_conversations if limit is None and split == "train" else limit
@@ -113,7 +116,7 @@ def load_conversations(cfg: DataConfig, split: str = "train", limit: int | None 
         out.append(conv)
         if limit is not None and len(out) >= limit:
             break
-    if not out:
+    if not out and required:
         raise ValueError(
             f"no usable {split} conversations in data.source={cfg.source} (skipped: {skipped}); "
             "check the file's format (`conversations` from/value or `messages` role/content) and the filters"
@@ -121,9 +124,9 @@ def load_conversations(cfg: DataConfig, split: str = "train", limit: int | None 
     return out, skipped
 
 
-def heldout_conversations(cfg: DataConfig, limit: int | None = None) -> list[Conversation]:
+def heldout_conversations(cfg: DataConfig, limit: int | None = None, required: bool = True) -> list[Conversation]:
     """Conversations held out of training (same source and split as training): for acceptance evals."""
-    return load_conversations(cfg, "heldout", limit)[0]
+    return load_conversations(cfg, "heldout", limit, required)[0]
 
 
 def is_heldout(key: str, fraction: float) -> bool:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from torch import nn
 
-from draftsmith.heads.drafter import REGISTRY
+from draftsmith.heads.kinds import KINDS, DraftShape, Kind
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.build import Loaded
 
@@ -43,34 +42,34 @@ class HeadConfig:
     init: str | None = None  # draft_model: target | scratch
     args: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=dict)
+    # the draft the head is made for (null fields: the kind's default): the in-training eval drafts it, the drafter
+    # folder records it, and generate, eval and export draft it unless told otherwise
+    draft: DraftShape = field(default_factory=DraftShape)
 
     def kwargs(self) -> dict[str, Any]:
         return {**self.args, **{k: getattr(self, k) for k in SIZE_FIELDS if getattr(self, k) is not None}}
 
 
-def head_class(kind: str) -> tuple[type, type[nn.Module]]:
-    if kind not in REGISTRY:
-        try:  # the built-in kinds register on import: heads/<kind>.py
-            importlib.import_module(f"draftsmith.heads.{kind}")
-        except ModuleNotFoundError:
-            pass
-    if kind not in REGISTRY:
-        raise ValueError(f"unknown head kind {kind!r}; known: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[kind]
+def trained_kind(kind: str) -> Kind:
+    """The registered kind a head is trained for (heads/kinds.py)."""
+    found = KINDS.get(kind)
+    if found is None or not found.trained:
+        known = ", ".join(k.name for k in KINDS.values() if k.trained)
+        raise ValueError(f"unknown head kind {kind!r}; known: {known} (or register one: imports=[MODULE])")
+    return found
 
 
 def build_head(kind: str, target: Loaded, cfg: HeadConfig) -> tuple[nn.Module, Any]:
     """The kind's module, built with its config and the target (to borrow or copy weights from), and that
     config (what save_drafter writes: not always `head.config`, a draft model's is its ModelConfig)."""
-    _, module_cls = head_class(kind)
     config = head_config(kind, cfg, target.model.config)
-    return module_cls(config, target.model), config
+    return trained_kind(kind).module(config, target.model), config
 
 
 def head_config(kind: str, cfg: HeadConfig, target: ModelConfig):
     """The kind's config: `from_target(target config, **sizes)` where the class has it, else its constructor
     with the sizes, and its required fields that the target's config has (hidden_size, ...) filled from it."""
-    config_cls, _ = head_class(kind)
+    config_cls = trained_kind(kind).config
     kwargs = cfg.kwargs()
     try:
         if hasattr(config_cls, "from_target"):
@@ -82,11 +81,9 @@ def head_config(kind: str, cfg: HeadConfig, target: ModelConfig):
         raise ValueError(f"head={kind}: {e}; its config takes {', '.join(names)}") from e
 
 
-def head_layers(head: nn.Module) -> tuple[int, ...]:
-    """Target layers whose inputs the head reads (FeatureBatch.aux): `target_layers`, or `aux_layers`
-    as the engine's proposers name it."""
-    layers = getattr(head, "target_layers", None)
-    layers = tuple(getattr(head, "aux_layers", ()) if layers is None else layers)
+def head_layers(kind: str, config) -> tuple[int, ...]:
+    """Target layers whose inputs the kind's head reads (FeatureBatch.aux), from its config."""
+    layers = trained_kind(kind).target_layers(config)
     if list(layers) != sorted(set(layers)):
         raise ValueError(f"the head's target layers must be distinct and ascending, got {layers}")
     return layers

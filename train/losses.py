@@ -1,4 +1,5 @@
-"""Training losses, one per drafter kind: loss(head, batch, **options) -> (loss, logs of floats).
+"""Training losses, one per drafter kind (named by its registry record, heads/kinds.py):
+loss(head, batch, **options) -> (loss, logs of floats).
 
 Shifts: the target's hidden state at t is what its lm_head turns into the distribution of token t+1. An EAGLE
 pair (feature_i, token_{i+1}) predicts feature_{i+1} and token_{i+2}, so its soft target comes from hidden[i+1]
@@ -7,8 +8,6 @@ with weight: on a CPU the lm_head and its softmax dominate a step.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -133,11 +132,3 @@ def draft_model_loss(
     kl = weighted_mean((log_p.exp() * (log_p - log_q)).sum(-1), w[sel])
     loss = temperature**2 * kl  # T**2 keeps the gradient scale comparable across temperatures (Hinton et al.)
     return loss, {"loss": loss.item(), "kl": kl.item(), "acc": agreement(log_q, log_p, w[sel])}
-
-
-LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, float]]]] = {
-    "eagle": eagle_loss,
-    "eagle3": eagle3_loss,
-    "medusa": medusa_loss,
-    "draft_model": draft_model_loss,
-}

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from draftsmith.heads.drafter import Recipe, own_state, save_drafter
+from draftsmith.heads.kinds import resolve
 from draftsmith.serve.build import Loaded, load, target_info
 from draftsmith.serve.target import TargetConfig, native_bf16, pick_device
 
@@ -36,7 +37,7 @@ from .batch import FeatureBatch
 from .data import DataConfig, data_key
 from .dataset import make_dataset, pad_id
 from .features import FeatureConfig, collate, target_states
-from .head import HeadConfig, build_head, head_layers
+from .head import HeadConfig, build_head, head_layers, trained_kind
 from .log import MetricsLog, WandbConfig, Window
 from .plan import Plan, warmup_cosine
 
@@ -62,9 +63,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     eval_every: int = 0  # acceptance on held-out prompts every N steps (0 = off) and at the end
-    eval_prompts: int = 4
-    eval_num_tokens: int = 4  # the eval draft's depth
-    eval_topk: int = 1  # EAGLE heads: children per node of the eval draft tree (1 = a chain)
+    eval_prompts: int = 4  # the eval drafts the shape the head is made for (head.draft)
     eval_max_new_tokens: int = 32
     num_workers: int = 0
     seed: int = 0
@@ -132,7 +131,7 @@ def setup(cfg: RunConfig) -> Loop:
     check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
     target = load_target(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
-    layers = head_layers(head)
+    layers = head_layers(cfg.head.kind, head_cfg)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
     token_counts = dataset.token_counts(target.model.config.vocab_size)  # saved with the drafter
     if hasattr(head, "set_vocab"):  # EAGLE-3's draft vocabulary: the most frequent answer tokens
@@ -222,11 +221,11 @@ def load_target(cfg: TargetConfig, acc: Accelerator) -> Loaded:
 
 
 def loss_for(kind: str):
-    from .losses import LOSSES
-
-    if kind not in LOSSES:
-        raise ValueError(f"no loss for head kind {kind!r} in train/losses.LOSSES ({', '.join(sorted(LOSSES))})")
-    return LOSSES[kind]
+    """The kind's registered loss (heads/kinds.py)."""
+    found = trained_kind(kind)
+    if not found.loss:
+        raise ValueError(f"head kind {kind!r} registers no loss: give its Kind a loss=\"module:function\"")
+    return resolve(found.loss)
 
 
 def check_loss_options(loss_fn, options: dict, kind: str) -> None:
@@ -249,22 +248,21 @@ def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
     if not prompts:
         say("acceptance eval off: no held-out prompt fits (raise data.heldout_fraction)")
         return None
-    return acceptance_hook(
-        target, head_cfg, prompts, tc.eval_num_tokens, tc.eval_max_new_tokens, say, topk=tc.eval_topk
-    )
+    return acceptance_hook(target, head_cfg, prompts, tc.eval_max_new_tokens, say, cfg.head.draft)
 
 
 def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int, zero: int | None = None) -> dict:
     """What must not change between a checkpoint and its resume (it fixes the data order and schedule; under
     DeepSpeed the ZeRO stage fixes how the optimizer state was saved). The key is added only under DeepSpeed, so
-    earlier checkpoints keep their fingerprint."""
+    earlier checkpoints keep their fingerprint; head.draft (what the drafter is recorded for) is left out."""
     tc = cfg.train
     deepspeed = {} if zero is None else {"deepspeed_zero_stage": zero}
+    head = {k: v for k, v in asdict(cfg.head).items() if k != "draft"}
     return json.loads(
         json.dumps(
             {
                 "target": target.target_id,
-                "head": asdict(cfg.head),
+                "head": head,
                 "data": data_key(cfg.data),
                 "features": tc.features.mode,
                 "examples": examples,
@@ -367,7 +365,8 @@ class Loop:
             acceptance=measured,
         )
         info = target_info(self.target)
-        return save_drafter(self.head, self.head_cfg, cfg.head.kind, info, recipe, folder, self.token_counts, weights)
+        args = (self.head, self.head_cfg, cfg.head.kind, info, recipe, folder, self.token_counts, weights)
+        return save_drafter(*args, draft=cfg.head.draft)
 
     def finish(self, state: checkpoint.State) -> Path:
         """Write OUT/final (main process)."""

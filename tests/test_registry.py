@@ -1,0 +1,217 @@
+"""Every registered drafter kind through the same checks, parametrized over the registry (heads/kinds.py), so a
+new kind gets them by registering: its references resolve and its spec and configs exist; one training step on a
+tiny target; save and load; greedy output equal to plain decoding from the saved folder, drafting the shape the
+folder records; speculative sampling keeping the target's distribution (chi-square on a vocabulary-8 target); and
+export + validation in every format it declares, the serve commands asking for the folder's shape."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import SMALL, SMALL_PROMPT, pooled_chi2_pvalue
+from test_export import save_tiny_tokenizer
+
+import draftsmith.conf
+from draftsmith.heads import kinds
+from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, own_state, save_drafter
+from draftsmith.heads.kinds import DraftShape
+from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape
+from draftsmith.serve.engine import Engine
+from draftsmith.serve.export import Format, export, validate
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.target import TargetConfig, target_id
+from draftsmith.train.head import HeadConfig, build_head, head_layers
+from draftsmith.train.trainer import feature_batch, loss_for
+from helpers import PROMPTS, exact_joint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# the kinds draftsmith ships (a test may register its own, e.g. tests/standin_head.py, which serve cannot draft with)
+BUILTIN = [k.name for k in kinds.trained() if k.module.__module__.startswith("draftsmith.")]
+FORMATS = [(name, fmt) for name in BUILTIN for fmt in kinds.get(name).formats]
+# not any kind's default: the folder's shape must be what the engine and the export's commands use
+SHAPE = DraftShape(num_tokens=2, topk=2, total_tokens=3, choices=[[0], [1], [0, 0]])
+CONF = Path(draftsmith.conf.__path__[0])
+
+
+def test_every_reference_resolves_and_every_kind_has_its_configs():
+    for kind in kinds.KINDS.values():
+        for ref in kinds.refs(kind):
+            assert kinds.resolve(ref) is not None, (kind.name, ref)
+        assert all(isinstance(kinds.resolve(ref), Format) for ref in kind.formats.values()), kind.name
+        if kind.proposer:  # spec=NAME and methods=[NAME] compose
+            assert all((CONF / group / f"{kind.spec}.yaml").is_file() for group in ("spec", "methods")), kind.name
+    for name in BUILTIN:
+        kind = kinds.get(name)
+        assert kind.loss and kind.proposer and kind.formats and (CONF / "head" / f"{name}.yaml").is_file(), name
+    with pytest.raises(ValueError, match="does not resolve"):
+        kinds.resolve("draftsmith.serve.eagle:no_such_factory")
+
+
+def test_specs_and_their_default_shapes_come_from_the_registry():
+    served = [k for k in kinds.KINDS.values() if k.proposer]
+    assert kinds.specs() == ("ar", *(k.spec for k in served))
+    for kind in served:
+        spec = resolve_shape(SpecConfig(kind.spec, drafter=str(CONF / "absent") if kind.drafter_help() else None))
+        assert (spec.num_tokens, spec.tree.topk, spec.tree.total_tokens) == (
+            kind.draft_shape.num_tokens,
+            kind.draft_shape.topk,
+            kind.draft_shape.total_tokens,
+        )
+    with pytest.raises(ValueError, match="unknown spec 'nope'; choose one of ar, "):
+        SpecConfig("nope")
+    with pytest.raises(ValueError, match="registered twice"):
+        kinds.register(kinds.Kind(name="eagle", draft_shape=DraftShape(1, 1, 0)))
+
+
+# ---------------------------------------------------------------- a tiny target and one drafter of each kind
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, tmp_path_factory):
+    """A target folder with a tokenizer (exports copy it), the model, and what a drafter must agree on."""
+    tdir = tmp_path_factory.mktemp("registry") / "target"
+    shutil.copytree(tiny_llama_dir("llama"), tdir)
+    save_tiny_tokenizer(tdir)
+    tcfg = TargetConfig(path=str(tdir))
+    model = load_model(tdir, torch.float32, "cpu")
+    info = TargetInfo(target_id(tcfg, tdir), model.config.hidden_size, model.config.vocab_size, 3)
+    return tcfg, Loaded(model, None, info.id), info
+
+
+def one_step(kind: str, target: Loaded, seed: int = 0) -> tuple[torch.nn.Module, object, float]:
+    """The kind's head built as draftsmith-train builds it, after one AdamW step of its loss on the target's
+    features; the loss before the step."""
+    torch.manual_seed(seed)
+    head, config = build_head(kind, target, HeadConfig(kind=kind))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.model.config.vocab_size, (2, 12), generator=g)
+    batch = {"input_ids": ids, "loss_mask": (torch.arange(12) >= 3).float().expand(2, 12)}
+    fb = feature_batch(batch, target.model, head_layers(kind, config), "cpu")
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
+    loss, _ = loss_for(kind)(head, fb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return head.eval().requires_grad_(False), config, loss.item()
+
+
+@pytest.fixture(scope="module")
+def drafters(tiny, tmp_path_factory):
+    """kind -> (head, its drafter folder recording SHAPE), made once per kind on first use."""
+    made, root = {}, tmp_path_factory.mktemp("drafters")
+
+    def get(kind: str):
+        if kind not in made:
+            head, config, _ = one_step(kind, tiny[1])
+            made[kind] = head, save_drafter(head, config, kind, tiny[2], Recipe(data="tiny"), root / kind, draft=SHAPE)
+        return made[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", BUILTIN)
+def test_trains_one_step_then_saves_and_loads(kind, tiny, drafters):
+    target = tiny[1]
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    torch.manual_seed(0)  # as one_step builds it
+    untrained, _ = build_head(kind, target, HeadConfig(kind=kind))
+    head, config, loss = one_step(kind, target)
+    assert torch.isfinite(torch.tensor(loss))
+    mine, fresh = own_state(head), own_state(untrained)
+    assert any(not torch.equal(v, fresh[k]) for k, v in mine.items())  # the step moved the head's own weights
+    assert all(torch.equal(before[k], v) for k, v in target.model.state_dict().items())  # not the target's
+    head, folder = drafters(kind)
+    meta = json.loads((folder / "config.json").read_text())
+    assert meta["kind"] == kind and meta["draft"] == asdict(kinds.get(kind).shape(SHAPE))
+    loaded = load_drafter(folder, tiny[2], target.model)
+    assert own_state(loaded).keys() == own_state(head).keys()
+    assert all(torch.equal(v, own_state(head)[k]) for k, v in own_state(loaded).items())
+
+
+@pytest.mark.parametrize("kind", BUILTIN)
+def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, tiny, drafters):
+    target, (_, folder), spec_name = tiny[1], drafters(kind), kinds.get(kind).spec
+    spec = resolve_shape(SpecConfig(spec_name, drafter=str(folder)))
+    shape = kinds.get(kind).shape(SHAPE)
+    assert (spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices) == tuple(asdict(shape).values())
+    assert resolve_shape(SpecConfig(spec_name, 1, drafter=str(folder))).num_tokens == 1  # the spec's own wins
+    engine = Engine(target.model, make_proposer(SpecConfig(spec_name, drafter=str(folder)), target), max_seq_len=96)
+    plain = Engine(target.model, max_seq_len=96)
+    drafts = 0
+    for p in PROMPTS:
+        out = engine.generate(p, 16, SamplingParams())
+        assert out.output_ids == plain.generate(p, 16, SamplingParams()).output_ids, (kind, p)
+        assert len(out.metrics.accepted_per_position) <= spec.num_tokens
+        drafts += out.metrics.drafts
+    assert drafts > 0
+
+
+@pytest.mark.parametrize("kind", BUILTIN)
+def test_a_folder_without_a_draft_shape_drafts_the_kinds_default(kind, drafters, tmp_path):
+    """Folders written before drafters recorded their shape; a corrupt shape is named, not guessed around."""
+    old = Path(shutil.copytree(drafters(kind)[1], tmp_path / "old"))
+    meta = json.loads((old / "config.json").read_text())
+    del meta["draft"]
+    (old / "config.json").write_text(json.dumps(meta))
+    spec = resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(old)))
+    default, cap = kinds.get(kind).draft_shape, kinds.get(kind).depth_cap(meta["config"])
+    assert spec.num_tokens == min(default.num_tokens, cap or default.num_tokens)  # medusa: at most its heads
+    got = DraftShape(spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices)
+    assert asdict(got) | {"num_tokens": 0} == asdict(default) | {"num_tokens": 0}
+    (old / "config.json").write_text(json.dumps(meta | {"draft": {"depth": 3}}))
+    with pytest.raises(ValueError, match="config.json's draft .* takes only choices, num_tokens, topk, total_tokens"):
+        resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(old)))
+
+
+@pytest.fixture(scope="module")
+def small(tiny_llama_dir):
+    """A vocabulary-8 target and the exact plain-sampling distribution of 3 tokens after SMALL_PROMPT."""
+    model = load_model(tiny_llama_dir("llama", **SMALL), torch.float32, "cpu")
+    return Loaded(model, None, "small@00000000"), exact_joint(model, SMALL_PROMPT, SamplingParams(temperature=1.0))
+
+
+@pytest.mark.parametrize("kind", BUILTIN)
+def test_speculative_sampling_keeps_the_target_distribution(kind, small, tmp_path):
+    target, joint = small
+    c = target.model.config
+    info = TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
+    head, config, _ = one_step(kind, target, seed=3)
+    folder = save_drafter(head, config, kind, info, Recipe(), tmp_path / kind, draft=SHAPE)
+    proposer = make_proposer(SpecConfig(kinds.get(kind).spec, drafter=str(folder)), target)
+    engine = Engine(target.model, proposer, max_seq_len=16)
+    draws, accepted = [], 0
+    for i in range(400):
+        out = engine.generate(SMALL_PROMPT, 3, SamplingParams(temperature=1.0, seed=30_000 + i))
+        draws.append(out.output_ids)
+        accepted += out.metrics.accepted_tokens
+    assert 0 < accepted  # drafts were accepted (and, with a random head, rejected): both branches ran
+    x = torch.tensor(draws)
+    pvalues = (  # pairs: 400 draws fill too few of the 512 cells of all three
+        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
+        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
+    )
+    assert min(pvalues) > 1e-4, (kind, pvalues)
+
+
+@pytest.mark.parametrize("kind,fmt", FORMATS)
+def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters, tmp_path):
+    tcfg = tiny[0]
+    _, folder = drafters(kind)
+    out = export(folder, fmt, tmp_path / "out", tcfg, "fp32")
+    validate(folder, fmt, out, tcfg)
+    card, f = (out / "README.md").read_text(), kinds.resolve(kinds.get(kind).formats[fmt])
+    shape = kinds.get(kind).shape(SHAPE)
+    if f.vllm:
+        assert f'"num_speculative_tokens": {shape.num_tokens}' in card
+    if f.sglang:
+        steps = f"--speculative-num-steps {shape.num_tokens} --speculative-eagle-topk {shape.topk} "
+        assert steps + f"--speculative-num-draft-tokens {shape.draft_tokens() + 1}" in card
+    if f.tgi:
+        assert f"--speculate {shape.num_tokens}" in card
