@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention import Plan, attend, make_plans
 from .kv_cache import KVCache
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -149,6 +150,12 @@ def use_grouped_attention(q: Tensor, mask: Tensor | None) -> bool:
     return small and q.shape[2] <= SMALL_N and q.dtype != torch.float32 and q.device.type == "cpu"
 
 
+def batch_invariant(x: Tensor) -> bool:
+    """Half-precision batch-1 inference on CPU takes heads/attention.py: row-invariant bits (lossless bf16 speculation).
+    fp32 keeps SDPA (its rounding differences are far below bf16's and have not flipped a greedy token in tests)."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] == 1
+
+
 class Attention(nn.Module):
     """GQA self-attention. in_dim: width of the input (EAGLE-3's layer attends over 2H)."""
 
@@ -184,11 +191,12 @@ class Attention(nn.Module):
         k_cache: Tensor | None = None,
         v_cache: Tensor | None = None,
         start: int | Tensor = 0,
-        mask: Tensor | None = None,
+        mask: Tensor | list[Plan] | None = None,
     ) -> Tensor:
         """x: [b, n, in_dim]; cos/sin broadcast to [b, heads, n, head_dim]. Without a cache (training)
         the n tokens attend among themselves; with one, their KV goes to slots [start, start+n), or to the
-        slots a tensor `start` [n] names, attending then over every cache slot that `mask` [.., n, max_len] allows."""
+        slots a tensor `start` [n] names, attending then over every cache slot that `mask` [.., n, max_len] allows.
+        mask as plans (Transformer.layers_forward, CPU bf16/fp16): batch-invariant attention, same bits per row."""
         b, n, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         if isinstance(start, Tensor):  # static shapes (CUDA graphs): write at slots, attend over the whole cache
@@ -200,7 +208,9 @@ class Attention(nn.Module):
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
             k, v = k_cache[:, :, :end], v_cache[:, :, :end]
-        if use_grouped_attention(q, mask):
+        if isinstance(mask, list):  # batch-invariant plans (heads/attention.py)
+            out = attend(q, k_cache, v_cache, mask)
+        elif use_grouped_attention(q, mask):
             out = grouped_attention(q, k, v, mask)
         else:
             causal = mask is None and n > 1  # only valid from start == 0; the caller passes a mask otherwise
@@ -314,6 +324,10 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, list[Tensor]]:
         x = self.model.embed_tokens(tokens)
         cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        if cache is not None and batch_invariant(x):
+            c = self.config
+            n = tokens.shape[1]
+            mask = make_plans(mask, start, n, c.num_attention_heads // c.num_key_value_heads, x.device)
         aux = []
         for i, layer in enumerate(self.model.layers):
             if i in aux_layers:

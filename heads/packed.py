@@ -22,6 +22,10 @@ from torch import Tensor, nn
 
 PACKABLE = (torch.float32, torch.bfloat16)
 ROWS_HINT = 16  # oneDNN picks the weight layout for this many rows; any number of rows stays correct
+# In bf16, oneDNN runs a 1-row input through another kernel than 2 or more rows, and on real activations some
+# of its rows round differently (SmolLM2's down_proj: 5 of 120 rows), while every count from 2 up gives each row
+# the same bits. So a half-precision row runs as two: a decode step then matches a verify or prefill row bit for
+# bit (heads/attention.py), and bf16 costs about the same for 2 rows as for 1.
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -53,6 +57,11 @@ class PackedLinear(nn.Module):
         if self.takes_packed(x):
             if version(self.weight) != self.packed_version:
                 self.repack()
+            if x.dtype != torch.float32 and x.numel() == self.in_features:  # one row: run it as two, see ROWS_HINT
+                two = torch.ops.mkldnn._linear_pointwise(
+                    x.reshape(1, -1).expand(2, -1), self.packed, self.bias, "none", [], ""
+                )
+                return two[:1].view(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

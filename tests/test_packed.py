@@ -60,3 +60,18 @@ def test_an_in_place_weight_edit_repacks():
     with torch.no_grad():
         lin.weight.add_(1.0)  # e.g. a test perturbing a loaded model's parameters
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
+def test_a_bf16_row_gets_the_same_bits_alone_as_among_other_rows():
+    """oneDNN's 1-row bf16 kernel rounds some rows differently from its multi-row one (K=1536: 7 of 64 rows here,
+    as SmolLM2's down_proj): a decode step must match the same row in a verify or prefill, bit for bit."""
+    if not can_pack(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    torch.manual_seed(0)
+    lin = PackedLinear(nn.Linear(1536, 576, bias=False).to(torch.bfloat16))
+    x = torch.randn(1, 64, 1536, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        together = lin(x)
+        alone = torch.cat([lin(x[:, i : i + 1]) for i in range(64)], 1)
+        assert lin(x[0, 0]).shape == (576,)  # a bare vector keeps its shape
+    assert torch.equal(alone, together)

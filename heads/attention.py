@@ -1,0 +1,175 @@
+"""Batch-invariant attention for CPU bf16/fp16 targets: a token at a position gets the same bits whether it runs alone
+(a decode step), among k rows (a chain or tree verify) or in a prefill (whole, or chunked after a prefix-cache hit).
+With the packed linears (row-invariant in bf16, heads/packed.py) this makes the whole forward row-invariant, so bf16
+speculative output equals bf16 plain output token for token, and a prefix-cache hit equals a cold prefill.
+
+Attention runs in fp32 on MKL GEMMs, which change a row's bits in two ways (PyTorch 2.13, AVX-512): a GEMM of 1-3
+rows takes another kernel than one of 4 or more (whose rows all agree, however many), and a reduction over K terms
+changes with K, even when the extra terms are masked zeros. Hence:
+- every GEMM has at least MIN_ROWS rows (a short call repeats its last row);
+- keys are cut into blocks of BLOCK positions counted from position 0, and each block is one GEMM of fixed shape:
+  scores [rows, d] x [d, BLOCK], then [rows, BLOCK] x [BLOCK, d + 1] for the values and (a ones column) the softmax
+  sum. The blocks are added in order by a cumsum, which is sequential: blocks past a row's position add exact zeros.
+  The softmax subtracts the row's max over all its blocks (exact in any order), so blocks need no rescaling;
+- a tree row's draft ancestors sit at cache slots that are not their positions, so the blocks holding draft
+  positions ("tail" blocks) are gathered per row into position order; blocks before them are read in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK = 32  # positions per key block
+MIN_ROWS = 4  # MKL's fp32 GEMM gives other bits below 4 rows
+CHUNK = 256  # query rows per pass: bounds a long prefill's [rows, blocks, BLOCK] score tensor
+
+
+@dataclass
+class Plan:
+    """How the query rows of one forward read the cache, shared by every layer. Rows see positions 0..p in order."""
+
+    rows: int  # query rows
+    padded: int  # rows of the in-place GEMMs: rows * heads-per-group >= MIN_ROWS
+    in_place: int  # leading blocks read straight from the cache (slot = position for every row)
+    seen: Tensor  # bool [1, in_place, 1, padded, BLOCK]: which of those slots each row attends
+    tail: int  # further blocks, gathered per row
+    tail_slots: Tensor | None  # long [rows * tail * BLOCK]: the cache slot of each tail position, row by row
+    tail_seen: Tensor | None  # bool [1, rows, tail, 1, BLOCK]
+    length: int  # cache slots read (past the cache's end: zeros)
+
+
+def visible_slots(mask: Tensor | None, start: int, n: int, device) -> Tensor:
+    """bool [n, slots]: the engine's mask, or (None) causal rows at start..start+n-1."""
+    if mask is not None:
+        return mask.reshape(n, -1)
+    return torch.arange(start + n, device=device) <= torch.arange(start, start + n, device=device)[:, None]
+
+
+def make_plans(mask: Tensor | None, start: int, n: int, group: int, device) -> list[Plan]:
+    """One plan per CHUNK query rows. group: query heads per KV head."""
+    visible = visible_slots(mask, start, n, device)
+    return [make_plan(visible[i : i + CHUNK], group) for i in range(0, n, CHUNK)]
+
+
+def make_plan(visible: Tensor, group: int) -> Plan:
+    n = visible.shape[0]
+    used = visible.any(0).nonzero()
+    visible = visible[:, : int(used[-1]) + 1]
+    count = visible.sum(-1)  # a row at position p sees p + 1 slots
+    blocks = (int(count.max()) - 1) // BLOCK + 1
+    slots = torch.arange(visible.shape[1], device=visible.device)
+    off = (visible != (slots < count[:, None])).any(0).nonzero()  # slots where some row's view is not 0..p
+    in_place = blocks if off.numel() == 0 else min(int(off[0]) // BLOCK, blocks)
+    padded = max(n, -(-MIN_ROWS // group))
+    seen = pad_columns(visible[:, : in_place * BLOCK], in_place * BLOCK)
+    seen = torch.cat([seen, seen[-1:].expand(padded - n, -1)])
+    seen = seen.view(padded, in_place, BLOCK).transpose(0, 1).reshape(1, in_place, 1, padded, BLOCK)
+    plan = Plan(n, padded, in_place, seen, blocks - in_place, None, None, max(in_place * BLOCK, visible.shape[1]))
+    if plan.tail:
+        plan.tail_slots, plan.tail_seen = tail_slots(visible, count, in_place * BLOCK, plan.tail)
+    return plan
+
+
+def tail_slots(visible: Tensor, count: Tensor, first: int, tail: int) -> tuple[Tensor, Tensor]:
+    """Per row, the slot holding each position first..first + tail*BLOCK - 1 (the row's rank-th visible slot holds
+    position rank: nodes are topologically ordered), and which of those positions the row reaches."""
+    n, width = visible.shape[0], tail * BLOCK
+    rank = visible.cumsum(-1) - 1
+    column = torch.where(visible & (rank >= first), rank - first, width)  # width: a spill column, dropped
+    out = torch.zeros(n, width + 1, dtype=torch.long, device=visible.device)
+    out.scatter_(1, column, torch.arange(visible.shape[1], device=visible.device).expand(n, -1))
+    reached = first + torch.arange(width, device=visible.device) < count[:, None]
+    return out[:, :width].reshape(-1), reached.view(1, n, tail, 1, BLOCK)
+
+
+def pad_columns(t: Tensor, width: int) -> Tensor:
+    return F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
+
+
+def read_fp32(cache: Tensor, length: int, ones: bool = False) -> Tensor:
+    """fp32 copy of cache slots [0, length) -> [kv, length, d (+1: a ones column)], zeros past the cache's end."""
+    kv, slots, d = cache.shape[1], cache.shape[2], cache.shape[3]
+    out = torch.zeros(kv, length, d + ones, dtype=torch.float32, device=cache.device)
+    out[:, : min(slots, length), :d] = cache[0, :, :length]
+    if ones:
+        out[..., d] = 1.0
+    return out
+
+
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plans: list[Plan]) -> Tensor:
+    """q [1, heads, n, d]; the whole K and V cache [1, kv_heads, slots, d], new tokens written -> [1, heads, n, d]."""
+    length = max(p.length for p in plans)
+    keys, values = read_fp32(k_cache, length), read_fp32(v_cache, length, ones=True)
+    q32 = q[0].float() * q.shape[-1] ** -0.5
+    outs, row = [], 0
+    for plan in plans:
+        outs.append(attend_rows(q32[:, row : row + plan.rows], keys, values, plan))
+        row += plan.rows
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).unsqueeze(0).to(q.dtype)
+
+
+def attend_rows(q: Tensor, keys: Tensor, values: Tensor, plan: Plan) -> Tensor:
+    """q fp32 [heads, n, d], scaled; keys [kv, L, d]; values [kv, L, d + 1] -> [heads, n, d]."""
+    h, n, d = q.shape
+    kv = keys.shape[0]
+    q = q.view(kv, h // kv, n, d)
+    top = None  # each row's max score over all its blocks: [kv, g, rows]
+    if plan.in_place:
+        s_in = in_place_scores(q, keys, plan)  # [kv, in_place, g, padded, BLOCK]
+        top = s_in.amax((1, 4))
+    if plan.tail:
+        s_tail = tail_scores(q, keys, plan)  # [kv, n, tail, heads, BLOCK]
+        t = s_tail.amax((2, 4)).transpose(1, 2)[:, : h // kv]
+        top = t if top is None else torch.cat([torch.maximum(top[:, :, :n], t), top[:, :, n:]], 2)
+    blocks = []  # [kv, g, n, blocks, d + 1] each, in position order
+    if plan.in_place:
+        blocks.append(in_place_values(s_in, top, values, plan, n))
+    if plan.tail:
+        blocks.append(tail_values(s_tail, top[:, :, :n], values, plan))
+    total = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, 3)).cumsum(3)[:, :, :, -1]
+    return (total[..., :d] / total[..., d:]).reshape(h, n, d)
+
+
+def pad_rows(t: Tensor, rows: int) -> Tensor:
+    """Repeat the last row (dim 2) up to rows."""
+    return torch.cat([t, t[:, :, -1:].expand(-1, -1, rows - t.shape[2], *t.shape[3:])], 2) if rows > t.shape[2] else t
+
+
+def in_place_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
+    kv, g, _, d = q.shape
+    q = pad_rows(q, plan.padded).reshape(kv, 1, g * plan.padded, d)
+    k = keys[:, : plan.in_place * BLOCK].view(kv, plan.in_place, BLOCK, d)
+    s = (q @ k.transpose(-1, -2)).view(kv, plan.in_place, g, plan.padded, BLOCK)
+    return s.masked_fill_(~plan.seen, float("-inf"))
+
+
+def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan, n: int) -> Tensor:
+    """-> [kv, g, n, in_place, d + 1]: each block's unnormalized output and softmax sum."""
+    kv, blocks, g, rows, _ = scores.shape
+    p = (scores - top[:, None, :, :, None]).exp_().view(kv, blocks, g * rows, BLOCK)
+    v = values[:, : blocks * BLOCK].view(kv, blocks, BLOCK, -1)
+    return (p @ v).view(kv, blocks, g, rows, -1)[:, :, :, :n].permute(0, 2, 3, 1, 4)
+
+
+def tail_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
+    kv, g, n, d = q.shape
+    heads = max(g, MIN_ROWS)  # one row's heads make one GEMM: padded to MIN_ROWS
+    q = q.transpose(1, 2)
+    q = torch.cat([q, q[:, :, -1:].expand(-1, -1, heads - g, -1)], 2) if heads > g else q
+    k = keys.index_select(1, plan.tail_slots).view(kv, n, plan.tail, BLOCK, d)
+    s = q.reshape(kv, n, 1, heads, d) @ k.transpose(-1, -2)  # [kv, n, tail, heads, BLOCK]
+    return s.masked_fill_(~plan.tail_seen, float("-inf"))
+
+
+def tail_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan) -> Tensor:
+    """-> [kv, g, n, tail, d + 1]. top [kv, g, n]; padded heads take the last head's max."""
+    kv, n, tail, heads, _ = scores.shape
+    g = top.shape[1]
+    m = torch.cat([top, top[:, -1:].expand(-1, heads - g, -1)], 1) if heads > g else top
+    p = (scores - m.transpose(1, 2)[:, :, None, :, None]).exp_()
+    v = values.index_select(1, plan.tail_slots).view(kv, n, tail, BLOCK, -1)
+    return (p @ v)[:, :, :, :g].permute(0, 3, 1, 2, 4)

@@ -1,0 +1,189 @@
+"""bf16 on CPU is bit-exact across row counts (heads/attention.py, heads/packed.py): the same token at the same
+position gives identical hidden states, logits and KV in a 1-row decode, a k-row verify (chain or tree), a whole
+prefill and a chunked prefill after a prefix-cache hit. So bf16 speculative output equals bf16 plain output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.heads.attention import BLOCK, make_plans
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.llama import Transformer
+from draftsmith.heads.packed import can_pack
+from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, causal_mask, layerskip_model
+from draftsmith.serve.eagle import EagleProposer, TreeConfig
+from draftsmith.serve.engine import Engine
+from draftsmith.serve.loader import load_model
+from draftsmith.serve.ngram import NgramConfig, NgramProposer
+from draftsmith.serve.prefix_cache import PrefixCache
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.tree import DraftTree
+from helpers import PROMPTS
+
+pytestmark = [
+    pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels"),
+    pytest.mark.usefixtures("one_thread"),
+]
+SEQ = 110  # past three key blocks
+MAX_SEQ = 160
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir) -> Transformer:
+    # 3 query heads per KV head, as SmolLM2: a decode step's 3 rows are below MKL's 4-row kernel
+    return load_model(
+        tiny_llama_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6), torch.bfloat16, "cpu"
+    )
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (SEQ,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def whole(target, tokens):
+    """The reference: one prefill of the whole sequence; (hidden, logits, cache)."""
+    cache = target.new_cache(MAX_SEQ)
+    with torch.inference_mode():
+        out = target(tokens, torch.arange(SEQ), cache, 0, causal_mask(0, SEQ, "cpu"))
+    return out.hidden, out.logits, cache
+
+
+def run(target, cache, tokens, positions, start, mask=None):
+    with torch.inference_mode():
+        return target(tokens, positions, cache, start, mask)
+
+
+def prefilled(target, tokens, n: int):
+    cache = target.new_cache(MAX_SEQ)
+    run(target, cache, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu"))
+    return cache
+
+
+def assert_same_bits(got, want, what: str) -> None:
+    differ = (got != want).flatten(1).any(-1).nonzero().flatten().tolist()
+    assert not differ, f"{what}: rows {differ} differ"
+
+
+def assert_same_kv(a, b, slots: slice) -> None:
+    for x, y in zip(a.k + a.v, b.k + b.v, strict=True):
+        assert torch.equal(x[:, :, slots], y[:, :, slots])
+
+
+def test_decode_steps_equal_the_whole_prefill(target, tokens, whole):
+    hidden, logits, cache_ref = whole
+    cache = prefilled(target, tokens, 30)
+    for p in range(30, SEQ):  # crosses the block boundaries at 32, 64, 96
+        out = run(target, cache, tokens[p : p + 1], torch.tensor([p]), p)
+        assert_same_bits(out.hidden, hidden[p : p + 1], f"decode at {p}: hidden")
+        assert_same_bits(out.logits, logits[p : p + 1], f"decode at {p}: logits")
+    assert_same_kv(cache, cache_ref, slice(0, SEQ))
+
+
+@pytest.mark.parametrize("start", [5, 31, 60, 90])
+@pytest.mark.parametrize("k", [2, 3, 4, 8, 16])
+def test_chain_verify_equals_the_whole_prefill(target, tokens, whole, start, k):
+    hidden, logits, _ = whole
+    cache = prefilled(target, tokens, start)
+    out = run(
+        target, cache, tokens[start : start + k], torch.arange(start, start + k), start, causal_mask(start, k, "cpu")
+    )
+    assert_same_bits(out.hidden, hidden[start : start + k], f"verify {k} at {start}: hidden")
+    assert_same_bits(out.logits, logits[start : start + k], f"verify {k} at {start}: logits")
+
+
+@pytest.mark.parametrize("hit", [1, 32, 47, 64, 100])
+def test_chunked_prefill_after_a_prefix_hit_equals_the_whole_prefill(target, tokens, whole, hit):
+    hidden, logits, cache_ref = whole
+    cache = prefilled(target, tokens, hit)
+    out = run(target, cache, tokens[hit:], torch.arange(hit, SEQ), hit, causal_mask(hit, SEQ - hit, "cpu"))
+    assert_same_bits(out.hidden, hidden[hit:], f"prefill after {hit}: hidden")
+    assert_same_bits(out.logits, logits[hit:], f"prefill after {hit}: logits")
+    assert_same_kv(cache, cache_ref, slice(0, SEQ))
+
+
+def tree_cases():
+    """(parents, depth): siblings, a deep branch beside a chain, 16 nodes spanning two blocks."""
+    return {
+        "siblings": [-1, -1, -1],
+        "branches": [-1, -1, 0, 1, 1, 4, 2, 6],
+        "wide16": [-1, -1, -1, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+    }
+
+
+@pytest.mark.parametrize("shape", tree_cases())
+@pytest.mark.parametrize("start", [20, 31, 62, 95])
+def test_tree_verify_rows_equal_a_prefill_of_their_own_path(target, tokens, shape, start):
+    """Each tree node's row equals the last row of a plain prefill of prefix + the node's ancestors + the node."""
+    parents = torch.tensor(tree_cases()[shape])
+    nodes = torch.randint(0, 128, (len(parents),), generator=torch.Generator().manual_seed(start))
+    tree = DraftTree(nodes, parents)
+    cache = prefilled(target, tokens, start)
+    inputs = torch.cat([tokens[start : start + 1], nodes])
+    out = run(target, cache, inputs, tree.positions(start), start, tree.attention_mask(start))
+    for i in range(len(parents)):
+        path, j = [], i
+        while j >= 0:
+            path.insert(0, int(nodes[j]))
+            j = int(parents[j])
+        seq = torch.cat([tokens[: start + 1], torch.tensor(path)])
+        ref = run(target, target.new_cache(MAX_SEQ), seq, torch.arange(len(seq)), 0, causal_mask(0, len(seq), "cpu"))
+        assert_same_bits(out.hidden[i + 1 : i + 2], ref.hidden[-1:], f"{shape} node {i} at {start}: hidden")
+        assert_same_bits(out.logits[i + 1 : i + 2], ref.logits[-1:], f"{shape} node {i} at {start}: logits")
+
+
+def test_plans_read_in_place_until_the_first_draft_off_its_position():
+    chain = make_plans(causal_mask(70, 8, "cpu"), 70, 8, 3, "cpu")[0]
+    assert chain.in_place == 3 and chain.tail == 0  # slot = position everywhere: positions 0..77 in 3 blocks
+    tree = DraftTree(torch.zeros(3, dtype=torch.long), torch.tensor([-1, -1, 0]))
+    plan = make_plans(tree.attention_mask(70), 70, 4, 3, "cpu")[0]
+    assert plan.in_place == 72 // BLOCK and plan.tail == 1  # node 1 sits at slot 72, position 71
+    slots = plan.tail_slots.view(4, BLOCK)
+    assert slots[2, 71 - 64] == 72 and slots[3, 71 - 64] == 71 and slots[3, 72 - 64] == 73  # node 2's parent is 0
+    assert make_plans(None, 0, 1, 3, "cpu")[0].padded == 2  # 3 heads x 1 row -> 2 rows: MKL's 4-row kernel
+
+
+# ---------------------------------------------------------------- the engine in bf16: speculative == plain
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    engine = Engine(target, max_seq_len=MAX_SEQ)
+    return {tuple(p): engine.generate(p, 48, SamplingParams()).output_ids for p in PROMPTS}
+
+
+def eagle3_proposer(target):
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.from_target(target.config), target).to(torch.bfloat16).eval()
+    return EagleProposer(head, "eagle3", 3, TreeConfig(topk=2, total_tokens=6))
+
+
+@pytest.mark.parametrize("name", ["ngram", "eagle3-tree", "layerskip", "draft-self"])
+def test_bf16_greedy_speculation_equals_bf16_plain(name, target, plain):
+    proposer = {
+        "ngram": lambda: NgramProposer(NgramConfig(num_tokens=5)),
+        "eagle3-tree": lambda: eagle3_proposer(target),
+        "layerskip": lambda: DraftModelProposer(layerskip_model(target, 1), DraftModelConfig(3)),
+        "draft-self": lambda: DraftModelProposer(target, DraftModelConfig(6)),  # every draft accepted: 7-row verifies
+    }[name]()
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    drafted = 0
+    for p in PROMPTS:
+        out = engine.generate(p, 48, SamplingParams())
+        assert out.output_ids == plain[tuple(p)], (name, p)
+        drafted += out.metrics.draft_tokens
+    assert drafted > 0
+
+
+def test_bf16_prefix_cache_hit_equals_a_cold_prefill(target):
+    prompt = PROMPTS[1] * 5  # 60 tokens: a 48-token hit in blocks of 16
+    cold = Engine(target, max_seq_len=MAX_SEQ)
+    want = cold.generate(prompt, 24, SamplingParams())
+    warm = Engine(target, prefix_cache=PrefixCache(block_size=16), max_seq_len=MAX_SEQ)
+    warm.generate(prompt[:50], 1, SamplingParams())
+    got = warm.generate(prompt, 24, SamplingParams())
+    assert got.metrics.prefix_hit_tokens == 48
+    assert got.output_ids == want.output_ids
+    assert_same_kv(warm.cache, cold.cache, slice(0, 60 + 24 - 1))
