@@ -125,10 +125,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-# PyTorch's CPU flash-attention kernel is slow in bf16/fp16 for a handful of query rows (one query over
-# 300 cached keys: 300 us; the same in two fp32 matmuls: 85 us; 1000 keys: 1000 vs 200 us), so decode
-# and verify steps up to SMALL_N tokens take grouped_attention; prefill keeps SDPA. fp32 and CUDA stay
-# on SDPA throughout.
+# PyTorch's CPU flash-attention kernel is slow in bf16/fp16 for a handful of query rows (several times two
+# fp32 matmuls; docs/benchmarks.md), so decode and verify steps up to SMALL_N tokens take grouped_attention;
+# prefill keeps SDPA. fp32 and CUDA stay on SDPA throughout.
 SMALL_N = 64
 
 

@@ -1,11 +1,10 @@
 """oneDNN-prepacked linears for CPU inference.
 
 A decode step multiplies one row by every weight matrix, and `aten::mm` on a plain row-major
-weight is about half as fast as oneDNN on a weight reordered once into its blocked layout
-(SmolLM2, 2 cores: bf16 576x1536 71 -> 35 us, the fp32 576x49152 lm_head 11.4 -> 5.3 ms).
+weight is much slower than oneDNN on a weight reordered once into its blocked layout.
 The layout is chosen for a batch of ROWS_HINT rows: verifying a draft tree runs 4-16 rows, and a
-layout for 1 row made every 7-row fp32 step of SmolLM2 pay 61 ms of matmuls in place of 39 (one row:
-31 vs 28 ms; AMD EPYC, AVX2, 2 threads), so a multi-row layout serves decode and verify alike.
+1-row layout makes multi-row steps far slower while a multi-row one serves decode and verify alike
+(figures: docs/benchmarks.md, CPU kernels).
 `pack_linears` swaps every nn.Linear of a frozen model for a PackedLinear that keeps the same
 `weight` / `bias` parameters (state_dict keys, tied embeddings and readers of `.weight` are
 unchanged) plus the packed copy, rebuilt when the weight is edited in place. Only no-grad calls

@@ -21,10 +21,8 @@ read -r -a TRAIN_ARGS <<< "${MAIN_TRAIN_ARGS:-}"
 read -r -a RAG_ARGS <<< "${MAIN_RAG_ARGS:-}"
 # The evals and the export draft the shape the head folder records: train=quick makes an eagle3 head for depth 1,
 # its 3 best tokens verified side by side (conf/tuning/eagle3-quick.yaml), the draft that pays on this CPU. Deeper
-# levels cost a head forward each (~0.07 of a target step in fp32) and a quick head's 2nd and 3rd positions accept
-# only ~0.08 and ~0.01: on an AVX2 EPYC depth 3 x 2 children x 6 nodes ran 0.92-0.95x where depth 1 x 3 ran 1.13x
-# with the same head; the 1-step x 7-epoch head runs 1.20x at depth 1 x 3 (tau 1.50), 1.17x as a chain of 1 and
-# 1.16x with 5 candidates (scripts/bench_drafters.py, README)
+# levels cost a head forward each and a quick head's 2nd and 3rd positions rarely accept (docs/benchmarks.md,
+# Draft shape and depth)
 began=$(date +%s)
 stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
 # an eval killed part-way continues from its records.jsonl; a finished one is run again

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM cross-check of exported drafters (README, Export), in one command. vLLM pins its own torch, so it
+# The vLLM cross-check of exported drafters (docs/export.md), in one command. vLLM pins its own torch, so it
 # lives in its own virtual environment, created here on first use (about two minutes from PyPI).
 set -euo pipefail
 cd "$(dirname "$0")/.."
