@@ -175,3 +175,13 @@ def test_generate_refuses_bad_arguments(tiny_target, overrides, error, message):
 def test_unknown_keys_are_errors_at_the_command_line(tiny_target, tmp_path):
     r = run("draftsmith.serve", f"target.path={tiny_target}", "prompt=hi", "spec.bogus=1", cwd=tmp_path)
     assert r.returncode != 0 and "bogus" in r.stderr
+
+
+@pytest.mark.parametrize("spec", ["eagle", "eagle3", "medusa"])
+def test_every_lookup_and_dtype_key_a_head_spec_takes_is_settable_without_plus(spec):
+    head = [f"spec={spec}", "spec.drafter=HEAD", "prompt=hi"]
+    overrides = [*head, "spec.ngram_tokens=5", "spec.ngram_policy=merge", "spec.draft_dtype=float32"]
+    cfg = typed(compose_config("generate", overrides), GenerateConfig)
+    assert (cfg.spec.ngram_tokens, cfg.spec.ngram_policy, cfg.spec.draft_dtype) == (5, "merge", "float32")
+    cfg = typed(compose_config("generate", [*head, "spec.suffix_tokens=24"]), GenerateConfig)
+    assert cfg.spec.suffix_tokens == 24
