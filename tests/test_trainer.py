@@ -79,7 +79,7 @@ def config(out, target, data, head: str = standin_head.KIND, **train) -> RunConf
     tc = dict(max_steps=10, batch_size=4, grad_accum=2, lr=1e-2, warmup_steps=2, log_every=1, checkpoint_every=2)
     return RunConfig(
         out=str(out),
-        target=TargetConfig(path=str(target)),
+        target=TargetConfig(path=str(target), dtype="float32"),  # as cli_args: the same on every CPU
         head=HeadConfig(kind=head),
         data=DataConfig(source=data, max_conversations=None, max_length=64, heldout_fraction=0.1),
         train=TrainConfig(**{**tc, **train}, features=features),
