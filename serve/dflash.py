@@ -18,7 +18,7 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut
 
 from .build import Loaded, SpecConfig, spec_head
-from .eagle import rerank
+from .eagle import slot_tree
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, widen
 from .tree import DraftTree, TreeConfig
@@ -87,19 +87,8 @@ class DFlashProposer(Proposer):
             ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
             return DraftTree.chain(self.vocab_ids[ids], widen(p, self.vocab_ids, self.head.config.vocab_size))
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
-        return self.tree_of(self.vocab_ids[top.indices], top.values)
+        return slot_tree(self.vocab_ids[top.indices], top.values, self.max_tree_size)
 
-    def tree_of(self, ids: Tensor, logp: Tensor) -> DraftTree:
-        """ids, logp [depth, k]: level d's candidates, each expanded under the level above's k best nodes."""
-        k = ids.shape[1]
-        toks, parents, cum, first = [ids[0]], [torch.full((k,), -1, device=ids.device)], [logp[0]], 0
-        for d in range(1, ids.shape[0]):
-            best = cum[-1].topk(min(k, cum[-1].numel())).indices
-            toks.append(ids[d].repeat(best.numel()))
-            parents.append((first + best).repeat_interleave(k))
-            cum.append((cum[-1][best][:, None] + logp[d][None]).flatten())
-            first += toks[-2].numel()
-        return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), self.max_tree_size, None)
 
 
 def dflash_proposer(spec: SpecConfig, target: Loaded) -> DFlashProposer:

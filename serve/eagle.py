@@ -168,3 +168,17 @@ def rerank(tokens: Tensor, parents: Tensor, scores: Tensor, keep: int, probs: Te
         tokens, parents = tokens[kept], torch.where(p >= 0, new_index[p.clamp_min(0)], p)
         probs = None if probs is None else probs[kept]
     return DraftTree(tokens, parents, probs)
+
+
+def slot_tree(ids: Tensor, logp: Tensor, max_tree_size: int) -> DraftTree:
+    """A parallel drafter's tree: ids, logp [depth, k] are each slot's k best tokens (one forward drafts every
+    level); level d's candidates are expanded under the level above's k best nodes, then reranked."""
+    k = ids.shape[1]
+    toks, parents, cum, first = [ids[0]], [torch.full((k,), -1, device=ids.device)], [logp[0]], 0
+    for d in range(1, ids.shape[0]):
+        best = cum[-1].topk(min(k, cum[-1].numel())).indices
+        toks.append(ids[d].repeat(best.numel()))
+        parents.append((first + best).repeat_interleave(k))
+        cum.append((cum[-1][best][:, None] + logp[d][None]).flatten())
+        first += toks[-2].numel()
+    return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), max_tree_size, None)

@@ -19,7 +19,7 @@ from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
 
 from .build import Loaded, SpecConfig, spec_head
-from .eagle import feature_store, rerank
+from .eagle import feature_store, slot_tree
 from .proposer import Proposer
 from .sampling import SamplingParams, probs_from_logits, widen
 from .tree import DraftTree, TreeConfig
@@ -97,20 +97,8 @@ class PEagleProposer(Proposer):
             ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
             return DraftTree.chain(self.to_target(ids), widen(p, self.vocab_ids, self.head.config.vocab_size))
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
-        return self.tree_of(self.to_target(top.indices), top.values)
+        return slot_tree(self.to_target(top.indices), top.values, self.max_tree_size)
 
-    def tree_of(self, ids: Tensor, logp: Tensor) -> DraftTree:
-        """ids, logp [depth, k]: level d's candidates, expanded under the level above's k best nodes."""
-        dev, k = ids.device, ids.shape[1]
-        toks, parents, cum = [ids[0]], [torch.full((k,), -1, device=dev)], [logp[0]]
-        first = 0
-        for d in range(1, ids.shape[0]):
-            best = cum[-1].topk(min(k, cum[-1].numel())).indices
-            toks.append(ids[d].repeat(best.numel()))
-            parents.append((first + best).repeat_interleave(k))
-            cum.append((cum[-1][best][:, None] + logp[d][None]).flatten())
-            first += toks[-2].numel()
-        return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), self.max_tree_size, None)
 
     def to_target(self, ids: Tensor) -> Tensor:
         return self.vocab_ids[ids]

@@ -115,3 +115,24 @@ def exact_joint(target, prompt: list[int], sp) -> torch.Tensor:
             for b in range(vocab):
                 joint[a, b] = q1[a] * q2[b] * q(prompt + [a, b])
     return joint
+
+
+TARGET_ID = "tiny@00000000"
+
+
+def tiny_info(model, **changes):
+    """The TargetInfo a drafter made for the tiny `model` records (fields overridden by `changes`)."""
+    from draftsmith.heads.drafter import TargetInfo
+
+    c = model.config
+    fields = dict(id=TARGET_ID, hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers)
+    return TargetInfo(**{**fields, **changes})
+
+
+def head_features(target, head, ids: torch.Tensor, mask: torch.Tensor):
+    """A training batch for `head`: the target's last hidden states and the inputs of the layers it reads."""
+    from draftsmith.train.batch import FeatureBatch
+
+    with torch.no_grad():
+        hidden, aux = target.hidden_states(ids, head.aux_layers)
+    return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1))

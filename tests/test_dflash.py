@@ -19,7 +19,7 @@ from safetensors import safe_open
 from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_chi2_pvalue, same_kv, spy_budgets
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
-from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, save_drafter
+from draftsmith.heads.drafter import Recipe, load_drafter, save_drafter
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
@@ -31,11 +31,10 @@ from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.tree import TreeConfig
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses_dflash import dflash_loss, sample_anchors
-from helpers import PROMPTS, build_tiny_chat_target, exact_joint
+from helpers import PROMPTS, TARGET_ID, build_tiny_chat_target, exact_joint, head_features, tiny_info
 
 GREEDY = SamplingParams()
 MAX_NEW, MAX_SEQ, ALPHA = 24, 128, 1e-4
-TARGET_ID = "tiny@00000000"
 VLLM_DFLASH_KEYS = {  # what vLLM's DFlashQwen3ForCausalLM loads for a 2-layer drafter with a draft vocabulary
     "fc.weight",
     "hidden_norm.weight",
@@ -66,21 +65,11 @@ def target(tiny_llama_dir):
     return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
 
 
-def info(model, **changes) -> TargetInfo:
-    c = model.config
-    fields = dict(id=TARGET_ID, hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers)
-    return TargetInfo(**{**fields, **changes})
-
 
 def make_head(target, seed: int = 0, **overrides) -> DFlashHead:
     torch.manual_seed(seed)
     return DFlashHead(DFlashConfig.from_target(target.config, **overrides), target)
 
-
-def features(target, head, ids: torch.Tensor, mask: torch.Tensor) -> FeatureBatch:
-    with torch.no_grad():
-        hidden, aux = target.hidden_states(ids, head.aux_layers)
-    return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1))
 
 
 SMOL = ModelConfig(
@@ -127,7 +116,7 @@ def test_anchored_training_blocks_equal_drafting_with_the_cache(target):
     head = make_head(target, num_layers=2, block_size=5)
     c = head.config
     ids = torch.randint(0, c.vocab_size, (2, 14))
-    batch = features(target, head, ids, torch.ones(2, 14))
+    batch = head_features(target, head, ids, torch.ones(2, 14))
     context = head.target_features(batch.hidden, batch.aux)
     anchors = torch.tensor([[3, 9, 1], [12, 5, 6]])
     with torch.no_grad():
@@ -151,14 +140,14 @@ def test_save_load_round_trip_with_vllm_names(target, tmp_path):
     assert torch.equal(head.lm_head.weight, target.lm_head.weight[head.vocab_ids])  # the target's rows
     assert not head.lm_head.weight.requires_grad and not head.embed_tokens.weight.requires_grad
     assert torch.equal(head.norm.weight, target.model.norm.weight)
-    folder = save_drafter(head, head.config, "dflash", info(target), Recipe(data="random"), tmp_path / "d")
+    folder = save_drafter(head, head.config, "dflash", tiny_info(target), Recipe(data="random"), tmp_path / "d")
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == VLLM_DFLASH_KEYS  # nothing borrowed from the target (embedding, its lm_head)
-    loaded = load_drafter(folder, info(target), target)
+    loaded = load_drafter(folder, tiny_info(target), target)
     assert loaded.config == head.config and loaded.embed_tokens is target.model.embed_tokens
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.lm_head.weight, head.lm_head.weight)
     ids = torch.randint(0, 128, (1, 9))
-    batch = features(target, head, ids, torch.ones(1, 9))
+    batch = head_features(target, head, ids, torch.ones(1, 9))
     with torch.no_grad():
         a = head.logits(head.anchored(head.target_features(batch.hidden, batch.aux), ids, torch.tensor([[4]])))
         b = loaded.logits(loaded.anchored(loaded.target_features(batch.hidden, batch.aux), ids, torch.tensor([[4]])))
@@ -170,7 +159,7 @@ def test_bad_drafter_folders_are_refused_by_name(target, tiny_llama_dir, tmp_pat
     """A mask token outside the target's vocabulary, a block beyond its context, target layers it lacks: each a
     one-line error when the folder loads, before any drafting."""
     head = make_head(target)
-    folder = save_drafter(head, head.config, "dflash", info(target), Recipe(), tmp_path / "d")
+    folder = save_drafter(head, head.config, "dflash", tiny_info(target), Recipe(), tmp_path / "d")
     meta = json.loads((folder / "config.json").read_text())
     cases = [
         ("mask_token_id", 128, r"mask_token_id=128 is not in the target's vocabulary of 128 tokens: retrain"),
@@ -209,7 +198,7 @@ def test_loss_reads_the_context_before_the_anchor_and_targets_after_it(target):
     ids = torch.randint(0, target.config.vocab_size, (1, n))
     mask = torch.zeros(1, n)
     mask[0, t] = 1  # the only anchor; it also weights nothing (slots predict t+1, t+2)
-    base = features(target, head, ids, mask)
+    base = head_features(target, head, ids, mask)
     base.loss_mask[0, t + 2] = 1  # slot 2 counts; t+2 could be an anchor too: keep one anchor by making it the last
     base = FeatureBatch(ids[:, : t + 3], base.loss_mask[:, : t + 3], base.hidden[:, : t + 3], base.aux[:, : t + 3])
     loss, logs = dflash_loss(head, base, anchors=4)
@@ -241,7 +230,7 @@ def test_slot_weights_decay_with_distance_from_the_anchor(target):
     """decay_gamma sets how fast later slots' weights fall: with a tiny gamma only slot 1 counts."""
     head = make_head(target, block_size=4)
     ids = torch.randint(0, 128, (2, 16))
-    batch = features(target, head, ids, torch.ones(2, 16))
+    batch = head_features(target, head, ids, torch.ones(2, 16))
     torch.manual_seed(3)
     first_only = dflash_loss(head, batch, anchors=6, decay_gamma=1e-3)[0]
     torch.manual_seed(3)
@@ -259,7 +248,7 @@ def test_loss_decreases_and_target_stays_frozen(target):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, target.config.vocab_size, (4, 24), generator=g)
     mask = (torch.arange(24) >= 4).float().expand(4, 24).clone()
-    batch = features(target, head, ids, mask)
+    batch = head_features(target, head, ids, mask)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     logs = []
@@ -297,7 +286,7 @@ def trained(target, plain):
     ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
     mask = torch.tensor([[1.0] * len(s) + [0.0] * (n - len(s)) for s in seqs])
     head = make_head(target, num_layers=2, block_size=5)
-    batch = features(target, head, ids, mask)
+    batch = head_features(target, head, ids, mask)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     torch.manual_seed(0)
     for _ in range(80):
@@ -438,7 +427,7 @@ def test_sampled_chain_keeps_the_target_distribution(small):
 
 def test_spec_config_builds_the_proposer(target, plain, tmp_path):
     head = make_head(target, block_size=5)
-    folder = save_drafter(head, head.config, "dflash", info(target), Recipe(), tmp_path / "d")
+    folder = save_drafter(head, head.config, "dflash", tiny_info(target), Recipe(), tmp_path / "d")
     loaded = Loaded(target, None, TARGET_ID)
     with initialize_config_module("draftsmith.conf", version_base=None):
         composed = compose("eval", overrides=["spec=dflash", f"spec.drafter={folder}"])

@@ -40,11 +40,10 @@ from draftsmith.serve.tree import TreeConfig
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses_peagle import cod_anchors, peagle_loss
 from draftsmith.train.trainer import RunConfig, check_loss_options, loss_for
-from helpers import PROMPTS, build_tiny_chat_target, exact_joint
+from helpers import PROMPTS, TARGET_ID, build_tiny_chat_target, exact_joint, head_features, tiny_info
 
 GREEDY = SamplingParams()
 MAX_NEW, MAX_SEQ, ALPHA = 24, 128, 1e-4
-TARGET_ID = "tiny@00000000"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,21 +53,11 @@ def target(tiny_llama_dir):
     return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
 
 
-def info(model, **changes) -> TargetInfo:
-    c = model.config
-    fields = dict(id=TARGET_ID, hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers)
-    return TargetInfo(**{**fields, **changes})
-
 
 def make_head(target, seed: int = 0, **overrides) -> PEagleHead:
     torch.manual_seed(seed)
     return PEagleHead(PEagleConfig.from_target(target.config, **overrides), target)
 
-
-def features(target, head, ids: torch.Tensor, mask: torch.Tensor) -> FeatureBatch:
-    with torch.no_grad():
-        hidden, aux = target.hidden_states(ids, head.aux_layers)
-    return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1))
 
 
 # ---------------------------------------------------------------- the head
@@ -125,18 +114,18 @@ def test_cod_training_forward_is_what_drafting_sees(layers, target):
 def test_save_load_round_trip_under_speculators_names(layers, target, tmp_path):
     head = make_head(target, num_layers=layers, num_depths=3, draft_vocab_size=64)
     head.set_vocab(torch.randint(0, 1000, (target.config.vocab_size,)))
-    folder = save_drafter(head, head.config, "peagle", info(target), Recipe(), tmp_path / "d")
+    folder = save_drafter(head, head.config, "peagle", tiny_info(target), Recipe(), tmp_path / "d")
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "mask_hidden"} <= keys
     assert "layers.0.hidden_norm.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
     assert {k.split(".")[1] for k in keys if k.startswith("layers.")} == {str(i) for i in range(layers)}
     assert not any(k.startswith(("embed_tokens", "target_lm_head", "midlayer")) for k in keys)
-    loaded = load_drafter(folder, info(target), target)
+    loaded = load_drafter(folder, tiny_info(target), target)
     assert loaded.config == head.config and isinstance(loaded, PEagleHead)
     assert loaded.embed_tokens is target.model.embed_tokens  # borrowed, not copied
     ids = torch.randint(0, target.config.vocab_size, (2, 6))
-    batch = features(target, head, ids, torch.ones(2, 6))
+    batch = head_features(target, head, ids, torch.ones(2, 6))
     with torch.no_grad():
         a = head.logits(head(head.target_features(batch.hidden, batch.aux), ids, torch.arange(1, 7)))
         b = loaded.logits(loaded(loaded.target_features(batch.hidden, batch.aux), ids, torch.arange(1, 7)))
@@ -145,12 +134,12 @@ def test_save_load_round_trip_under_speculators_names(layers, target, tmp_path):
 
 def test_a_folder_whose_mask_token_is_not_in_the_targets_vocabulary_is_refused(target, tmp_path):
     head = make_head(target)
-    folder = save_drafter(head, head.config, "peagle", info(target), Recipe(), tmp_path / "d")
+    folder = save_drafter(head, head.config, "peagle", tiny_info(target), Recipe(), tmp_path / "d")
     meta = json.loads((folder / "config.json").read_text())
     meta["config"]["mask_token_id"] = target.config.vocab_size + 5
     (folder / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"mask_token_id=133 is not in the target's vocabulary of 128 tokens"):
-        load_drafter(folder, info(target), target)
+        load_drafter(folder, tiny_info(target), target)
     with pytest.raises(ValueError, match="mask_token_id=133"):
         make_proposer(SpecConfig("peagle", drafter=str(folder)), Loaded(target, None, TARGET_ID))
 
@@ -189,7 +178,7 @@ def test_peagle_loss_shifts(target):
     ids = torch.randint(0, target.config.vocab_size, (1, n))
     mask = torch.zeros(1, n)
     mask[0, t] = 1
-    base = features(target, head, ids, mask)
+    base = head_features(target, head, ids, mask)
     options = dict(ratio=1.0, ratio_min=1.0)
     loss, logs = peagle_loss(head, base, **options)
     assert set(logs) == {"loss", "acc_0", "acc_1", "acc_2", "acc_3"}
@@ -220,7 +209,7 @@ def test_loss_decreases_at_every_depth_and_the_target_stays_frozen(layers, targe
     head = make_head(target, num_layers=layers)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, target.config.vocab_size, (4, 24), generator=g)
-    batch = features(target, head, ids, (torch.arange(24) >= 4).float().expand(4, 24).clone())
+    batch = head_features(target, head, ids, (torch.arange(24) >= 4).float().expand(4, 24).clone())
     before = {k: v.clone() for k, v in target.state_dict().items()}
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     logs = []
@@ -261,7 +250,7 @@ def trained(target, plain):
     heads = {}
     for layers in (1, 2):
         head = make_head(target, num_layers=layers)
-        batch = features(target, head, ids, mask)
+        batch = head_features(target, head, ids, mask)
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
         for _ in range(60):
             loss = peagle_loss(head, batch)[0]
@@ -394,7 +383,7 @@ def test_sampled_chain_with_a_draft_vocabulary_matches_plain_distribution(small)
 def test_spec_config_builds_the_proposer_and_refuses_bad_folders(target, plain, trained, tiny_llama_dir, tmp_path):
     loaded = Loaded(target, None, TARGET_ID)
     head = trained[2]
-    folder = save_drafter(head, head.config, "peagle", info(target), Recipe(), tmp_path / "p")
+    folder = save_drafter(head, head.config, "peagle", tiny_info(target), Recipe(), tmp_path / "p")
     proposer = make_proposer(SpecConfig("peagle", 3, drafter=str(folder), draft_dtype="float32"), loaded)
     assert isinstance(proposer, PEagleProposer) and proposer.depth == 3 and proposer.aux_layers == (0, 1, 2)
     assert proposer.head.embed_tokens is target.model.embed_tokens and proposer.max_tree_size == 3
@@ -405,7 +394,7 @@ def test_spec_config_builds_the_proposer_and_refuses_bad_folders(target, plain, 
         make_proposer(SpecConfig("peagle", drafter=str(folder)), Loaded(small, None, TARGET_ID))
     eagle3 = tmp_path / "e3"
     e3 = Eagle3Head(Eagle3Config.from_target(target.config), target)
-    save_drafter(e3, e3.config, "eagle3", info(target), Recipe(), eagle3)
+    save_drafter(e3, e3.config, "eagle3", tiny_info(target), Recipe(), eagle3)
     with pytest.raises(ValueError, match="is a eagle3 drafter; spec=peagle needs a peagle drafter"):
         make_proposer(SpecConfig("peagle", drafter=str(eagle3)), loaded)
     with pytest.raises(ValueError, match="spec=peagle needs spec.drafter=DIR: a peagle drafter folder"):
