@@ -142,7 +142,7 @@ def run_all(engines: dict[Arm, Engine], prompts: list[Prompt], tokenizer, cfg: E
     try:
         for rep in range(cfg.repeats):
             for engine in engines.values():  # each repeat starts cold, so repeats measure the same thing
-                reset_prefix_cache(engine)
+                start_cold(engine)
             for i, prompt in enumerate(prompts):
                 if (prompt.id, rep) in done:
                     continue
@@ -216,13 +216,16 @@ def warm_up(engines: dict[Arm, Engine], prompt: Prompt, tokenizer, cfg: EvalConf
     for engine in engines.values():
         for _ in range(cfg.warmup):
             engine.generate(ids, min(16, cfg.max_new_tokens), SamplingParams(cfg.temperature, seed=0))
-        if engine.proposer:  # the warm-up's answer must not help the first prompt (suffix decoding's global tree)
-            engine.proposer.forget()
+        start_cold(engine)
 
 
-def reset_prefix_cache(engine: Engine) -> None:
-    if engine.prefix_cache is not None:  # warm-up and earlier repeats must not count as hits
+def start_cold(engine: Engine) -> None:
+    """Forget the warm-up and earlier repeats: no prefix-cache hits from them, and no drafting from their answers
+    (suffix decoding's global tree), so every repeat measures the same thing."""
+    if engine.prefix_cache is not None:
         engine.prefix_cache.reset()
+    if engine.proposer:
+        engine.proposer.forget()
 
 
 def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig) -> dict:
@@ -233,7 +236,7 @@ def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalCon
     if out["drafts"]:  # depths never accepted still count: their rate is 0
         out["acceptance_rate_per_position"] = rates + [0.0] * (spec.num_tokens - len(rates))
     out["speedup_per_repeat"] = speedup_per_repeat(mine, base, cfg.repeats)
-    # repeats are not alike where a drafter learns across requests (suffix decoding's global tree)
+    # each repeat starts cold, so these differ only where drafting depends on sampling or timing
     out["tau_per_repeat"] = [pool(of(mine, label, repeat=i)).mean_acceptance_length for i in range(cfg.repeats)]
     out["lossless"] = lossless(base, mine, greedy)
     if not greedy:
