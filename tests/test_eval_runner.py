@@ -12,8 +12,10 @@ from transformers import AutoTokenizer
 
 from draftsmith.eval import runner
 from draftsmith.eval.aggregate import Record, by_category, compared, pool
+from draftsmith.eval.journal import unfinished
 from draftsmith.eval.methods import resolve_methods
 from draftsmith.eval.prompts import Prompt
+from draftsmith.eval.report import write_report
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding
 from draftsmith.heads.drafter import Recipe, save_drafter
@@ -291,6 +293,29 @@ def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, pro
     assert r["prompts"] == 3 and r["partial"] is False
     assert r["methods"]["ngram"]["lossless"] == {"checked": 4, "identical": 4, "note": r["lossless"]["note"]}
     assert len((out / "records.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_killed_rerun_into_a_finished_folder_leaves_no_stale_result(tiny_target, prompts_file, tmp_path, monkeypatch):
+    """A fresh run removes the earlier run's results before its first prompt: a kill leaves an unfinished run (which
+    compare cannot mistake for the old result and a plain rerun refuses to wipe), not the old results.json."""
+    out = tmp_path / "ev"
+    overrides = [f"prompts={prompts_file}", "max_new_tokens=2", "limit=2"]
+    write_report(out, run_eval(config(tiny_target, out, *overrides)))
+    assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "outputs.jsonl", "per_prompt.jsonl"}
+    real = runner.answer
+
+    def killed_on_b(engine, arm, prompt, *args):
+        if prompt.id == "b":
+            raise KeyboardInterrupt  # run_all keeps "a" and reports partial; a SIGKILL would not even get that far
+        return real(engine, arm, prompt, *args)
+
+    monkeypatch.setattr(runner, "answer", killed_on_b)
+    monkeypatch.setattr(runner, "write_outputs", lambda *a: None)  # killed before it writes anything else
+    run_eval(config(tiny_target, out, *overrides))
+    assert {p.name for p in out.iterdir()} == {"records.jsonl", "run.json"}
+    assert unfinished(out)
+    with pytest.raises(ValueError, match="unfinished eval .* resume=true"):
+        run_eval(config(tiny_target, out, *overrides))
 
 
 def test_a_later_turn_beyond_the_context_is_skipped_and_counted(tiny_target, tmp_path):
