@@ -34,8 +34,8 @@ from .aggregate import (
 from .distribution import distribution_check
 from .journal import Journal, Skip, Unit
 from .machine import environment, load_average
-from .methods import drafter_params, resolve_methods
-from .prompts import Prompt, load_prompts
+from .methods import drafter_identity, drafter_params, resolve_methods
+from .prompts import Prompt, load_prompts, prompts_hash
 from .stats import Bootstrap
 from .study import STUDIES, study_arms, study_cells
 from .suites import SUITES, SuiteConfig, load_suite
@@ -83,7 +83,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         for arm in arms(cfg, methods)
     }
     check_first_turns_fit(prompts, target.tokenizer, cfg, min(e.max_seq_len for e in engines.values()))
-    journal = Journal(Path(cfg.out), settings(cfg, target.target_id), cfg.resume)
+    journal = Journal(Path(cfg.out), settings(cfg, target.target_id, prompts, methods), cfg.resume)
     load_before = load_average()
     warm_up(engines, prompts[0], target.tokenizer, cfg)
     partial = run_all(engines, prompts, target.tokenizer, cfg, journal)
@@ -91,16 +91,20 @@ def run_eval(cfg: EvalConfig) -> dict:
     skipped = [s for u in journal.units for s in u.skipped]
     engine = engines[("ar", cfg.prefix_cache)]
     results = summarize(cfg, target.target_id, engine, methods, records, skipped, partial)
+    results["prompts_sha256"] = prompts_hash(prompts)
     results["environment"] |= {"load_before": load_before, "load_after": load_average()}
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     write_outputs(Path(cfg.out), main, by_prompt(main, list(methods), cfg.temperature == 0), results)
     return results
 
 
-def settings(cfg: EvalConfig, target_id: str) -> dict:
-    """What the records depend on: a resume must match it."""
+def settings(cfg: EvalConfig, target_id: str, prompts: list[Prompt], methods: dict[str, SpecConfig]) -> dict:
+    """What the records depend on: a resume must match it. Paths alone are not enough: the prompts' content and
+    each drafter folder's fingerprint are in it too (an edited file, a drafter retrained in place)."""
     keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "wandb")}
-    return json.loads(json.dumps({**keep, "target_id": target_id}, default=str))
+    drafters = {label: drafter_identity(m.drafter) for label, m in methods.items() if m.drafter}
+    identity = {"target_id": target_id, "prompts_sha256": prompts_hash(prompts), "drafters": drafters}
+    return json.loads(json.dumps({**keep, **identity}, default=str))
 
 
 def check_settings(cfg: EvalConfig) -> None:

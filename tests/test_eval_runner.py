@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from transformers import AutoTokenizer
 
@@ -293,6 +295,39 @@ def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, pro
     assert r["prompts"] == 3 and r["partial"] is False
     assert r["methods"]["ngram"]["lossless"] == {"checked": 4, "identical": 4, "note": r["lossless"]["note"]}
     assert len((out / "records.jsonl").read_text().splitlines()) == 3
+
+
+def test_resume_refuses_edited_prompts_and_a_drafter_retrained_in_place(tiny_target, tmp_path, monkeypatch):
+    """run.json held only the paths: a resume mixed records of the old prompts or drafter with new ones."""
+    target = load(TargetConfig(path=str(tiny_target)))
+
+    def train_head(seed: int) -> Path:
+        torch.manual_seed(seed)
+        head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
+        return save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "head")
+
+    folder, prompts = train_head(0), tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    real = runner.answer
+
+    def crash_on_c(engine, arm, prompt, *args):
+        if prompt.id == "c":
+            raise RuntimeError("boom")
+        return real(engine, arm, prompt, *args)
+
+    monkeypatch.setattr(runner, "answer", crash_on_c)
+    out = tmp_path / "ev"
+    overrides = [f"prompts={prompts}", "spec=eagle3", f"spec.drafter={folder}", "warmup=0", "max_new_tokens=2"]
+    with pytest.raises(RuntimeError, match="boom"):
+        run_eval(config(tiny_target, out, *overrides))
+
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [{**ROWS[0], "turns": ["Say bye."]}, *ROWS[1:]]))
+    with pytest.raises(ValueError, match=r"other settings \(prompts_sha256\)"):
+        run_eval(config(tiny_target, out, *overrides, "resume=true"))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    train_head(1)
+    with pytest.raises(ValueError, match=r"other settings \(drafters\)"):
+        run_eval(config(tiny_target, out, *overrides, "resume=true"))
 
 
 def test_a_killed_rerun_into_a_finished_folder_leaves_no_stale_result(tiny_target, prompts_file, tmp_path, monkeypatch):
