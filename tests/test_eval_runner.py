@@ -17,9 +17,9 @@ from draftsmith.eval.aggregate import Record, by_category, compared, pool
 from draftsmith.eval.journal import unfinished
 from draftsmith.eval.methods import resolve_methods
 from draftsmith.eval.prompts import Prompt
-from draftsmith.eval.report import write_report
+from draftsmith.eval.report import study, write_report
 from draftsmith.eval.runner import EvalConfig, run_eval
-from draftsmith.eval.study import finding
+from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.__main__ import typed
@@ -182,6 +182,24 @@ def test_study_finding_is_computed_from_the_ratios_and_their_intervals():
     assert "eagle3 made TPOT longer (without / with it: 0.60x [0.50, 0.70])" in slower
     assert "cut TPOT" not in slower  # a slowdown is not called a win
     assert "decode effect differs" in finding(fx(stack=(1.3, 1.2, 1.5)), "ngram")
+
+
+def test_study_without_decode_steps_withholds_its_finding():
+    """max_new_tokens=1: no token after the first, so TPOT is 0/0; it gave "0.00x" ratios and an unflagged control."""
+    rows = [
+        Record(p, "rag", 0, 0, name, cache, [1], "", Metrics(new_tokens=1, ttft_s=t, total_s=t))
+        for p, t in (("a", 0.01), ("b", 0.02), ("c", 0.03))
+        for name, cache in study_arms("ngram")
+    ]
+    s = study_cells(rows, "ngram", greedy=True)
+    assert all(c["tpot_ms"] is None for c in s["cells"])
+    assert s["control"]["ratio"] is None and "undefined" in s["control"]["undefined"]
+    assert (
+        s["finding"].startswith("Finding withheld") and "max_new_tokens" in s["finding"] and "0.00x" not in s["finding"]
+    )
+    assert s["effects"]["prefill"]["ratio"] == 1.0  # TTFT is still defined
+    text = study(s)
+    assert "undefined" in text and "0.00x" not in text
 
 
 def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
