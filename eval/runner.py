@@ -184,7 +184,11 @@ def answer(
         try:
             engine.check_fits(len(ids), cfg.max_new_tokens)
         except ValueError as e:
-            return out, [Skip(prompt.id, t, rep, arm[0], arm[1], f"turn {t + 1}: {e}")]
+            later = [
+                Skip(prompt.id, u, rep, arm[0], arm[1], f"turn {u + 1}: follows turn {t + 1}, which was skipped")
+                for u in range(t + 1, len(prompt.turns))
+            ]
+            return out, [Skip(prompt.id, t, rep, arm[0], arm[1], f"turn {t + 1}: {e}"), *later]
         sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, seed_for(cfg, arm, rep, i, t))
         g = engine.generate(ids, cfg.max_new_tokens, sp)
         text = tokenizer.decode(g.output_ids, skip_special_tokens=True)

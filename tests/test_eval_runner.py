@@ -373,12 +373,13 @@ def test_a_killed_rerun_into_a_finished_folder_leaves_no_stale_result(tiny_targe
 
 def test_a_later_turn_beyond_the_context_is_skipped_and_counted(tiny_target, tmp_path):
     path = tmp_path / "long.jsonl"
-    rows = [{"id": "long", "turns": ["Say hi.", "Repeat this: " + "words and more words " * 120]}, ROWS[1]]
+    rows = [{"id": "long", "turns": ["Say hi.", "Repeat this: " + "words and more words " * 120, "Bye."]}, ROWS[1]]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "ev"
     r = run_eval(config(tiny_target, out, f"prompts={path}", "max_new_tokens=4", "max_seq_len=200"))
     skipped = r["skipped"]
-    assert skipped["turns"] == 2  # plain decoding and ngram each skipped turn 2 of "long"
-    assert {(s["id"], s["turn"], s["method"]) for s in skipped["list"]} == {("long", 1, "ar"), ("long", 1, "ngram")}
-    assert "exceeds the context" in skipped["list"][0]["reason"]
+    assert skipped["turns"] == 4  # plain decoding and ngram each skipped turn 2 of "long", and turn 3 after it
+    got = {(s["id"], s["turn"], s["method"]): s["reason"] for s in skipped["list"]}
+    assert set(got) == {("long", t, m) for t in (1, 2) for m in ("ar", "ngram")}
+    assert "exceeds the context" in got[("long", 1, "ar")] and "follows turn 2" in got[("long", 2, "ngram")]
     assert r["lossless"]["checked"] == 2  # the turns that ran: long's first, and the raw prompt
