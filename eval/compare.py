@@ -1,7 +1,8 @@
 """draftsmith-compare EVAL1 EVAL2 ... out=REPORT: one report over several eval folders, e.g. a sweep over draft
 size (a sweep folder DIR stands for its numbered runs DIR/0, DIR/1, ...): speedup and tau with their intervals
 against drafter parameters, with the Pareto front; which differences between runs are significant, and a warning
-when the runs come from different machines, or when a run of a sweep is unfinished (named, left out)."""
+when the runs come from different machines, differ in settings that change speed or outputs, or when a run of a
+sweep is unfinished (named, left out)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .journal import RECORDS
-from .machine import describe, machine_key
+from .machine import SAME_SETTINGS, describe, machine_key
 from .plots import category_plot, params_plot
 from .report import ci, table
 
@@ -100,6 +101,7 @@ def row(folder: Path, label: str, r: dict, m: dict) -> dict:
         "tokens_per_s": m["tokens_per_s"],
         "lossless": f"{m['lossless']['identical']}/{m['lossless']['checked']}" if "lossless" in m else "",
         "partial": r.get("partial", False),
+        "settings": {k: r.get(k) for k in SAME_SETTINGS} | {"suite": r.get("suite") or r.get("prompts_file")},
         "by_category": {c: v["methods"][m["method"]] for c, v in r.get("by_category", {}).items()},
     }
 
@@ -154,6 +156,16 @@ def machines_note(rows: list[dict]) -> str:
     )
 
 
+def settings_note(rows: list[dict]) -> str | None:
+    """A warning when the runs differ in a setting that changes speed or outputs (dtype, prompts, lengths)."""
+    differ = {k: sorted({str(r["settings"].get(k)) for r in rows}) for k in SAME_SETTINGS}
+    differ = {k: v for k, v in differ.items() if len(v) > 1}
+    if not differ:
+        return None
+    named = "; ".join(f"{k}: {', '.join(v)}" for k, v in differ.items())
+    return f"these runs differ in settings that change speed or outputs ({named}): compare with care"
+
+
 def log_se(iv: list[float] | None) -> float | None:
     """Standard error of log(speedup) read off a 95% interval."""
     return None if not iv or iv[0] <= 0 else (math.log(iv[1]) - math.log(iv[0])) / (2 * 1.96)
@@ -182,10 +194,10 @@ def common_categories(rows: list[dict]) -> list[str]:
 
 def compare(folders: list[str], out: Path) -> tuple[Path, list[str]]:
     """Reads every folder first (a bad one fails before anything is written), then writes out/report.md.
-    Returns it with the warnings it holds (unfinished runs left out)."""
+    Returns it with the warnings it holds (unfinished runs left out, settings that differ)."""
     evals, unfinished = find_evals(folders)
     rows = load_rows(evals)
-    warnings = unfinished_notes(unfinished)
+    warnings = unfinished_notes(unfinished) + [n for n in [settings_note(rows)] if n]
     out.mkdir(parents=True, exist_ok=True)
     cats = common_categories(rows)
     by_cat = {c: {"methods": {r["label"]: r["by_category"][c] for r in rows}} for c in cats}

@@ -73,10 +73,10 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
     assert write_report(out).read_text() == text  # from results.json alone
 
 
-def sweep_copy(src, dst, params: int, speedup: float, cpu: str | None = None):
-    """A second eval folder, as a sweep over draft size would make: same layout, other numbers."""
+def sweep_copy(src, dst, params: int, speedup: float, cpu: str | None = None, **settings):
+    """A second eval folder, as a sweep over draft size would make: same layout, other numbers (and settings)."""
     shutil.copytree(src, dst)
-    r = json.loads((dst / "results.json").read_text())
+    r = json.loads((dst / "results.json").read_text()) | settings
     m = r["methods"]["layerskip"]
     m |= {"drafter_params": params, "speedup": speedup}
     m["intervals"]["speedup"] = [speedup - 0.05, speedup + 0.05]
@@ -110,6 +110,17 @@ def test_compare_tells_overlapping_runs_apart_and_warns_about_other_machines(eva
     text = compare([str(first), str(second)], tmp_path / "cmp")[0].read_text()
     assert "| a:layerskip | b:layerskip | 1.20x vs 1.18x | not significant |" in text
     assert "**Warning: these runs come from different machines**" in text and "Some Other CPU" in text
+
+
+def test_compare_warns_when_runs_differ_in_dtype_or_prompts(evaluated, tmp_path):
+    out, _ = evaluated
+    first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
+    second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18, dtype="float16", prompts_sha256="edited")
+    path, warnings = compare([str(first), str(second)], tmp_path / "cmp")
+    assert len(warnings) == 1 and f"**Warning:** {warnings[0]}" in path.read_text()
+    assert "differ in settings that change speed or outputs" in warnings[0]
+    assert "dtype: " in warnings[0] and "float16" in warnings[0] and "prompts_sha256: " in warnings[0]
+    assert "max_new_tokens" not in warnings[0]
 
 
 def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
