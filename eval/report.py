@@ -66,7 +66,7 @@ def intervals_line(r: dict) -> str:
 def lossless_cell(m: dict) -> str:
     if "distribution_check" in m:
         d = m["distribution_check"]
-        return "n/a" if d["p_value"] is None else f"TV {d['tv_distance']:.3f}, p={d['p_value']:.2f}"
+        return f"n/a ({d['note']})" if d["p_value"] is None else f"TV {d['tv_distance']:.3f}, p={d['p_value']:.2f}"
     return f"{m['lossless']['identical']}/{m['lossless']['checked']}"
 
 

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from draftsmith.eval import runner
 from draftsmith.eval.aggregate import Record, by_category, compared, pool
+from draftsmith.eval.distribution import distribution_check
 from draftsmith.eval.journal import unfinished
 from draftsmith.eval.methods import resolve_methods
 from draftsmith.eval.prompts import Prompt
@@ -225,8 +226,21 @@ def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
     assert r["lossless"]["checked"] == 2 and r["prompts"] == 2  # the main results: the cached cells
 
 
+def test_distribution_check_with_only_rare_tokens_reports_too_few_samples():
+    """Every token seen fewer than MIN_COUNT times falls into the rare bin: it reported tv 0.0, p 1.0 from nothing."""
+    sampled = lambda method, rep, ids: Record("x", "c", 0, rep, method, True, ids, "", Metrics(new_tokens=len(ids)))
+    base = [sampled("ar", 0, [1, 2]), sampled("ar", 1, [3, 4])]
+    mine = [sampled("s", 0, [5, 6]), sampled("s", 1, [7, 8])]
+    d = distribution_check(base, mine)
+    assert d["p_value"] is None and d["tv_distance"] is None and d["note"].startswith("too few samples")
+    many = distribution_check([sampled("ar", 0, [1] * 5)], [sampled("s", 0, [1] * 4 + [2])])
+    assert many["p_value"] is not None and many["tv_distance"] > 0
+
+
 def test_sampling_replaces_equality_with_a_distribution_check(tiny_target, prompts_file, tmp_path):
-    overrides = [f"prompts={prompts_file}", "temperature=1", "repeats=2", "max_new_tokens=5", "limit=2"]
+    # top_k=2: unrestricted, a random tiny target samples near-uniformly from its whole vocabulary, so no token
+    # would be common enough to compare (the check then says too few samples)
+    overrides = [f"prompts={prompts_file}", "temperature=1", "top_k=2", "repeats=2", "max_new_tokens=8", "limit=2"]
     r = run_eval(config(tiny_target, tmp_path / "ev", *overrides))
     d = r["methods"]["ngram"]["distribution_check"]
     assert r["lossless"]["checked"] == 0 and d["units"] == 4 and 0 <= d["p_value"] <= 1
