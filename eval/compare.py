@@ -1,7 +1,8 @@
 """draftsmith-compare EVAL1 EVAL2 ... out=REPORT: one report over several eval folders, e.g. a sweep over draft
 size (a sweep folder DIR stands for its numbered runs DIR/0, DIR/1, ...): speedup and tau with their intervals
 against drafter parameters, with the Pareto front; which differences between runs are significant, and a warning
-when the runs come from different machines."""
+when the runs come from different machines, differ in settings that change speed or outputs, or when a run of a
+sweep is unfinished (named, left out)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import math
 import sys
 from pathlib import Path
 
-from .machine import describe, machine_key
+from .journal import RECORDS
+from .machine import SAME_SETTINGS, describe, machine_key
 from .plots import category_plot, params_plot
 from .report import ci, table
 
@@ -34,19 +36,35 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path]:
     return folders, out
 
 
-def find_evals(folders: list[str]) -> list[Path]:
-    """Each folder holds results.json, or is a sweep folder whose subfolders do."""
-    found = []
+def find_evals(folders: list[str]) -> tuple[list[Path], list[Path]]:
+    """Each folder holds results.json, or is a sweep folder whose subfolders do; also the runs left unfinished
+    (records.jsonl without results.json: a crash or a kill), which have nothing to compare yet but are named."""
+    found, unfinished = [], []
     for name in folders:
         folder = Path(name)
         if (folder / "results.json").is_file():
             found.append(folder)
             continue
-        runs = sorted((p.parent for p in folder.glob("*/results.json")), key=lambda p: (len(p.name), p.name))
-        if not runs:
+        if (folder / RECORDS).is_file():
+            unfinished.append(folder)
+            continue
+        runs = numbered(p.parent for p in folder.glob("*/results.json"))
+        crashed = numbered(p.parent for p in folder.glob(f"*/{RECORDS}") if not (p.parent / "results.json").is_file())
+        if not runs and not crashed:
             raise FileNotFoundError(f"{folder} is not an eval folder: no results.json in it or in its subfolders")
-        found += runs
-    return found
+        found, unfinished = found + runs, unfinished + crashed
+    if not found:
+        raise ValueError("no finished eval to compare; " + "; ".join(unfinished_notes(unfinished)))
+    return found, unfinished
+
+
+def numbered(runs) -> list[Path]:
+    """A sweep's runs in job order: 0, 1, ..., 10 (not 0, 1, 10)."""
+    return sorted(runs, key=lambda p: (len(p.name), p.name))
+
+
+def unfinished_notes(unfinished: list[Path]) -> list[str]:
+    return [f"unfinished: {p} (resume=true finishes it)" for p in unfinished]
 
 
 def labels_for(evals: list[Path]) -> list[str]:
@@ -83,11 +101,12 @@ def row(folder: Path, label: str, r: dict, m: dict) -> dict:
         "tokens_per_s": m["tokens_per_s"],
         "lossless": f"{m['lossless']['identical']}/{m['lossless']['checked']}" if "lossless" in m else "",
         "partial": r.get("partial", False),
+        "settings": {k: r.get(k) for k in SAME_SETTINGS} | {"suite": r.get("suite") or r.get("prompts_file")},
         "by_category": {c: v["methods"][m["method"]] for c, v in r.get("by_category", {}).items()},
     }
 
 
-def render(rows: list[dict], plots: list[Path]) -> str:
+def render(rows: list[dict], plots: list[Path], warnings: list[str]) -> str:
     params = lambda n: "-" if n is None else "0" if n == 0 else f"{n / 1e6:.2f}M"  # noqa: E731
     table_rows = [
         [
@@ -104,6 +123,7 @@ def render(rows: list[dict], plots: list[Path]) -> str:
     header = ["run:method", "suite", "drafter params", "speedup [95%]", "τ [95%]", "tokens/s", "lossless"]
     parts = ["# Comparison of " + ", ".join(sorted({r["eval"] for r in rows})), table(header, table_rows)]
     parts.append("n.s.: the speedup's interval holds 1.00x. " + machines_note(rows))
+    parts += [f"**Warning:** {w}" for w in warnings]
     targets = sorted({r["target"] for r in rows})
     if len(targets) > 1:
         parts.append(f"**Note:** these evals ran on different targets ({', '.join(targets)}); compare with care.")
@@ -136,6 +156,16 @@ def machines_note(rows: list[dict]) -> str:
     )
 
 
+def settings_note(rows: list[dict]) -> str | None:
+    """A warning when the runs differ in a setting that changes speed or outputs (dtype, prompts, lengths)."""
+    differ = {k: sorted({str(r["settings"].get(k)) for r in rows}) for k in SAME_SETTINGS}
+    differ = {k: v for k, v in differ.items() if len(v) > 1}
+    if not differ:
+        return None
+    named = "; ".join(f"{k}: {', '.join(v)}" for k, v in differ.items())
+    return f"these runs differ in settings that change speed or outputs ({named}): compare with care"
+
+
 def log_se(iv: list[float] | None) -> float | None:
     """Standard error of log(speedup) read off a 95% interval."""
     return None if not iv or iv[0] <= 0 else (math.log(iv[1]) - math.log(iv[0])) / (2 * 1.96)
@@ -162,9 +192,12 @@ def common_categories(rows: list[dict]) -> list[str]:
     return [c for c in rows[0]["by_category"] if all(c in r["by_category"] for r in rows)]
 
 
-def compare(folders: list[str], out: Path) -> Path:
-    """Reads every folder first (a bad one fails before anything is written), then writes out/report.md."""
-    rows = load_rows(find_evals(folders))
+def compare(folders: list[str], out: Path) -> tuple[Path, list[str]]:
+    """Reads every folder first (a bad one fails before anything is written), then writes out/report.md.
+    Returns it with the warnings it holds (unfinished runs left out, settings that differ)."""
+    evals, unfinished = find_evals(folders)
+    rows = load_rows(evals)
+    warnings = unfinished_notes(unfinished) + [n for n in [settings_note(rows)] if n]
     out.mkdir(parents=True, exist_ok=True)
     cats = common_categories(rows)
     by_cat = {c: {"methods": {r["label"]: r["by_category"][c] for r in rows}} for c in cats}
@@ -175,8 +208,8 @@ def compare(folders: list[str], out: Path) -> Path:
     plots = [p for p in plots if p is not None]
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
     path = out / "report.md"
-    path.write_text(render(rows, plots))
-    return path
+    path.write_text(render(rows, plots, warnings))
+    return path, warnings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,10 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         folders, out = parse_args(argv)
-        path = compare(folders, out)
+        path, warnings = compare(folders, out)
     except (ValueError, FileNotFoundError) as e:
         print(f"draftsmith-compare: {e}", file=sys.stderr)
         sys.exit(2)
+    for w in warnings:
+        print(f"warning: {w}")
     print(f"report: {path}")
 
 

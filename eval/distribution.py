@@ -22,6 +22,10 @@ from .aggregate import Record
 
 TEST = "paired permutation test of the TV distance between pooled output-token histograms (plain vs method)"
 MIN_COUNT = 5
+TOO_FEW = (
+    f"too few samples: no output token occurred {MIN_COUNT} times (both sides together), so there is nothing to "
+    "compare; raise max_new_tokens, repeats or the number of prompts"
+)
 
 
 def histograms(base: list[Record], records: list[Record]) -> tuple[np.ndarray, np.ndarray]:
@@ -60,6 +64,8 @@ def distribution_check(base: list[Record], records: list[Record], permutations: 
     units = a.shape[0]
     if units == 0 or a.sum() == 0 or b.sum() == 0:
         return {"test": TEST, "units": units, "tv_distance": None, "p_value": None, "note": "no outputs to compare"}
+    if a.shape[1] == 1:  # only the rare bin: TV is 0 and p is 1 whatever the sampler does
+        return {"test": TEST, "units": units, "tv_distance": None, "p_value": None, "note": TOO_FEW}
     observed = float(tv(a.sum(0), b.sum(0)))
     s, exact = swaps(units, permutations, seed)
     diff = b - a

@@ -15,6 +15,17 @@ from draftsmith.serve.metrics import Metrics
 from .aggregate import Record
 
 RECORDS, RUN = "records.jsonl", "run.json"
+# what a finished run writes next to its records (runner.py, report.py, plots.py): a fresh run removes them first,
+# so a run killed before it finishes is never read as the earlier run's results
+OUTPUTS = (
+    "results.json",
+    "outputs.jsonl",
+    "per_prompt.jsonl",
+    "report.md",
+    "acceptance.png",
+    "speedup_by_category.png",
+    "study.png",
+)
 
 
 @dataclass
@@ -71,6 +82,8 @@ class Journal:
             )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.unlink(missing_ok=True)
+        for name in OUTPUTS:
+            (self.path.parent / name).unlink(missing_ok=True)
         write_text_atomic(self.run, json.dumps(settings, indent=2, sort_keys=True) + "\n")
         return []
 

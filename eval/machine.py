@@ -12,6 +12,8 @@ import torch
 
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # CPU features that change matmul speed
 SAME_MACHINE = ("cpu", "cpu_flags", "gpu", "threads")  # what must match for two results to be compared
+# results.json keys that change speed or outputs: runs differing in one are compared with a warning
+SAME_SETTINGS = ("device", "dtype", "suite", "prompts", "prompts_sha256", "max_new_tokens", "temperature")
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict
 from math import prod
 from pathlib import Path
@@ -46,6 +47,21 @@ def spec_label(spec: SpecConfig) -> str:
     if is_lookup(spec.name):
         return spec.name
     return spec.name + ("+ngram" if spec.ngram_tokens else "+suffix" if spec.suffix_tokens else "")
+
+
+HEAD_BYTES = 1 << 20  # of each weight file: its header and first tensors change when it is retrained
+
+
+def drafter_identity(folder: str | None) -> str | None:
+    """A cheap fingerprint of a drafter folder: config.json and each weight file's size and first MiB, so a resume
+    notices a drafter retrained in place. None without a local folder."""
+    if not folder or not Path(folder).is_dir():
+        return None
+    h = hashlib.sha256()
+    for file in sorted(f for pattern in ("config.json", "*.safetensors", "*.bin") for f in Path(folder).glob(pattern)):
+        with open(file, "rb") as f:
+            h.update(f"{file.name}:{file.stat().st_size}:".encode() + f.read(HEAD_BYTES))
+    return h.hexdigest()[:16]
 
 
 def drafter_params(spec: SpecConfig) -> int | None:

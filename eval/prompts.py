@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
@@ -31,6 +32,11 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"{path}: id {dup!r} appears more than once; ids must be unique")
     return prompts[:limit] if limit else prompts
+
+
+def prompts_hash(prompts: list[Prompt]) -> str:
+    """What the prompts say (an edited file or another suite version changes it), for resume and compare."""
+    return hashlib.sha256(json.dumps([asdict(p) for p in prompts], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def parse_line(line: str, where: str) -> Prompt:

@@ -14,8 +14,10 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
-def ci(value: float, iv: list[float] | None, fmt: str = "{:.2f}", unit: str = "") -> str:
+def ci(value: float | None, iv: list[float] | None, fmt: str = "{:.2f}", unit: str = "") -> str:
     """'1.18x [1.10, 1.26]': a number and its 95% interval (the number alone where there is none)."""
+    if value is None:
+        return "undefined"
     text = fmt.format(value) + unit
     return text if not iv else f"{text} [{fmt.format(iv[0])}, {fmt.format(iv[1])}]"
 
@@ -64,7 +66,7 @@ def intervals_line(r: dict) -> str:
 def lossless_cell(m: dict) -> str:
     if "distribution_check" in m:
         d = m["distribution_check"]
-        return "n/a" if d["p_value"] is None else f"TV {d['tv_distance']:.3f}, p={d['p_value']:.2f}"
+        return f"n/a ({d['note']})" if d["p_value"] is None else f"TV {d['tv_distance']:.3f}, p={d['p_value']:.2f}"
     return f"{m['lossless']['identical']}/{m['lossless']['checked']}"
 
 
@@ -151,6 +153,8 @@ def noise(r: dict) -> str:
         )
     if "study" in r and r["study"].get("control", {}).get("noisy"):
         lines.append("The 2x2 study's control failed: its finding is withheld.")
+    if "study" in r and r["study"].get("control", {}).get("undefined"):
+        lines.append("The 2x2 study's control is undefined (no decode steps): its finding is withheld.")
     return " ".join(lines)
 
 

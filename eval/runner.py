@@ -34,8 +34,8 @@ from .aggregate import (
 from .distribution import distribution_check
 from .journal import Journal, Skip, Unit
 from .machine import environment, load_average
-from .methods import drafter_params, resolve_methods
-from .prompts import Prompt, load_prompts
+from .methods import drafter_identity, drafter_params, resolve_methods
+from .prompts import Prompt, load_prompts, prompts_hash
 from .stats import Bootstrap
 from .study import STUDIES, study_arms, study_cells
 from .suites import SUITES, SuiteConfig, load_suite
@@ -83,7 +83,7 @@ def run_eval(cfg: EvalConfig) -> dict:
         for arm in arms(cfg, methods)
     }
     check_first_turns_fit(prompts, target.tokenizer, cfg, min(e.max_seq_len for e in engines.values()))
-    journal = Journal(Path(cfg.out), settings(cfg, target.target_id), cfg.resume)
+    journal = Journal(Path(cfg.out), settings(cfg, target.target_id, prompts, methods), cfg.resume)
     load_before = load_average()
     warm_up(engines, prompts[0], target.tokenizer, cfg)
     partial = run_all(engines, prompts, target.tokenizer, cfg, journal)
@@ -91,16 +91,20 @@ def run_eval(cfg: EvalConfig) -> dict:
     skipped = [s for u in journal.units for s in u.skipped]
     engine = engines[("ar", cfg.prefix_cache)]
     results = summarize(cfg, target.target_id, engine, methods, records, skipped, partial)
+    results["prompts_sha256"] = prompts_hash(prompts)
     results["environment"] |= {"load_before": load_before, "load_after": load_average()}
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     write_outputs(Path(cfg.out), main, by_prompt(main, list(methods), cfg.temperature == 0), results)
     return results
 
 
-def settings(cfg: EvalConfig, target_id: str) -> dict:
-    """What the records depend on: a resume must match it."""
+def settings(cfg: EvalConfig, target_id: str, prompts: list[Prompt], methods: dict[str, SpecConfig]) -> dict:
+    """What the records depend on: a resume must match it. Paths alone are not enough: the prompts' content and
+    each drafter folder's fingerprint are in it too (an edited file, a drafter retrained in place)."""
     keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "wandb")}
-    return json.loads(json.dumps({**keep, "target_id": target_id}, default=str))
+    drafters = {label: drafter_identity(m.drafter) for label, m in methods.items() if m.drafter}
+    identity = {"target_id": target_id, "prompts_sha256": prompts_hash(prompts), "drafters": drafters}
+    return json.loads(json.dumps({**keep, **identity}, default=str))
 
 
 def check_settings(cfg: EvalConfig) -> None:
@@ -142,7 +146,7 @@ def run_all(engines: dict[Arm, Engine], prompts: list[Prompt], tokenizer, cfg: E
     try:
         for rep in range(cfg.repeats):
             for engine in engines.values():  # each repeat starts cold, so repeats measure the same thing
-                reset_prefix_cache(engine)
+                start_cold(engine)
             for i, prompt in enumerate(prompts):
                 if (prompt.id, rep) in done:
                     continue
@@ -180,7 +184,11 @@ def answer(
         try:
             engine.check_fits(len(ids), cfg.max_new_tokens)
         except ValueError as e:
-            return out, [Skip(prompt.id, t, rep, arm[0], arm[1], f"turn {t + 1}: {e}")]
+            later = [
+                Skip(prompt.id, u, rep, arm[0], arm[1], f"turn {u + 1}: follows turn {t + 1}, which was skipped")
+                for u in range(t + 1, len(prompt.turns))
+            ]
+            return out, [Skip(prompt.id, t, rep, arm[0], arm[1], f"turn {t + 1}: {e}"), *later]
         sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, seed_for(cfg, arm, rep, i, t))
         g = engine.generate(ids, cfg.max_new_tokens, sp)
         text = tokenizer.decode(g.output_ids, skip_special_tokens=True)
@@ -216,13 +224,16 @@ def warm_up(engines: dict[Arm, Engine], prompt: Prompt, tokenizer, cfg: EvalConf
     for engine in engines.values():
         for _ in range(cfg.warmup):
             engine.generate(ids, min(16, cfg.max_new_tokens), SamplingParams(cfg.temperature, seed=0))
-        if engine.proposer:  # the warm-up's answer must not help the first prompt (suffix decoding's global tree)
-            engine.proposer.forget()
+        start_cold(engine)
 
 
-def reset_prefix_cache(engine: Engine) -> None:
-    if engine.prefix_cache is not None:  # warm-up and earlier repeats must not count as hits
+def start_cold(engine: Engine) -> None:
+    """Forget the warm-up and earlier repeats: no prefix-cache hits from them, and no drafting from their answers
+    (suffix decoding's global tree), so every repeat measures the same thing."""
+    if engine.prefix_cache is not None:
         engine.prefix_cache.reset()
+    if engine.proposer:
+        engine.proposer.forget()
 
 
 def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig) -> dict:
@@ -233,7 +244,7 @@ def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalCon
     if out["drafts"]:  # depths never accepted still count: their rate is 0
         out["acceptance_rate_per_position"] = rates + [0.0] * (spec.num_tokens - len(rates))
     out["speedup_per_repeat"] = speedup_per_repeat(mine, base, cfg.repeats)
-    # repeats are not alike where a drafter learns across requests (suffix decoding's global tree)
+    # each repeat starts cold, so these differ only where drafting depends on sampling or timing
     out["tau_per_repeat"] = [pool(of(mine, label, repeat=i)).mean_acceptance_length for i in range(cfg.repeats)]
     out["lossless"] = lossless(base, mine, greedy)
     if not greedy:

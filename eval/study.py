@@ -29,19 +29,32 @@ def study_cells(records: list[Record], method: str, greedy: bool, seed: int = 0)
     cells = [cell(name, cache, rows, boot) for (name, cache), rows in zip(study_arms(method), groups, strict=True)]
     fx = effects(cells, [summary_samples(boot.sums(rows)) for rows in groups] if boot.enough else None)
     noisy = control_failed(fx["control"])
+    undefined = NO_DECODE if any(c["tpot_ms"] is None for c in cells) else None
     return {
         "study": "prefix_x_spec",
         "method": method,
         "cells": cells,
         "effects": fx,
-        "control": {**fx["control"], "noisy": noisy},
+        "control": {**fx["control"], "noisy": noisy, "undefined": undefined},
         "identical": identical(records, method) if greedy else None,
-        "finding": withheld(cells, fx["control"]) if noisy else finding(fx, method),
+        "finding": f"Finding withheld: {undefined}" if undefined else study_finding(cells, fx, method, noisy),
     }
+
+
+def study_finding(cells: list[dict], fx: dict[str, dict], method: str, noisy: bool) -> str:
+    return withheld(cells, fx["control"]) if noisy else finding(fx, method)
+
+
+NO_DECODE = (
+    "a cell made no decode step (every answer was at most one token), so its TPOT and every TPOT ratio, the "
+    "control's included, are undefined. Raise max_new_tokens."
+)
 
 
 def cell(name: str, cache: bool, rows: list[Record], boot: Bootstrap) -> dict:
     s = summary(name, rows, boot)
+    if s["new_tokens"] <= s["requests"]:  # no token after the first: time per output token is 0/0
+        s["tpot_ms"] = None
     iv = {k: v for k, v in s["intervals"].items() if k in ("ttft_ms", "tpot_ms", "total_ms", "tokens_per_s")}
     return {"prefix_cache": cache, "speculation": name if name != "ar" else None, **{k: s[k] for k in CELL_KEYS}} | {
         "intervals": iv
@@ -71,17 +84,22 @@ def effects(cells: list[dict], samples: list[dict] | None) -> dict[str, dict]:
     return out
 
 
-def effect(point: float, draws) -> dict:
+def effect(point: float | None, draws) -> dict:
     return {"ratio": point, "interval": interval(draws) if draws is not None else None}
 
 
-def safe_ratio(a: float, b: float) -> float:
-    return a / b if b else 0.0
+def safe_ratio(a: float | None, b: float | None) -> float | None:
+    """a / b; None (undefined) when either is undefined or b is 0."""
+    return a / b if a is not None and b else None
 
 
 def control_failed(control: dict) -> bool:
     """Plain TPOT with and without the cache differ significantly, and by more than CONTROL_TOLERANCE."""
-    return bool(significant(control["interval"])) and abs(control["ratio"] - 1) > CONTROL_TOLERANCE
+    return (
+        control["ratio"] is not None
+        and bool(significant(control["interval"]))
+        and abs(control["ratio"] - 1) > CONTROL_TOLERANCE
+    )
 
 
 def identical(records: list[Record], method: str) -> dict:
@@ -95,6 +113,8 @@ def identical(records: list[Record], method: str) -> dict:
 def fmt(e: dict) -> str:
     """1.23x [1.10, 1.31]"""
     iv: Interval = e["interval"]
+    if e["ratio"] is None:
+        return "undefined"
     return f"{e['ratio']:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
 
 

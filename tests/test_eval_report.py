@@ -73,10 +73,10 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
     assert write_report(out).read_text() == text  # from results.json alone
 
 
-def sweep_copy(src, dst, params: int, speedup: float, cpu: str | None = None):
-    """A second eval folder, as a sweep over draft size would make: same layout, other numbers."""
+def sweep_copy(src, dst, params: int, speedup: float, cpu: str | None = None, **settings):
+    """A second eval folder, as a sweep over draft size would make: same layout, other numbers (and settings)."""
     shutil.copytree(src, dst)
-    r = json.loads((dst / "results.json").read_text())
+    r = json.loads((dst / "results.json").read_text()) | settings
     m = r["methods"]["layerskip"]
     m |= {"drafter_params": params, "speedup": speedup}
     m["intervals"]["speedup"] = [speedup - 0.05, speedup + 0.05]
@@ -90,8 +90,9 @@ def test_compare_merges_folders_into_one_report(evaluated, tmp_path):
     out, results = evaluated
     first = sweep_copy(out, tmp_path / "small", 1_000_000, 1.2)
     second = sweep_copy(out, tmp_path / "large", 4_000_000, 1.1)
-    path = compare([str(first), str(second)], tmp_path / "cmp")
+    path, warnings = compare([str(first), str(second)], tmp_path / "cmp")
     text = path.read_text()
+    assert warnings == [] and "**Warning:**" not in text
     assert "| small:layerskip | rag | 1.00M | 1.20x [1.15, 1.25] |" in text
     assert "| large:layerskip | rag | 4.00M | 1.10x [1.05, 1.15] |" in text
     assert "| small:layerskip | large:layerskip | 1.20x vs 1.10x | significant |" in text
@@ -106,9 +107,20 @@ def test_compare_tells_overlapping_runs_apart_and_warns_about_other_machines(eva
     out, _ = evaluated
     first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
     second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18, cpu="Some Other CPU")
-    text = compare([str(first), str(second)], tmp_path / "cmp").read_text()
+    text = compare([str(first), str(second)], tmp_path / "cmp")[0].read_text()
     assert "| a:layerskip | b:layerskip | 1.20x vs 1.18x | not significant |" in text
     assert "**Warning: these runs come from different machines**" in text and "Some Other CPU" in text
+
+
+def test_compare_warns_when_runs_differ_in_dtype_or_prompts(evaluated, tmp_path):
+    out, _ = evaluated
+    first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
+    second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18, dtype="float16", prompts_sha256="edited")
+    path, warnings = compare([str(first), str(second)], tmp_path / "cmp")
+    assert len(warnings) == 1 and f"**Warning:** {warnings[0]}" in path.read_text()
+    assert "differ in settings that change speed or outputs" in warnings[0]
+    assert "dtype: " in warnings[0] and "float16" in warnings[0] and "prompts_sha256: " in warnings[0]
+    assert "max_new_tokens" not in warnings[0]
 
 
 def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
@@ -118,6 +130,23 @@ def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
     compare([str(tmp_path / "sweep")], tmp_path / "cmp")
     labels = [r["label"] for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())]
     assert labels == ["0:ngram", "0:layerskip", "1:ngram", "1:layerskip"]
+
+
+def test_compare_names_an_unfinished_run_of_a_sweep(evaluated, tmp_path, capsys):
+    """sw/1 crashed (records.jsonl, no results.json): it was dropped without a word."""
+    out, _ = evaluated
+    sweep = tmp_path / "sw"
+    for i in range(3):
+        shutil.copytree(out, sweep / str(i))
+    (sweep / "1" / "results.json").unlink()
+    main([str(sweep), f"out={tmp_path / 'cmp'}"])
+    note = f"unfinished: {sweep / '1'} (resume=true finishes it)"
+    assert f"warning: {note}" in capsys.readouterr().out
+    assert f"**Warning:** {note}" in (tmp_path / "cmp" / "report.md").read_text()
+    labels = [r["label"] for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())]
+    assert labels == ["0:ngram", "0:layerskip", "2:ngram", "2:layerskip"]
+    with pytest.raises(ValueError, match=f"no finished eval to compare; unfinished: {sweep / '1'}"):
+        compare([str(sweep / "1")], tmp_path / "cmp2")
 
 
 def test_compare_refuses_to_write_into_an_eval_folder(evaluated, tmp_path, capsys):

@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 from transformers import AutoTokenizer
 
 from draftsmith.eval import runner
 from draftsmith.eval.aggregate import Record, by_category, compared, pool
+from draftsmith.eval.distribution import distribution_check
+from draftsmith.eval.journal import unfinished
 from draftsmith.eval.methods import resolve_methods
 from draftsmith.eval.prompts import Prompt
+from draftsmith.eval.report import study, write_report
 from draftsmith.eval.runner import EvalConfig, run_eval
-from draftsmith.eval.study import finding
+from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.__main__ import typed
@@ -180,6 +185,24 @@ def test_study_finding_is_computed_from_the_ratios_and_their_intervals():
     assert "decode effect differs" in finding(fx(stack=(1.3, 1.2, 1.5)), "ngram")
 
 
+def test_study_without_decode_steps_withholds_its_finding():
+    """max_new_tokens=1: no token after the first, so TPOT is 0/0; it gave "0.00x" ratios and an unflagged control."""
+    rows = [
+        Record(p, "rag", 0, 0, name, cache, [1], "", Metrics(new_tokens=1, ttft_s=t, total_s=t))
+        for p, t in (("a", 0.01), ("b", 0.02), ("c", 0.03))
+        for name, cache in study_arms("ngram")
+    ]
+    s = study_cells(rows, "ngram", greedy=True)
+    assert all(c["tpot_ms"] is None for c in s["cells"])
+    assert s["control"]["ratio"] is None and "undefined" in s["control"]["undefined"]
+    assert (
+        s["finding"].startswith("Finding withheld") and "max_new_tokens" in s["finding"] and "0.00x" not in s["finding"]
+    )
+    assert s["effects"]["prefill"]["ratio"] == 1.0  # TTFT is still defined
+    text = study(s)
+    assert "undefined" in text and "0.00x" not in text
+
+
 def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
     doc = tmp_path / "doc.md"
     doc.write_text("# Notes\n\n" + "The cache keeps blocks of sixteen tokens. " * 30 + "\n\n## Usage\n\nAsk.\n")
@@ -203,8 +226,21 @@ def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
     assert r["lossless"]["checked"] == 2 and r["prompts"] == 2  # the main results: the cached cells
 
 
+def test_distribution_check_with_only_rare_tokens_reports_too_few_samples():
+    """Every token seen fewer than MIN_COUNT times falls into the rare bin: it reported tv 0.0, p 1.0 from nothing."""
+    sampled = lambda method, rep, ids: Record("x", "c", 0, rep, method, True, ids, "", Metrics(new_tokens=len(ids)))
+    base = [sampled("ar", 0, [1, 2]), sampled("ar", 1, [3, 4])]
+    mine = [sampled("s", 0, [5, 6]), sampled("s", 1, [7, 8])]
+    d = distribution_check(base, mine)
+    assert d["p_value"] is None and d["tv_distance"] is None and d["note"].startswith("too few samples")
+    many = distribution_check([sampled("ar", 0, [1] * 5)], [sampled("s", 0, [1] * 4 + [2])])
+    assert many["p_value"] is not None and many["tv_distance"] > 0
+
+
 def test_sampling_replaces_equality_with_a_distribution_check(tiny_target, prompts_file, tmp_path):
-    overrides = [f"prompts={prompts_file}", "temperature=1", "repeats=2", "max_new_tokens=5", "limit=2"]
+    # top_k=2: unrestricted, a random tiny target samples near-uniformly from its whole vocabulary, so no token
+    # would be common enough to compare (the check then says too few samples)
+    overrides = [f"prompts={prompts_file}", "temperature=1", "top_k=2", "repeats=2", "max_new_tokens=8", "limit=2"]
     r = run_eval(config(tiny_target, tmp_path / "ev", *overrides))
     d = r["methods"]["ngram"]["distribution_check"]
     assert r["lossless"]["checked"] == 0 and d["units"] == 4 and 0 <= d["p_value"] <= 1
@@ -293,14 +329,71 @@ def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, pro
     assert len((out / "records.jsonl").read_text().splitlines()) == 3
 
 
+def test_resume_refuses_edited_prompts_and_a_drafter_retrained_in_place(tiny_target, tmp_path, monkeypatch):
+    """run.json held only the paths: a resume mixed records of the old prompts or drafter with new ones."""
+    target = load(TargetConfig(path=str(tiny_target)))
+
+    def train_head(seed: int) -> Path:
+        torch.manual_seed(seed)
+        head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
+        return save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "head")
+
+    folder, prompts = train_head(0), tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    real = runner.answer
+
+    def crash_on_c(engine, arm, prompt, *args):
+        if prompt.id == "c":
+            raise RuntimeError("boom")
+        return real(engine, arm, prompt, *args)
+
+    monkeypatch.setattr(runner, "answer", crash_on_c)
+    out = tmp_path / "ev"
+    overrides = [f"prompts={prompts}", "spec=eagle3", f"spec.drafter={folder}", "warmup=0", "max_new_tokens=2"]
+    with pytest.raises(RuntimeError, match="boom"):
+        run_eval(config(tiny_target, out, *overrides))
+
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in [{**ROWS[0], "turns": ["Say bye."]}, *ROWS[1:]]))
+    with pytest.raises(ValueError, match=r"other settings \(prompts_sha256\)"):
+        run_eval(config(tiny_target, out, *overrides, "resume=true"))
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    train_head(1)
+    with pytest.raises(ValueError, match=r"other settings \(drafters\)"):
+        run_eval(config(tiny_target, out, *overrides, "resume=true"))
+
+
+def test_a_killed_rerun_into_a_finished_folder_leaves_no_stale_result(tiny_target, prompts_file, tmp_path, monkeypatch):
+    """A fresh run removes the earlier run's results before its first prompt: a kill leaves an unfinished run (which
+    compare cannot mistake for the old result and a plain rerun refuses to wipe), not the old results.json."""
+    out = tmp_path / "ev"
+    overrides = [f"prompts={prompts_file}", "max_new_tokens=2", "limit=2"]
+    write_report(out, run_eval(config(tiny_target, out, *overrides)))
+    assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "outputs.jsonl", "per_prompt.jsonl"}
+    real = runner.answer
+
+    def killed_on_b(engine, arm, prompt, *args):
+        if prompt.id == "b":
+            raise KeyboardInterrupt  # run_all keeps "a" and reports partial; a SIGKILL would not even get that far
+        return real(engine, arm, prompt, *args)
+
+    monkeypatch.setattr(runner, "answer", killed_on_b)
+    monkeypatch.setattr(runner, "write_outputs", lambda *a: None)  # killed before it writes anything else
+    run_eval(config(tiny_target, out, *overrides))
+    assert {p.name for p in out.iterdir()} == {"records.jsonl", "run.json"}
+    assert unfinished(out)
+    with pytest.raises(ValueError, match="unfinished eval .* resume=true"):
+        run_eval(config(tiny_target, out, *overrides))
+
+
 def test_a_later_turn_beyond_the_context_is_skipped_and_counted(tiny_target, tmp_path):
     path = tmp_path / "long.jsonl"
-    rows = [{"id": "long", "turns": ["Say hi.", "Repeat this: " + "words and more words " * 120]}, ROWS[1]]
+    rows = [{"id": "long", "turns": ["Say hi.", "Repeat this: " + "words and more words " * 120, "Bye."]}, ROWS[1]]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "ev"
     r = run_eval(config(tiny_target, out, f"prompts={path}", "max_new_tokens=4", "max_seq_len=200"))
     skipped = r["skipped"]
-    assert skipped["turns"] == 2  # plain decoding and ngram each skipped turn 2 of "long"
-    assert {(s["id"], s["turn"], s["method"]) for s in skipped["list"]} == {("long", 1, "ar"), ("long", 1, "ngram")}
-    assert "exceeds the context" in skipped["list"][0]["reason"]
+    assert skipped["turns"] == 4  # plain decoding and ngram each skipped turn 2 of "long", and turn 3 after it
+    got = {(s["id"], s["turn"], s["method"]): s["reason"] for s in skipped["list"]}
+    assert set(got) == {("long", t, m) for t in (1, 2) for m in ("ar", "ngram")}
+    assert "exceeds the context" in got[("long", 1, "ar")] and "follows turn 2" in got[("long", 2, "ngram")]
     assert r["lossless"]["checked"] == 2  # the turns that ran: long's first, and the raw prompt
