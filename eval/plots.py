@@ -6,6 +6,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from .stats import position_intervals
+
 
 def save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -30,11 +32,11 @@ def acceptance_plot(methods: dict, path: Path) -> Path | None:
     ax = fig.subplots()
     for label, r in rates.items():
         tau = methods[label]["mean_acceptance_length"]
-        ivs = methods[label].get("intervals", {}).get("acceptance_rate_per_position") or [None] * len(r)
+        ivs = position_intervals(methods[label])
         ax.errorbar(
             range(1, len(r) + 1),
             r,
-            yerr=errors(r, ivs[: len(r)]),
+            yerr=errors(r, ivs),
             marker="o",
             capsize=3,
             label=f"{label} (tau {tau:.2f})",

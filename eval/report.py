@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .machine import describe
 from .plots import write_plots
+from .stats import position_intervals
 
 
 def table(header: list[str], rows: list[list]) -> str:
@@ -88,8 +89,8 @@ def acceptance(r: dict) -> str:
     rows = []
     for label, m in r["methods"].items():
         rates = m["acceptance_rate_per_position"]
-        ivs = iv(m, "acceptance_rate_per_position") or [None] * len(rates)
-        rows.append([label] + [ci(x, i) for x, i in zip(rates, ivs, strict=False)] + ["-"] * (depth - len(rates)))
+        cells = [ci(x, i) for x, i in zip(rates, position_intervals(m), strict=True)]
+        rows.append([label, *cells] + ["-"] * (depth - len(rates)))
     return table(["method", *(str(i) for i in range(1, depth + 1))], rows) if depth else "(no drafts)"
 
 

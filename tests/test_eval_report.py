@@ -219,3 +219,17 @@ def test_cli_sweep_then_compare(tiny_target, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "| 0:ngram |" in (tmp_path / "cmp" / "report.md").read_text()
+
+
+def test_a_method_drafting_deeper_than_its_intervals_still_reports_and_plots(evaluated, tmp_path):
+    """A head paired with a lookup (eagle3_ngram at depth 1) reports acceptance at the lookup's deeper positions,
+    which its per-position intervals (taken over the head's depth) do not cover: each shows without an interval."""
+    _, results = evaluated
+    results = json.loads(json.dumps(results))
+    m = results["methods"]["ngram"]
+    m["acceptance_rate_per_position"] = [0.5, 0.25, 0.125]
+    m["intervals"]["acceptance_rate_per_position"] = [[0.4, 0.6]]
+    text = write_report(tmp_path, results).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| ngram | 0.50"))
+    assert row.count("|") == 5 and "0.25" in row and "0.12" in row
+    assert (tmp_path / "acceptance.png").read_bytes()[:4] == PNG
