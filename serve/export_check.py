@@ -261,16 +261,20 @@ def mlp(x: Tensor, w: dict[str, Tensor], p: str) -> Tensor:
 def eagle3_forward(w, cfg: ModelConfig, embeds: Tensor, aux: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
     """vLLM's Eagle3LlamaForCausalLM: feature = fc(aux); [norm(embed); norm(feature)] -> attention, residual =
     feature; returns the next feature, logits over the draft vocabulary and each draft id's target id."""
-    eps = cfg.rms_norm_eps
-    feat = linear(aux, w, "fc")
-    x = torch.cat(
-        [rms(embeds, w["midlayer.input_layernorm.weight"], eps), rms(feat, w["midlayer.hidden_norm.weight"], eps)], -1
-    )
-    h = feat + attention(x, w, "midlayer.self_attn", cfg, positions)
-    h = h + mlp(rms(h, w["midlayer.post_attention_layernorm.weight"], eps), w, "midlayer.mlp")
-    logits = linear(rms(h, w["norm.weight"], eps), w, "lm_head")
+    h = eagle3_layer(w, "midlayer", cfg, embeds, linear(aux, w, "fc"), positions)
+    logits = linear(rms(h, w["norm.weight"], cfg.rms_norm_eps), w, "lm_head")
     vd = logits.shape[-1]
     return h, logits, torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
+
+
+def eagle3_layer(w, p: str, cfg: ModelConfig, embeds: Tensor, feat: Tensor, positions: Tensor) -> Tensor:
+    """The EAGLE-3 layer `p`: [norm(embed); hidden_norm(feature)] -> attention, residual = feature; then the MLP."""
+    eps = cfg.rms_norm_eps
+    x = torch.cat(
+        [rms(embeds, w[f"{p}.input_layernorm.weight"], eps), rms(feat, w[f"{p}.hidden_norm.weight"], eps)], -1
+    )
+    h = feat + attention(x, w, f"{p}.self_attn", cfg, positions)
+    return h + mlp(rms(h, w[f"{p}.post_attention_layernorm.weight"], eps), w, f"{p}.mlp")
 
 
 def eagle_forward(w, cfg: ModelConfig, embeds: Tensor, feature: Tensor, positions: Tensor, lm_head: Tensor):

@@ -20,9 +20,20 @@ from draftsmith.heads.drafter import own_state
 from draftsmith.heads.llama import ModelConfig
 
 from .export import Export, Source, llama_head_config
-from .export_check import Probe, attention, attn_shapes, head_config_problems, linear, mlp, mlp_shapes, rms, t2d_pair
-
-SPECULATORS_VERSION = "0.9.0"  # the speculators source the layout was checked against
+from .export_check import (
+    Probe,
+    attention,
+    attn_shapes,
+    eagle3_layer,
+    eagle3_table,
+    head_config_problems,
+    linear,
+    mlp,
+    mlp_shapes,
+    rms,
+    t2d_pair,
+)
+from .speculators import speculators_config, speculators_name
 
 
 def peagle_speculators(src: Source) -> Export:
@@ -43,52 +54,25 @@ def peagle_config(src: Source) -> dict:
 
 
 def expected_config(src: Source) -> dict:
-    c, t = src.head.config, src.target_hf
+    c = src.head.config
     layer = llama_head_config(src, "LlamaForCausalLM") | {"num_hidden_layers": c.num_layers}
-    return {
-        "architectures": ["PEagleSpeculator"],
-        "speculators_model_type": "peagle",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "peagle",
-            "proposal_methods": [
-                {
-                    "proposal_type": "greedy",
-                    "speculative_tokens": src.shape.num_tokens,
-                    "verifier_accept_k": 1,
-                    "accept_tolerance": 0.0,
-                }
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": str(src.target_dir.resolve()), "architectures": t.get("architectures", [])},
-        },
-        "transformer_layer_config": layer,
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(c.target_layers),
-        "mask_token_id": c.mask_token_id,
-        "norm_before_residual": False,
-        "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
-        "embed_requires_grad": False,
-    }
+    config = speculators_config(src, layer, "peagle", "PEagleSpeculator")
+    return config | {"mask_token_id": c.mask_token_id, "embed_requires_grad": False}
 
 
 # ---------------------------------------------------------------- validation
 
 
 def peagle_shapes(src: Source, config: dict) -> dict[str, tuple[int, ...]]:
+    """EAGLE-3's table under speculators' names (layer 0), mask_hidden, then plain Llama layers 1.."""
     c = src.head.config
     h, bias = c.hidden_size, bool(c.attention_bias)
-    s = {"fc.weight": (h, len(c.target_layers) * h), "mask_hidden": (1, 1, len(c.target_layers) * h)}
-    for i in range(c.num_layers):
+    s = {speculators_name(k): v for k, v in eagle3_table(c, bias).items()}
+    s["mask_hidden"] = (1, 1, len(c.target_layers) * h)
+    for i in range(1, c.num_layers):
         p = f"layers.{i}"
-        s |= attn_shapes(f"{p}.self_attn", 2 * h if i == 0 else h, c, bias) | mlp_shapes(f"{p}.mlp", c)
+        s |= attn_shapes(f"{p}.self_attn", h, c, bias) | mlp_shapes(f"{p}.mlp", c)
         s |= {f"{p}.{n}.weight": (h,) for n in ("input_layernorm", "post_attention_layernorm")}
-    s |= {"layers.0.hidden_norm.weight": (h,), "norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h)}
-    if c.draft_vocab_size < c.vocab_size:
-        s |= {"d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
     return s
 
 
@@ -115,11 +99,7 @@ def vllm_forward(w: dict[str, Tensor], cfg: ModelConfig, embeds: Tensor, aux: Te
     attention, residual = feature; layers 1..: plain pre-norm Llama layers; final norm, lm_head. Logits [n, Vd]."""
     eps, mask_slot = cfg.rms_norm_eps, aux.isnan().any(-1, keepdim=True)
     feat = torch.where(mask_slot, linear(w["mask_hidden"].view(1, -1), w, "fc"), linear(aux.nan_to_num(), w, "fc"))
-    x = torch.cat(
-        [rms(embeds, w["layers.0.input_layernorm.weight"], eps), rms(feat, w["layers.0.hidden_norm.weight"], eps)], -1
-    )
-    h = feat + attention(x, w, "layers.0.self_attn", cfg, positions)
-    h = h + mlp(rms(h, w["layers.0.post_attention_layernorm.weight"], eps), w, "layers.0.mlp")
+    h = eagle3_layer(w, "layers.0", cfg, embeds, feat, positions)
     for i in range(1, cfg.num_hidden_layers):
         p = f"layers.{i}"
         h = h + attention(rms(h, w[f"{p}.input_layernorm.weight"], eps), w, f"{p}.self_attn", cfg, positions)

@@ -27,15 +27,14 @@ from draftsmith.heads.llama import ModelConfig, Transformer
 
 from .export_check import eagle3_table
 from .loader import load_state_dict, weight_files
+from .speculators import FLAT_LAYER, LAYER, PLAIN, flat_name, speculators_name
 
 FOREIGN_KIND = "eagle3"  # the registered kind these folders load as (spec=eagle3)
 ARCH = "LlamaForCausalLMEagle3"
-PREFIX = {"speculators": "layers.0.", "specforge": "midlayer."}  # the head's layer in each layout
+PREFIX = {"speculators": LAYER, "specforge": FLAT_LAYER}  # the head's layer in each layout
 OTHER_SPECULATORS = ("peagle", "dflash", "dflash2", "dspark", "mtp", "xpress")  # speculators types not run here
 TARGET_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TARGET_ARCHS["qwen3"] = "Qwen3ForCausalLM"
-# variants of the EAGLE-3 layer draftsmith's head does not compute: each key -> the value it runs (the default)
-PLAIN = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 
 
 @dataclass
@@ -193,7 +192,7 @@ def check_verifier(f: Foreign, target: ModelConfig, target_id: str, path: Path) 
 def expected_shapes(cfg: Eagle3Config, prefix: str) -> tuple[dict, dict]:
     """(required, optional) tensor name -> shape in the folder's spelling."""
     flat = eagle3_table(cfg, cfg.attention_bias)
-    required = {prefix + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k: s for k, s in flat.items()}
+    required = {speculators_name(k, prefix): s for k, s in flat.items()}
     optional = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.draft_vocab_size == cfg.vocab_size:  # a full vocabulary may still carry an (identity) map
         optional |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
@@ -253,10 +252,6 @@ def head_state(folder: Path, cfg: Eagle3Config, prefix: str, embed: Tensor) -> d
     if "t2d" in state and cfg.draft_vocab_size < cfg.vocab_size and not torch.equal(state["t2d"].bool(), t2d):
         raise ValueError(f"{folder}: t2d does not mark the target ids d2t maps to")
     return state | {"d2t": d2t, "t2d": t2d}
-
-
-def flat_name(name: str, prefix: str) -> str:
-    return "midlayer." + name.removeprefix(prefix) if name.startswith(prefix) else name
 
 
 def same_weights(a: Tensor, b: Tensor) -> bool:

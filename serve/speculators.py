@@ -46,16 +46,19 @@ TOP_KEYS = frozenset(
 SPECULATORS_CONFIG_KEYS = frozenset({"algorithm", "proposal_methods", "default_proposal_method", "verifier"})
 VERIFIER_KEYS = frozenset({"name_or_path", "architectures"})
 GREEDY_KEYS = frozenset({"proposal_type", "speculative_tokens", "verifier_accept_k", "accept_tolerance"})
-# what the fields off here would add to the head: draftsmith's Eagle3Head has none of it
-OFF = ("norm_before_fc", "fc_norm", "norm_output")
+# variants of the EAGLE-3 layer draftsmith's Eagle3Head does not compute: each key -> the value it runs (written
+# here; serve/foreign.py refuses a folder that sets another). vLLM reads a missing norm_before_residual as true,
+# speculators as false: our layer's residual is the un-normed feature.
+PLAIN = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 
 
-def speculators_name(name: str) -> str:
-    return LAYER + name.removeprefix(FLAT_LAYER) if name.startswith(FLAT_LAYER) else name
+def speculators_name(name: str, layer: str = LAYER) -> str:
+    """format=vllm's tensor name in a layout whose head layer is `layer`."""
+    return layer + name.removeprefix(FLAT_LAYER) if name.startswith(FLAT_LAYER) else name
 
 
-def flat_name(name: str) -> str:
-    return FLAT_LAYER + name.removeprefix(LAYER) if name.startswith(LAYER) else name
+def flat_name(name: str, layer: str = LAYER) -> str:
+    return FLAT_LAYER + name.removeprefix(layer) if name.startswith(layer) else name
 
 
 # ---------------------------------------------------------------- the exporter
@@ -65,7 +68,8 @@ def eagle3_speculators(src: Source) -> Export:
     """The format=vllm export's tensors under speculators' names, with a speculators config.json."""
     flat = eagle3_vllm(src)
     state = {speculators_name(k): v for k, v in flat.tensors["model.safetensors"].items()}
-    return Export(speculators_config(src, flat.config), {"model.safetensors": state})
+    config = speculators_config(src, layer_config(flat.config)) | {"tie_word_embeddings": False}
+    return Export(config, {"model.safetensors": state})
 
 
 def layer_config(flat_config: dict) -> dict:
@@ -76,10 +80,10 @@ def layer_config(flat_config: dict) -> dict:
 
 
 def speculators_config(
-    src: Source, flat_config: dict, model_type: str = "eagle3", architecture: str = "Eagle3DraftModel"
+    src: Source, layer: dict, model_type: str = "eagle3", architecture: str = "Eagle3DraftModel"
 ) -> dict:
-    """A speculators config.json of `model_type` (eagle3; peagle adds its keys to this) for an EAGLE-3-shaped
-    head: flat_config is its format=vllm config.json."""
+    """The speculators config.json keys an EAGLE-3-shaped head of `model_type` shares (eagle3, peagle: each adds
+    its own); layer is its transformer_layer_config."""
     greedy = {"proposal_type": "greedy", "speculative_tokens": src.shape.num_tokens, "verifier_accept_k": 1}
     return {
         "architectures": [architecture],  # speculators' class for these weights; vLLM picks its own
@@ -91,9 +95,8 @@ def speculators_config(
             "default_proposal_method": "greedy",
             "verifier": verifier(src),
         },
-        "transformer_layer_config": layer_config(flat_config),
+        "transformer_layer_config": layer,
         **eagle3_values(src, model_type),
-        "tie_word_embeddings": False,
     }
 
 
@@ -105,9 +108,7 @@ def eagle3_values(src: Source, model_type: str = "eagle3") -> dict:
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.target_layers),
-        # our layer's residual is the un-normed feature; vLLM reads a missing key as true, speculators as false
-        "norm_before_residual": False,
-        **{k: False for k in OFF},
+        **PLAIN,
     }
 
 

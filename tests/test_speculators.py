@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from test_export import edit_json, leftovers, save_tiny_tokenizer
+from transformers import LlamaConfig
 
 from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -35,15 +35,9 @@ H, V, DRAFT_V = 64, 128, 48
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "speculators_eagle3_config.json").read_text())
 
 
-def save_word_tokenizer(folder: Path) -> None:
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(folder)
-
-
 def copy_target(tiny_llama_dir, folder: Path, model_type: str = "llama", **overrides) -> TargetConfig:
     shutil.copytree(tiny_llama_dir(model_type, **overrides), folder)
-    save_word_tokenizer(folder)
+    save_tiny_tokenizer(folder)
     return TargetConfig(path=str(folder), dtype="float32", device="cpu")
 
 
@@ -72,16 +66,6 @@ def tiny(tiny_llama_dir, tmp_path_factory):
     spec = export(drafter, "speculators", root / "speculators", tcfg, "fp32")
     flat = export(drafter, "vllm", root / "vllm", tcfg, "fp32")
     return tcfg, target, drafter, spec, flat
-
-
-def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
-
-
-def edit_json(path: Path, change) -> None:
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
 
 
 def edit_weights(folder: Path, change) -> None:
