@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .eagle import EagleConfig, HeadBase, borrow
-from .eagle3 import build_vocab_map
+from .eagle import EagleConfig, borrow
+from .eagle3 import DraftVocabHead, default_target_layers
 from .kinds import DraftShape, Kind, register
 from .kv_cache import KVCache
 from .llama import DecoderLayer, ModelConfig, RMSNorm, Transformer, apply_rope
@@ -61,7 +61,7 @@ class DFlashConfig(EagleConfig):
     @classmethod
     def from_target(cls, cfg: ModelConfig, **overrides) -> DFlashConfig:
         n = cfg.num_hidden_layers
-        layers = tuple(overrides.pop("target_layers", None) or sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)}))
+        layers = tuple(overrides.pop("target_layers", None) or default_target_layers(n))
         check_layers(layers, n, "the target")
         if overrides.get("mask_token_id") is None:
             overrides["mask_token_id"] = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
@@ -84,9 +84,7 @@ def check_layers(layers: tuple[int, ...], num_layers: int, what: str) -> None:
         )
 
 
-class DFlashHead(HeadBase):
-    shared_prefixes = ("embed_tokens.", "target_lm_head.")
-
+class DFlashHead(DraftVocabHead):
     def __init__(self, cfg: DFlashConfig, target: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -99,41 +97,18 @@ class DFlashHead(HeadBase):
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer_config()) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(h, eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False).requires_grad_(False)  # target rows, frozen
-        dev = self.fc.weight.device
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
-        self.register_buffer("t2d", torch.arange(cfg.vocab_size, device=dev) < cfg.draft_vocab_size)
+        self.vocab_buffers()
         self.rope_cache(cfg.max_position_embeddings)
         if target is not None:
             with torch.no_grad():
                 self.norm.weight.copy_(target.model.norm.weight)
-                self.lm_head.weight.copy_(self.target_lm_head.weight[self.vocab_ids])
-
-    @property
-    def aux_layers(self) -> tuple[int, ...]:
-        return self.config.target_layers
-
-    @property
-    def vocab_ids(self) -> Tensor:
-        """Target id of each draft id."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def set_vocab(self, counts: Tensor) -> None:
-        """Draft over the draft_vocab_size most frequent target tokens of counts [vocab]: their lm_head rows."""
-        d2t, t2d = build_vocab_map(counts.to(self.d2t.device), self.config.draft_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(self.target_lm_head.weight[self.vocab_ids])
+            self.copy_target_rows()
 
     def target_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
         """The context: hidden_norm(fc(the target's layer inputs [.., k*H])) [.., H]."""
         if aux is None:
             raise ValueError(f"DFlash needs the target's inputs to layers {self.config.target_layers}")
         return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Over the draft vocabulary (map ids with vocab_ids); hidden: a layer stack's output, before `norm`."""
-        return self.lm_head(self.norm(hidden))
 
     def embed(self, tokens: Tensor) -> Tensor:
         return self.embed_tokens(tokens).to(self.fc.weight.dtype)  # the borrowed embedding may be wider

@@ -40,11 +40,18 @@ class Eagle3Config(EagleConfig):
     @classmethod
     def from_target(cls, cfg: ModelConfig, **overrides) -> Eagle3Config:
         n = cfg.num_hidden_layers
-        layers = tuple(overrides.pop("target_layers", None) or sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)}))
+        layers = tuple(overrides.pop("target_layers", None) or default_target_layers(n))
         if layers[-1] > n:
             raise ValueError(f"target_layers {layers} exceed the target's {n} layers")
         overrides.setdefault("draft_vocab_size", min(8192, cfg.vocab_size))
         return super().from_target(cfg, target_layers=layers, **overrides)
+
+
+def default_target_layers(num_layers: int) -> tuple[int, ...]:
+    """The inputs of layers 2, L/2 and L-3 (clipped to the target): EAGLE-3's, and every kind that reads the same
+    layers shares one feature cache with it."""
+    n = num_layers
+    return tuple(sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)}))
 
 
 def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
@@ -81,25 +88,21 @@ class Eagle3Layer(nn.Module):
         return self.finish(feature, self.self_attn(self.attn_input(embeds, feature), cos, sin, kc, vc, start, mask))
 
 
-class Eagle3Head(HeadBase):
-    shared_prefixes = ("embed_tokens.", "target_lm_head.")
+class DraftVocabHead(HeadBase):
+    """What EAGLE-3 and DFlash share: fc over target_layers' inputs, and logits over a draft vocabulary (vLLM's
+    d2t / t2d) from `norm` and `lm_head`, whose rows can start as the target lm_head's."""
 
-    def __init__(self, cfg: Eagle3Config, target: Transformer | None = None) -> None:
-        super().__init__()
-        self.config = cfg
-        h = cfg.hidden_size
-        self.embed_tokens, self.target_lm_head = borrow(target, cfg)  # target_lm_head: the loss's soft targets
-        self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
-        self.midlayer = Eagle3Layer(cfg.layer_config())
-        self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
-        dev = self.fc.weight.device
+    shared_prefixes = ("embed_tokens.", "target_lm_head.")
+    config: Eagle3Config
+    norm: RMSNorm
+    lm_head: nn.Linear
+    target_lm_head: nn.Linear
+    copies_target_rows = True  # set_vocab copies the target lm_head's rows of the new vocabulary
+
+    def vocab_buffers(self) -> None:
+        cfg, dev = self.config, self.fc.weight.device
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
         self.register_buffer("t2d", torch.arange(cfg.vocab_size, device=dev) < cfg.draft_vocab_size)
-        self.rope_cache(cfg.max_position_embeddings)
-        if target is not None and cfg.init == "target":
-            with torch.no_grad():
-                self.norm.weight.copy_(target.model.norm.weight)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -115,9 +118,38 @@ class Eagle3Head(HeadBase):
         d2t, t2d = build_vocab_map(counts.to(self.d2t.device), self.config.draft_vocab_size)
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
-        if self.config.init == "target":  # the target's own output rows: the draft starts in its output space
+        if self.copies_target_rows:
+            self.copy_target_rows()
+
+    def copy_target_rows(self) -> None:
+        """The target's own output rows: the draft starts in (DFlash: stays in) the target's output space."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.target_lm_head.weight[self.vocab_ids])
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Over the draft vocabulary (map ids with vocab_ids); hidden: the layers' output, before `norm`."""
+        return self.lm_head(self.norm(hidden))
+
+
+class Eagle3Head(DraftVocabHead):
+    def __init__(self, cfg: Eagle3Config, target: Transformer | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.embed_tokens, self.target_lm_head = borrow(target, cfg)  # target_lm_head: the loss's soft targets
+        self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
+        self.midlayer = Eagle3Layer(cfg.layer_config())
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.vocab_buffers()
+        self.rope_cache(cfg.max_position_embeddings)
+        if target is not None and cfg.init == "target":
             with torch.no_grad():
-                self.lm_head.weight.copy_(self.target_lm_head.weight[self.vocab_ids])
+                self.norm.weight.copy_(target.model.norm.weight)
+
+    @property
+    def copies_target_rows(self) -> bool:
+        return self.config.init == "target"
 
     def target_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
         """The fused feature: fc over the target's layer inputs [.., k*H] (in target_layers order)."""
@@ -140,10 +172,6 @@ class Eagle3Head(HeadBase):
         cos, sin = self.rope(positions, embeds.dtype)
         kc, vc = (cache.k[0], cache.v[0]) if cache is not None else (None, None)
         return self.midlayer(embeds, feature.to(embeds.dtype), cos, sin, kc, vc, start, sdpa_mask(mask))
-
-    def logits(self, feature: Tensor) -> Tensor:
-        """Over the draft vocabulary; map ids to the target's with vocab_ids."""
-        return self.lm_head(self.norm(feature))
 
     def unroll(self, feature: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
         """Training-time test over m pairs: feature [b, m, H] fused target features 0..m-1, tokens [b, m]

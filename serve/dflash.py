@@ -18,31 +18,20 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut
 
 from .build import Loaded, SpecConfig, spec_head
-from .eagle import slot_tree
-from .proposer import Proposer
-from .sampling import SamplingParams, probs_from_logits, widen
+from .eagle import SlotProposer
+from .sampling import SamplingParams
 from .tree import DraftTree, TreeConfig
 
 
-class DFlashProposer(Proposer):
+class DFlashProposer(SlotProposer):
     name = "dflash"
 
     def __init__(self, head: DFlashHead, num_tokens: int, tree: TreeConfig | None = None, generator=None) -> None:
         if num_tokens < 1:
             raise ValueError(f"spec.num_tokens must be >= 1, got {num_tokens}")
         # one forward drafts block_size - 1 tokens: a deeper draft is capped there, as Medusa's at its heads
-        num_tokens = min(num_tokens, head.config.block_size - 1)
-        self.head, self.depth, self.tree, self.gen = head, num_tokens, tree or TreeConfig(), generator
-        self.aux_layers = tuple(head.aux_layers)
-        self.vocab_ids = head.vocab_ids  # target id of each draft id
-        k, vocab = self.tree.topk, head.lm_head.out_features
-        if k > vocab:
-            raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
-        drafted = k + (num_tokens - 1) * k * k
-        self.max_tree_size = min(self.tree.total_tokens or drafted, drafted)
-        self.cache: KVCache | None = None
+        super().__init__(head, min(num_tokens, head.config.block_size - 1), tree, generator)
         self.cached = 0  # context slots [0, cached) are written
-        self.logits: Tensor | None = None  # [block_size - 1, draft vocab]: row d-1 drafts depth d
 
     @property
     def kv_caches(self) -> list[KVCache]:
@@ -75,20 +64,9 @@ class DFlashProposer(Proposer):
         self.cached = n - 1
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
-        """Level d takes slot d's top-k under the level above's topk best nodes (by cumulative log-prob): a slot's
-        distribution does not depend on the tokens drafted before it. topk=1 is a chain; a sampled chain draws
-        depth d from slot d's distribution, which verification needs."""
         if tokens.numel() != self.cached + 1:
             raise RuntimeError(f"the drafter holds {self.cached} tokens + the pending one, the engine {tokens.numel()}")
-        depth, k = min(self.depth, budget), self.tree.topk
-        logits = self.logits[:depth]
-        if k == 1 and not sp.greedy:
-            p = probs_from_logits(logits, sp)
-            ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
-            return DraftTree.chain(self.vocab_ids[ids], widen(p, self.vocab_ids, self.head.config.vocab_size))
-        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
-        return slot_tree(self.vocab_ids[top.indices], top.values, self.max_tree_size)
-
+        return self.draft_slots(sp, budget)
 
 
 def dflash_proposer(spec: SpecConfig, target: Loaded) -> DFlashProposer:

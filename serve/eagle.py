@@ -37,12 +37,7 @@ class EagleProposer(Proposer):
         self.head, self.name, self.depth, self.tree, self.gen = head, kind, num_tokens, tree or TreeConfig(), generator
         self.aux_layers = tuple(head.aux_layers)
         self.vocab_ids = head.vocab_ids  # EAGLE-3: target id of each draft id
-        k = self.tree.topk
-        vocab = head.lm_head.out_features
-        if k > vocab:
-            raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
-        drafted = k + (num_tokens - 1) * k * k
-        self.max_tree_size = min(self.tree.total_tokens or drafted, drafted)
+        self.max_tree_size = tree_size(self.tree, num_tokens, head.lm_head.out_features)
         self.cache: KVCache | None = None
         self.store: KVCache | None = None  # per token: the target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
@@ -168,6 +163,41 @@ def rerank(tokens: Tensor, parents: Tensor, scores: Tensor, keep: int, probs: Te
         tokens, parents = tokens[kept], torch.where(p >= 0, new_index[p.clamp_min(0)], p)
         probs = None if probs is None else probs[kept]
     return DraftTree(tokens, parents, probs)
+
+
+def tree_size(tree: TreeConfig, depth: int, vocab: int) -> int:
+    """The most nodes a draft of `depth` levels holds: topk children of the root and of each level's topk best
+    nodes, capped at tree.total_tokens. Refused: a topk past the drafter's vocabulary."""
+    k = tree.topk
+    if k > vocab:
+        raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
+    drafted = k + (depth - 1) * k * k
+    return min(tree.total_tokens or drafted, drafted)
+
+
+class SlotProposer(Proposer):
+    """What the parallel drafters' proposers (P-EAGLE, DFlash) share: one head forward leaves `logits`
+    [>= depth, draft vocab], row d-1 drafting depth d, and a draft is made from those rows alone."""
+
+    def __init__(self, head: nn.Module, depth: int, tree: TreeConfig | None, generator) -> None:
+        self.head, self.depth, self.tree, self.gen = head, depth, tree or TreeConfig(), generator
+        self.aux_layers = tuple(head.aux_layers)
+        self.vocab_ids = head.vocab_ids  # target id of each draft id
+        self.max_tree_size = tree_size(self.tree, depth, head.lm_head.out_features)
+        self.cache: KVCache | None = None
+        self.logits: Tensor | None = None
+
+    def draft_slots(self, sp: SamplingParams, budget: int) -> DraftTree:
+        """Level d takes slot d's top-k under the level above's topk best nodes (by cumulative log-prob): a slot's
+        distribution does not depend on the tokens drafted before it. topk=1 is a chain; a sampled chain draws
+        depth d from slot d's distribution, which verification needs."""
+        logits, k = self.logits[: min(self.depth, budget)], self.tree.topk
+        if k == 1 and not sp.greedy:
+            p = probs_from_logits(logits, sp)
+            ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
+            return DraftTree.chain(self.vocab_ids[ids], widen(p, self.vocab_ids, self.head.config.vocab_size))
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
+        return slot_tree(self.vocab_ids[top.indices], top.values, self.max_tree_size)
 
 
 def slot_tree(ids: Tensor, logp: Tensor, max_tree_size: int) -> DraftTree:

@@ -19,31 +19,20 @@ from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
 
 from .build import Loaded, SpecConfig, spec_head
-from .eagle import feature_store, slot_tree
-from .proposer import Proposer
-from .sampling import SamplingParams, probs_from_logits, widen
+from .eagle import SlotProposer, feature_store
+from .sampling import SamplingParams
 from .tree import DraftTree, TreeConfig
 
 
-class PEagleProposer(Proposer):
+class PEagleProposer(SlotProposer):
     name = "peagle"
 
     def __init__(
         self, head: PEagleHead, num_tokens: int | None = None, tree: TreeConfig | None = None, generator=None
     ) -> None:
-        self.head, self.tree, self.gen = head, tree or TreeConfig(), generator
-        self.depth = num_tokens or head.config.num_depths
-        self.aux_layers = tuple(head.aux_layers)
-        self.vocab_ids = head.vocab_ids  # target id of each draft id
-        k, vocab = self.tree.topk, head.lm_head.out_features
-        if k > vocab:
-            raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
-        drafted = k + (self.depth - 1) * k * k
-        self.max_tree_size = min(self.tree.total_tokens or drafted, drafted)
-        self.cache: KVCache | None = None
+        super().__init__(head, num_tokens or head.config.num_depths, tree, generator)
         self.store: KVCache | None = None  # per token: the fused target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
-        self.logits: Tensor | None = None  # [K, draft vocab]: row d-1 drafts depth d
 
     @property
     def kv_caches(self) -> list[KVCache]:
@@ -85,23 +74,9 @@ class PEagleProposer(Proposer):
         self.cached = n
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
-        """Level d takes slot d's top-k: the topk best nodes of level d-1 (by cumulative log-prob) each get them
-        as children (a slot's distribution does not depend on the tokens drafted before it). topk=1 is a chain;
-        a sampled chain draws depth d from slot d's distribution, which verification needs."""
         if tokens.numel() != self.cached:
             raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {tokens.numel()}")
-        depth, k = min(self.depth, budget), self.tree.topk
-        logits = self.logits[:depth]
-        if k == 1 and not sp.greedy:
-            p = probs_from_logits(logits, sp)
-            ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
-            return DraftTree.chain(self.to_target(ids), widen(p, self.vocab_ids, self.head.config.vocab_size))
-        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
-        return slot_tree(self.to_target(top.indices), top.values, self.max_tree_size)
-
-
-    def to_target(self, ids: Tensor) -> Tensor:
-        return self.vocab_ids[ids]
+        return self.draft_slots(sp, budget)
 
 
 def peagle_proposer(spec: SpecConfig, target: Loaded) -> PEagleProposer:

@@ -136,3 +136,33 @@ def head_features(target, head, ids: torch.Tensor, mask: torch.Tensor):
     with torch.no_grad():
         hidden, aux = target.hidden_states(ids, head.aux_layers)
     return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1))
+
+
+def perturbed(batch, name: str, pos: int):
+    """batch with field `name` changed at position pos (a token moved by one id, a feature by 0.5)."""
+    from draftsmith.train.batch import FeatureBatch
+
+    fields = dict(vars(batch))
+    x = fields[name].clone()
+    x[:, pos] = (x[:, pos] + 1) % 128 if name == "input_ids" else x[:, pos] + 0.5
+    fields[name] = x
+    return FeatureBatch(**fields)
+
+
+def greedy_continuations(target, plain: dict, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [b, n] and loss mask, right-padded: PROMPTS with their greedy continuations (plain: prompt -> output)
+    and three random prompts with 32 greedy tokens each; what the engine tests briefly train a head on, so its
+    drafts get accepted and rejected."""
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    seqs = [p + plain[tuple(p)].output_ids for p in PROMPTS]
+    engine = Engine(target, max_seq_len=max_seq_len)
+    for _ in range(3):
+        p = torch.randint(0, 128, (8,), generator=g).tolist()
+        seqs.append(p + engine.generate(p, 32, SamplingParams()).output_ids)
+    n = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
+    mask = torch.tensor([[1.0] * len(s) + [0.0] * (n - len(s)) for s in seqs])
+    return ids, mask

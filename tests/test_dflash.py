@@ -31,7 +31,16 @@ from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.tree import TreeConfig
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses_dflash import dflash_loss, sample_anchors
-from helpers import PROMPTS, TARGET_ID, build_tiny_chat_target, exact_joint, head_features, tiny_info
+from helpers import (
+    PROMPTS,
+    TARGET_ID,
+    build_tiny_chat_target,
+    exact_joint,
+    greedy_continuations,
+    head_features,
+    perturbed,
+    tiny_info,
+)
 
 GREEDY = SamplingParams()
 MAX_NEW, MAX_SEQ, ALPHA = 24, 128, 1e-4
@@ -65,11 +74,9 @@ def target(tiny_llama_dir):
     return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
 
 
-
 def make_head(target, seed: int = 0, **overrides) -> DFlashHead:
     torch.manual_seed(seed)
     return DFlashHead(DFlashConfig.from_target(target.config, **overrides), target)
-
 
 
 SMOL = ModelConfig(
@@ -218,14 +225,6 @@ def test_loss_reads_the_context_before_the_anchor_and_targets_after_it(target):
         dflash_loss(head, base, anchors=0)
 
 
-def perturbed(batch: FeatureBatch, name: str, pos: int) -> FeatureBatch:
-    fields = dict(vars(batch))
-    x = fields[name].clone()
-    x[:, pos] = (x[:, pos] + 1) % 128 if name == "input_ids" else x[:, pos] + 0.5
-    fields[name] = x
-    return FeatureBatch(**fields)
-
-
 def test_slot_weights_decay_with_distance_from_the_anchor(target):
     """decay_gamma sets how fast later slots' weights fall: with a tiny gamma only slot 1 counts."""
     head = make_head(target, block_size=4)
@@ -276,15 +275,7 @@ def plain(target):
 @pytest.fixture(scope="module")
 def trained(target, plain):
     """A head trained briefly on the target's own greedy continuations, so drafts get accepted and rejected."""
-    g = torch.Generator().manual_seed(2)
-    seqs = [p + plain[tuple(p)].output_ids for p in PROMPTS]
-    engine = Engine(target, max_seq_len=MAX_SEQ)
-    for _ in range(3):
-        p = torch.randint(0, 128, (8,), generator=g).tolist()
-        seqs.append(p + engine.generate(p, 32, GREEDY).output_ids)
-    n = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
-    mask = torch.tensor([[1.0] * len(s) + [0.0] * (n - len(s)) for s in seqs])
+    ids, mask = greedy_continuations(target, plain, MAX_SEQ)
     head = make_head(target, num_layers=2, block_size=5)
     batch = head_features(target, head, ids, mask)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)

@@ -37,10 +37,18 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig, target_id
 from draftsmith.serve.tree import TreeConfig
-from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses_peagle import cod_anchors, peagle_loss
 from draftsmith.train.trainer import RunConfig, check_loss_options, loss_for
-from helpers import PROMPTS, TARGET_ID, build_tiny_chat_target, exact_joint, head_features, tiny_info
+from helpers import (
+    PROMPTS,
+    TARGET_ID,
+    build_tiny_chat_target,
+    exact_joint,
+    greedy_continuations,
+    head_features,
+    perturbed,
+    tiny_info,
+)
 
 GREEDY = SamplingParams()
 MAX_NEW, MAX_SEQ, ALPHA = 24, 128, 1e-4
@@ -53,11 +61,9 @@ def target(tiny_llama_dir):
     return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
 
 
-
 def make_head(target, seed: int = 0, **overrides) -> PEagleHead:
     torch.manual_seed(seed)
     return PEagleHead(PEagleConfig.from_target(target.config, **overrides), target)
-
 
 
 # ---------------------------------------------------------------- the head
@@ -196,14 +202,6 @@ def test_peagle_loss_shifts(target):
         peagle_loss(head, base, ratio=0.0)
 
 
-def perturbed(batch: FeatureBatch, name: str, pos: int) -> FeatureBatch:
-    fields = dict(vars(batch))
-    x = fields[name].clone()
-    x[:, pos] = (x[:, pos] + 1) % 128 if name == "input_ids" else x[:, pos] + 0.5
-    fields[name] = x
-    return FeatureBatch(**fields)
-
-
 @pytest.mark.parametrize("layers", [1, 2])
 def test_loss_decreases_at_every_depth_and_the_target_stays_frozen(layers, target):
     head = make_head(target, num_layers=layers)
@@ -238,15 +236,7 @@ def plain(target):
 def trained(target, plain):
     """1- and 2-layer heads trained briefly on the target's own greedy continuations, so drafts get accepted and
     rejected at several depths."""
-    g = torch.Generator().manual_seed(2)
-    seqs = [p + plain[tuple(p)].output_ids for p in PROMPTS]
-    engine = Engine(target, max_seq_len=MAX_SEQ)
-    for _ in range(3):
-        p = torch.randint(0, 128, (8,), generator=g).tolist()
-        seqs.append(p + engine.generate(p, 32, GREEDY).output_ids)
-    n = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
-    mask = torch.tensor([[1.0] * len(s) + [0.0] * (n - len(s)) for s in seqs])
+    ids, mask = greedy_continuations(target, plain, MAX_SEQ)
     heads = {}
     for layers in (1, 2):
         head = make_head(target, num_layers=layers)
