@@ -130,12 +130,13 @@ def tiny_info(model, **changes):
 
 
 def head_features(target, head, ids: torch.Tensor, mask: torch.Tensor):
-    """A training batch for `head`: the target's last hidden states and the inputs of the layers it reads."""
+    """A training batch for `head`: the target's last hidden states and the inputs of the layers it reads (None
+    for a head that reads none, EAGLE-1/2)."""
     from draftsmith.train.batch import FeatureBatch
 
     with torch.no_grad():
         hidden, aux = target.hidden_states(ids, head.aux_layers)
-    return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1))
+    return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1) if aux else None)
 
 
 def perturbed(batch, name: str, pos: int):

@@ -15,7 +15,7 @@ from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_ch
 
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
-from draftsmith.heads.drafter import TOKEN_COUNTS, Recipe, TargetInfo, frequent_ids, load_drafter, save_drafter
+from draftsmith.heads.drafter import TOKEN_COUNTS, Recipe, frequent_ids, load_drafter, save_drafter
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
 from draftsmith.heads.kv_cache import KVCache
@@ -29,15 +29,13 @@ from draftsmith.serve.loader import load_model
 from draftsmith.serve.ngram import NgramConfig, NgramProposer
 from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
-from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import eagle3_loss, eagle_loss
 from draftsmith.train.trainer import loss_for
-from helpers import DEVICES, PROMPTS, exact_joint
+from helpers import DEVICES, PROMPTS, TARGET_ID, exact_joint, greedy_continuations, head_features, perturbed, tiny_info
 
 KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
 GREEDY = SamplingParams()
 MAX_NEW, MAX_SEQ, ALPHA = 24, 128, 1e-4
-TARGET_ID = "tiny@00000000"
 VLLM_EAGLE3_KEYS = {
     "fc.weight",
     *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -58,22 +56,12 @@ def target(tiny_llama_dir):
     return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
 
 
-def info(model, **changes) -> TargetInfo:
-    c = model.config
-    fields = dict(id=TARGET_ID, hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers)
-    return TargetInfo(**{**fields, **changes})
-
 
 def make_head(kind: str, target, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config_cls, head_cls = KINDS[kind]
     return head_cls(config_cls.from_target(target.config, **overrides), target)
 
-
-def features(target, head, ids: torch.Tensor, mask: torch.Tensor) -> FeatureBatch:
-    with torch.no_grad():
-        hidden, aux = target.hidden_states(ids, head.aux_layers)
-    return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1) if aux else None)
 
 
 # ---------------------------------------------------------------- heads
@@ -84,7 +72,7 @@ def test_forward_shapes(kind, target):
     head = make_head(kind, target)
     c = target.config
     ids = torch.randint(0, c.vocab_size, (2, 7))
-    batch = features(target, head, ids, torch.ones(2, 7))
+    batch = head_features(target, head, ids, torch.ones(2, 7))
     feature = head.target_features(batch.hidden, batch.aux)
     out = head(feature, ids, torch.arange(1, 8))
     assert feature.shape == out.shape == (2, 7, c.hidden_size)
@@ -149,7 +137,7 @@ def test_save_load_round_trip(kind, target, tmp_path):
     head = make_head(kind, target)
     if kind == "eagle3":
         head.set_vocab(torch.randint(0, 1000, (target.config.vocab_size,)))
-    folder = save_drafter(head, head.config, kind, info(target), Recipe(data="random", steps=1), tmp_path / kind)
+    folder = save_drafter(head, head.config, kind, tiny_info(target), Recipe(data="random", steps=1), tmp_path / kind)
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     if kind == "eagle":
@@ -157,10 +145,10 @@ def test_save_load_round_trip(kind, target, tmp_path):
         assert not any(k.startswith(("embed_tokens", "lm_head", "layers.0.input_layernorm")) for k in keys)
     else:
         assert keys == VLLM_EAGLE3_KEYS  # what vLLM / SGLang load, nothing borrowed from the target
-    loaded = load_drafter(folder, info(target), target)
+    loaded = load_drafter(folder, tiny_info(target), target)
     assert loaded.config == head.config and isinstance(loaded, KINDS[kind][1])
     ids = torch.randint(0, target.config.vocab_size, (2, 6))
-    batch = features(target, head, ids, torch.ones(2, 6))
+    batch = head_features(target, head, ids, torch.ones(2, 6))
     with torch.no_grad():
         a = head.logits(head(head.target_features(batch.hidden, batch.aux), ids, torch.arange(1, 7)))
         b = loaded.logits(loaded(loaded.target_features(batch.hidden, batch.aux), ids, torch.arange(1, 7)))
@@ -169,25 +157,25 @@ def test_save_load_round_trip(kind, target, tmp_path):
         assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
         assert loaded.d2t.dtype == torch.long and loaded.t2d.dtype == torch.bool
     assert loaded.embed_tokens is target.model.embed_tokens  # borrowed, not copied
-    bare = load_drafter(folder, info(target))  # no target: frozen placeholders of the right shape
+    bare = load_drafter(folder, tiny_info(target))  # no target: frozen placeholders of the right shape
     assert bare.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_load_refuses_another_target(kind, target, tmp_path):
     head = make_head(kind, target)
-    folder = save_drafter(head, head.config, kind, info(target), Recipe(), tmp_path / kind)
+    folder = save_drafter(head, head.config, kind, tiny_info(target), Recipe(), tmp_path / kind)
     h, v = target.config.hidden_size, target.config.vocab_size
     cases = [
         (
-            info(target, id="big@11111111", hidden_size=2 * h),
+            tiny_info(target, id="big@11111111", hidden_size=2 * h),
             rf"{TARGET_ID} with hidden_size={h}.*big@11111111 has hidden_size={2 * h}",
         ),
         (
-            info(target, id="wide@22222222", vocab_size=v + 1),
+            tiny_info(target, id="wide@22222222", vocab_size=v + 1),
             rf"{TARGET_ID} with vocab_size={v}.*wide@22222222 has vocab_size={v + 1}",
         ),
-        (info(target, id="other@33333333"), rf"made for target {TARGET_ID}, not other@33333333"),
+        (tiny_info(target, id="other@33333333"), rf"made for target {TARGET_ID}, not other@33333333"),
     ]
     for other, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -238,7 +226,7 @@ def test_eagle_loss_shifts(target):
     ids = torch.randint(0, target.config.vocab_size, (1, n))
     mask = torch.zeros(1, n)
     mask[0, t] = 1
-    base = features(target, head, ids, mask)
+    base = head_features(target, head, ids, mask)
     for soft in (True, False):
         loss = eagle_loss(head, base, soft=soft)[0]
         for name, pos, changes in (
@@ -259,7 +247,7 @@ def test_eagle3_loss_shifts(target):
     ids = torch.randint(0, target.config.vocab_size, (1, n))
     mask = torch.zeros(1, n)
     mask[0, t] = 1
-    base = features(target, head, ids, mask)
+    base = head_features(target, head, ids, mask)
     loss, logs = eagle3_loss(head, base, ttt_steps=3)
     assert set(logs) == {"loss", "acc_0", "acc_1", "acc_2"}
     for name, pos, changes in (
@@ -279,7 +267,7 @@ def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
     neither; a negative T is refused."""
     head = make_head("eagle3", target)
     ids = torch.randint(0, target.config.vocab_size, (2, 12))
-    batch = features(target, head, ids, torch.ones(2, 12))
+    batch = head_features(target, head, ids, torch.ones(2, 12))
     loss_at = {t: eagle3_loss(head, batch, ttt_steps=1, target_temperature=t)[0].item() for t in (1.0, 0.5, 0.0)}
     assert loss_at[1.0] == eagle3_loss(head, batch, ttt_steps=1)[0].item()
     with torch.no_grad():
@@ -294,13 +282,6 @@ def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
         eagle3_loss(head, batch, ttt_steps=1, target_temperature=-1.0)
 
 
-def perturbed(batch: FeatureBatch, name: str, pos: int) -> FeatureBatch:
-    fields = dict(vars(batch))
-    x = fields[name].clone()
-    x[:, pos] = (x[:, pos] + 1) % 128 if name == "input_ids" else x[:, pos] + 0.5
-    fields[name] = x
-    return FeatureBatch(**fields)
-
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_decreases_and_target_stays_frozen(kind, target):
@@ -308,7 +289,7 @@ def test_loss_decreases_and_target_stays_frozen(kind, target):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, target.config.vocab_size, (4, 24), generator=g)
     mask = (torch.arange(24) >= 4).float().expand(4, 24).clone()
-    batch = features(target, head, ids, mask)
+    batch = head_features(target, head, ids, mask)
     before = {k: v.clone() for k, v in target.state_dict().items()}
     trainable = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=3e-3)
@@ -340,19 +321,11 @@ def plain(target):
 def trained(target, plain):
     """Heads trained briefly on the target's own greedy continuations (of the test prompts, and a few random
     ones), so drafts get accepted and rejected and every accept path runs."""
-    g = torch.Generator().manual_seed(2)
-    seqs = [p + plain[tuple(p)].output_ids for p in PROMPTS]
-    engine = Engine(target, max_seq_len=MAX_SEQ)
-    for _ in range(3):
-        p = torch.randint(0, 128, (8,), generator=g).tolist()
-        seqs.append(p + engine.generate(p, 32, GREEDY).output_ids)
-    n = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
-    mask = torch.tensor([[1.0] * len(s) + [0.0] * (n - len(s)) for s in seqs])
+    ids, mask = greedy_continuations(target, plain, MAX_SEQ)
     heads = {}
     for kind, steps in (("eagle", 120), ("eagle3", 60)):
         head = make_head(kind, target)
-        batch = features(target, head, ids, mask)
+        batch = head_features(target, head, ids, mask)
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
         for _ in range(steps):
             loss = loss_for(kind)(head, batch, **({"ttt_steps": 2} if kind == "eagle3" else {}))[0]
@@ -589,7 +562,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     folders = {}
     for kind in KINDS:
         head = make_head(kind, target)
-        folders[kind] = save_drafter(head, head.config, kind, info(target), Recipe(), tmp_path / kind)
+        folders[kind] = save_drafter(head, head.config, kind, tiny_info(target), Recipe(), tmp_path / kind)
     yaml = OmegaConf.load(draftsmith.conf.__path__[0] + "/spec/eagle3.yaml")
     spec = OmegaConf.to_object(
         OmegaConf.merge(
@@ -620,7 +593,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     assert spec_label(SpecConfig("eagle", drafter="x", ngram_tokens=4)) == "eagle+ngram"
     counts = torch.arange(target.config.vocab_size) % 7
     head = make_head("eagle", target)
-    counted = save_drafter(head, head.config, "eagle", info(target), Recipe(), tmp_path / "c", counts)
+    counted = save_drafter(head, head.config, "eagle", tiny_info(target), Recipe(), tmp_path / "c", counts)
     narrow = make_proposer(SpecConfig("eagle", 3, drafter=str(counted), draft_vocab=10), loaded)
     assert torch.equal(narrow.vocab_ids, frequent_ids(counts, 10)) and narrow.head.lm_head.out_features == 10
     with pytest.raises(FileNotFoundError, match="holds no token counts .* or draft over the full vocabulary"):
