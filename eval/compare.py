@@ -42,20 +42,19 @@ def find_evals(folders: list[str]) -> tuple[list[Path], list[Path]]:
     found, unfinished = [], []
     for name in folders:
         folder = Path(name)
-        if (folder / "results.json").is_file():
-            found.append(folder)
-            continue
-        if (folder / RECORDS).is_file():
-            unfinished.append(folder)
-            continue
-        runs = numbered(p.parent for p in folder.glob("*/results.json"))
-        crashed = numbered(p.parent for p in folder.glob(f"*/{RECORDS}") if not (p.parent / "results.json").is_file())
-        if not runs and not crashed:
+        runs = [folder] if is_run(folder) else numbered(p for p in folder.glob("*") if is_run(p))
+        if not runs:
             raise FileNotFoundError(f"{folder} is not an eval folder: no results.json in it or in its subfolders")
-        found, unfinished = found + runs, unfinished + crashed
+        for run in runs:
+            (found if (run / "results.json").is_file() else unfinished).append(run)
     if not found:
         raise ValueError("no finished eval to compare; " + "; ".join(unfinished_notes(unfinished)))
     return found, unfinished
+
+
+def is_run(folder: Path) -> bool:
+    """An eval run, finished (results.json) or not (records.jsonl only)."""
+    return (folder / "results.json").is_file() or (folder / RECORDS).is_file()
 
 
 def numbered(runs) -> list[Path]:

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 
 from draftsmith.heads.kinds import by_spec, specs
-from draftsmith.serve.build import SpecConfig, is_lookup, needs_drafter
+from draftsmith.serve.build import SpecConfig, needs_drafter, paired_lookup
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
@@ -44,9 +44,9 @@ def check_drafters(cfg: DictConfig) -> None:
 
 
 def spec_label(spec: SpecConfig) -> str:
-    if is_lookup(spec.name):
-        return spec.name
-    return spec.name + ("+ngram" if spec.ngram_tokens else "+suffix" if spec.suffix_tokens else "")
+    """spec.name, with the lookup it pairs (serve/hybrid.py: the proposer's name, e.g. eagle3+suffix)."""
+    lookup = paired_lookup(spec)
+    return f"{spec.name}+{lookup}" if lookup else spec.name
 
 
 HEAD_BYTES = 1 << 20  # of each weight file: its header and first tensors change when it is retrained

@@ -83,7 +83,8 @@ def run_eval(cfg: EvalConfig) -> dict:
         for arm in arms(cfg, methods)
     }
     check_first_turns_fit(prompts, target.tokenizer, cfg, min(e.max_seq_len for e in engines.values()))
-    journal = Journal(Path(cfg.out), settings(cfg, target.target_id, prompts, methods), cfg.resume)
+    run_settings = settings(cfg, target.target_id, prompts, methods)
+    journal = Journal(Path(cfg.out), run_settings, cfg.resume)
     load_before = load_average()
     warm_up(engines, prompts[0], target.tokenizer, cfg)
     partial = run_all(engines, prompts, target.tokenizer, cfg, journal)
@@ -91,7 +92,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     skipped = [s for u in journal.units for s in u.skipped]
     engine = engines[("ar", cfg.prefix_cache)]
     results = summarize(cfg, target.target_id, engine, methods, records, skipped, partial)
-    results["prompts_sha256"] = prompts_hash(prompts)
+    results["prompts_sha256"] = run_settings["prompts_sha256"]
     results["environment"] |= {"load_before": load_before, "load_after": load_average()}
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     write_outputs(Path(cfg.out), main, by_prompt(main, list(methods), cfg.temperature == 0), results)
@@ -224,7 +225,6 @@ def warm_up(engines: dict[Arm, Engine], prompt: Prompt, tokenizer, cfg: EvalConf
     for engine in engines.values():
         for _ in range(cfg.warmup):
             engine.generate(ids, min(16, cfg.max_new_tokens), SamplingParams(cfg.temperature, seed=0))
-        start_cold(engine)
 
 
 def start_cold(engine: Engine) -> None:

@@ -135,21 +135,22 @@ def make_proposer(spec: SpecConfig, target: Loaded) -> Proposer | None:
     return HybridProposer(proposer, lookup, spec.ngram_policy) if lookup else proposer
 
 
-def is_lookup(name: str) -> bool:
-    """A spec that drafts by lookup, with no model of its own (plain decoding, or a kind registered with 0
-    parameters): spec.ngram_tokens / spec.suffix_tokens add nothing to it."""
-    return name == "ar" or by_spec(name).parameters == 0
+def paired_lookup(spec: SpecConfig) -> str | None:
+    """The lookup (ngram or suffix) spec.ngram_tokens / spec.suffix_tokens pair with the spec's drafter; None for
+    plain decoding and for a kind that drafts by lookup itself (registered with 0 parameters)."""
+    if spec.name == "ar" or by_spec(spec.name).parameters == 0:
+        return None
+    return "ngram" if spec.ngram_tokens else "suffix" if spec.suffix_tokens else None
 
 
 def lookup_proposer(spec: SpecConfig) -> Proposer | None:
     """The lookup drafter paired with a model drafter (serve/hybrid.py), if any. Under `prefer` a suffix draft
     must score (expect to get accepted) spec.num_tokens tokens to be taken over the drafter's, as ArcticInference
     takes it over its speculator's."""
-    if is_lookup(spec.name):
-        return None
-    if spec.ngram_tokens:
+    lookup = paired_lookup(spec)
+    if lookup == "ngram":
         return NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
-    if spec.suffix_tokens:
+    if lookup == "suffix":
         return SuffixProposer(spec.suffix, spec.suffix_tokens, spec.num_tokens if spec.ngram_policy == "prefer" else 0)
     return None
 

@@ -90,10 +90,6 @@ class HybridProposer(Proposer):
         return merge_tree(tree, found)
 
 
-def merge_chain(tree: DraftTree, chain: Tensor) -> DraftTree:
-    return merge_tree(tree, DraftTree.chain(chain))
-
-
 def merge_tree(tree: DraftTree, other: DraftTree) -> DraftTree:
     """The tree plus another from the same root: follow the tree while it holds the other's nodes, then append
     the rest as new nodes (after every old one, so the order stays topological)."""

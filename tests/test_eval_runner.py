@@ -24,7 +24,7 @@ from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.__main__ import typed
-from draftsmith.serve.build import load, target_info
+from draftsmith.serve.build import Loaded, load, target_info
 from draftsmith.serve.engine import Generation
 from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.target import TargetConfig
@@ -117,13 +117,17 @@ class Recorder:
         return Generation(out, Metrics(new_tokens=len(out)), "length")
 
 
+def save_eagle3(target: Loaded, folder: Path, draft: DraftShape | None = None) -> Path:
+    """An untrained eagle3 head for the target, saved as a drafter folder (made for `draft`)."""
+    head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
+    return save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), folder, draft=draft)
+
+
 def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, prompts_file, tmp_path):
     """Issue 16: spec=eagle3 spec.drafter=HEAD drafted the spec's defaults (depth 5, top-4, 12 nodes), not the depth
     1 x 3 the head was made for; the shape is now the folder's where the spec leaves it unset."""
     target = load(TargetConfig(path=str(tiny_target)))
-    head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
-    shape = DraftShape(num_tokens=1, topk=3, total_tokens=0)
-    folder = save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "head", draft=shape)
+    folder = save_eagle3(target, tmp_path / "head", DraftShape(num_tokens=1, topk=3, total_tokens=0))
     overrides = ["spec=eagle3", f"spec.drafter={folder}", "limit=1", "warmup=0", "max_new_tokens=4"]
     m = run_eval(config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides))["methods"]["eagle3"]
     assert (m["config"]["num_tokens"], m["config"]["tree"]) == (1, {"topk": 3, "total_tokens": 0})
@@ -335,8 +339,7 @@ def test_resume_refuses_edited_prompts_and_a_drafter_retrained_in_place(tiny_tar
 
     def train_head(seed: int) -> Path:
         torch.manual_seed(seed)
-        head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
-        return save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "head")
+        return save_eagle3(target, tmp_path / "head")
 
     folder, prompts = train_head(0), tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))

@@ -128,9 +128,13 @@ def test_tree_forward_equals_each_path_run_causally(model):
     assert (wrong[2] - logits[2]).abs().max() > 1e-3  # node 1 would see node 0, its sibling
 
 
-def test_merge_chain_reuses_the_trees_nodes_then_appends():
-    from draftsmith.serve.hybrid import merge_chain
+def merge_chain(tree: DraftTree, chain: torch.Tensor) -> DraftTree:
+    from draftsmith.serve.hybrid import merge_tree
 
+    return merge_tree(tree, DraftTree.chain(chain))
+
+
+def test_merge_chain_reuses_the_trees_nodes_then_appends():
     tree = DraftTree(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, -1, 0, 0]))  # root -> 5 -> {7, 8}; root -> 6
     merged = merge_chain(tree, torch.tensor([5, 8, 9, 9]))
     assert merged.tokens.tolist() == [5, 6, 7, 8, 9, 9]
