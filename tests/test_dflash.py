@@ -16,7 +16,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from safetensors import safe_open
-from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_chi2_pvalue, same_kv, spy_budgets
+from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_prefix, same_kv, spy_budgets
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter import Recipe, load_drafter, save_drafter
@@ -405,11 +405,7 @@ def test_sampled_chain_keeps_the_target_distribution(small):
         accepted += out.metrics.accepted_tokens
     assert 0.1 * len(draws) < accepted  # drafts get accepted (and rejected): both branches ran
     x = torch.tensor(draws)
-    pvalues = (
-        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
-        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
-        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
-    )
+    pvalues = joint_pvalues(x, joint)
     assert min(pvalues) > ALPHA, pvalues
 
 

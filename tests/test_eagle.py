@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
-from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_chi2_pvalue, same_kv, spy_budgets
+from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_prefix, same_kv, spy_budgets
 
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
@@ -545,11 +545,7 @@ def test_speculative_sampling_matches_plain_distribution(kind, topk, ngram, poli
         accepted += out.metrics.accepted_tokens
     assert 0.1 * len(draws) < accepted  # drafts get accepted (and rejected): both branches ran
     x = torch.tensor(draws)
-    pvalues = (
-        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
-        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
-        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
-    )
+    pvalues = joint_pvalues(x, joint)
     assert min(pvalues) > ALPHA, pvalues
     assert not ngram or proposer.merged > 0
 

@@ -497,7 +497,12 @@ def speculative_pvalues(small, n: int) -> tuple[float, float, float]:
         draws.append(out.output_ids)
         accepted += out.metrics.accepted_tokens
     assert 0.1 * n < accepted < 2 * n  # drafts get accepted and rejected: both branches ran
-    x = torch.tensor(draws)
+    return joint_pvalues(torch.tensor(draws), joint)
+
+
+def joint_pvalues(x: torch.Tensor, joint: torch.Tensor) -> tuple[float, float, float]:
+    """x [n, 3]: draws of three tokens over a vocabulary of 8; joint [8, 8, 8] their exact distribution. The
+    p-values of the first pair, the second pair, and the triple."""
     return (
         pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
         pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),

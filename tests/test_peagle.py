@@ -17,7 +17,7 @@ import torch
 from hydra import compose, initialize_config_module
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_engine import SMALL, SMALL_PROMPT, check_metrics, kv_prefix, pooled_chi2_pvalue, same_kv, spy_budgets
+from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_prefix, same_kv, spy_budgets
 from test_export import H, V, edit_weights, layer_shapes, save_tiny_tokenizer, tiny  # noqa: F401 (tiny: a fixture)
 from test_trainer import cli_args, data, run  # noqa: F401 (data: a fixture)
 
@@ -359,11 +359,7 @@ def test_sampled_chain_with_a_draft_vocabulary_matches_plain_distribution(small)
         accepted += out.metrics.accepted_tokens
     assert 0.1 * len(draws) < accepted  # drafts get accepted (and rejected): both branches ran
     x = torch.tensor(draws)
-    pvalues = (
-        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
-        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
-        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
-    )
+    pvalues = joint_pvalues(x, joint)
     assert min(pvalues) > ALPHA, pvalues
 
 

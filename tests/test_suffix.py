@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from test_eagle import make_head
-from test_engine import SMALL, check_metrics, pooled_chi2_pvalue, spy_budgets
+from test_engine import SMALL, check_metrics, joint_pvalues, spy_budgets
 from test_eval_runner import config
 
 import draftsmith.conf
@@ -322,11 +322,7 @@ def test_speculative_sampling_with_suffix_drafts_matches_plain_distribution(tree
         drafted += out.metrics.draft_tokens
     assert 0.1 * len(draws) < accepted < drafted  # drafts get accepted and rejected: both branches ran
     x = torch.tensor(draws)
-    pvalues = (
-        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
-        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
-        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
-    )
+    pvalues = joint_pvalues(x, joint)
     assert min(pvalues) > ALPHA, pvalues
 
 
