@@ -35,10 +35,10 @@ class Plan:
     rows: int  # query rows
     padded: int  # rows of the in-place GEMMs: rows * heads-per-group >= MIN_ROWS
     in_place: int  # leading blocks read straight from the cache (slot = position for every row)
-    seen: Tensor  # bool [1, in_place, 1, padded, BLOCK]: which of those slots each row attends
+    unseen: Tensor  # bool [1, in_place, 1, padded, BLOCK]: which of those slots each row does not attend
     tail: int  # further blocks, gathered per row
     tail_slots: Tensor | None  # long [rows * tail * BLOCK]: the cache slot of each tail position, row by row
-    tail_seen: Tensor | None  # bool [1, rows, tail, 1, BLOCK]
+    tail_unseen: Tensor | None  # bool [1, rows, tail, 1, BLOCK]: tail positions a row does not reach
     length: int  # cache slots read (past the cache's end: zeros)
 
 
@@ -67,23 +67,23 @@ def make_plan(visible: Tensor, group: int) -> Plan:
     padded = max(n, -(-MIN_ROWS // group))
     seen = pad_columns(visible[:, : in_place * BLOCK], in_place * BLOCK)
     seen = torch.cat([seen, seen[-1:].expand(padded - n, -1)])
-    seen = seen.view(padded, in_place, BLOCK).transpose(0, 1).reshape(1, in_place, 1, padded, BLOCK)
-    plan = Plan(n, padded, in_place, seen, blocks - in_place, None, None, max(in_place * BLOCK, visible.shape[1]))
+    unseen = ~seen.view(padded, in_place, BLOCK).transpose(0, 1).reshape(1, in_place, 1, padded, BLOCK)
+    plan = Plan(n, padded, in_place, unseen, blocks - in_place, None, None, max(in_place * BLOCK, visible.shape[1]))
     if plan.tail:
-        plan.tail_slots, plan.tail_seen = tail_slots(visible, count, in_place * BLOCK, plan.tail)
+        plan.tail_slots, plan.tail_unseen = tail_slots(visible, count, in_place * BLOCK, plan.tail)
     return plan
 
 
 def tail_slots(visible: Tensor, count: Tensor, first: int, tail: int) -> tuple[Tensor, Tensor]:
     """Per row, the slot holding each position first..first + tail*BLOCK - 1 (the row's rank-th visible slot holds
-    position rank: nodes are topologically ordered), and which of those positions the row reaches."""
+    position rank: nodes are topologically ordered), and which of those positions the row does not reach."""
     n, width = visible.shape[0], tail * BLOCK
     rank = visible.cumsum(-1) - 1
     column = torch.where(visible & (rank >= first), rank - first, width)  # width: a spill column, dropped
     out = torch.zeros(n, width + 1, dtype=torch.long, device=visible.device)
     out.scatter_(1, column, torch.arange(visible.shape[1], device=visible.device).expand(n, -1))
-    reached = first + torch.arange(width, device=visible.device) < count[:, None]
-    return out[:, :width].reshape(-1), reached.view(1, n, tail, 1, BLOCK)
+    beyond = first + torch.arange(width, device=visible.device) >= count[:, None]
+    return out[:, :width].reshape(-1), beyond.view(1, n, tail, 1, BLOCK)
 
 
 def pad_columns(t: Tensor, width: int) -> Tensor:
@@ -93,8 +93,10 @@ def pad_columns(t: Tensor, width: int) -> Tensor:
 def read_fp32(cache: Tensor, length: int, ones: bool = False) -> Tensor:
     """fp32 copy of cache slots [0, length) -> [kv, length, d (+1: a ones column)], zeros past the cache's end."""
     kv, slots, d = cache.shape[1], cache.shape[2], cache.shape[3]
-    out = torch.zeros(kv, length, d + ones, dtype=torch.float32, device=cache.device)
-    out[:, : min(slots, length), :d] = cache[0, :, :length]
+    out = torch.empty(kv, length, d + ones, dtype=torch.float32, device=cache.device)
+    filled = min(slots, length)
+    out[:, :filled, :d] = cache[0, :, :filled]
+    out[:, filled:, :d] = 0.0
     if ones:
         out[..., d] = 1.0
     return out
@@ -144,7 +146,7 @@ def in_place_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
     q = pad_rows(q, plan.padded).reshape(kv, 1, g * plan.padded, d)
     k = keys[:, : plan.in_place * BLOCK].view(kv, plan.in_place, BLOCK, d)
     s = (q @ k.transpose(-1, -2)).view(kv, plan.in_place, g, plan.padded, BLOCK)
-    return s.masked_fill_(~plan.seen, float("-inf"))
+    return s.masked_fill_(plan.unseen, float("-inf"))
 
 
 def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan, n: int) -> Tensor:
@@ -158,18 +160,17 @@ def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan, n: 
 def tail_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
     kv, g, n, d = q.shape
     heads = max(g, MIN_ROWS)  # one row's heads make one GEMM: padded to MIN_ROWS
-    q = q.transpose(1, 2)
-    q = torch.cat([q, q[:, :, -1:].expand(-1, -1, heads - g, -1)], 2) if heads > g else q
+    q = pad_rows(q.transpose(1, 2), heads)
     k = keys.index_select(1, plan.tail_slots).view(kv, n, plan.tail, BLOCK, d)
     s = q.reshape(kv, n, 1, heads, d) @ k.transpose(-1, -2)  # [kv, n, tail, heads, BLOCK]
-    return s.masked_fill_(~plan.tail_seen, float("-inf"))
+    return s.masked_fill_(plan.tail_unseen, float("-inf"))
 
 
 def tail_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan) -> Tensor:
     """-> [kv, g, n, tail, d + 1]. top [kv, g, n]; padded heads take the last head's max."""
     kv, n, tail, heads, _ = scores.shape
     g = top.shape[1]
-    m = torch.cat([top, top[:, -1:].expand(-1, heads - g, -1)], 1) if heads > g else top
-    p = (scores - m.transpose(1, 2)[:, :, None, :, None]).exp_()
+    m = pad_rows(top.transpose(1, 2), heads)  # [kv, n, heads]
+    p = (scores - m[:, :, None, :, None]).exp_()
     v = values.index_select(1, plan.tail_slots).view(kv, n, tail, BLOCK, -1)
     return (p @ v)[:, :, :, :g].permute(0, 3, 1, 2, 4)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
+from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -31,15 +32,9 @@ CONTEXT = 300  # tokens already in the cache when a step runs
 ROWS = (1, 4, 8, 16)
 
 
-@contextmanager
 def old_bf16_path():
     """The runner before bit-exact bf16: no batch-invariant plans (packed linears still run a row as two)."""
-    saved = llama.batch_invariant
-    llama.batch_invariant = lambda x: False
-    try:
-        yield
-    finally:
-        llama.batch_invariant = saved
+    return mock.patch.object(llama, "batch_invariant", lambda x: False)
 
 
 def step_time(model, rows: int) -> float:
@@ -54,15 +49,12 @@ def step_time(model, rows: int) -> float:
 
 
 def step_section(fp32, bf16, repeats: int) -> None:
-    variants = {"bf16 exact": (bf16, None), "bf16 old": (bf16, old_bf16_path), "fp32": (fp32, None)}
+    variants = {"bf16 exact": (bf16, nullcontext), "bf16 old": (bf16, old_bf16_path), "fp32": (fp32, nullcontext)}
     best = {(v, r): float("inf") for v in variants for r in ROWS}
     for i in range(repeats + 2):  # 2 warm-up rounds
         for name, (model, ctx) in variants.items():
             for rows in ROWS:
-                if ctx:
-                    with ctx():
-                        t = step_time(model, rows)
-                else:
+                with ctx():
                     t = step_time(model, rows)
                 if i >= 2:
                     best[name, rows] = min(best[name, rows], t)

@@ -153,20 +153,27 @@ def chain_spec(kind: str, drafter: Path, k: int):
     return SpecConfig(get(kind).spec, k, drafter=str(drafter), tree=TreeConfig(1, 0), choices=chain)
 
 
-def vllm_format(kind: str) -> tuple[str, str, dict]:
-    """(the kind's first export format vLLM loads, vLLM's speculative method for it, its further options)."""
+def vllm_format(kind: str, name: str | None = None) -> tuple[str, str, dict]:
+    """(the kind's format `name`, else its first export format vLLM loads; vLLM's speculative method for it; its
+    further options)."""
     from draftsmith.heads.kinds import get, resolve
 
-    f = next((name, resolve(ref)) for name, ref in get(kind).formats.items() if resolve(ref).vllm)
-    return f[0], f[1].vllm, dict(f[1].vllm_options)
+    formats = {n: resolve(ref) for n, ref in get(kind).formats.items()}
+    name = name or next(n for n, f in formats.items() if f.vllm)
+    return name, formats[name].vllm, dict(formats[name].vllm_options)
 
 
 def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len: int) -> tuple[list, object]:
     from draftsmith.serve.build import build_engine
+
+    return generate_all(build_engine(target, spec, False, max_len), prompts, max_new)
+
+
+def generate_all(engine, prompts: list[list[int]], max_new: int) -> tuple[list, object]:
+    """Greedy outputs of the prompts, one at a time, and the engine's metrics over all of them."""
     from draftsmith.serve.metrics import Metrics
     from draftsmith.serve.sampling import SamplingParams
 
-    engine = build_engine(target, spec, False, max_len)
     total, outputs = Metrics(requests=0), []
     for ids in prompts:
         g = engine.generate(ids, max_new, SamplingParams())
@@ -175,33 +182,27 @@ def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len
     return outputs, total
 
 
+FRESH = ("eagle3", "eagle", "medusa", "draft_model", "dflash", "peagle")  # dflash, peagle: issue 17 (--kinds)
+
+
 def fresh_drafters(target, folder: Path) -> dict[str, Path]:
-    """Freshly initialised drafters of every kind for the target: tau near 1 (but for the draft model, a copy of
-    the target), and the plumbing is real."""
+    """Freshly initialised drafters of these kinds for the target, built as training builds them at the default
+    sizes: tau near 1 (but for the draft model, a copy of the target), and the plumbing is real."""
     import torch
 
-    from draftsmith.heads.dflash import DFlashConfig, DFlashHead
-    from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
     from draftsmith.heads.drafter import Recipe, save_drafter
-    from draftsmith.heads.eagle import EagleConfig, EagleHead
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-    from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-    from draftsmith.heads.peagle import PEagleConfig, PEagleHead
     from draftsmith.serve.build import target_info
+    from draftsmith.train.head import HeadConfig, build_head
 
     torch.manual_seed(0)
-    c = target.model.config
-    heads = {
-        "eagle3": (Eagle3Head(cfg := Eagle3Config.from_target(c), target.model), cfg),
-        "eagle": (EagleHead(cfg := EagleConfig.from_target(c), target.model), cfg),
-        "medusa": (MedusaHeads(cfg := MedusaConfig(c.hidden_size, c.vocab_size), target.model), cfg),
-        # all the target's layers: a copy of the target, so tau must be k + 1 in both engines (counters checked)
-        "draft_model": (DraftModel(cfg := DraftModelConfig(num_layers=0), target.model), cfg),
-        "dflash": (DFlashHead(cfg := DFlashConfig.from_target(c), target.model), cfg),  # issue 17
-        "peagle": (PEagleHead(cfg := PEagleConfig.from_target(c), target.model), cfg),  # issue 17: --kinds peagle
-    }
+    # the draft model gets all the target's layers: a copy of the target, so tau must be k + 1 in both engines
+    sizes = {"draft_model": HeadConfig(num_layers=0)}
     recipe = Recipe(data="none (freshly initialised, for the cross-check's plumbing)")
-    return {k: save_drafter(h, cfg, k, target_info(target), recipe, folder / k) for k, (h, cfg) in heads.items()}
+    out = {}
+    for kind in FRESH:
+        head, config = build_head(kind, target, sizes.get(kind, HeadConfig()))
+        out[kind] = save_drafter(head, config, kind, target_info(target), recipe, folder / kind)
+    return out
 
 
 def prompts_for(target, n: int) -> list[list[int]]:
@@ -217,14 +218,19 @@ def call_vllm(args, job: dict, work: Path, name: str, mode: str = "--vllm-job") 
     job_file.write_text(json.dumps(job))
     out_file.unlink(missing_ok=True)
     log = work / f"vllm-{name}.log"
-    cmd = [args.vllm_python, __file__, mode, str(job_file), "--vllm-out", str(out_file)]
     print(f"[{name}] vLLM running (log: {log})", flush=True)
-    with open(log, "w") as f:
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": ""})
-    if done.returncode != 0 or not out_file.is_file():
+    code = in_vllm_env(args, [mode, str(job_file), "--vllm-out", str(out_file)], log)
+    if code != 0 or not out_file.is_file():
         tail = "\n".join(log.read_text().splitlines()[-25:])
-        raise RuntimeError(f"vLLM failed for {name} (exit {done.returncode}); last lines of {log}:\n{tail}")
+        raise RuntimeError(f"vLLM failed for {name} (exit {code}); last lines of {log}:\n{tail}")
     return json.loads(out_file.read_text())
+
+
+def in_vllm_env(args, argv: list[str], log: Path) -> int:
+    """Run this script with argv in vLLM's Python (not seeing draftsmith's PYTHONPATH), its output to log."""
+    cmd, env = [args.vllm_python, __file__, *argv], os.environ | {"PYTHONPATH": ""}
+    with open(log, "w") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
 
 
 def vllm_tau(counters: dict, before: dict | None = None) -> tuple[float, int]:
@@ -283,7 +289,7 @@ def main(args) -> None:
         if args.speculators and "speculators" in get(kind).formats:
             rows += speculators_rows(run, kind, drafter)
     if args.suffix:
-        rows += suffix_rows(args, target, prompts, plain, base_job, work, max_len)
+        rows += suffix_rows(run)
     report(rows, plain, args, work)
 
 
@@ -318,10 +324,9 @@ def speculators_rows(run: Runner, kind: str, drafter: Path) -> list[tuple]:
     """format=speculators, checked by the speculators package itself, then served both ways the model card
     gives (the folder alone: vLLM reads the target and the method from it, at its speculative_tokens; the target
     with the method spelled out), against draftsmith's engine on the export read back (spec.drafter=OUT)."""
-    from draftsmith.heads.kinds import get, resolve
     from draftsmith.serve.export import export
 
-    method = resolve(get(kind).formats["speculators"]).vllm
+    _, method, _ = vllm_format(kind, "speculators")
     out = export(drafter, "speculators", run.work / "exports" / f"{kind}-speculators", run.tcfg, "fp32", overwrite=True)
     print(speculators_package_check(run.args, out, run.work), flush=True)
     config = json.loads((out / "config.json").read_text())
@@ -348,40 +353,33 @@ def speculators_package_check(args, folder: Path, work: Path) -> str:
     """The speculators package (0.9.0, in vLLM's environment) reads the export: its config class validates
     config.json and Eagle3DraftModel.from_pretrained loads every tensor into the parameter of that name."""
     log = work / "speculators-check.log"
-    cmd = [args.vllm_python, __file__, "--speculators-check", str(folder)]
-    with open(log, "w") as f:
-        done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONPATH": ""})
+    code = in_vllm_env(args, ["--speculators-check", str(folder)], log)
     last = log.read_text().strip().splitlines()[-1:] or [""]
-    if done.returncode != 0:
+    if code != 0:
         raise RuntimeError(f"the speculators package refuses {folder} (log: {log}): {last[0]}")
     return last[0]
 
 
-def suffix_rows(args, target, prompts: list[list[int]], plain: list[list[int]], job: dict, work: Path, max_len: int):
+def suffix_rows(run: Runner) -> list[tuple]:
     """Suffix decoding in both engines, pass by pass (the global tree keeps every earlier answer), and the
     draft-for-draft comparison of the two implementations on the same token streams."""
     from draftsmith.serve.build import SpecConfig, build_engine
-    from draftsmith.serve.metrics import Metrics
-    from draftsmith.serve.sampling import SamplingParams
 
+    args, prompts, plain = run.args, run.prompts, run.plain
     spec = SpecConfig("suffix", args.suffix_k)
-    engine = build_engine(target, spec, False, max_len)
+    engine = build_engine(run.target, spec, False, run.max_len)
     vspec = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
-    v = call_vllm(args, job | {"speculative_config": vspec, "passes": args.passes}, work, "suffix")
+    v = call_vllm(args, run.base_job | {"speculative_config": vspec, "passes": args.passes}, run.work, "suffix")
     rows, before = [], {}
     for i, (outs, counters) in enumerate(v["per_pass"], 1):
-        total, ours = Metrics(requests=0), []
-        for ids in prompts:
-            g = engine.generate(ids, args.max_new_tokens, SamplingParams())
-            ours.append(g.output_ids)
-            total.merge(g.metrics)
+        ours, total = generate_all(engine, prompts, args.max_new_tokens)
         tau, drafts = vllm_tau(counters, before)
         before = counters
         mine = f"{total.mean_acceptance_length:.3f} ({total.drafts} drafts)"
         name = f"suffix (k={args.suffix_k}) pass {i}"
         rows.append((name, f"{tau:.3f} ({drafts} drafts)", mine, same(outs, plain), outs))
         print(f"[suffix pass {i}] draftsmith engine == plain: {same(ours, plain)}/{len(prompts)}", flush=True)
-    print(draft_agreement(args, spec, prompts, plain, work), flush=True)
+    print(draft_agreement(args, spec, prompts, plain, run.work), flush=True)
     return rows
 
 
