@@ -139,20 +139,24 @@ def spec_of(arm: Arm, methods: dict[str, SpecConfig]) -> SpecConfig:
 
 def run_all(engines: dict[Arm, Engine], prompts: list[Prompt], tokenizer, cfg: EvalConfig, journal: Journal) -> bool:
     """Every prompt through every arm, arm order rotating per prompt so none always runs first; each prompt is
-    appended to the journal once every arm has answered it (prompts it already holds are skipped: a resume).
-    Returns True when Ctrl-C cut the run short (what finished is kept)."""
+    appended to the journal once every arm has answered it. A resume skips the repeats the journal holds whole and
+    answers a partly done repeat's finished prompts again without recording them: the engines' state (prefix
+    cache, suffix decoding's global tree) is then what an uninterrupted run had. Returns True when Ctrl-C cut the
+    run short (what finished is kept)."""
     order, done = list(engines), journal.done()
     names = ", ".join(dict.fromkeys(a[0] for a in order if a[0] != "ar"))
     bar = tqdm(total=cfg.repeats * len(prompts), initial=len(done), desc=f"eval ar vs {names}", unit="prompt")
     try:
         for rep in range(cfg.repeats):
+            if all((p.id, rep) in done for p in prompts):
+                continue
             for engine in engines.values():  # each repeat starts cold, so repeats measure the same thing
                 start_cold(engine)
             for i, prompt in enumerate(prompts):
-                if (prompt.id, rep) in done:
-                    continue
                 k = (i + rep) % len(order)
                 answers = [answer(engines[arm], arm, prompt, tokenizer, cfg, rep, i) for arm in order[k:] + order[:k]]
+                if (prompt.id, rep) in done:
+                    continue
                 journal.append(
                     Unit(prompt.id, rep, [r for a in answers for r in a[0]], [s for a in answers for s in a[1]])
                 )

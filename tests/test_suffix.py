@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -416,3 +417,22 @@ def test_eval_forgets_the_warm_up_and_earlier_repeats(smollm2_dir, tmp_path):
         assert m["lossless"]["identical"] == m["lossless"]["checked"] == 4 and m["drafter_params"] == 0
         taus.append(m["tau_per_repeat"])
     assert taus[0] == taus[1] and taus[0][1] == taus[0][0], taus
+
+
+def test_a_resumed_eval_counts_what_an_uninterrupted_one_counts(smollm2_dir, tmp_path):
+    """Killed after 2 of 4 prompts, then resume=true: the finished prompts are answered again unrecorded, so
+    suffix decoding's global tree and the prefix cache hold what they held, and tau, drafts and hits match."""
+    tiny = build_tiny_chat_target(tmp_path / "t", smollm2_dir)
+    rows = [{"id": f"p{i}", "prompt": "one two three one two " * (i + 1)} for i in range(4)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [f"prompts={tmp_path / 'p.jsonl'}", "spec=suffix", "max_new_tokens=16"]
+    whole = run_eval(config(tiny, tmp_path / "whole", *args))
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    lines = (cut / "records.jsonl").read_text().splitlines(keepends=True)
+    (cut / "records.jsonl").write_text("".join(lines[:2]))  # a kill after the second prompt
+    (cut / "results.json").unlink()
+    resumed = run_eval(config(tiny, cut, *args, "resume=true"))
+    a, b = whole["methods"]["suffix"], resumed["methods"]["suffix"]
+    assert (a["mean_acceptance_length"], a["drafts"]) == (b["mean_acceptance_length"], b["drafts"])
+    assert whole["prefix_cache"]["hit_tokens"] == resumed["prefix_cache"]["hit_tokens"]
