@@ -56,12 +56,10 @@ def target(tiny_llama_dir):
     return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
 
 
-
 def make_head(kind: str, target, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     config_cls, head_cls = KINDS[kind]
     return head_cls(config_cls.from_target(target.config, **overrides), target)
-
 
 
 # ---------------------------------------------------------------- heads
@@ -280,7 +278,6 @@ def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
     assert len(set(loss_at.values())) == 3
     with pytest.raises(ValueError, match="target_temperature"):
         eagle3_loss(head, batch, ttt_steps=1, target_temperature=-1.0)
-
 
 
 @pytest.mark.parametrize("kind", KINDS)
