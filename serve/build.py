@@ -15,7 +15,7 @@ from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
 
 from .engine import Engine
-from .foreign import FOREIGN_KIND, foreign_format, load_foreign
+from .foreign import FOREIGN_KIND, foreign_format, load_foreign, recorded_depth
 from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
 from .ngram import NgramConfig, NgramProposer
@@ -99,11 +99,17 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
 
 
 def saved_shape(spec: SpecConfig) -> DraftShape:
-    """The shape spec.drafter was made for; the kind's default where it is no draftsmith drafter folder (none, a
-    plain HF model, or one the proposer's loader will refuse with its own message)."""
+    """The shape spec.drafter was made for: a draftsmith folder's recorded draft, a speculators folder's chain of
+    speculative_tokens (what vLLM drafts from it); else the kind's default (no folder, a plain HF model, a layout
+    that records no shape, or one the proposer's loader will refuse with its own message)."""
     folder = Path(spec.drafter) if spec.drafter else None
     kind = by_spec(spec.name)
-    if folder is None or not (folder / "config.json").is_file() or "kind" not in read_hf_config(folder):
+    if folder is None or not (folder / "config.json").is_file():
+        return kind.draft_shape
+    if foreign_format(folder):
+        depth = recorded_depth(folder)
+        return DraftShape(num_tokens=depth, topk=1, total_tokens=0) if depth else kind.draft_shape
+    if "kind" not in read_hf_config(folder):
         return kind.draft_shape
     return folder_shape(read_meta(folder))
 

@@ -66,6 +66,17 @@ def foreign_format(folder: Path) -> str | None:
 # ---------------------------------------------------------------- config.json
 
 
+def recorded_depth(folder: Path) -> int | None:
+    """The chain a speculators folder tells vLLM to draft (speculators_config.proposal_methods[0]
+    .speculative_tokens); None where it records none (the LlamaForCausalLMEagle3 layout records no shape)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+        depth = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return depth if isinstance(depth, int) and depth >= 1 else None
+
+
 def read_foreign(folder: Path, fmt: str) -> Foreign:
     config = json.loads((Path(folder) / "config.json").read_text())
     return read_speculators(folder, config) if fmt == "speculators" else read_specforge(folder, config)

@@ -20,7 +20,7 @@ from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve import foreign, formats, speculators
-from draftsmith.serve.build import SpecConfig, build_engine, load, load_trained
+from draftsmith.serve.build import SpecConfig, build_engine, load, load_trained, resolve_shape
 from draftsmith.serve.eagle import TreeConfig
 from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.sampling import SamplingParams
@@ -137,6 +137,17 @@ def test_vllm_drafts_the_depth_the_folder_records(tiny, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 2
     assert '"num_speculative_tokens": 2' in (out / "README.md").read_text()
+
+
+def test_read_back_it_drafts_the_depth_the_folder_records(tiny, tmp_path):
+    """spec.drafter=OUT with no shape set drafts what `vllm serve OUT` drafts: a chain of speculative_tokens, not
+    eagle3's default tree."""
+    tcfg, target, *_ = tiny
+    drafter = save_head(target, tcfg, tmp_path / "eagle3", draft=DraftShape(num_tokens=2, topk=3, total_tokens=4))
+    out = export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
+    spec = resolve_shape(SpecConfig("eagle3", drafter=str(out)))
+    assert (spec.num_tokens, spec.tree) == (2, TreeConfig(topk=1, total_tokens=0))
+    assert resolve_shape(replace(spec, num_tokens=None, tree=TreeConfig(topk=2))).tree.topk == 2  # a setting wins
 
 
 @pytest.mark.parametrize(
