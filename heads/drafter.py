@@ -99,6 +99,12 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); re-export the drafter") from e
+    if "kind" not in meta:
+        what = "/".join(meta.get("architectures") or []) or "its config.json"
+        raise ValueError(
+            f"{folder} is no draftsmith drafter folder ({what} names no draftsmith kind); an export is read back only "
+            "as an EAGLE-3 head or a plain HF draft model: pass the draftsmith drafter folder it was exported from"
+        )
     kind = KINDS.get(meta.get("kind"))
     if kind is None or not kind.trained:
         known = ", ".join(k.name for k in KINDS.values() if k.trained)

@@ -15,7 +15,7 @@ from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
 
 from .engine import Engine
-from .foreign import FOREIGN_KIND, foreign_format, load_foreign, recorded_depth
+from .foreign import FOREIGN_KIND, foreign_format, load_foreign, read_foreign, recorded_depth
 from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
 from .ngram import NgramConfig, NgramProposer
@@ -212,6 +212,8 @@ def load_trained(
     dtype: its weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab
     most frequent tokens only."""
     kind, fmt = by_spec(spec_name).name, foreign_format(folder)
+    if fmt:
+        read_foreign(folder, fmt)  # a speculators type other than eagle3 is refused as such, whatever the spec
     found = FOREIGN_KIND if fmt else read_meta(folder)["kind"]
     if found != kind:
         what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).spec}" if fmt else f"a {found} drafter"

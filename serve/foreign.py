@@ -88,7 +88,8 @@ def read_speculators(folder: Path, config: dict) -> Foreign:
     if mtype != "eagle3":
         runs = f" ({mtype} heads run in vLLM, not in draftsmith's engine)" if mtype in OTHER_SPECULATORS else ""
         raise ValueError(
-            f"{path}: speculators_model_type={mtype!r}{runs}; draftsmith reads only eagle3 speculators folders"
+            f"{path}: speculators_model_type={mtype!r}{runs}; draftsmith reads only eagle3 speculators folders: "
+            "for a draftsmith export, pass the draftsmith drafter folder it was exported from"
         )
     missing = [k for k in ("speculators_config", "transformer_layer_config", "draft_vocab_size") if k not in config]
     if "norm_before_residual" not in config:  # the engines disagree on its default: it must be spelled out

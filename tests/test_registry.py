@@ -7,6 +7,7 @@ export + validation in every format it declares, the serve commands asking for t
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +26,7 @@ from draftsmith.serve.engine import Engine
 from draftsmith.serve.export import Format, export, validate
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig, target_id
+from draftsmith.serve.target import TargetConfig, load_tokenizer, target_id
 from draftsmith.train.head import HeadConfig, build_head, head_layers
 from draftsmith.train.trainer import feature_batch, loss_for
 from helpers import PROMPTS, exact_joint
@@ -82,7 +83,7 @@ def tiny(tiny_llama_dir, tmp_path_factory):
     tcfg = TargetConfig(path=str(tdir))
     model = load_model(tdir, torch.float32, "cpu")
     info = TargetInfo(target_id(tcfg, tdir), model.config.hidden_size, model.config.vocab_size, 3)
-    return tcfg, Loaded(model, None, info.id), info
+    return tcfg, Loaded(model, load_tokenizer(tdir), info.id), info
 
 
 def one_step(kind: str, target: Loaded, seed: int = 0) -> tuple[torch.nn.Module, object, float]:
@@ -215,3 +216,22 @@ def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters
         assert steps + f"--speculative-num-draft-tokens {shape.draft_tokens() + 1}" in card
     if f.tgi:
         assert f"--speculate {shape.num_tokens}" in card
+
+
+@pytest.mark.parametrize("kind,fmt", FORMATS)
+def test_an_export_read_back_drafts_or_is_refused_with_a_fix_that_works(kind, fmt, tiny, drafters, tmp_path):
+    """spec.drafter=EXPORT with the kind's spec: it drafts, or the refusal names the folder and what it is, and a
+    spec it suggests instead loads it."""
+    _, folder = drafters(kind)
+    out = export(folder, fmt, tmp_path / "out", tiny[0], "fp32")
+    try:
+        make_proposer(SpecConfig(kinds.get(kind).spec, drafter=str(out)), tiny[1])
+        return
+    except (ValueError, FileNotFoundError) as e:
+        message = str(e)
+    assert str(out) in message and "None" not in message, message
+    suggested = re.search(r"use it with spec=(\w+)", message)
+    if suggested:
+        make_proposer(SpecConfig(suggested[1], drafter=str(out)), tiny[1])
+    else:
+        assert "the draftsmith drafter folder it was exported from" in message, message
