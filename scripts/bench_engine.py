@@ -3,9 +3,10 @@
 
 Batch 1, greedy. Sections (issue 2's acceptance figures):
   1. plain decoding, our runner vs HF transformers `generate` (fp32 / bf16) on MT-bench chat prompts
-  2. n-gram speculation vs plain decoding on copy-heavy prompts (edit code, answer from a document)
+  2. n-gram and suffix speculation vs plain decoding on copy-heavy prompts (edit code, answer from a document)
   3. prefix cache: TTFT with a ~1000-token shared document, cold vs warm
-  4. engine overhead per verify step: step time outside the target forward and the proposer
+  4. engine overhead per verify step: step time outside the target forward and the proposer (suffix decoding's
+     proposer % is its drafting cost: propose + learning each emitted token)
   5. layerskip drafts (the target's first N layers) on the chat prompts, for the record
 
 Variants run interleaved prompt by prompt (A, B, ..., then B, A, ... on the next repeat) after a
@@ -44,6 +45,7 @@ from draftsmith.serve.metrics import Metrics  # noqa: E402
 from draftsmith.serve.ngram import NgramConfig, NgramProposer  # noqa: E402
 from draftsmith.serve.prefix_cache import PrefixCache  # noqa: E402
 from draftsmith.serve.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.suffix import SuffixConfig, SuffixProposer  # noqa: E402
 from draftsmith.serve.target import SHORT_NAMES, TargetConfig, load_target, resolve_target  # noqa: E402
 
 GREEDY = SamplingParams()
@@ -129,6 +131,8 @@ class TimedEngine(Engine):
 def run_engine(engine: TimedEngine, ids: list[int], max_new: int, eos: tuple[int, ...]) -> Run:
     engine.eos_ids = eos
     engine.reset_timers()
+    if engine.proposer is not None:  # each request as if first: suffix's global tree would hold the last repeat's
+        engine.proposer.forget()
     g = engine.generate(ids, max_new, GREEDY)
     m = g.metrics
     return Run(g.output_ids, m.total_s, m.ttft_s, m, engine.steps, engine.step_s, engine.target_s, engine.proposer_s)
@@ -447,7 +451,8 @@ def hf_agreement(ours: list[int], hf: list[int], eos: set[int]) -> tuple[int, in
 
 
 def ngram_section(args, ours, tok, summary, report) -> None:
-    """Section 2: n-gram speculation vs plain decoding on copy-heavy prompts, per dtype, K grid."""
+    """Section 2: n-gram speculation (K grid) and suffix decoding (vLLM's defaults) vs plain decoding on
+    copy-heavy prompts, per dtype."""
     records = sharegpt_records(2)
     code_path = (
         Path(args.code_file) if args.code_file else Path(importlib.resources.files("draftsmith.serve")) / "verify.py"
@@ -462,6 +467,7 @@ def ngram_section(args, ours, tok, summary, report) -> None:
         for k in args.ngram_k:
             prop = NgramProposer(NgramConfig(num_tokens=k))
             engines[f"ngram k{k}"] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len)
+        engines["suffix"] = TimedEngine(model, proposer=SuffixProposer(SuffixConfig()), max_seq_len=args.max_seq_len)
         variants: list[Variant] = [
             (name, lambda ids, n, e=e: run_engine(e, ids, n, eos)) for name, e in engines.items()
         ]
@@ -501,8 +507,8 @@ def ngram_section(args, ours, tok, summary, report) -> None:
     summary["ngram"] = out
     report.append(
         table(
-            f"2. N-gram speculation vs plain decoding  (copy-heavy prompts of {out['prompt_tokens']} tokens, "
-            f"up to {args.spec_new_tokens} new, median of {args.repeats}; * = best K over both prompts)",
+            f"2. N-gram and suffix speculation vs plain decoding  (copy-heavy prompts of {out['prompt_tokens']} "
+            f"tokens, up to {args.spec_new_tokens} new, median of {args.repeats}; * = best over both prompts)",
             ["dtype", "prompt", "variant", "new tok", "tok/s", "speedup", "decode speedup", "tau", "identical"],
             rows,
         )
@@ -564,7 +570,7 @@ def overhead_report(summary, report) -> None:
     for name, o in summary.get("plain", {}).get("overhead", {}).items():
         rows.append(["chat", name, o])
     for d, entry in summary.get("ngram", {}).get("dtypes", {}).items():
-        for name in ("plain", entry["best"]):
+        for name in dict.fromkeys(("plain", entry["best"], "suffix")):
             rows.append(["copy", f"{name} {d}", entry["variants"][name]["overhead"]])
     report.append(
         table(
