@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from draftsmith.serve.__main__ import typed_or_exit
 
 from .methods import check_drafters
-from .report import ci, iv, speedup_cell, write_report
+from .report import busy, ci, iv, speedup_cell, write_report
 from .runner import EvalConfig, run_eval
 from .wandb_log import log_eval
 
@@ -60,6 +60,8 @@ def noise_lines(r: dict) -> list[str]:
     if r.get("noise", {}).get("noisy"):
         spread = r["noise"]["repeat_spread"]
         out.append(f"  NOISY: plain decoding of the same prompt varied {spread['median']:.0%} between repeats")
+    if busy(r):
+        out.append(f"  {busy(r)}")
     if r.get("skipped", {}).get("turns"):
         out.append(f"  {r['skipped']['turns']} turn(s) skipped (beyond the context): see the report")
     return out

@@ -135,6 +135,20 @@ def study(s: dict) -> str:
     return f"{text}\n\n**Finding:** {s['finding']}{check}"
 
 
+def busy(r: dict) -> str | None:
+    """A warning when other processes competed for the CPU: the run's own threads load it to about the CPU count,
+    so a 1-minute load average past 1.5x the CPUs means others. Interleaving keeps a steady competitor out of the
+    control, not out of the ratios: a speculative step (more rows, a drafter) slows differently from a plain one."""
+    env = r["environment"]
+    cpus, loads = env.get("cpu_count"), [x[0] for x in (env.get("load_before"), env.get("load_after")) if x]
+    if not cpus or not loads or max(loads) <= 1.5 * cpus:
+        return None
+    return (
+        f"BUSY: load average {max(loads):.2f} on {cpus} CPUs, other processes shared the CPU: times are inflated "
+        "and speedups may differ from an idle machine's"
+    )
+
+
 def noise(r: dict) -> str:
     """The run's own noise controls, in words."""
     env, lines = r["environment"], []
@@ -152,6 +166,8 @@ def noise(r: dict) -> str:
         lines.append(
             f"Load average (1 min) {before[0]:.2f} before and {after[0]:.2f} after, on {env.get('cpu_count')} CPUs."
         )
+    if busy(r):
+        lines.append(busy(r) + ".")
     if "study" in r and r["study"].get("control", {}).get("noisy"):
         lines.append("The 2x2 study's control failed: its finding is withheld.")
     if "study" in r and r["study"].get("control", {}).get("undefined"):

@@ -12,6 +12,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_module
 
+from draftsmith.eval.__main__ import print_headline
 from draftsmith.eval.compare import compare, main, parse_args
 from draftsmith.eval.report import write_report
 from draftsmith.eval.runner import EvalConfig, run_eval
@@ -233,3 +234,20 @@ def test_a_method_drafting_deeper_than_its_intervals_still_reports_and_plots(eva
     row = next(line for line in text.splitlines() if line.startswith("| ngram | 0.50"))
     assert row.count("|") == 5 and "0.25" in row and "0.12" in row
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == PNG
+
+
+def test_a_busy_machine_is_named_in_the_report_and_the_headline(evaluated, tmp_path, capsys):
+    """Interleaving cancels a steady competitor in the control, but not its effect on the ratios themselves (beside
+    a CPU hog the rag study's eagle3 ran 0.69x where it ran 0.94x idle): a load above 1.5x the CPUs is said."""
+    out, results = evaluated
+    env = results["environment"] | {"cpu_count": 2}
+    busy = results | {"environment": env | {"load_before": [1.5, 1.0, 1.0], "load_after": [4.1, 3.0, 2.0]}}
+    idle = results | {"environment": env | {"load_before": [0.9, 1.0, 1.0], "load_after": [2.1, 1.5, 1.0]}}
+    (tmp_path / "idle").mkdir(), (tmp_path / "busy").mkdir()
+    assert "BUSY" not in write_report(tmp_path / "idle", idle).read_text()
+    print_headline(idle)
+    assert "BUSY" not in capsys.readouterr().out
+    text = write_report(tmp_path / "busy", busy).read_text()
+    assert "BUSY: load average 4.10 on 2 CPUs" in text
+    print_headline(busy)
+    assert "BUSY: load average 4.10 on 2 CPUs" in capsys.readouterr().out
