@@ -26,7 +26,7 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
+        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # usable
         "commit": git_commit(),
     }
 

@@ -139,7 +139,7 @@ def busy(r: dict) -> str | None:
     """A warning when other processes competed for the CPU: the run's own threads load it to about the CPU count,
     so a 1-minute load average past 1.5x the CPUs means others. Interleaving keeps a steady competitor out of the
     control, not out of the ratios: a speculative step (more rows, a drafter) slows differently from a plain one."""
-    env = r["environment"]
+    env = r.get("environment") or {}
     cpus, loads = env.get("cpu_count"), [x[0] for x in (env.get("load_before"), env.get("load_after")) if x]
     if not cpus or not loads or max(loads) <= 1.5 * cpus:
         return None

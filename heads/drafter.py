@@ -99,17 +99,25 @@ def read_meta(folder: Path) -> dict:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); re-export the drafter") from e
-    if "kind" not in meta:
-        what = "/".join(meta.get("architectures") or []) or "its config.json"
-        raise ValueError(
-            f"{folder} is no draftsmith drafter folder ({what} names no draftsmith kind); an export is read back only "
-            "as an EAGLE-3 head or a plain HF draft model: pass the draftsmith drafter folder it was exported from"
-        )
-    kind = KINDS.get(meta.get("kind"))
+    if not isinstance(meta, dict) or meta.get("kind") is None:
+        raise ValueError(not_a_drafter(folder, meta))
+    kind = KINDS.get(meta["kind"]) if isinstance(meta["kind"], str) else None
     if kind is None or not kind.trained:
         known = ", ".join(k.name for k in KINDS.values() if k.trained)
         raise ValueError(f"{path}: unknown drafter kind {meta.get('kind')!r}; known: {known}")
     return meta
+
+
+def not_a_drafter(folder: Path, config: object) -> str:
+    """Why a folder whose config.json names no draftsmith kind (an export, say) is not taken as a drafter."""
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    archs = [archs] if isinstance(archs, str) else archs if isinstance(archs, list) else []
+    what = "/".join(map(str, archs)) or "its config.json"
+    return (
+        f"{folder} is no draftsmith drafter folder ({what} names no draftsmith kind): pass the draftsmith drafter "
+        "folder it was exported from (of exports, only EAGLE-3 layouts run, with spec=eagle3, and format=hf draft "
+        "models, with spec=draft)"
+    )
 
 
 def check_target(meta: dict, target: TargetInfo, folder: Path) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, read_meta
+from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, not_a_drafter, read_meta
 from draftsmith.heads.drafter import load_drafter as load_head
 from draftsmith.heads.kinds import KINDS, DraftShape, by_spec, folder_shape, get, resolve, specs
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
 
 from .engine import Engine
-from .foreign import FOREIGN_KIND, foreign_format, load_foreign, read_foreign, recorded_depth
+from .foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, load_foreign, read_foreign, recorded_depth
 from .hybrid import HybridProposer
 from .loader import load_model, read_hf_config
 from .ngram import NgramConfig, NgramProposer
@@ -106,10 +106,10 @@ def saved_shape(spec: SpecConfig) -> DraftShape:
     kind = by_spec(spec.name)
     if folder is None or not (folder / "config.json").is_file():
         return kind.draft_shape
-    if foreign_format(folder):
+    if foreign_format(folder):  # topk 1 only: a topk set without total_tokens keeps the kind's node cap
         depth = recorded_depth(folder)
-        return DraftShape(num_tokens=depth, topk=1, total_tokens=0) if depth else kind.draft_shape
-    if "kind" not in read_hf_config(folder):
+        return DraftShape(num_tokens=depth, topk=1) if depth else kind.draft_shape
+    if read_hf_config(folder).get("kind") is None:
         return kind.draft_shape
     return folder_shape(read_meta(folder))
 
@@ -178,6 +178,9 @@ def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None,
     hf = read_hf_config(folder)
     if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/foreign.py)
         return load_trained(folder, target, "draft", dtype=dtype, draft_vocab=draft_vocab)
+    archs = hf.get("architectures") or []
+    if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export
+        raise ValueError(not_a_drafter(folder, hf))
     if draft_vocab:
         raise ValueError(
             f"spec.draft_vocab needs the training answers' token counts of a draftsmith draft_model folder; "

@@ -44,7 +44,13 @@ class Engine:
     def __post_init__(self) -> None:
         tree = self.proposer.max_tree_size if self.proposer else 0
         # draft nodes sit at positions up to max_seq_len - 2 + tree: all must stay inside the model's rope table
-        self.max_seq_len = min(self.max_seq_len, self.model.config.max_position_embeddings + 1 - max(tree, 1))
+        room = self.model.config.max_position_embeddings
+        if tree >= room:
+            raise ValueError(
+                f"a draft of up to {tree} tokens ({self.proposer.name}) leaves no room in the model's "
+                f"{room}-token context: draft fewer tokens (spec.num_tokens, spec.tree.*)"
+            )
+        self.max_seq_len = min(self.max_seq_len, room + 1 - max(tree, 1))
         slots = self.max_seq_len + tree + 1
         self.cache = self.model.new_cache(slots)
         if self.proposer:

@@ -35,6 +35,7 @@ PREFIX = {"speculators": LAYER, "specforge": FLAT_LAYER}  # the head's layer in 
 OTHER_SPECULATORS = ("peagle", "dflash", "dflash2", "dspark", "mtp", "xpress")  # speculators types not run here
 TARGET_ARCHS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 TARGET_ARCHS["qwen3"] = "Qwen3ForCausalLM"
+MAX_DEPTH = 64  # a recorded speculative_tokens past this is a broken config, not a draft
 
 
 @dataclass
@@ -69,12 +70,17 @@ def foreign_format(folder: Path) -> str | None:
 def recorded_depth(folder: Path) -> int | None:
     """The chain a speculators folder tells vLLM to draft (speculators_config.proposal_methods[0]
     .speculative_tokens); None where it records none (the LlamaForCausalLMEagle3 layout records no shape)."""
+    path = Path(folder) / "config.json"
     try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-        depth = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        depth = json.loads(path.read_text())["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
         return None
-    return depth if isinstance(depth, int) and depth >= 1 else None
+    if type(depth) is not int or not 1 <= depth <= MAX_DEPTH:
+        raise ValueError(
+            f"{path}: speculators_config.proposal_methods[0].speculative_tokens={depth!r} is no draft depth "
+            f"(an integer 1..{MAX_DEPTH}): fix it, or set spec.num_tokens"
+        )
+    return depth
 
 
 def read_foreign(folder: Path, fmt: str) -> Foreign:

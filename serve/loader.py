@@ -18,9 +18,12 @@ def read_hf_config(folder: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: a target folder needs config.json and *.safetensors")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e}); re-export or re-download the model") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not an object: no model or drafter config")
+    return config
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -1,5 +1,6 @@
 """Building engines from configs: drafters that do not fit the target are refused with both names."""
 
+import json
 import shutil
 
 import pytest
@@ -48,3 +49,30 @@ def test_matching_drafter_builds_and_eos_comes_from_config_and_tokenizer(tiny, s
     engine = build_engine(target, SpecConfig("draft", 3, drafter=str(draft)), True, 256)
     assert engine.proposer.model.config.num_hidden_layers == 1
     assert eos_ids(target) == (target.tokenizer.eos_token_id,)
+
+
+@pytest.mark.parametrize("spec", ["draft", "eagle3", "medusa"])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (None, "holds a JSON NoneType, not an object"),
+        ([1, 2], "holds a JSON list, not an object"),
+        ({"kind": ["eagle3"]}, r"unknown drafter kind \['eagle3'\]"),
+        ({"kind": None}, r"no draftsmith drafter folder \(its config.json names no draftsmith kind\)"),
+        ({"architectures": "MedusaModel"}, r"\(MedusaModel names no draftsmith kind\)"),
+    ],
+)
+def test_a_config_json_that_is_no_drafter_config_is_refused_by_name(tiny, tmp_path, spec, config, message):
+    target = load(TargetConfig(path=str(tiny)))
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        build_engine(target, SpecConfig(spec, drafter=str(odd)), False, 256)
+
+
+def test_a_draft_longer_than_the_context_is_refused_as_such(tiny):
+    target = load(TargetConfig(path=str(tiny)))
+    room = target.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"a draft of up to {room} tokens \(ngram\) leaves no room"):
+        build_engine(target, SpecConfig("ngram", num_tokens=room), False, 256)

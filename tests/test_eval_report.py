@@ -251,3 +251,5 @@ def test_a_busy_machine_is_named_in_the_report_and_the_headline(evaluated, tmp_p
     assert "BUSY: load average 4.10 on 2 CPUs" in text
     print_headline(busy)
     assert "BUSY: load average 4.10 on 2 CPUs" in capsys.readouterr().out
+    print_headline(results | {"environment": None})  # an older results.json: no load, no warning, no crash
+    assert "BUSY" not in capsys.readouterr().out

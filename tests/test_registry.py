@@ -218,14 +218,15 @@ def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters
         assert f"--speculate {shape.num_tokens}" in card
 
 
+@pytest.mark.parametrize("spec", ["own", "draft"])
 @pytest.mark.parametrize("kind,fmt", FORMATS)
-def test_an_export_read_back_drafts_or_is_refused_with_a_fix_that_works(kind, fmt, tiny, drafters, tmp_path):
-    """spec.drafter=EXPORT with the kind's spec: it drafts, or the refusal names the folder and what it is, and a
-    spec it suggests instead loads it."""
+def test_an_export_read_back_drafts_or_is_refused_with_a_fix_that_works(kind, fmt, spec, tiny, drafters, tmp_path):
+    """spec.drafter=EXPORT with the kind's spec, and as a draft model: it drafts, or the refusal names the folder
+    and what it is, and a spec it suggests instead loads it."""
     _, folder = drafters(kind)
     out = export(folder, fmt, tmp_path / "out", tiny[0], "fp32")
     try:
-        make_proposer(SpecConfig(kinds.get(kind).spec, drafter=str(out)), tiny[1])
+        make_proposer(SpecConfig(kinds.get(kind).spec if spec == "own" else spec, drafter=str(out)), tiny[1])
         return
     except (ValueError, FileNotFoundError) as e:
         message = str(e)

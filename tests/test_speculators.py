@@ -146,8 +146,16 @@ def test_read_back_it_drafts_the_depth_the_folder_records(tiny, tmp_path):
     drafter = save_head(target, tcfg, tmp_path / "eagle3", draft=DraftShape(num_tokens=2, topk=3, total_tokens=4))
     out = export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
     spec = resolve_shape(SpecConfig("eagle3", drafter=str(out)))
-    assert (spec.num_tokens, spec.tree) == (2, TreeConfig(topk=1, total_tokens=0))
-    assert resolve_shape(replace(spec, num_tokens=None, tree=TreeConfig(topk=2))).tree.topk == 2  # a setting wins
+    assert (spec.num_tokens, spec.tree.topk) == (2, 1)
+    topk = resolve_shape(SpecConfig("eagle3", drafter=str(out), tree=TreeConfig(topk=4, total_tokens=None)))
+    assert (topk.num_tokens, topk.tree) == (2, TreeConfig(topk=4, total_tokens=12))  # eagle3's node cap, as ever
+    for depth in (0, -3, "3", 3.0, True, 100000):
+        edit_json(
+            out / "config.json",
+            lambda c, d=depth: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=d),
+        )
+        with pytest.raises(ValueError, match=r"speculative_tokens=.* is no draft depth \(an integer 1..64\)"):
+            resolve_shape(SpecConfig("eagle3", drafter=str(out)))
 
 
 @pytest.mark.parametrize(
