@@ -327,9 +327,12 @@ def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, pro
         runner, "answer", lambda engine, arm, prompt, *a: asked.append(prompt.id) or real(engine, arm, prompt, *a)
     )
     r = run_eval(config(tiny_target, out, *overrides, "resume=true"))
-    assert set(asked) == {"c"}  # a and b came from disk
+    # a and b are answered again, unrecorded (so the engines' state is an uninterrupted run's); their records
+    # come from disk
+    assert set(asked) == {"a", "b", "c"}
     assert r["prompts"] == 3 and r["partial"] is False
     assert r["methods"]["ngram"]["lossless"] == {"checked": 4, "identical": 4, "note": r["lossless"]["note"]}
+    assert (out / "records.jsonl").read_text().splitlines()[:2] == lines
     assert len((out / "records.jsonl").read_text().splitlines()) == 3
 
 
