@@ -10,8 +10,8 @@ import pytest
 import standin_head
 from hydra import compose, initialize_config_module
 
-from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.cli import typed
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
 from draftsmith.train import distill as distill_mod

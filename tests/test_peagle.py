@@ -27,8 +27,8 @@ from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
-from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.cli import typed
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.loader import load_model

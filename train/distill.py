@@ -425,7 +425,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from draftsmith.serve.__main__ import typed_or_exit
+    from draftsmith.serve.cli import typed_or_exit
 
     @hydra.main(config_path="../conf", config_name="distill", version_base=None)
     def _main(cfg: DictConfig) -> None:
