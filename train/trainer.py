@@ -30,6 +30,7 @@ from draftsmith.heads.drafter import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
 from draftsmith.serve.build import Loaded, load, target_info
 from draftsmith.serve.target import TargetConfig, native_bf16, pick_device
+from draftsmith.serve.wandb_run import WandbConfig
 
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts
@@ -38,7 +39,7 @@ from .data import DataConfig, data_key
 from .dataset import make_dataset, pad_id
 from .features import FeatureConfig, collate, target_states
 from .head import HeadConfig, build_head, head_layers, trained_kind
-from .log import MetricsLog, WandbConfig, Window
+from .log import MetricsLog, Window
 from .plan import Plan, warmup_cosine
 
 
