@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 
 from .proposer import Proposer
@@ -40,7 +40,7 @@ class DraftModelProposer(Proposer):
         self.cached = 0  # leading slots of self.cache that hold KV of the true sequence
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def slot_caches(self) -> list[SlotCache]:
         return [self.cache] if self.cache is not None else []
 
     def reserve(self, max_len: int) -> None:

@@ -2,7 +2,7 @@
 
 A proposer drafts a tree after each target step and is then told which path the target
 accepted, together with the target's hidden states for the tokens it just verified (what
-EAGLE-style heads feed on). State it keeps per position (a KV cache) is listed in kv_caches
+EAGLE-style heads feed on). State it keeps per position (a KV cache, a feature store) is listed in slot_caches
 so the prefix cache saves and restores it with the target's.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import SlotCache
 from draftsmith.heads.llama import ForwardOut
 
 from .sampling import SamplingParams
@@ -27,7 +27,7 @@ class Proposer:
     # through nodes it did not draft (serve/hybrid.py merges n-gram lookup into its tree)
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def slot_caches(self) -> list[SlotCache]:
         return []
 
     def reserve(self, max_len: int) -> None:
