@@ -35,7 +35,7 @@ class EagleProposer(Proposer):
         generator: torch.Generator | None = None,
     ) -> None:
         self.head, self.name, self.depth, self.tree, self.gen = head, kind, num_tokens, tree or TreeConfig(), generator
-        self.aux_layers = tuple(head.aux_layers)
+        self.target_layers = tuple(head.target_layers)
         self.vocab_ids = head.vocab_ids  # EAGLE-3: target id of each draft id
         self.max_tree_size = tree_size(self.tree, num_tokens, head.lm_head.out_features)
         self.cache: KVCache | None = None
@@ -173,7 +173,7 @@ class SlotProposer(Proposer):
 
     def __init__(self, head: nn.Module, depth: int, tree: TreeConfig | None, generator) -> None:
         self.head, self.depth, self.tree, self.gen = head, depth, tree or TreeConfig(), generator
-        self.aux_layers = tuple(head.aux_layers)
+        self.target_layers = tuple(head.target_layers)
         self.vocab_ids = head.vocab_ids  # target id of each draft id
         self.max_tree_size = tree_size(self.tree, depth, head.lm_head.out_features)
         self.cache: KVCache | None = None

@@ -50,8 +50,8 @@ class Engine:
         self.cache = self.model.new_cache(slots)
         if self.proposer:
             self.proposer.reserve(slots)
-        self.aux_layers = self.proposer.aux_layers if self.proposer else ()  # hidden states the drafter reads
-        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, self.aux_layers)
+        self.target_layers = self.proposer.target_layers if self.proposer else ()  # hidden states the drafter reads
+        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, self.target_layers)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -147,7 +147,7 @@ class Engine:
     ) -> ForwardOut:
         if self.static is not None and logit_rows is None:
             return self.static(inputs, positions, start, mask)
-        return self.model(inputs, positions, self.cache, start, mask, logit_rows, self.aux_layers)
+        return self.model(inputs, positions, self.cache, start, mask, logit_rows, self.target_layers)
 
     def reach(self, accepted: list[int], budget: int) -> int:
         """How many draft depths this step's output covers: up to the budget or an accepted EOS, whichever

@@ -47,7 +47,7 @@ class HybridProposer(Proposer):
             )
         self.drafter, self.lookup, self.policy = drafter, lookup, policy
         self.name = f"{drafter.name}+{lookup.name}"
-        self.aux_layers = drafter.aux_layers
+        self.target_layers = drafter.target_layers
         self.max_tree_size = drafter.max_tree_size + lookup.max_tree_size
         self.merged = 0  # proposals where the lookup found a draft
 

@@ -89,8 +89,8 @@ def peagle_proposer(spec: SpecConfig, target: Loaded) -> PEagleProposer:
 def check_target_layers(head: PEagleHead, target: Transformer, folder: str) -> None:
     """Refuse a drafter that reads target layers the target does not have (L: the last layer's output)."""
     n = target.config.num_hidden_layers
-    if max(head.aux_layers) > n:
+    if max(head.target_layers) > n:
         raise ValueError(
-            f"drafter {folder} reads the inputs of target layers {list(head.aux_layers)}, but the target has "
+            f"drafter {folder} reads the inputs of target layers {list(head.target_layers)}, but the target has "
             f"{n} layers (at most layer {n}): train a drafter for this target"
         )

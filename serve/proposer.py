@@ -20,7 +20,7 @@ from .tree import DraftTree
 
 class Proposer:
     name = "none"
-    aux_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
+    target_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
     max_tree_size = 0  # upper bound on nodes per proposal (the engine reserves cache slots)
     gen: torch.Generator | None = None  # draw random drafts from this; the engine sets the request's generator
     mergeable = False  # rebuilds its state from the target's outputs after each step, so it can take a path

@@ -38,7 +38,7 @@ from .batch import FeatureBatch
 from .data import DataConfig, data_key
 from .dataset import make_dataset, pad_id
 from .features import FeatureConfig, collate, target_states
-from .head import HeadConfig, build_head, head_layers, trained_kind
+from .head import HeadConfig, build_head, trained_kind
 from .log import MetricsLog, Window
 from .plan import Plan, warmup_cosine
 
@@ -132,7 +132,7 @@ def setup(cfg: RunConfig) -> Loop:
     check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
     target = load_target(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
-    layers = head_layers(cfg.head.kind, head_cfg)
+    layers = trained_kind(cfg.head.kind).target_layers(head_cfg)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
     token_counts = dataset.token_counts(target.model.config.vocab_size)  # saved with the drafter
     if hasattr(head, "set_vocab"):  # EAGLE-3's draft vocabulary: the most frequent answer tokens
