@@ -130,7 +130,7 @@ def setup(cfg: RunConfig) -> Loop:
     set_seed(tc.seed)
     loss_fn = loss_for(cfg.head.kind)
     check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
-    target = load_target(cfg.target, acc)
+    target = load_for_accelerator(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
     layers = trained_kind(cfg.head.kind).target_layers(head_cfg)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
@@ -215,7 +215,7 @@ def resolve_precision(name: str | None) -> str | None:
     return "bf16" if native_bf16(pick_device("auto")) else "no"
 
 
-def load_target(cfg: TargetConfig, acc: Accelerator) -> Loaded:
+def load_for_accelerator(cfg: TargetConfig, acc: Accelerator) -> Loaded:
     if cfg.device == "auto":  # each process uses the device accelerate gave it
         cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
     return load(cfg)
