@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from draftsmith.serve.conversations import utf8_line
+
 
 @dataclass
 class Prompt:
@@ -56,11 +58,3 @@ def parse_line(line: str, where: str) -> Prompt:
         return Prompt(str(row["id"]), [row["prompt"]], True, category)
     raise ValueError(f"{where}: needs `turns` (list of user messages) or `prompt` (non-empty raw text)")
 
-
-def utf8_line(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): save it as UTF-8"
-        ) from e

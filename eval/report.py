@@ -71,7 +71,7 @@ def lossless_cell(m: dict) -> str:
     return f"{m['lossless']['identical']}/{m['lossless']['checked']}"
 
 
-def by_category(r: dict, key: str, fmt: str) -> str:
+def category_table(r: dict, key: str, fmt: str) -> str:
     cats = list(r["by_category"])
 
     def cell(m: dict) -> str:
@@ -201,8 +201,8 @@ def render(r: dict, plots: list[Path]) -> str:
         "## Overall\n\n" + overall(r),
         intervals_line(r),
         lossless_line(r),
-        "## Speedup by category\n\n" + by_category(r, "speedup", "{:.2f}x"),
-        "## τ by category\n\n" + by_category(r, "mean_acceptance_length", "{:.2f}"),
+        "## Speedup by category\n\n" + category_table(r, "speedup", "{:.2f}x"),
+        "## τ by category\n\n" + category_table(r, "mean_acceptance_length", "{:.2f}"),
         "## Per-position acceptance\n\n" + acceptance(r),
     ]
     if "study" in r:

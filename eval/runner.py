@@ -17,7 +17,7 @@ from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
-from draftsmith.train.log import WandbConfig
+from draftsmith.serve.wandb_run import WandbConfig
 
 from .aggregate import (
     Record,

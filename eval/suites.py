@@ -62,11 +62,10 @@ def humaneval(chat: bool = False) -> list[Prompt]:
 
 def sharegpt(source: str, heldout_fraction: float, max_turns: int, max_chars: int) -> list[Prompt]:
     """User turns of the held-out ShareGPT conversations (the split training never sees)."""
-    from draftsmith.train.data import DataConfig, heldout_conversations
+    from draftsmith.serve.conversations import heldout_conversations
 
-    data = DataConfig(source=source, heldout_fraction=heldout_fraction)
     prompts = []
-    for conv in heldout_conversations(data):
+    for conv in heldout_conversations(source, heldout_fraction):
         turns = [m["content"] for m in conv.messages if m["role"] == "user"][:max_turns]
         if turns and all(t.strip() and len(t) <= max_chars for t in turns):
             prompts.append(Prompt(conv.id, turns, False, "sharegpt"))

@@ -76,11 +76,11 @@ class DraftModel(Transformer):
         self.vocab_ids = ids.to(self.lm_head.weight.device)
 
 
-def init_layers(num_layers: int, target_layers: int) -> list[int]:
+def init_layers(num_layers: int, num_target_layers: int) -> list[int]:
     """Evenly spaced target layers, first and last included: 2 of 30 -> [0, 29]."""
     if num_layers == 1:
         return [0]
-    return [round(i * (target_layers - 1) / (num_layers - 1)) for i in range(num_layers)]
+    return [round(i * (num_target_layers - 1) / (num_layers - 1)) for i in range(num_layers)]
 
 
 @torch.no_grad()

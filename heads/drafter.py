@@ -75,7 +75,7 @@ def save_drafter(
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in (weights or own_state(head)).items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"kind": kind, "target": target.id})
-        (tmp / "README.md").write_text(model_card(kind, target, config, recipe, shape))
+        (tmp / "README.md").write_text(drafter_card(kind, target, config, recipe, shape))
         if token_counts is not None:
             save_file({"counts": token_counts.detach().long().cpu().contiguous()}, str(tmp / TOKEN_COUNTS))
         move_into_place(tmp, out)
@@ -217,7 +217,7 @@ def cast_own(head: nn.Module, dtype: torch.dtype) -> nn.Module:
     return head
 
 
-def model_card(kind: str, target: TargetInfo, config, recipe: Recipe, shape: DraftShape) -> str:
+def drafter_card(kind: str, target: TargetInfo, config, recipe: Recipe, shape: DraftShape) -> str:
     acc = recipe.acceptance
     measured = (
         f"Measured: mean acceptance length {acc['mean_acceptance_length']:.2f}"

@@ -85,7 +85,7 @@ def sdpa_mask(mask: Tensor | None) -> Tensor | None:
 
 class EagleHead(HeadBase):
     shared_prefixes = ("embed_tokens.", "lm_head.")
-    aux_layers: tuple[int, ...] = ()  # EAGLE-1 reads the target's final hidden states (ForwardOut.hidden)
+    target_layers: tuple[int, ...] = ()  # EAGLE-1 reads the target's final hidden states (ForwardOut.hidden)
 
     def __init__(self, cfg: EagleConfig, target: Transformer | None = None) -> None:
         super().__init__()

@@ -105,7 +105,7 @@ class DraftVocabHead(HeadBase):
         self.register_buffer("t2d", torch.arange(cfg.vocab_size, device=dev) < cfg.draft_vocab_size)
 
     @property
-    def aux_layers(self) -> tuple[int, ...]:
+    def target_layers(self) -> tuple[int, ...]:
         return self.config.target_layers
 
     @property

@@ -84,7 +84,10 @@ class Kind:
 
     def target_layers(self, config: Any) -> tuple[int, ...]:
         """Target layers whose inputs the kind reads (a FeatureBatch's aux): its config's target_layers."""
-        return tuple(config.target_layers) if "aux" in self.features else ()
+        layers = tuple(config.target_layers) if "aux" in self.features else ()
+        if list(layers) != sorted(set(layers)):
+            raise ValueError(f"the head's target layers must be distinct and ascending, got {layers}")
+        return layers
 
     def depth_cap(self, config: dict) -> int | None:
         return config.get(self.max_depth) if self.max_depth else None

@@ -1,4 +1,5 @@
-"""Static per-sequence KV cache: one K and one V tensor per layer, indexed by position.
+"""Static per-sequence caches indexed by position: the KV cache (one K and one V tensor per layer) and the
+drafter's feature store.
 
 Rejected draft slots are simply overwritten by the next step; only an accepted path that
 is not already contiguous (a tree branch) is moved, in place.
@@ -51,3 +52,29 @@ class KVCache:
         n = blocks[0].shape[2]
         for t, b in zip((*self.k, *self.v), blocks, strict=True):
             t[:, :, start : start + n] = b
+
+
+@dataclass
+class FeatureStore:
+    """Per position, the target feature a drafter reads (EAGLE, P-EAGLE). It has KVCache's slot interface
+    (max_len, read, write), so the prefix cache saves and restores it with the KV caches."""
+
+    features: Tensor  # [max_len, hidden]
+
+    @classmethod
+    def allocate(cls, max_len: int, hidden: int, dtype, device) -> FeatureStore:
+        return cls(torch.zeros(max_len, hidden, dtype=dtype, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.features.shape[0]
+
+    def read(self, start: int, end: int) -> list[Tensor]:
+        return [self.features[start:end].clone()]
+
+    def write(self, start: int, blocks: list[Tensor]) -> None:
+        (b,) = blocks
+        self.features[start : start + b.shape[0]] = b
+
+
+SlotCache = KVCache | FeatureStore  # what the prefix cache saves and restores, slot by slot

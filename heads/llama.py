@@ -296,30 +296,30 @@ class Transformer(nn.Module):
         start: int | Tensor,
         mask: Tensor | None = None,
         logit_rows: slice | Tensor | None = None,
-        aux_layers: tuple[int, ...] = (),
+        target_layers: tuple[int, ...] = (),
     ) -> ForwardOut:
         """Run tokens [n] at `positions` [n], writing their KV to cache slots [start, start+n).
 
         mask: bool [n, start+n] (True = attend), required when n > 1 and start > 0.
         start as a tensor of n slots: the static-shape form (serve/graphs.py), mask then [n, cache.max_len].
         logit_rows: which rows get logits (the lm_head is the costliest single matmul).
-        aux_layers: layer indices whose input residual stream to return (L = last layer's output).
+        target_layers: layer indices whose input residual stream to return (L = last layer's output).
         """
         attn_mask = None if mask is None else mask.view(1, 1, *mask.shape)
-        x, aux = self.layers_forward(tokens.unsqueeze(0), positions, cache, start, attn_mask, aux_layers)
+        x, aux = self.layers_forward(tokens.unsqueeze(0), positions, cache, start, attn_mask, target_layers)
         hidden = self.model.norm(x)[0]
         rows = hidden if logit_rows is None else hidden[logit_rows]
         return ForwardOut(self.lm_head(rows).float(), hidden, [a[0] for a in aux])
 
-    def hidden_states(self, tokens: Tensor, aux_layers: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
+    def hidden_states(self, tokens: Tensor, target_layers: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
         """Training-time forward, no cache: tokens [b, n] (right-padded) -> final normed hidden [b, n, H]
         and the requested layers' inputs, causal attention from position 0."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x, aux = self.layers_forward(tokens, positions, None, 0, None, aux_layers)
+        x, aux = self.layers_forward(tokens, positions, None, 0, None, target_layers)
         return self.model.norm(x), aux
 
     def layers_forward(
-        self, tokens: Tensor, positions: Tensor, cache: KVCache | None, start: int, mask, aux_layers: tuple[int, ...]
+        self, tokens: Tensor, positions: Tensor, cache: KVCache | None, start: int, mask, target_layers: tuple[int, ...]
     ) -> tuple[Tensor, list[Tensor]]:
         x = self.model.embed_tokens(tokens)
         cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
@@ -329,10 +329,10 @@ class Transformer(nn.Module):
             mask = make_plans(mask, start, n, c.num_attention_heads // c.num_key_value_heads, x.device)
         aux = []
         for i, layer in enumerate(self.model.layers):
-            if i in aux_layers:
+            if i in target_layers:
                 aux.append(x)
             kc, vc = (cache.k[i], cache.v[i]) if cache is not None else (None, None)
             x = layer(x, cos, sin, kc, vc, start, mask)
-        if len(self.model.layers) in aux_layers:
+        if len(self.model.layers) in target_layers:
             aux.append(x)
         return x, aux

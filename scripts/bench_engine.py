@@ -39,7 +39,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model  # noqa: E402
+from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, layerskip_model  # noqa: E402
 from draftsmith.serve.engine import Engine  # noqa: E402
 from draftsmith.serve.metrics import Metrics  # noqa: E402
 from draftsmith.serve.ngram import NgramConfig, NgramProposer  # noqa: E402
@@ -375,7 +375,7 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     if "layerskip" in sections:
         for layers in args.layerskip:
             draft = layerskip_model(ours[ls_dtype], layers)
-            prop = DraftModelProposer(draft, DraftModelConfig(num_tokens=args.layerskip_k))
+            prop = DraftModelProposer(draft, DraftChainConfig(num_tokens=args.layerskip_k))
             e = TimedEngine(ours[ls_dtype], proposer=prop, max_seq_len=args.max_seq_len)
             name = f"layerskip{layers} k{args.layerskip_k} {SHORT_NAMES[ls_dtype]}"
             variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))

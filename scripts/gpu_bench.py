@@ -38,15 +38,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from bench_engine import Prompt, Run, TimedEngine, interleave, run_engine, run_hf  # noqa: E402
 
-from draftsmith.heads.draft_model import DraftModel  # noqa: E402
-from draftsmith.heads.draft_model import DraftModelConfig as DraftHeadConfig  # noqa: E402
+from draftsmith.heads.draft_model import DraftModel, DraftModelConfig  # noqa: E402
 from draftsmith.heads.drafter import cast_own  # noqa: E402
 from draftsmith.heads.eagle import EagleConfig, EagleHead  # noqa: E402
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from draftsmith.heads.llama import ModelConfig, Transformer  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from draftsmith.heads.packed import pack_linears  # noqa: E402
-from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, causal_mask  # noqa: E402
+from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, causal_mask  # noqa: E402
 from draftsmith.serve.eagle import EagleProposer, TreeConfig  # noqa: E402
 from draftsmith.serve.engine import Engine  # noqa: E402
 from draftsmith.serve.medusa import MedusaProposer  # noqa: E402
@@ -209,13 +208,13 @@ def proposers(target: Transformer, shape: Shape) -> dict[str, Proposer]:
     eagle = on_device(lambda: EagleHead(EagleConfig.from_target(c), target), target)
     eagle3 = on_device(lambda: Eagle3Head(Eagle3Config.from_target(c), target), target)
     medusa = on_device(lambda: medusa_heads(target), target)
-    draft = on_device(lambda: DraftModel(DraftHeadConfig(**shape.draft), target), target)
+    draft = on_device(lambda: DraftModel(DraftModelConfig(**shape.draft), target), target)
     return {
         "EAGLE-1 chain 4": EagleProposer(eagle, "eagle", 4, TreeConfig(topk=1)),
         "EAGLE-3 tree 5x4/12": EagleProposer(eagle3, "eagle3", 5, TreeConfig(topk=4, total_tokens=12)),
         "Medusa 4 heads": MedusaProposer(medusa, None, 4),
         f"draft model {draft.config.num_hidden_layers}L/{draft.config.hidden_size} chain 4": DraftModelProposer(
-            draft, DraftModelConfig(4)
+            draft, DraftChainConfig(4)
         ),
         "n-gram chain 4": NgramProposer(NgramConfig(num_tokens=4)),
     }

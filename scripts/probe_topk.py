@@ -67,7 +67,7 @@ def probe(folder: Path, target: Loaded, rows: list[dict], memo: dict) -> dict:
     if kind not in ("eagle", "eagle3"):
         raise ValueError(f"{folder} is a {kind} drafter; the probe reads EAGLE heads (eagle, eagle3)")
     head = load_trained(folder, target, kind, target.model, dtype=torch.float32)  # eagle, eagle3: spec = kind
-    layers = tuple(head.aux_layers)
+    layers = tuple(head.target_layers)
     hits, n = torch.zeros(len(KS), dtype=torch.long), 0
     for i, r in enumerate(rows):
         if (i, layers) not in memo:

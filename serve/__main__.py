@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+from omegaconf import DictConfig
 
 from .build import SpecConfig, build_engine, encode_chat, encode_raw, load
+from .cli import typed_or_exit
 from .sampling import SamplingParams
 from .target import TargetConfig
 
@@ -29,24 +27,6 @@ class GenerateConfig:
     prefix_cache: bool = False
     max_seq_len: int = 4096
     cuda_graphs: str = "auto"  # serve/graphs.py: auto | graphs | eager | off
-
-
-def typed(cfg: DictConfig, schema: type):
-    """Hydra config -> dataclass; unknown keys and wrong types are errors."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
-
-
-def typed_or_exit(cfg: DictConfig, schema: type, prog: str, *checks: Callable[[DictConfig], None]):
-    """typed() after `checks` of the raw config, a bad or missing setting ending the command with its one-line
-    message, not a traceback."""
-    try:
-        for check in checks:
-            check(cfg)
-        return typed(cfg, schema)
-    except MissingMandatoryValue as e:
-        sys.exit(f"{prog}: missing mandatory value: {e.full_key}; pass {e.full_key}=...")
-    except (ValueError, OmegaConfBaseException) as e:
-        sys.exit(f"{prog}: {str(e).strip().splitlines()[0]}")
 
 
 def run(cfg: GenerateConfig) -> None:

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, not_a_drafter, read_meta
-from draftsmith.heads.drafter import load_drafter as load_head
+from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_drafter, load_token_counts, not_a_drafter, read_meta
 from draftsmith.heads.kinds import KINDS, DraftShape, by_spec, folder_shape, get, resolve, specs
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
@@ -171,7 +170,7 @@ def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:
     return target.dtype
 
 
-def load_drafter(folder: Path, target: Loaded, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
+def load_draft_lm(folder: Path, target: Loaded, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
     """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see load_trained."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
@@ -225,7 +224,7 @@ def load_trained(
     if fmt:  # no draftsmith target id: checked against the target by what the folder records
         head = load_foreign(folder, fmt, m, target.target_id, dtype or m.dtype)
     else:
-        head = load_head(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
+        head = load_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
     if draft_vocab:
         head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
     pack_linears(head.eval().requires_grad_(False))

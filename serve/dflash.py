@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.dflash import DFlashHead
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
 
 from .build import Loaded, SpecConfig, spec_head
@@ -34,7 +34,7 @@ class DFlashProposer(SlotProposer):
         self.cached = 0  # context slots [0, cached) are written
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def slot_caches(self) -> list[SlotCache]:
         return [self.cache] if self.cache is not None else []
 
     def reserve(self, max_len: int) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 
 from .proposer import Proposer
@@ -25,14 +25,16 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class DraftModelConfig:
+class DraftChainConfig:
+    """The chain a draft LM or layerskip drafts (the draft LM's own sizes: heads/draft_model.DraftModelConfig)."""
+
     num_tokens: int = 4  # chain length k
 
 
 class DraftModelProposer(Proposer):
     name = "draft"
 
-    def __init__(self, model: Transformer, cfg: DraftModelConfig, generator: torch.Generator | None = None) -> None:
+    def __init__(self, model: Transformer, cfg: DraftChainConfig, generator: torch.Generator | None = None) -> None:
         self.model, self.cfg, self.gen = model, cfg, generator
         self.vocab_ids: Tensor | None = getattr(model, "vocab_ids", None)  # a draft vocabulary: target id per logit
         self.max_tree_size = cfg.num_tokens
@@ -40,7 +42,7 @@ class DraftModelProposer(Proposer):
         self.cached = 0  # leading slots of self.cache that hold KV of the true sequence
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def slot_caches(self) -> list[SlotCache]:
         return [self.cache] if self.cache is not None else []
 
     def reserve(self, max_len: int) -> None:
@@ -94,14 +96,14 @@ class DraftModelProposer(Proposer):
 
 def draft_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
     """spec=draft: an HF draft LM, or a draft_model drafter folder."""
-    from .build import draft_dtype, load_drafter  # build imports this module (through the engine)
+    from .build import draft_dtype, load_draft_lm  # build imports this module (through the engine)
 
-    model = load_drafter(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
-    return DraftModelProposer(model, DraftModelConfig(spec.num_tokens))
+    model = load_draft_lm(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
+    return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
 
 
 def layerskip_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
-    return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftModelConfig(spec.num_tokens))
+    return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftChainConfig(spec.num_tokens))
 
 
 def causal_mask(start: int, n: int, device) -> Tensor | None:

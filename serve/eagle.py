@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
 
 from .build import Loaded, SpecConfig, spec_head
@@ -35,24 +35,24 @@ class EagleProposer(Proposer):
         generator: torch.Generator | None = None,
     ) -> None:
         self.head, self.name, self.depth, self.tree, self.gen = head, kind, num_tokens, tree or TreeConfig(), generator
-        self.aux_layers = tuple(head.aux_layers)
+        self.target_layers = tuple(head.target_layers)
         self.vocab_ids = head.vocab_ids  # EAGLE-3: target id of each draft id
         self.max_tree_size = tree_size(self.tree, num_tokens, head.lm_head.out_features)
         self.cache: KVCache | None = None
-        self.store: KVCache | None = None  # per token: the target feature the head reads
+        self.store: FeatureStore | None = None  # per token: the target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
         self.feature: Tensor | None = None  # [H] the head's prediction for the pending token's feature
         self.logits: Tensor | None = None  # [1, vocab] its logits: the root's children
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def slot_caches(self) -> list[SlotCache]:
         return [self.cache, self.store] if self.cache is not None else []
 
     def reserve(self, max_len: int) -> None:
         c, w = self.head.config, self.head.fc.weight
         room = max_len + self.depth * self.tree.topk
         self.cache = KVCache.allocate(1, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
-        self.store = feature_store(room, c.hidden_size, w.dtype, w.device)
+        self.store = FeatureStore.allocate(room, c.hidden_size, w.dtype, w.device)
         if self.head.cos.shape[0] < room:  # drafts reach a few positions past the last verified one
             self.head.rope_cache(room)
 
@@ -70,12 +70,12 @@ class EagleProposer(Proposer):
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
         aux = torch.cat(target.aux, dim=-1) if target.aux else None
         feats = self.head.target_features(target.hidden, aux)
-        self.store.k[0][0, 0, first : first + feats.shape[0]] = feats
+        self.store.features[first : first + feats.shape[0]] = feats
 
     def extend(self, tokens: Tensor) -> None:
         """Real pairs (feature of token j-1, token j) into slots j in [cached, len(tokens))."""
         s, n = self.cached, tokens.numel()
-        feats = self.store.k[0][0, 0, s - 1 : n - 1]
+        feats = self.store.features[s - 1 : n - 1]
         mask = torch.ones(n - s, n, dtype=torch.bool, device=tokens.device).tril(s)
         mask[:, 0] = False
         h = self.head(feats[None], tokens[None, s:n], torch.arange(s, n, device=tokens.device), self.cache, s, mask)
@@ -144,14 +144,6 @@ def eagle_proposer(spec: SpecConfig, target: Loaded) -> EagleProposer:
     return EagleProposer(spec_head(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
 
 
-def feature_store(max_len: int, hidden: int, dtype: torch.dtype, device) -> KVCache:
-    """Per-token features as a one-layer KVCache (K: the feature, V: empty), so the prefix cache keeps them."""
-    return KVCache(
-        [torch.zeros(1, 1, max_len, hidden, dtype=dtype, device=device)],
-        [torch.zeros(1, 1, max_len, 0, dtype=dtype, device=device)],
-    )
-
-
 def rerank(tokens: Tensor, parents: Tensor, scores: Tensor, keep: int, probs: Tensor | None) -> DraftTree:
     """Keep the `keep` best nodes by cumulative log-prob. A child never scores above its parent and comes
     later, so with ties broken by index a kept node's ancestors are kept too; index order stays topological."""
@@ -181,7 +173,7 @@ class SlotProposer(Proposer):
 
     def __init__(self, head: nn.Module, depth: int, tree: TreeConfig | None, generator) -> None:
         self.head, self.depth, self.tree, self.gen = head, depth, tree or TreeConfig(), generator
-        self.aux_layers = tuple(head.aux_layers)
+        self.target_layers = tuple(head.target_layers)
         self.vocab_ids = head.vocab_ids  # target id of each draft id
         self.max_tree_size = tree_size(self.tree, depth, head.lm_head.out_features)
         self.cache: KVCache | None = None

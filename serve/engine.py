@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 
 from .draft_model import causal_mask
@@ -39,7 +40,7 @@ class Engine:
     max_seq_len: int = 4096
     salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
     cuda_graphs: str = "auto"  # decode/verify step with static shapes: auto | graphs | eager | off (serve/graphs.py)
-    cache: object = field(init=False, repr=False)
+    cache: KVCache = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         tree = self.proposer.max_tree_size if self.proposer else 0
@@ -55,8 +56,8 @@ class Engine:
         self.cache = self.model.new_cache(slots)
         if self.proposer:
             self.proposer.reserve(slots)
-        self.aux_layers = self.proposer.aux_layers if self.proposer else ()  # hidden states the drafter reads
-        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, self.aux_layers)
+        self.target_layers = self.proposer.target_layers if self.proposer else ()  # hidden states the drafter reads
+        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, self.target_layers)
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
@@ -103,7 +104,7 @@ class Engine:
 
     def prefill(self, tokens: Tensor, p: int, sp: SamplingParams, gen, m: Metrics) -> int:
         """Run the prompt (minus any prefix-cache hit) and sample the first new token."""
-        caches = [self.cache] + (self.proposer.kv_caches if self.proposer else [])
+        caches = [self.cache] + (self.proposer.slot_caches if self.proposer else [])
         prompt = tokens[:p].tolist()
         hit = self.prefix_cache.lookup(prompt, self.salt, caches) if self.prefix_cache is not None else 0
         out = self.forward(
@@ -152,7 +153,7 @@ class Engine:
     ) -> ForwardOut:
         if self.static is not None and logit_rows is None:
             return self.static(inputs, positions, start, mask)
-        return self.model(inputs, positions, self.cache, start, mask, logit_rows, self.aux_layers)
+        return self.model(inputs, positions, self.cache, start, mask, logit_rows, self.target_layers)
 
     def reach(self, accepted: list[int], budget: int) -> int:
         """How many draft depths this step's output covers: up to the budget or an accepted EOS, whichever

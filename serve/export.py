@@ -33,7 +33,7 @@ from draftsmith.heads.files import move_into_place, temp_folder_beside
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 
-from .export_card import EXPORT_MARK, model_card
+from .export_card import EXPORT_MARK, export_card
 from .loader import read_hf_config
 from .target import DTYPES, SHORT_NAMES, TargetConfig, resolve_target, target_id
 
@@ -386,7 +386,7 @@ def export(
     with temp_folder_beside(out, mode=0o755) as tmp:  # 755: an engine in a container may run as another user
         write(exp, src, f, dtype, tmp)
         token_map = TOKEN_MAP if exp.token_map is not None else None
-        (tmp / "README.md").write_text(model_card(src, fmt, dtype, out.resolve(), token_map))
+        (tmp / "README.md").write_text(export_card(src, fmt, dtype, out.resolve(), token_map))
         check_export(tmp, src, fmt)
         move_into_place(tmp, out)
     return out

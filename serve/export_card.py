@@ -95,7 +95,7 @@ def measured(recipe: dict) -> str:
     return text + f" (from {acc.get('source', 'an unnamed eval')})."
 
 
-def model_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | None = None) -> str:
+def export_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | None = None) -> str:
     meta, recipe = src.meta, src.meta.get("recipe", {})
     sizes = ", ".join(f"{k}={v}" for k, v in meta["config"].items() if k != "model")
     return (

@@ -9,7 +9,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from .__main__ import typed_or_exit
+from .cli import typed_or_exit
 from .export import ExportError, export, validate
 from .target import TargetConfig
 

@@ -49,7 +49,7 @@ class Captured:
 class StaticStep:
     model: Transformer
     cache: KVCache
-    aux_layers: tuple[int, ...] = ()
+    target_layers: tuple[int, ...] = ()
     mode: str = "eager"  # "graphs" (CUDA) or "eager"
     graphs: dict[int, Captured] = field(default_factory=dict)
 
@@ -73,7 +73,7 @@ class StaticStep:
         return g.out
 
     def run(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> ForwardOut:
-        return self.model(tokens, positions, self.cache, slots, mask, None, self.aux_layers)
+        return self.model(tokens, positions, self.cache, slots, mask, None, self.target_layers)
 
     def capture(self, tokens: Tensor, positions: Tensor, slots: Tensor, mask: Tensor) -> Captured:
         # the warm-up runs write the same KV the real step would: capturing from the real inputs is harmless
@@ -90,7 +90,9 @@ class StaticStep:
         return Captured(graph, *bufs, out)
 
 
-def make_static_step(mode: str, model: Transformer, cache: KVCache, aux_layers: tuple[int, ...]) -> StaticStep | None:
+def make_static_step(
+    mode: str, model: Transformer, cache: KVCache, target_layers: tuple[int, ...]
+) -> StaticStep | None:
     """auto: CUDA graphs on a GPU, the plain dynamic forward on CPU (where graphs do not exist and
     attending over the whole cache would only add work)."""
     if mode not in MODES:
@@ -102,4 +104,4 @@ def make_static_step(mode: str, model: Transformer, cache: KVCache, aux_layers: 
         return None
     if mode == "graphs" and not cuda:
         raise ValueError("cuda_graphs=graphs needs the target on a CUDA device; use auto, eager or off on CPU")
-    return StaticStep(model, cache, aux_layers, mode)
+    return StaticStep(model, cache, target_layers, mode)

@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import SlotCache
 from draftsmith.heads.llama import ForwardOut
 
 from .ngram import NgramProposer
@@ -47,7 +47,7 @@ class HybridProposer(Proposer):
             )
         self.drafter, self.lookup, self.policy = drafter, lookup, policy
         self.name = f"{drafter.name}+{lookup.name}"
-        self.aux_layers = drafter.aux_layers
+        self.target_layers = drafter.target_layers
         self.max_tree_size = drafter.max_tree_size + lookup.max_tree_size
         self.merged = 0  # proposals where the lookup found a draft
 
@@ -60,8 +60,8 @@ class HybridProposer(Proposer):
         self.drafter.gen = g
 
     @property
-    def kv_caches(self) -> list[KVCache]:
-        return self.drafter.kv_caches
+    def slot_caches(self) -> list[SlotCache]:
+        return self.drafter.slot_caches
 
     def reserve(self, max_len: int) -> None:
         self.drafter.reserve(max_len)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
 
 from .build import Loaded, SpecConfig, spec_head
-from .eagle import SlotProposer, feature_store
+from .eagle import SlotProposer
 from .sampling import SamplingParams
 from .tree import DraftTree, TreeConfig
 
@@ -31,18 +31,18 @@ class PEagleProposer(SlotProposer):
         self, head: PEagleHead, num_tokens: int | None = None, tree: TreeConfig | None = None, generator=None
     ) -> None:
         super().__init__(head, num_tokens or head.config.num_depths, tree, generator)
-        self.store: KVCache | None = None  # per token: the fused target feature the head reads
+        self.store: FeatureStore | None = None  # per token: the fused target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def slot_caches(self) -> list[SlotCache]:
         return [self.cache, self.store] if self.cache is not None else []
 
     def reserve(self, max_len: int) -> None:
         c, w = self.head.config, self.head.fc.weight
         room = max_len + self.depth
         self.cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
-        self.store = feature_store(room, c.hidden_size, w.dtype, w.device)
+        self.store = FeatureStore.allocate(room, c.hidden_size, w.dtype, w.device)
         self.mask_feature = self.head.mask_feature().detach()
         if self.head.cos.shape[0] < room:  # mask slots reach K-1 positions past the pending token
             self.head.rope_cache(room)
@@ -60,12 +60,12 @@ class PEagleProposer(SlotProposer):
     def keep_features(self, first: int, target: ForwardOut) -> None:
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
         feats = self.head.target_features(target.hidden, torch.cat(target.aux, dim=-1))
-        self.store.k[0][0, 0, first : first + feats.shape[0]] = feats
+        self.store.features[first : first + feats.shape[0]] = feats
 
     def draft_forward(self, tokens: Tensor) -> None:
         """Real pairs into slots [cached, n), then K-1 mask slots n.. (scratch): one forward, K rows of logits."""
         s, n, k, dev = self.cached, tokens.numel(), self.depth - 1, tokens.device
-        feats = torch.cat([self.store.k[0][0, 0, s - 1 : n - 1], self.mask_feature.expand(k, -1)])
+        feats = torch.cat([self.store.features[s - 1 : n - 1], self.mask_feature.expand(k, -1)])
         toks = torch.cat([tokens[s:n], torch.full((k,), self.head.config.mask_token_id, device=dev)])
         mask = torch.ones(n + k - s, n + k, dtype=torch.bool, device=dev).tril(s)
         mask[:, 0] = False
@@ -89,8 +89,8 @@ def peagle_proposer(spec: SpecConfig, target: Loaded) -> PEagleProposer:
 def check_target_layers(head: PEagleHead, target: Transformer, folder: str) -> None:
     """Refuse a drafter that reads target layers the target does not have (L: the last layer's output)."""
     n = target.config.num_hidden_layers
-    if max(head.aux_layers) > n:
+    if max(head.target_layers) > n:
         raise ValueError(
-            f"drafter {folder} reads the inputs of target layers {list(head.aux_layers)}, but the target has "
+            f"drafter {folder} reads the inputs of target layers {list(head.target_layers)}, but the target has "
             f"{n} layers (at most layer {n}): train a drafter for this target"
         )

@@ -1,4 +1,5 @@
-"""Prefix cache: full blocks of tokens -> saved KV of every cache of a sequence (target + drafters).
+"""Prefix cache: full blocks of tokens -> saved slots of every cache of a sequence (target + drafters: KV caches,
+feature stores).
 
 A block's key chains its parent's key, so a key names the whole prefix up to the block's end. All caches
 of a sequence are stored in the same block, so a hit restores target and drafter state together.
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import SlotCache
 
 
 def block_key(parent: int | None, tokens: tuple[int, ...], salt: str) -> int:
@@ -59,7 +60,7 @@ class PrefixCache:
         self.clear()
         self.queried_tokens = self.hit_tokens = 0
 
-    def lookup(self, tokens: Sequence[int], salt: str, caches: list[KVCache]) -> int:
+    def lookup(self, tokens: Sequence[int], salt: str, caches: list[SlotCache]) -> int:
         """Restore the longest stored prefix into caches; return its length (a multiple of block_size).
 
         At least one token is always left over, so the engine still prefills something and gets logits.
@@ -74,7 +75,7 @@ class PrefixCache:
         self.hit_tokens += hit
         return hit
 
-    def insert(self, tokens: Sequence[int], salt: str, caches: list[KVCache], upto: int | None = None) -> None:
+    def insert(self, tokens: Sequence[int], salt: str, caches: list[SlotCache], upto: int | None = None) -> None:
         """Store every full block of tokens[:upto] not stored yet, reading its slots from caches."""
         upto = len(tokens) if upto is None else upto
         if upto > len(tokens) or any(upto > c.max_len for c in caches):

@@ -2,7 +2,7 @@
 
 A proposer drafts a tree after each target step and is then told which path the target
 accepted, together with the target's hidden states for the tokens it just verified (what
-EAGLE-style heads feed on). State it keeps per position (a KV cache) is listed in kv_caches
+EAGLE-style heads feed on). State it keeps per position (a KV cache, a feature store) is listed in slot_caches
 so the prefix cache saves and restores it with the target's.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.kv_cache import SlotCache
 from draftsmith.heads.llama import ForwardOut
 
 from .sampling import SamplingParams
@@ -20,14 +20,14 @@ from .tree import DraftTree
 
 class Proposer:
     name = "none"
-    aux_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
+    target_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)
     max_tree_size = 0  # upper bound on nodes per proposal (the engine reserves cache slots)
     gen: torch.Generator | None = None  # draw random drafts from this; the engine sets the request's generator
     mergeable = False  # rebuilds its state from the target's outputs after each step, so it can take a path
     # through nodes it did not draft (serve/hybrid.py merges n-gram lookup into its tree)
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def slot_caches(self) -> list[SlotCache]:
         return []
 
     def reserve(self, max_len: int) -> None:

@@ -135,7 +135,7 @@ def head_features(target, head, ids: torch.Tensor, mask: torch.Tensor):
     from draftsmith.train.batch import FeatureBatch
 
     with torch.no_grad():
-        hidden, aux = target.hidden_states(ids, head.aux_layers)
+        hidden, aux = target.hidden_states(ids, head.target_layers)
     return FeatureBatch(ids, mask, hidden, torch.cat(aux, dim=-1) if aux else None)
 
 

@@ -11,7 +11,7 @@ from draftsmith.heads.attention import BLOCK, make_plans
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack
-from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, causal_mask, layerskip_model
+from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, causal_mask, layerskip_model
 from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.loader import load_model
@@ -165,8 +165,8 @@ def test_bf16_greedy_speculation_equals_bf16_plain(name, target, plain):
     proposer = {
         "ngram": lambda: NgramProposer(NgramConfig(num_tokens=5)),
         "eagle3-tree": lambda: eagle3_proposer(target),
-        "layerskip": lambda: DraftModelProposer(layerskip_model(target, 1), DraftModelConfig(3)),
-        "draft-self": lambda: DraftModelProposer(target, DraftModelConfig(6)),  # every draft accepted: 7-row verifies
+        "layerskip": lambda: DraftModelProposer(layerskip_model(target, 1), DraftChainConfig(3)),
+        "draft-self": lambda: DraftModelProposer(target, DraftChainConfig(6)),  # every draft accepted: 7-row verifies
     }[name]()
     engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
     drafted = 0

@@ -10,7 +10,7 @@ import torch
 
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
 from draftsmith.serve.eagle import EagleProposer, TreeConfig
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.loader import load_model
@@ -32,7 +32,7 @@ def proposer(name, target):
     if name == "ngram":
         return NgramProposer(NgramConfig(num_tokens=4))
     if name == "layerskip":
-        return DraftModelProposer(layerskip_model(target, 1), DraftModelConfig(3))
+        return DraftModelProposer(layerskip_model(target, 1), DraftChainConfig(3))
     torch.manual_seed(0)  # the same random head for the eager and the graphs engine
     if name == "eagle3-tree":  # the target's aux layers come out of the captured graph; tree masks
         head = Eagle3Head(Eagle3Config.from_target(target.config), target).to(target.device).eval()

@@ -420,7 +420,7 @@ def test_spec_config_builds_the_proposer(target, plain, tmp_path):
         composed = compose("eval", overrides=["spec=dflash", f"spec.drafter={folder}"])
     assert (composed.spec.name, composed.spec.num_tokens, composed.spec.tree.topk) == ("dflash", None, None)
     proposer = make_proposer(SpecConfig("dflash", 4, drafter=str(folder), draft_dtype="float32"), loaded)
-    assert isinstance(proposer, DFlashProposer) and proposer.aux_layers == (0, 1, 2) and proposer.max_tree_size == 4
+    assert isinstance(proposer, DFlashProposer) and proposer.target_layers == (0, 1, 2) and proposer.max_tree_size == 4
     assert proposer.head.embed_tokens is target.model.embed_tokens
     engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
     assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids

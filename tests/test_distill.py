@@ -10,12 +10,13 @@ import pytest
 import standin_head
 from hydra import compose, initialize_config_module
 
-from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.cli import typed
+from draftsmith.serve.conversations import Conversation, Skipped
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
 from draftsmith.train import distill as distill_mod
-from draftsmith.train.data import Conversation, DataConfig, DistillConfig, Skipped, data_key
+from draftsmith.train.data import DataConfig, DistillConfig, data_key
 from draftsmith.train.distill import DistillRun, answer_text, distill, distill_path, run
 from draftsmith.train.features import FeatureConfig, cache_key
 from draftsmith.train.head import HeadConfig

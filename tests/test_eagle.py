@@ -567,7 +567,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     assert (spec.num_tokens, spec.tree) == (5, TreeConfig(2, 12))
     for dtype in ("auto", "float32"):
         proposer = make_proposer(replace(spec, draft_dtype=dtype), loaded)
-        assert isinstance(proposer, EagleProposer) and proposer.aux_layers == (0, 1, 2)
+        assert isinstance(proposer, EagleProposer) and proposer.target_layers == (0, 1, 2)
         assert proposer.head.embed_tokens is target.model.embed_tokens
         bf16 = dtype == "auto" and can_pack(torch.empty(0, dtype=torch.bfloat16))  # auto: bf16 drafts on this CPU
         assert proposer.head.fc.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
@@ -575,7 +575,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
         engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
         assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids
     chain = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"])), loaded)
-    assert chain.max_tree_size == 3 and chain.aux_layers == ()
+    assert chain.max_tree_size == 3 and chain.target_layers == ()
     assert "tree=TreeConfig(topk=2, total_tokens=12)" in repr(spec)  # the prefix-cache salt sees the tree too
     with pytest.raises(ValueError, match="is a eagle drafter; spec=eagle3 needs a eagle3 drafter"):
         make_proposer(SpecConfig("eagle3", drafter=str(folders["eagle"])), loaded)

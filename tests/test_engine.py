@@ -12,7 +12,7 @@ import torch
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.serve import graphs as graphs_mod
 from draftsmith.serve import verify as verify_mod
-from draftsmith.serve.draft_model import DraftModelConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.graphs import full_mask
 from draftsmith.serve.loader import load_model
@@ -106,13 +106,13 @@ def make_proposer(name: str, target, other, noisy) -> Proposer:
     if name == "ngram":
         return NgramProposer(NgramConfig(num_tokens=4))
     if name == "draft-other":
-        return DraftModelProposer(other, DraftModelConfig(3))
+        return DraftModelProposer(other, DraftChainConfig(3))
     if name == "draft-noisy":
-        return DraftModelProposer(noisy, DraftModelConfig(4))
+        return DraftModelProposer(noisy, DraftChainConfig(4))
     if name == "draft-self":  # the target drafting for itself: every draft is accepted
-        return DraftModelProposer(target, DraftModelConfig(4))
+        return DraftModelProposer(target, DraftChainConfig(4))
     assert name == "layerskip"
-    return DraftModelProposer(layerskip_model(target, 1), DraftModelConfig(3))
+    return DraftModelProposer(layerskip_model(target, 1), DraftChainConfig(3))
 
 
 def check_metrics(m, out: list[int], k: int) -> None:
@@ -204,7 +204,7 @@ def test_eos_accepted_past_max_new_tokens_is_cut(target, plain):
     p = PROMPTS[0]
     ref = plain[tuple(p)][0].output_ids  # MAX_NEW tokens
     limit = next(i for i in range(MAX_NEW - 1, 2, -1) if ref[i] not in ref[:i] and i % 5 not in (0, 1))
-    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), eos_ids=(ref[limit],), max_seq_len=MAX_SEQ)
+    engine = Engine(target, DraftModelProposer(target, DraftChainConfig(4)), eos_ids=(ref[limit],), max_seq_len=MAX_SEQ)
     out = engine.generate(p, limit, GREEDY)  # the pass that emits token limit-1 also accepts token limit (the EOS)
     assert out.output_ids == ref[:limit] and out.finished_by == "length"
 
@@ -213,7 +213,7 @@ def test_eos_inside_an_accepted_draft_cuts_the_draft(target, plain):
     p = PROMPTS[0]
     ref = plain[tuple(p)][0].output_ids
     j = next(i for i in range(2, MAX_NEW) if ref[i] not in ref[:i] and i % 5 != 0)  # not the pass's last token
-    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), eos_ids=(ref[j],), max_seq_len=MAX_SEQ)
+    engine = Engine(target, DraftModelProposer(target, DraftChainConfig(4)), eos_ids=(ref[j],), max_seq_len=MAX_SEQ)
     out = engine.generate(p, MAX_NEW, GREEDY)
     assert out.output_ids == ref[: j + 1] and out.finished_by == "eos"
 
@@ -236,7 +236,7 @@ def test_tau_counts_only_tokens_kept_within_max_new_tokens(target, plain):
     """Issue 15: the target drafting for itself, k=4, max_new_tokens=2 reported tau 5.00 for 2 tokens. One token
     may still be emitted after the prefill's: the draft is one token deep, kept, and the bonus token is cut."""
     p = PROMPTS[0]
-    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), max_seq_len=MAX_SEQ)
+    engine = Engine(target, DraftModelProposer(target, DraftChainConfig(4)), max_seq_len=MAX_SEQ)
     out = engine.generate(p, 2, GREEDY)
     m = out.metrics
     assert out.output_ids == plain[tuple(p)][0].output_ids[:2]
@@ -295,7 +295,7 @@ def test_draft_tokens_and_acceptance_stop_at_an_accepted_eos(target, plain):
     ref = plain[tuple(p)][0].output_ids
     j = next(i for i in range(6, MAX_NEW) if ref[i] not in ref[:i] and i % 5 in (1, 2, 3))
     passes, o = (j + 4) // 5, (j - 1) % 5  # the pass that emits ref[j], at draft index o
-    engine = Engine(target, DraftModelProposer(target, DraftModelConfig(4)), eos_ids=(ref[j],), max_seq_len=MAX_SEQ)
+    engine = Engine(target, DraftModelProposer(target, DraftChainConfig(4)), eos_ids=(ref[j],), max_seq_len=MAX_SEQ)
     out = engine.generate(p, MAX_NEW, GREEDY)
     m = out.metrics
     assert out.output_ids == ref[: j + 1] and out.finished_by == "eos" and m.target_forward_passes == passes
@@ -323,7 +323,7 @@ def test_draft_model_with_a_shorter_context_than_the_target(device, tiny_llama_d
     own weights, so with a correct table every draft is accepted."""
     tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
     short = load_model(tiny_llama_dir("llama", max_position_embeddings=16), torch.float32, device)
-    engine = Engine(tgt, DraftModelProposer(short, DraftModelConfig(4)), max_seq_len=MAX_SEQ)
+    engine = Engine(tgt, DraftModelProposer(short, DraftChainConfig(4)), max_seq_len=MAX_SEQ)
     plain_engine = Engine(tgt, max_seq_len=MAX_SEQ)
     for p in PROMPTS:
         out = engine.generate(p, MAX_NEW, GREEDY)
@@ -335,7 +335,7 @@ def test_draft_model_with_a_shorter_context_than_the_target(device, tiny_llama_d
 def test_context_can_be_filled_exactly(target):
     """prompt + max_new_tokens == max_seq_len is allowed, with drafts reaching past the last position."""
     plain_engine = Engine(target)
-    for proposer in (DraftModelProposer(target, DraftModelConfig(4)), NgramProposer(NgramConfig(num_tokens=5))):
+    for proposer in (DraftModelProposer(target, DraftChainConfig(4)), NgramProposer(NgramConfig(num_tokens=5))):
         engine = Engine(target, proposer)
         assert engine.max_seq_len <= target.config.max_position_embeddings
         prompt = ([9, 10, 11] * 100)[: engine.max_seq_len - 12]
@@ -377,12 +377,12 @@ def test_prefix_cache_hits_are_lossless_and_restore_drafter_state(target, noisy)
     c = PROMPTS[2]  # an unrelated prompt that overwrites both caches' first slots
 
     def cold(prompt):
-        engine = Engine(target, DraftModelProposer(noisy, DraftModelConfig(3)), max_seq_len=MAX_SEQ)
+        engine = Engine(target, DraftModelProposer(noisy, DraftChainConfig(3)), max_seq_len=MAX_SEQ)
         out = engine.generate(prompt, 12, GREEDY)
         return out, kv_prefix(engine, len(prompt)), engine.proposer.cache.read(0, len(prompt))
 
     pc = PrefixCache(block_size=4)
-    engine = Engine(target, DraftModelProposer(noisy, DraftModelConfig(3)), prefix_cache=pc, max_seq_len=MAX_SEQ)
+    engine = Engine(target, DraftModelProposer(noisy, DraftChainConfig(3)), prefix_cache=pc, max_seq_len=MAX_SEQ)
     first = engine.generate(a, 12, GREEDY)
     assert first.metrics.prefix_hit_tokens == 0 and first.metrics.prefix_queried_tokens == len(a)
     for prompt, hit in ((c, 0), (a, 12), (c, 16), (b, 8)):
@@ -413,7 +413,7 @@ def test_prefix_cache_plain_engine(target, plain):
 
 
 def test_sampling_is_deterministic_given_a_seed(target, noisy):
-    for proposer in (None, DraftModelProposer(noisy, DraftModelConfig(3)), NgramProposer(NgramConfig())):
+    for proposer in (None, DraftModelProposer(noisy, DraftChainConfig(3)), NgramProposer(NgramConfig())):
         engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
         runs = []
         for seed in (3, None, 3, 4):  # an unseeded request in between must not disturb the seeded ones
@@ -427,7 +427,7 @@ def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
     """Issue 15: the request's generator lives on the model's device, so every draw of a T > 0 step (the draft's,
     verification's, the bonus token's) must be made there; on a GPU, every sampled draft used to fail."""
     tgt, drafter = load_model(tiny_llama_dir("llama"), torch.float32, device), load_noisy(tiny_llama_dir, device)
-    engine = Engine(tgt, DraftModelProposer(drafter, DraftModelConfig(3)), max_seq_len=MAX_SEQ)
+    engine = Engine(tgt, DraftModelProposer(drafter, DraftChainConfig(3)), max_seq_len=MAX_SEQ)
     runs = [engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=s)) for s in (3, 3, 4)]
     assert runs[0].output_ids == runs[1].output_ids != runs[2].output_ids and len(runs[0].output_ids) == 20
     m = runs[0].metrics
@@ -435,7 +435,7 @@ def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
 
 
 def test_unseeded_generate_leaves_the_global_rng_alone(target, noisy):
-    for proposer in (None, DraftModelProposer(noisy, DraftModelConfig(3))):
+    for proposer in (None, DraftModelProposer(noisy, DraftChainConfig(3))):
         engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
         torch.manual_seed(0)
         expected = torch.rand(4)
@@ -490,7 +490,7 @@ def speculative_pvalues(small, n: int) -> tuple[float, float, float]:
     """n generations of 3 tokens with a draft model (k=2): x1 comes from the prefill, x2 and x3 from the
     speculative step(s). p-values of (x1, x2), (x2, x3) and (x1, x2, x3) against the exact distribution."""
     tgt, drf, joint = small
-    engine = Engine(tgt, DraftModelProposer(drf, DraftModelConfig(2)), max_seq_len=16)
+    engine = Engine(tgt, DraftModelProposer(drf, DraftChainConfig(2)), max_seq_len=16)
     draws, accepted = [], 0
     for i in range(n):
         out = engine.generate(SMALL_PROMPT, 3, SamplingParams(temperature=1.0, seed=10_000 + i))

@@ -23,8 +23,8 @@ from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import Loaded, load, target_info
+from draftsmith.serve.cli import typed
 from draftsmith.serve.engine import Generation
 from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.target import TargetConfig

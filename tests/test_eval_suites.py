@@ -11,7 +11,7 @@ from hydra.errors import MissingConfigException
 
 from draftsmith.eval.prompts import Prompt
 from draftsmith.eval.suites import SuiteConfig, load_suite, rag, spread
-from draftsmith.train.data import DataConfig, load_conversations, split_key
+from draftsmith.serve.conversations import load_conversations, split_key
 
 
 def well_formed(prompts: list[Prompt]) -> bool:
@@ -60,7 +60,7 @@ def test_sharegpt_suite_uses_only_the_held_out_split():
     prompts = load_suite(SuiteConfig("sharegpt"))
     assert len(prompts) > 100 and well_formed(prompts)
     assert all(1 <= len(p.turns) <= 2 and all(len(t) <= 2000 for t in p.turns) for p in prompts)
-    train, _ = load_conversations(DataConfig(max_conversations=None), "train")
+    train, _ = load_conversations("sharegpt", 0.02, "train")
     trained = {split_key(c.id, "sharegpt") for c in train}
     assert not {split_key(p.id, "sharegpt") for p in prompts} & trained
 

@@ -13,8 +13,7 @@ from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, load_draf
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
-from draftsmith.serve.draft_model import DraftModelConfig as ChainConfig
-from draftsmith.serve.draft_model import DraftModelProposer
+from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.hybrid import HybridProposer
 from draftsmith.serve.loader import load_model
@@ -351,7 +350,7 @@ def test_sampling_is_deterministic_given_a_seed(target, data, trained):
     p = data[0][0]
     for proposer in (
         MedusaProposer(trained["medusa"][0]),
-        DraftModelProposer(trained["draft_model"][0], ChainConfig(3)),
+        DraftModelProposer(trained["draft_model"][0], DraftChainConfig(3)),
     ):
         engine = Engine(target, proposer, max_seq_len=64)
         runs = [engine.generate(p, 20, SamplingParams(temperature=1.0, seed=s)).output_ids for s in (3, None, 3, 4)]

@@ -74,7 +74,7 @@ def check_parity(folder: Path, tokens: torch.Tensor, cuts: list[int]) -> None:
 
     n_layers = model.config.num_hidden_layers
     cache = model.new_cache(len(tokens))
-    out = model(tokens, torch.arange(len(tokens)), cache, 0, aux_layers=(0, 1, n_layers))
+    out = model(tokens, torch.arange(len(tokens)), cache, 0, target_layers=(0, 1, n_layers))
     # HF hidden_states[i] is the input to layer i (i < L); the last entry is after the final norm.
     assert len(ref_hidden) == n_layers + 1
     assert_close(out.aux[0], ref_hidden[0])

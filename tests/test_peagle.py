@@ -27,8 +27,8 @@ from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
-from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.cli import typed
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.loader import load_model
@@ -371,7 +371,7 @@ def test_spec_config_builds_the_proposer_and_refuses_bad_folders(target, plain, 
     head = trained[2]
     folder = save_drafter(head, head.config, "peagle", tiny_info(target), Recipe(), tmp_path / "p")
     proposer = make_proposer(SpecConfig("peagle", 3, drafter=str(folder), draft_dtype="float32"), loaded)
-    assert isinstance(proposer, PEagleProposer) and proposer.depth == 3 and proposer.aux_layers == (0, 1, 2)
+    assert isinstance(proposer, PEagleProposer) and proposer.depth == 3 and proposer.target_layers == (0, 1, 2)
     assert proposer.head.embed_tokens is target.model.embed_tokens and proposer.max_tree_size == 3
     engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
     assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids

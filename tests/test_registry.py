@@ -27,7 +27,7 @@ from draftsmith.serve.export import Format, export, validate
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig, load_tokenizer, target_id
-from draftsmith.train.head import HeadConfig, build_head, head_layers
+from draftsmith.train.head import HeadConfig, build_head, trained_kind
 from draftsmith.train.trainer import feature_batch, loss_for
 from helpers import PROMPTS, exact_joint
 
@@ -94,7 +94,7 @@ def one_step(kind: str, target: Loaded, seed: int = 0) -> tuple[torch.nn.Module,
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, target.model.config.vocab_size, (2, 12), generator=g)
     batch = {"input_ids": ids, "loss_mask": (torch.arange(12) >= 3).float().expand(2, 12)}
-    fb = feature_batch(batch, target.model, head_layers(kind, config), "cpu")
+    fb = feature_batch(batch, target.model, trained_kind(kind).target_layers(config), "cpu")
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
     loss, _ = loss_for(kind)(head, fb)
     opt.zero_grad()

@@ -5,18 +5,19 @@ import json
 import pytest
 from datasets import Dataset
 
-from draftsmith.serve.target import load_tokenizer
-from draftsmith.train.chat import encode, encode_all, render
-from draftsmith.train.data import (
-    DataConfig,
-    DistillConfig,
+from draftsmith.serve.conversations import (
     Skipped,
     heldout_conversations,
     is_heldout,
     iter_rows,
+    json_array_rows,
     load_conversations,
     parse_row,
+    split_key,
 )
+from draftsmith.serve.target import load_tokenizer
+from draftsmith.train.chat import encode, encode_all, render
+from draftsmith.train.data import DataConfig, DistillConfig
 
 END = "<|im_end|>"  # SmolLM2's end-of-turn token
 
@@ -129,7 +130,7 @@ def test_sharegpt_jsonl_messages_jsonl_and_datasets_folder_parse_alike(tmp_path)
     Dataset.from_list([as_messages(r) for r in rows]).save_to_disk(str(tmp_path / "ds"))
     sources["datasets folder"] = str(tmp_path / "ds")
     for name, source in sources.items():
-        convs, skipped = load_conversations(DataConfig(source=source, heldout_fraction=0.0))
+        convs, skipped = load_conversations(source, 0.0)
         assert [c.id for c in convs] == ["a", "e"], name
         assert convs[1].messages[0] == {"role": "system", "content": "Be brief."}
         counts = skipped.counts
@@ -142,19 +143,19 @@ def test_sharegpt_jsonl_messages_jsonl_and_datasets_folder_parse_alike(tmp_path)
 def test_empty_dataset_after_filtering_is_a_clear_error(tmp_path):
     source = write_jsonl(tmp_path / "bad.jsonl", [ROWS[1], ROWS[3]])
     with pytest.raises(ValueError, match=r"no usable train conversations .*1 without an assistant turn"):
-        load_conversations(DataConfig(source=source))
+        load_conversations(source, 0.02)
     with pytest.raises(FileNotFoundError, match="neither `sharegpt`"):
-        load_conversations(DataConfig(source=str(tmp_path / "missing.jsonl")))
+        load_conversations(str(tmp_path / "missing.jsonl"), 0.02)
     (tmp_path / "broken.jsonl").write_text('{"id": 1}\n{not json\n')
     with pytest.raises(ValueError, match=r"broken.jsonl:2: not valid JSON"):
-        load_conversations(DataConfig(source=str(tmp_path / "broken.jsonl")))
+        load_conversations(str(tmp_path / "broken.jsonl"), 0.02)
 
 
 def test_a_non_utf8_byte_names_its_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(json.dumps(ROWS[0]).encode() + b"\n" + '{"id": "caf\xe9"}\n'.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9 at column 12\)"):
-        load_conversations(DataConfig(source=str(path)))
+        load_conversations(str(path), 0.02)
 
 
 def test_self_distillation_refuses_a_nan_temperature():
@@ -165,8 +166,6 @@ def test_self_distillation_refuses_a_nan_temperature():
 def test_a_truncated_json_array_is_read_up_to_the_cut_and_counted(tmp_path):
     text = json.dumps([ROWS[0], ROWS[4]], indent=1)
     (tmp_path / "cut.json").write_text(text[: text.index('"e"') + 40])
-    from draftsmith.train.data import json_array_rows
-
     skipped = Skipped()
     rows = list(json_array_rows(tmp_path / "cut.json", skipped, chunk=16))
     assert [r["id"] for r in rows] == ["a"] and skipped.counts == {"truncated at the end of the file": 1}
@@ -177,23 +176,20 @@ def test_split_is_deterministic_disjoint_and_independent_of_limits(tmp_path):
         {"id": f"c{i}", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
         for i in range(400)
     ]
-    cfg = DataConfig(source=write_jsonl(tmp_path / "many.jsonl", rows), heldout_fraction=0.1, max_conversations=None)
-    train = [c.id for c in load_conversations(cfg)[0]]
-    held = [c.id for c in heldout_conversations(cfg)]
+    source = write_jsonl(tmp_path / "many.jsonl", rows)
+    train = [c.id for c in load_conversations(source, 0.1)[0]]
+    held = [c.id for c in heldout_conversations(source, 0.1)]
     assert not set(train) & set(held) and len(train) + len(held) == 400
     assert 20 <= len(held) <= 60
-    assert held == [c.id for c in heldout_conversations(cfg)]  # the same on every call
-    limited = DataConfig(**{**vars(cfg), "max_conversations": 50})
-    assert [c.id for c in load_conversations(limited)[0]] == train[:50]
-    assert [c.id for c in heldout_conversations(cfg, limit=5)] == held[:5]
+    assert held == [c.id for c in heldout_conversations(source, 0.1)]  # the same on every call
+    assert [c.id for c in load_conversations(source, 0.1, limit=50)[0]] == train[:50]
+    assert [c.id for c in heldout_conversations(source, 0.1, limit=5)] == held[:5]
     # ShareGPT's parts of one long chat (id_0, id_1, ...) land on the same side
-    from draftsmith.train.data import split_key
-
     assert {is_heldout(split_key(f"xyz_{i}", "sharegpt"), 0.5) for i in range(10)} in ({True}, {False})
 
 
 def test_sharegpt_source_streams_with_a_limit():
-    convs, skipped = load_conversations(DataConfig(max_conversations=30, heldout_fraction=0.02))
+    convs, skipped = load_conversations("sharegpt", 0.02, limit=30)
     assert len(convs) == 30 and all(any(m["role"] == "assistant" for m in c.messages) for c in convs)
     assert "truncated" not in str(skipped)  # stopped long before the end of the file
 
@@ -230,4 +226,4 @@ def test_nothing_held_out_gives_no_acceptance_prompts_instead_of_an_error(tmp_pa
     cfg = DataConfig(source=write_jsonl(tmp_path / "few.jsonl", rows), heldout_fraction=0.0)
     assert heldout_prompts(cfg, tokenizer, 4, 64) == []
     with pytest.raises(ValueError, match="no usable heldout conversations"):
-        heldout_conversations(cfg)  # an eval suite drawn from it still needs some
+        heldout_conversations(cfg.source, cfg.heldout_fraction)  # an eval suite drawn from it still needs some

@@ -21,8 +21,8 @@ from draftsmith.heads import kinds
 from draftsmith.heads.drafter import load_drafter, load_token_counts
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.llama import Transformer
-from draftsmith.serve.__main__ import typed
 from draftsmith.serve.build import load, resolve_shape, target_info
+from draftsmith.serve.cli import typed
 from draftsmith.serve.target import TargetConfig, native_bf16
 from draftsmith.train import acceptance as acceptance_mod
 from draftsmith.train import features as features_mod

@@ -15,17 +15,18 @@ from torch import nn
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape, get
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, target_info
+from draftsmith.serve.conversations import heldout_conversations
 from draftsmith.serve.metrics import Metrics
 from draftsmith.serve.sampling import SamplingParams
 
-from .data import DataConfig, heldout_conversations
+from .data import DataConfig
 
 
 def heldout_prompts(data: DataConfig, tokenizer, n: int, max_tokens: int) -> list[list[int]]:
     """The first user turns of up to n held-out conversations, chat-encoded, that fit in max_tokens; none when
     nothing is held out (the trainer then turns its acceptance eval off)."""
     prompts = []
-    for conv in heldout_conversations(data, limit=4 * n, required=False):
+    for conv in heldout_conversations(data.source, data.heldout_fraction, limit=4 * n, required=False):
         first = next((m for m in conv.messages if m["role"] == "user"), None)
         ids = encode_chat(tokenizer, [first]) if first else []
         if 0 < len(ids) <= max_tokens:

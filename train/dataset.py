@@ -10,9 +10,9 @@ from accelerate import Accelerator
 from torch.utils.data import Dataset
 
 from draftsmith.serve.build import Loaded
+from draftsmith.serve.conversations import load_conversations
 
 from .chat import encode_all
-from .data import load_conversations
 from .distill import distill, distill_path
 from .features import (
     MANIFEST,
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def make_examples(cfg: RunConfig, target: Loaded, acc: Accelerator, say) -> tuple[list, str]:
     data = cfg.data
-    convs, skipped = load_conversations(data)
+    convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
     if data.self_distill:  # the target's own answers (generated once, then reused from the file)
         path = distill_path(data, target, cfg.target.cache_dir)
         say(f"self-distillation: {target.target_id}'s answers to {len(convs)} conversations, in {path}")

@@ -35,11 +35,12 @@ from tqdm import tqdm
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids
+from draftsmith.serve.conversations import Conversation, Skipped
 from draftsmith.serve.draft_model import causal_mask
 from draftsmith.serve.sampling import SamplingParams, pick
 from draftsmith.serve.target import TargetConfig, keyed_cache_path
 
-from .data import ANSWER_FIELDS, Conversation, DataConfig, DistillConfig, Skipped
+from .data import ANSWER_FIELDS, DataConfig, DistillConfig
 from .features import source_stamp
 from .jsonl import complete_rows
 
@@ -409,10 +410,10 @@ class DistillRun:
 
 def run(cfg: DistillRun) -> Path:
     from draftsmith.serve.build import load
+    from draftsmith.serve.conversations import load_conversations
 
-    from .data import load_conversations
-
-    convs, skipped = load_conversations(cfg.data)
+    data = cfg.data
+    convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
     target = load(cfg.target)
     path = distill_path(cfg.data, target, cfg.target.cache_dir)
     out = distill(convs, target, cfg.data.distill, path, cfg.data.max_length, skipped)
@@ -425,7 +426,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from draftsmith.serve.__main__ import typed_or_exit
+    from draftsmith.serve.cli import typed_or_exit
 
     @hydra.main(config_path="../conf", config_name="distill", version_base=None)
     def _main(cfg: DictConfig) -> None:

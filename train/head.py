@@ -80,10 +80,3 @@ def head_config(kind: str, cfg: HeadConfig, target: ModelConfig):
         names = [f.name for f in fields(config_cls)]
         raise ValueError(f"head={kind}: {e}; its config takes {', '.join(names)}") from e
 
-
-def head_layers(kind: str, config) -> tuple[int, ...]:
-    """Target layers whose inputs the kind's head reads (FeatureBatch.aux), from its config."""
-    layers = trained_kind(kind).target_layers(config)
-    if list(layers) != sorted(set(layers)):
-        raise ValueError(f"the head's target layers must be distinct and ascending, got {layers}")
-    return layers

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from draftsmith.serve.wandb_run import start_wandb
+
 from .jsonl import complete_rows
-
-
-@dataclass
-class WandbConfig:
-    enabled: bool = True
-    project: str = "draftsmith"
-    name: str | None = None  # default: <head>-<target>-<train preset>
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
 
 
 class MetricsLog:
@@ -56,23 +48,6 @@ def truncate_after(path: Path, step: int) -> None:
     bad = "is not a metrics row (a JSON object with an integer step): delete that line, then resume again"
     rows, _ = complete_rows(path.read_bytes(), path, lambda row: isinstance(row.get("step", 0), int), bad)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows if row.get("step", 0) <= step))
-
-
-def start_wandb(out: Path, cfg, run_config: dict, name: str, tags: list[str], run_id: str | None):
-    import wandb
-
-    return wandb.init(
-        project=cfg.project,
-        name=cfg.name or name,
-        tags=[*tags, *cfg.tags],
-        group=cfg.group,
-        config=run_config,
-        dir=str(out),
-        id=run_id,
-        resume="allow" if run_id else None,
-        mode=os.environ.get("WANDB_MODE") or "offline",
-        settings=wandb.Settings(quiet=True),
-    )
 
 
 @dataclass

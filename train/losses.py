@@ -69,7 +69,7 @@ def eagle3_loss(
             f"head.loss.target_temperature must be >= 0 (0 = the target's top token), got {target_temperature}"
         )
     if batch.aux is None:
-        raise ValueError(f"eagle3_loss needs batch.aux: the target's inputs to layers {head.aux_layers}")
+        raise ValueError(f"eagle3_loss needs batch.aux: the target's inputs to layers {head.target_layers}")
     ids, n = batch.input_ids, batch.input_ids.shape[1]
     if n < 3:
         raise ValueError(f"EAGLE needs sequences of >= 3 tokens (a pair and the token it predicts), got {n}")

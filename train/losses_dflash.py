@@ -46,7 +46,7 @@ def dflash_loss(
             f"{decay_gamma} and {target_temperature}"
         )
     if batch.aux is None:
-        raise ValueError(f"dflash_loss needs batch.aux: the target's inputs to layers {head.aux_layers}")
+        raise ValueError(f"dflash_loss needs batch.aux: the target's inputs to layers {head.target_layers}")
     ids, n, s = batch.input_ids, batch.input_ids.shape[1], head.config.block_size
     if n < 3:
         raise ValueError(f"DFlash needs sequences of >= 3 tokens (context, an anchor and a token after), got {n}")

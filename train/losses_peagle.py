@@ -60,7 +60,7 @@ def peagle_loss(
             f"head.loss.target_temperature must be >= 0 (0 = the target's top token), got {target_temperature}"
         )
     if batch.aux is None:
-        raise ValueError(f"peagle_loss needs batch.aux: the target's inputs to layers {head.aux_layers}")
+        raise ValueError(f"peagle_loss needs batch.aux: the target's inputs to layers {head.target_layers}")
     ids, depths = batch.input_ids, head.config.num_depths
     b, n = ids.shape
     if n < 3:

@@ -30,6 +30,7 @@ from draftsmith.heads.drafter import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
 from draftsmith.serve.build import Loaded, load, target_info
 from draftsmith.serve.target import TargetConfig, native_bf16, pick_device
+from draftsmith.serve.wandb_run import WandbConfig
 
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts
@@ -37,8 +38,8 @@ from .batch import FeatureBatch
 from .data import DataConfig, data_key
 from .dataset import make_dataset, pad_id
 from .features import FeatureConfig, collate, target_states
-from .head import HeadConfig, build_head, head_layers, trained_kind
-from .log import MetricsLog, WandbConfig, Window
+from .head import HeadConfig, build_head, trained_kind
+from .log import MetricsLog, Window
 from .plan import Plan, warmup_cosine
 
 
@@ -129,9 +130,9 @@ def setup(cfg: RunConfig) -> Loop:
     set_seed(tc.seed)
     loss_fn = loss_for(cfg.head.kind)
     check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
-    target = load_target(cfg.target, acc)
+    target = load_for_accelerator(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
-    layers = head_layers(cfg.head.kind, head_cfg)
+    layers = trained_kind(cfg.head.kind).target_layers(head_cfg)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
     token_counts = dataset.token_counts(target.model.config.vocab_size)  # saved with the drafter
     if hasattr(head, "set_vocab"):  # EAGLE-3's draft vocabulary: the most frequent answer tokens
@@ -214,7 +215,7 @@ def resolve_precision(name: str | None) -> str | None:
     return "bf16" if native_bf16(pick_device("auto")) else "no"
 
 
-def load_target(cfg: TargetConfig, acc: Accelerator) -> Loaded:
+def load_for_accelerator(cfg: TargetConfig, acc: Accelerator) -> Loaded:
     if cfg.device == "auto":  # each process uses the device accelerate gave it
         cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
     return load(cfg)

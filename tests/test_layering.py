@@ -1,0 +1,77 @@
+"""Imports follow docs/design.md: heads <- serve <- train, heads <- serve <- eval; nothing imports a __main__.
+
+Every import statement in the packages' files is read with `ast` (those inside functions and TYPE_CHECKING blocks
+too), relative ones resolved against the file's package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ALLOWED = {
+    "heads": {"heads"},
+    "serve": {"heads", "serve"},
+    "train": {"heads", "serve", "train"},
+    "eval": {"heads", "serve", "eval"},
+}
+
+
+def imported(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module) of each import statement in the file, one per module it names: `from X import a`
+    names X.a too, so a module imported by name (`from . import __main__`) is seen."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative to draftsmith.<package>
+                parts = ["draftsmith", package][: 3 - node.level]
+                base = ".".join(parts + ([base] if base else []))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return out
+
+
+def refusal(package: str, module: str) -> str | None:
+    parts = module.split(".")
+    if "__main__" in parts:
+        return "a __main__ module"
+    if parts[0] == "draftsmith" and len(parts) > 1 and parts[1] in ALLOWED and parts[1] not in ALLOWED[package]:
+        return f"{package} may import only {', '.join(sorted(ALLOWED[package]))}"
+    return None
+
+
+def violations(package: str) -> list[str]:
+    """One line per import statement that breaks the layers: file:line, the module and why."""
+    bad = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for line, module in imported(path, package):
+            why = refusal(package, module)
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if why and where not in bad:
+                bad[where] = f"{where} imports {module} ({why})"
+    return list(bad.values())
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_imports_follow_the_layers(package):
+    assert violations(package) == []
+
+
+def test_the_walk_sees_what_it_should_refuse(tmp_path, monkeypatch):
+    pkg = tmp_path / "heads"
+    pkg.mkdir()
+    (pkg / "x.py").write_text(
+        "from draftsmith.serve.build import load\n"
+        "def f():\n    from ..train import log\n"
+        "from .__main__ import main\n"
+        "from draftsmith.eval import __main__\n"
+        "import draftsmith.heads.llama\n"
+    )
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    found = violations("heads")
+    assert len(found) == 4 and not any("heads.llama" in v for v in found)
+    assert any("draftsmith.train" in v for v in found) and any("draftsmith.heads.__main__" in v for v in found)
