@@ -58,8 +58,8 @@ def print_headline(r: dict) -> None:
 def noise_lines(r: dict) -> list[str]:
     out = []
     if r.get("noise", {}).get("noisy"):
-        spread = r["noise"]["repeat_spread"]
-        out.append(f"  NOISY: plain decoding of the same prompt varied {spread['median']:.0%} between repeats")
+        repeat_spread = r["noise"]["repeat_spread"]
+        out.append(f"  NOISY: plain decoding of the same prompt varied {repeat_spread['median']:.0%} between repeats")
     if busy(r):
         out.append(f"  {busy(r)}")
     if r.get("skipped", {}).get("turns"):

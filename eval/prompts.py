@@ -26,7 +26,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
         line = utf8_line(raw, f"{path}:{lineno}")
         if line.strip():
-            prompts.append(parse_line(line, f"{path}:{lineno}"))
+            prompts.append(parse_prompt(line, f"{path}:{lineno}"))
     if not prompts:
         raise ValueError(f"prompts file {path} is empty: add JSON lines with `id` and `turns` or `prompt`")
     ids = [p.id for p in prompts]
@@ -41,7 +41,7 @@ def prompts_hash(prompts: list[Prompt]) -> str:
     return hashlib.sha256(json.dumps([asdict(p) for p in prompts], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def parse_line(line: str, where: str) -> Prompt:
+def parse_prompt(line: str, where: str) -> Prompt:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:

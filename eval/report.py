@@ -149,15 +149,15 @@ def busy(r: dict) -> str | None:
     )
 
 
-def noise(r: dict) -> str:
+def noise_text(r: dict) -> str:
     """The run's own noise controls, in words."""
     env, lines = r["environment"], []
-    spread = (r.get("noise") or {}).get("repeat_spread")
-    if spread:
+    repeat_spread = (r.get("noise") or {}).get("repeat_spread")
+    if repeat_spread:
         verdict = "the machine was noisy: compare with care" if r["noise"]["noisy"] else "steady"
         lines.append(
-            f"Plain decoding's time per token for the same prompt varied by a median {spread['median']:.1%} "
-            f"(max {spread['max']:.1%}) between repeats over {spread['prompts']} prompts: {verdict}."
+            f"Plain decoding's time per token for the same prompt varied by a median {repeat_spread['median']:.1%} "
+            f"(max {repeat_spread['max']:.1%}) between repeats over {repeat_spread['prompts']} prompts: {verdict}."
         )
     else:
         lines.append("One repeat: no repeat-to-repeat control (use repeats=2 or more).")
@@ -184,7 +184,7 @@ def skipped(r: dict) -> str:
     return head + table(["prompt", "turn", "method", "why"], rows)
 
 
-def environment(r: dict) -> str:
+def environment_table(r: dict) -> str:
     env = r["environment"]
     keys = ("device", "cpu_flags", "gpu", "dtype", "torch", "python", "threads", "cpu_count", "commit")
     rows = [["machine", describe(env)]] + [[k, env.get(k, "")] for k in keys]
@@ -207,10 +207,10 @@ def render(r: dict, plots: list[Path]) -> str:
     ]
     if "study" in r:
         parts.append("## Prefix cache x speculation\n\n" + study(r["study"]))
-    parts.append("## Noise\n\n" + noise(r))
+    parts.append("## Noise\n\n" + noise_text(r))
     parts.append("## Skipped turns\n\n" + skipped(r))
     parts.append("## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots))
-    parts.append("## Environment\n\n" + environment(r))
+    parts.append("## Environment\n\n" + environment_table(r))
     return "\n\n".join(parts) + "\n"
 
 

@@ -315,9 +315,9 @@ def summarize(
 
 def noise(base: list[Record]) -> dict:
     """The control every eval carries: how much plain decoding of the same prompt varied between repeats."""
-    spread = repeat_spread(base)
-    noisy = spread is not None and spread["median"] > NOISY_SPREAD
-    return {"repeat_spread": spread, "noisy": noisy, "threshold": NOISY_SPREAD}
+    summary = repeat_spread(base)
+    noisy = summary is not None and summary["median"] > NOISY_SPREAD
+    return {"repeat_spread": summary, "noisy": noisy, "threshold": NOISY_SPREAD}
 
 
 def write_outputs(out: Path, records: list[Record], prompts: list[dict], results: dict) -> None:

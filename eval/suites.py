@@ -115,10 +115,10 @@ def load_suite(cfg: SuiteConfig, limit: int | None = None) -> list[Prompt]:
     prompts = SUITES[cfg.name](cfg)
     if not prompts:
         raise ValueError(f"suite {cfg.name} yielded no prompts; check its settings ({cfg})")
-    return spread(prompts, limit)
+    return round_robin(prompts, limit)
 
 
-def spread(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
+def round_robin(prompts: list[Prompt], limit: int | None) -> list[Prompt]:
     """The first `limit` prompts taken round-robin over categories (so a subset still covers each category),
     returned in their original order."""
     if not limit or limit >= len(prompts):

@@ -29,7 +29,7 @@ CHUNK = 256  # query rows per pass: bounds a long prefill's [rows, blocks, BLOCK
 
 
 @dataclass
-class Plan:
+class BlockPlan:
     """How the query rows of one forward read the cache, shared by every layer. Rows see positions 0..p in order."""
 
     rows: int  # query rows
@@ -49,13 +49,13 @@ def visible_slots(mask: Tensor | None, start: int, n: int, device) -> Tensor:
     return torch.arange(start + n, device=device) <= torch.arange(start, start + n, device=device)[:, None]
 
 
-def make_plans(mask: Tensor | None, start: int, n: int, group: int, device) -> list[Plan]:
+def make_plans(mask: Tensor | None, start: int, n: int, group: int, device) -> list[BlockPlan]:
     """One plan per CHUNK query rows. group: query heads per KV head."""
     visible = visible_slots(mask, start, n, device)
     return [make_plan(visible[i : i + CHUNK], group) for i in range(0, n, CHUNK)]
 
 
-def make_plan(visible: Tensor, group: int) -> Plan:
+def make_plan(visible: Tensor, group: int) -> BlockPlan:
     n = visible.shape[0]
     used = visible.any(0).nonzero()
     visible = visible[:, : int(used[-1]) + 1]
@@ -68,7 +68,9 @@ def make_plan(visible: Tensor, group: int) -> Plan:
     seen = pad_columns(visible[:, : in_place * BLOCK], in_place * BLOCK)
     seen = torch.cat([seen, seen[-1:].expand(padded - n, -1)])
     unseen = ~seen.view(padded, in_place, BLOCK).transpose(0, 1).reshape(1, in_place, 1, padded, BLOCK)
-    plan = Plan(n, padded, in_place, unseen, blocks - in_place, None, None, max(in_place * BLOCK, visible.shape[1]))
+    plan = BlockPlan(
+        n, padded, in_place, unseen, blocks - in_place, None, None, max(in_place * BLOCK, visible.shape[1])
+    )
     if plan.tail:
         plan.tail_slots, plan.tail_unseen = tail_slots(visible, count, in_place * BLOCK, plan.tail)
     return plan
@@ -102,7 +104,7 @@ def read_fp32(cache: Tensor, length: int, ones: bool = False) -> Tensor:
     return out
 
 
-def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plans: list[Plan]) -> Tensor:
+def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plans: list[BlockPlan]) -> Tensor:
     """q [1, heads, n, d]; the whole K and V cache [1, kv_heads, slots, d], new tokens written -> [1, heads, n, d]."""
     length = max(p.length for p in plans)
     keys, values = read_fp32(k_cache, length), read_fp32(v_cache, length, ones=True)
@@ -114,7 +116,7 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plans: list[Plan]) -> Te
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).unsqueeze(0).to(q.dtype)
 
 
-def attend_rows(q: Tensor, keys: Tensor, values: Tensor, plan: Plan) -> Tensor:
+def attend_rows(q: Tensor, keys: Tensor, values: Tensor, plan: BlockPlan) -> Tensor:
     """q fp32 [heads, n, d], scaled; keys [kv, L, d]; values [kv, L, d + 1] -> [heads, n, d]."""
     h, n, d = q.shape
     kv = keys.shape[0]
@@ -141,7 +143,7 @@ def pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t[:, :, -1:].expand(-1, -1, rows - t.shape[2], *t.shape[3:])], 2) if rows > t.shape[2] else t
 
 
-def in_place_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
+def in_place_scores(q: Tensor, keys: Tensor, plan: BlockPlan) -> Tensor:
     kv, g, _, d = q.shape
     q = pad_rows(q, plan.padded).reshape(kv, 1, g * plan.padded, d)
     k = keys[:, : plan.in_place * BLOCK].view(kv, plan.in_place, BLOCK, d)
@@ -149,7 +151,7 @@ def in_place_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
     return s.masked_fill_(plan.unseen, float("-inf"))
 
 
-def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan, n: int) -> Tensor:
+def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan, n: int) -> Tensor:
     """-> [kv, g, n, in_place, d + 1]: each block's unnormalized output and softmax sum."""
     kv, blocks, g, rows, _ = scores.shape
     p = (scores - top[:, None, :, :, None]).exp_().view(kv, blocks, g * rows, BLOCK)
@@ -157,7 +159,7 @@ def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan, n: 
     return (p @ v).view(kv, blocks, g, rows, -1)[:, :, :, :n].permute(0, 2, 3, 1, 4)
 
 
-def tail_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
+def tail_scores(q: Tensor, keys: Tensor, plan: BlockPlan) -> Tensor:
     kv, g, n, d = q.shape
     heads = max(g, MIN_ROWS)  # one row's heads make one GEMM: padded to MIN_ROWS
     q = pad_rows(q.transpose(1, 2), heads)
@@ -166,7 +168,7 @@ def tail_scores(q: Tensor, keys: Tensor, plan: Plan) -> Tensor:
     return s.masked_fill_(plan.tail_unseen, float("-inf"))
 
 
-def tail_values(scores: Tensor, top: Tensor, values: Tensor, plan: Plan) -> Tensor:
+def tail_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan) -> Tensor:
     """-> [kv, g, n, tail, d + 1]. top [kv, g, n]; padded heads take the last head's max."""
     kv, n, tail, heads, _ = scores.shape
     g = top.shape[1]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import Plan, attend, make_plans
+from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -190,7 +190,7 @@ class Attention(nn.Module):
         k_cache: Tensor | None = None,
         v_cache: Tensor | None = None,
         start: int | Tensor = 0,
-        mask: Tensor | list[Plan] | None = None,
+        mask: Tensor | list[BlockPlan] | None = None,
     ) -> Tensor:
         """x: [b, n, in_dim]; cos/sin broadcast to [b, heads, n, head_dim]. Without a cache (training)
         the n tokens attend among themselves; with one, their KV goes to slots [start, start+n), or to the

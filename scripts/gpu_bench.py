@@ -247,7 +247,7 @@ def run_hf_timed(twin, ids: list[int], max_new: int, pad: int) -> Run:
     return run
 
 
-def spread(xs: list[float]) -> dict:
+def summary_stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
@@ -295,7 +295,7 @@ def static_state(engine: Engine) -> str:
 
 def decode_summary(runs: list[list[Run]], base: list[list[Run]]) -> dict:
     return {
-        "tokens_per_s": spread(per_repeat_tps(runs)),
+        "tokens_per_s": summary_stats(per_repeat_tps(runs)),
         "tpot_ms": statistics.median(1000 * (r.total_s - r.ttft_s) / (len(r.tokens) - 1) for p in runs for r in p),
         "ttft_ms": statistics.median(1000 * r.ttft_s for p in runs for r in p),
         "new_tokens": len(runs[0][0].tokens),
@@ -509,7 +509,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def environment(args) -> dict:
+def bench_environment(args) -> dict:
     import transformers
 
     cuda = args.device == "cuda"
@@ -576,7 +576,7 @@ def main(argv=None) -> None:
 
     transformers.logging.set_verbosity_error()
     start, out_dir = time.perf_counter(), Path(args.out)
-    summary = {"env": environment(args), "args": vars(args), "cases": {}, "elapsed_s": 0.0}
+    summary = {"env": bench_environment(args), "args": vars(args), "cases": {}, "elapsed_s": 0.0}
     print(f"gpu_bench on {summary['env']['device_name']}: {RANDOM_NOTE}", flush=True)
     for name in args.cases:
         if time.perf_counter() - start > args.budget_s:

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from draftsmith.eval.suites import mt_bench, spread  # noqa: E402
+from draftsmith.eval.suites import mt_bench, round_robin  # noqa: E402
 from draftsmith.heads.drafter import read_meta  # noqa: E402
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, load, load_trained  # noqa: E402
 from draftsmith.serve.sampling import SamplingParams  # noqa: E402
@@ -36,7 +36,7 @@ def greedy_answers(target: Loaded, n: int, max_new_tokens: int) -> list[dict]:
     """The target's greedy answers to n MT-bench first turns (spread over categories): prompt and answer ids."""
     engine = build_engine(target, SpecConfig("ngram", 5), False, 2048)  # lossless, so the plain greedy answer
     rows = []
-    for p in spread(mt_bench(max_turns=1), n):
+    for p in round_robin(mt_bench(max_turns=1), n):
         ids = encode_chat(target.tokenizer, [{"role": "user", "content": p.turns[0]}])
         rows.append(
             {"id": p.id, "prompt": ids, "answer": engine.generate(ids, max_new_tokens, SamplingParams()).output_ids}

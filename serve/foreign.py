@@ -144,7 +144,7 @@ def unsupported(path: Path, config: dict, runs: dict) -> None:
         )
 
 
-def head_config(f: Foreign, folder: Path, target: ModelConfig) -> Eagle3Config:
+def foreign_config(f: Foreign, folder: Path, target: ModelConfig) -> Eagle3Config:
     """The Eagle3Config the folder describes, refused (naming the key) where it is not a one-layer Llama head
     this engine runs or does not fit the target."""
     path = Path(folder) / "config.json"
@@ -286,7 +286,7 @@ def load_foreign(folder: Path, fmt: str, target: Transformer, target_id: str, dt
     config.json and the safetensors header before any weight is read."""
     folder = Path(folder)
     f = read_foreign(folder, fmt)
-    cfg = head_config(f, folder, target.config)
+    cfg = foreign_config(f, folder, target.config)
     check_verifier(f, target.config, target_id, folder / "config.json")
     check_weights(folder, cfg, PREFIX[fmt])
     state = head_state(folder, cfg, PREFIX[fmt], target.model.embed_tokens.weight)

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
 
 from draftsmith.eval.prompts import Prompt
-from draftsmith.eval.suites import SuiteConfig, load_suite, rag, spread
+from draftsmith.eval.suites import SuiteConfig, load_suite, rag, round_robin
 from draftsmith.serve.conversations import load_conversations, split_key
 
 
@@ -44,8 +44,8 @@ def test_a_suite_limit_covers_every_category_in_file_order():
 
 def test_spread_takes_round_robin_over_categories():
     ps = [Prompt(str(i), ["q"], False, c) for i, c in enumerate("aaab")]
-    assert [p.id for p in spread(ps, 2)] == ["0", "3"]
-    assert spread(ps, None) == ps and spread(ps, 10) == ps
+    assert [p.id for p in round_robin(ps, 2)] == ["0", "3"]
+    assert round_robin(ps, None) == ps and round_robin(ps, 10) == ps
 
 
 def test_humaneval_has_164_code_prompts_raw_or_as_chat():

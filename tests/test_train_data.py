@@ -16,7 +16,7 @@ from draftsmith.serve.conversations import (
     split_key,
 )
 from draftsmith.serve.target import load_tokenizer
-from draftsmith.train.chat import encode, encode_all, render
+from draftsmith.train.chat import encode, encode_all, render_chat
 from draftsmith.train.data import DataConfig, DistillConfig
 
 END = "<|im_end|>"  # SmolLM2's end-of-turn token
@@ -67,7 +67,7 @@ def test_masks_on_real_sharegpt_cover_exactly_the_answers_and_their_end_marker(t
             assert ex.input_ids[s - len(header) : s] == header
         ends = [i for i in range(len(ex.loss_mask) - 1) if ex.loss_mask[i] and not ex.loss_mask[i + 1]]
         assert all(tokenizer.decode(ex.input_ids[e]) == END for e in ends)
-        assert ex.input_ids == tokenizer(render(tokenizer, conv.messages), add_special_tokens=False)["input_ids"]
+        assert ex.input_ids == tokenizer(render_chat(tokenizer, conv.messages), add_special_tokens=False)["input_ids"]
 
 
 def test_truncation_keeps_the_first_tokens_and_their_mask(tokenizer, sharegpt):

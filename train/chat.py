@@ -27,7 +27,7 @@ class Example:
     loss_mask: list[int]  # 1 on assistant tokens
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
 
@@ -40,10 +40,10 @@ def assistant_spans(
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        head = render(tokenizer, messages[:i], True)
+        head = render_chat(tokenizer, messages[:i], True)
         if len(head) >= upto:
             break
-        through = render(tokenizer, messages[: i + 1])
+        through = render_chat(tokenizer, messages[: i + 1])
         if not (through.startswith(head) and text.startswith(through)):
             raise NotPrefixStable(f"{tokenizer.name_or_path}'s chat template renders turn {i} differently in context")
         spans.append((len(head), len(head) + len(through[len(head) :].rstrip())))  # trailing glue dropped
@@ -51,7 +51,7 @@ def assistant_spans(
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, conv: Conversation, max_length: int) -> Example:
-    text = render(tokenizer, conv.messages)
+    text = render_chat(tokenizer, conv.messages)
     ids, offsets = tokenize_head(tokenizer, text, max_length)
     spans = assistant_spans(tokenizer, conv.messages, text, offsets[-1][1] if offsets else 0)
     return Example(conv.id, ids, span_mask(offsets, spans))
