@@ -12,7 +12,7 @@ runs every head against plain decoding on the same prompts, interleaved, with in
 
 Arguments after the options go to the eval (e.g. limit=24 max_new_tokens=96 target.dtype=float32). Finished
 arms are reused and a killed one resumes (delete an arm's folder to retrain it). Writes OUT/budget.json: each
-arm's steps, seconds per step and training wall-clock.
+trained arm's steps, seconds per step and training wall-clock.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--target", default="target=smollm2-135m")
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--no-eval", action="store_true", help="train the arms only (evaluate them later, together)")
     args, extra = ap.parse_known_args()
     arms = args.arms.split(",")
     unknown = [a for a in arms if a not in ARMS]
@@ -92,11 +93,13 @@ def main() -> None:
         ap.error(f"unknown arms {unknown}; choose from {', '.join(ARMS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     budget = [run_arm(a, args.target, args.minutes, args.out) for a in arms]
-    (args.out / "budget.json").write_text(json.dumps({"minutes": args.minutes, "arms": budget}, indent=1) + "\n")
+    every = [json.loads(p.read_text()) for p in sorted(args.out.glob("*/budget.json"))]  # this run's and earlier
+    (args.out / "budget.json").write_text(json.dumps({"minutes": args.minutes, "arms": every}, indent=1) + "\n")
     for b in budget:
         per_step, wall = b["probe_s_per_step"], b["train_wall_s"] / 60
         print(f"{b['arm']:10s} {b['steps']:5d} steps, {per_step:.2f} s/step, trained in {wall:.1f} min")
-    evaluate(arms, args.target, args.out, extra)
+    if not args.no_eval:
+        evaluate(arms, args.target, args.out, extra)
 
 
 if __name__ == "__main__":
