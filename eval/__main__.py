@@ -60,8 +60,8 @@ def noise_lines(r: dict) -> list[str]:
     if r.get("noise", {}).get("noisy"):
         repeat_spread = r["noise"]["repeat_spread"]
         out.append(f"  NOISY: plain decoding of the same prompt varied {repeat_spread['median']:.0%} between repeats")
-    if busy(r):
-        out.append(f"  {busy(r)}")
+    if warning := busy(r):
+        out.append(f"  {warning}")
     if r.get("skipped", {}).get("turns"):
         out.append(f"  {r['skipped']['turns']} turn(s) skipped (beyond the context): see the report")
     return out

@@ -166,8 +166,8 @@ def noise_text(r: dict) -> str:
         lines.append(
             f"Load average (1 min) {before[0]:.2f} before and {after[0]:.2f} after, on {env.get('cpu_count')} CPUs."
         )
-    if busy(r):
-        lines.append(busy(r) + ".")
+    if warning := busy(r):
+        lines.append(warning + ".")
     if "study" in r and r["study"].get("control", {}).get("noisy"):
         lines.append("The 2x2 study's control failed: its finding is withheld.")
     if "study" in r and r["study"].get("control", {}).get("undefined"):
