@@ -8,11 +8,12 @@ rows takes another kernel than one of 4 or more (whose rows all agree, however m
 changes with K, even when the extra terms are masked zeros. Hence:
 - every GEMM has at least MIN_ROWS rows (a short call repeats its last row);
 - keys are cut into blocks of BLOCK positions counted from position 0, and each block is one GEMM of fixed shape:
-  scores [rows, d] x [d, BLOCK], then [rows, BLOCK] x [BLOCK, d + 1] for the values and (a ones column) the softmax
-  sum. The blocks are added in order by a cumsum, which is sequential: blocks past a row's position add exact zeros.
+  scores [rows, d] x [d, BLOCK], then [rows, BLOCK] x [BLOCK, d] for the values, and the softmax sum per block.
+  The blocks are added in order by a cumsum, which is sequential: blocks past a row's position add exact zeros.
   The softmax subtracts the row's max over all its blocks (exact in any order), so blocks need no rescaling;
 - a tree row's draft ancestors sit at cache slots that are not their positions, so the blocks holding draft
-  positions ("tail" blocks) are gathered per row into position order; blocks before them are read in place.
+  positions ("tail" blocks) are gathered per row into position order; blocks before them are read in place;
+- the KV cache is kept in fp32 (values rounded to bf16 first, so the same numbers), read in place without a copy.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class BlockPlan:
     rows: int  # query rows
     padded: int  # rows of the in-place GEMMs: rows * heads-per-group >= MIN_ROWS
     in_place: int  # leading blocks read straight from the cache (slot = position for every row)
-    unseen: Tensor  # bool [1, in_place, 1, padded, BLOCK]: which of those slots each row does not attend
+    unseen: Tensor  # bool [1, 1, padded, in_place * BLOCK]: which of those slots each row does not attend
     tail: int  # further blocks, gathered per row
     tail_slots: Tensor | None  # long [rows * tail * BLOCK]: the cache slot of each tail position, row by row
     tail_unseen: Tensor | None  # bool [1, rows, tail, 1, BLOCK]: tail positions a row does not reach
@@ -67,7 +68,7 @@ def make_plan(visible: Tensor, group: int) -> BlockPlan:
     padded = max(n, -(-MIN_ROWS // group))
     seen = pad_columns(visible[:, : in_place * BLOCK], in_place * BLOCK)
     seen = torch.cat([seen, seen[-1:].expand(padded - n, -1)])
-    unseen = ~seen.view(padded, in_place, BLOCK).transpose(0, 1).reshape(1, in_place, 1, padded, BLOCK)
+    unseen = ~seen.view(1, 1, padded, in_place * BLOCK)
     plan = BlockPlan(
         n, padded, in_place, unseen, blocks - in_place, None, None, max(in_place * BLOCK, visible.shape[1])
     )
@@ -92,22 +93,22 @@ def pad_columns(t: Tensor, width: int) -> Tensor:
     return F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t
 
 
-def read_fp32(cache: Tensor, length: int, ones: bool = False) -> Tensor:
-    """fp32 copy of cache slots [0, length) -> [kv, length, d (+1: a ones column)], zeros past the cache's end."""
+def read_fp32(cache: Tensor, length: int) -> Tensor:
+    """Cache slots [0, length) as fp32 [kv, length, d]: a view of an fp32 cache (Transformer.new_cache keeps the
+    batch-invariant path's cache in fp32, so a step copies nothing), else a copy, zeros past the cache's end."""
     kv, slots, d = cache.shape[1], cache.shape[2], cache.shape[3]
-    out = torch.empty(kv, length, d + ones, dtype=torch.float32, device=cache.device)
+    if cache.dtype == torch.float32 and length <= slots:
+        return cache[0, :, :length]
+    out = torch.zeros(kv, length, d, dtype=torch.float32, device=cache.device)
     filled = min(slots, length)
-    out[:, :filled, :d] = cache[0, :, :filled]
-    out[:, filled:, :d] = 0.0
-    if ones:
-        out[..., d] = 1.0
+    out[:, :filled] = cache[0, :, :filled]
     return out
 
 
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plans: list[BlockPlan]) -> Tensor:
     """q [1, heads, n, d]; the whole K and V cache [1, kv_heads, slots, d], new tokens written -> [1, heads, n, d]."""
     length = max(p.length for p in plans)
-    keys, values = read_fp32(k_cache, length), read_fp32(v_cache, length, ones=True)
+    keys, values = read_fp32(k_cache, length), read_fp32(v_cache, length)
     q32 = q[0].float() * q.shape[-1] ** -0.5
     outs, row = [], 0
     for plan in plans:
@@ -116,15 +117,20 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plans: list[BlockPlan]) 
     return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).unsqueeze(0).to(q.dtype)
 
 
+def weighted(p: Tensor, v: Tensor) -> Tensor:
+    """p [.., BLOCK] unnormalized probabilities, v [.., BLOCK, d] -> [.., d + 1]: p @ v and, last, p's sum."""
+    return torch.cat([p @ v, p.sum(-1, keepdim=True)], -1)
+
+
 def attend_rows(q: Tensor, keys: Tensor, values: Tensor, plan: BlockPlan) -> Tensor:
-    """q fp32 [heads, n, d], scaled; keys [kv, L, d]; values [kv, L, d + 1] -> [heads, n, d]."""
+    """q fp32 [heads, n, d], scaled; keys and values [kv, L, d] -> [heads, n, d]."""
     h, n, d = q.shape
     kv = keys.shape[0]
     q = q.view(kv, h // kv, n, d)
     top = None  # each row's max score over all its blocks: [kv, g, rows]
     if plan.in_place:
-        s_in = in_place_scores(q, keys, plan)  # [kv, in_place, g, padded, BLOCK]
-        top = s_in.amax((1, 4))
+        s_in = in_place_scores(q, keys, plan)  # [kv, g, padded, in_place * BLOCK]
+        top = s_in.amax(-1)
     if plan.tail:
         s_tail = tail_scores(q, keys, plan)  # [kv, n, tail, heads, BLOCK]
         t = s_tail.amax((2, 4)).transpose(1, 2)[:, : h // kv]
@@ -144,19 +150,25 @@ def pad_rows(t: Tensor, rows: int) -> Tensor:
 
 
 def in_place_scores(q: Tensor, keys: Tensor, plan: BlockPlan) -> Tensor:
+    """One GEMM per KV head over every in-place slot: a score reduces over d only, and MKL gives a column the
+    same bits for any width from 12 columns up (and any row count from MIN_ROWS), so no per-block GEMMs here."""
     kv, g, _, d = q.shape
-    q = pad_rows(q, plan.padded).reshape(kv, 1, g * plan.padded, d)
-    k = keys[:, : plan.in_place * BLOCK].view(kv, plan.in_place, BLOCK, d)
-    s = (q @ k.transpose(-1, -2)).view(kv, plan.in_place, g, plan.padded, BLOCK)
+    q = pad_rows(q, plan.padded).reshape(kv, g * plan.padded, d)
+    k = keys[:, : plan.in_place * BLOCK]
+    s = torch.bmm(q, k.transpose(1, 2)).view(kv, g, plan.padded, -1)
     return s.masked_fill_(plan.unseen, float("-inf"))
 
 
 def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan, n: int) -> Tensor:
-    """-> [kv, g, n, in_place, d + 1]: each block's unnormalized output and softmax sum."""
-    kv, blocks, g, rows, _ = scores.shape
-    p = (scores - top[:, None, :, :, None]).exp_().view(kv, blocks, g * rows, BLOCK)
-    v = values[:, : blocks * BLOCK].view(kv, blocks, BLOCK, -1)
-    return (p @ v).view(kv, blocks, g, rows, -1)[:, :, :, :n].permute(0, 2, 3, 1, 4)
+    """-> [kv, g, n, in_place, d + 1]: each block's unnormalized output and softmax sum. One batched GEMM per KV
+    head (blocks as the batch): the cache's slices fold into a batch without a copy only head by head."""
+    kv, g, rows, length = scores.shape
+    blocks = plan.in_place
+    p = (scores - top[..., None]).exp_().view(kv, g * rows, blocks, BLOCK)
+    v = values[:, :length].view(kv, blocks, BLOCK, -1)
+    out = torch.stack([torch.bmm(p[h].transpose(0, 1), v[h]) for h in range(kv)])  # [kv, blocks, g * rows, d]
+    sums = p.sum(-1).transpose(1, 2).unsqueeze(-1)  # [kv, blocks, g * rows, 1]
+    return torch.cat([out, sums], -1).view(kv, blocks, g, rows, -1)[:, :, :, :n].permute(0, 2, 3, 1, 4)
 
 
 def tail_scores(q: Tensor, keys: Tensor, plan: BlockPlan) -> Tensor:
@@ -175,4 +187,4 @@ def tail_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan) ->
     m = pad_rows(top.transpose(1, 2), heads)  # [kv, n, heads]
     p = (scores - m[:, :, None, :, None]).exp_()
     v = values.index_select(1, plan.tail_slots).view(kv, n, tail, BLOCK, -1)
-    return (p @ v)[:, :, :, :g].permute(0, 3, 1, 2, 4)
+    return weighted(p, v)[:, :, :, :g].permute(0, 3, 1, 2, 4)

@@ -85,9 +85,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # HF's order: normalize in fp32, round to the input's dtype, then scale
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
@@ -158,6 +157,8 @@ def batch_invariant(x: Tensor) -> bool:
 class Attention(nn.Module):
     """GQA self-attention. in_dim: width of the input (EAGLE-3's layer attends over 2H)."""
 
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # one GEMM once packed for inference (heads/packed.py)
+
     def __init__(self, cfg: ModelConfig, in_dim: int | None = None) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -169,13 +170,21 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv_proj: nn.Module | None = None
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [b, n, in_dim] -> q [b, heads, n, head_dim], k and v [b, kv_heads, n, head_dim], rope applied."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim)
+        h, kv, d = self.n_heads, self.n_kv, self.head_dim
+        if self.qkv_proj is not None and not hasattr(self, "q_norm"):  # rope q and k in one pass
+            qkv = self.qkv_proj(x).view(b, n, h + 2 * kv, d).transpose(1, 2)
+            qk = apply_rope(qkv[:, : h + kv], cos, sin)
+            return qk[:, :h], qk[:, h:], qkv[:, h + kv :]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = q.view(b, n, h, d), k.view(b, n, kv, d), v.view(b, n, kv, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -199,8 +208,8 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         if isinstance(start, Tensor):  # static shapes (CUDA graphs): write at slots, attend over the whole cache
-            k_cache.index_copy_(2, start, k)
-            v_cache.index_copy_(2, start, v)
+            k_cache.index_copy_(2, start, k.to(k_cache.dtype))
+            v_cache.index_copy_(2, start, v.to(v_cache.dtype))
             k, v = k_cache, v_cache
         elif k_cache is not None:
             end = start + n
@@ -218,14 +227,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -283,10 +299,11 @@ class Transformer(nn.Module):
         return self.lm_head.weight.dtype
 
     def new_cache(self, max_len: int) -> KVCache:
+        """A batch-1 cache; in fp32 where the batch-invariant attention reads it (CPU bf16/fp16: no copy per step)."""
         c = self.config
-        return KVCache.allocate(
-            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, self.dtype, self.device
-        )
+        probe = torch.empty(1, 0, dtype=self.dtype, device=self.device)
+        dtype = torch.float32 if batch_invariant(probe) else self.dtype
+        return KVCache.allocate(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, dtype, self.device)
 
     def forward(
         self,

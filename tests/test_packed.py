@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.packed import PackedLinear, can_pack, pack_linears
+from draftsmith.heads.llama import MLP, Attention, ModelConfig
+from draftsmith.heads.packed import FusedLinear, PackedLinear, can_pack, pack_linears
 from draftsmith.serve.loader import load_model
 from helpers import build_tiny
 
@@ -75,3 +76,43 @@ def test_a_bf16_row_gets_the_same_bits_alone_as_among_other_rows():
         alone = torch.cat([lin(x[:, i : i + 1]) for i in range(64)], 1)
         assert lin(x[0, 0]).shape == (576,)  # a bare vector keeps its shape
     assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qkv_and_gate_up_equal_their_parts(dtype, bias):
+    """pack_linears fuses q/k/v and gate/up into one GEMM each; outputs stay those of the separate linears, the
+    parameters and state_dict keys stay the parts'."""
+    if not can_pack(torch.zeros(1, dtype=dtype)):
+        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, attention_bias=bias
+    )
+    attn, mlp = Attention(cfg).to(dtype), MLP(cfg).to(dtype)
+    keys = (attn.state_dict().keys(), mlp.state_dict().keys())
+    x = torch.randn(1, 5, 64, dtype=dtype)
+    cos, sin = torch.ones(5, 16, dtype=dtype), torch.zeros(5, 16, dtype=dtype)
+    with torch.inference_mode():
+        want = attn.qkv(x, cos, sin), mlp(x)
+        pack_linears(attn), pack_linears(mlp)
+        assert isinstance(attn.qkv_proj, FusedLinear) and isinstance(mlp.gate_up_proj, FusedLinear)
+        got = attn.qkv(x, cos, sin), mlp(x)
+    assert (attn.state_dict().keys(), mlp.state_dict().keys()) == keys
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip((*got[0], got[1]), (*want[0], want[1]), strict=True):
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+
+
+def test_a_fused_linear_repacks_when_a_part_is_edited_and_falls_back_under_autograd():
+    torch.manual_seed(0)
+    parts = [PackedLinear(nn.Linear(16, n)) for n in (8, 4)]
+    fused = FusedLinear(parts)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        parts[1].weight.add_(1.0)
+        torch.testing.assert_close(fused(x), torch.cat([F.linear(x, p.weight, p.bias) for p in parts], -1))
+        torch.testing.assert_close(parts[0](x), F.linear(x, parts[0].weight, parts[0].bias))  # a part runs alone
+    x.requires_grad_(True)
+    fused(x).sum().backward()
+    assert x.grad is not None
