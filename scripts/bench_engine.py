@@ -667,7 +667,7 @@ def peer_pair(args, name: str, engine: TimedEngine, job: dict, prompts: list[Pro
 
     print(f"[{name}] starting vLLM (dtype {job['dtype']}, compiled; log in {work})", flush=True)
     try:
-        peer = vc.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"))
+        peer = vc.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"), dict(args.vllm_env))
     except RuntimeError as e:
         print(f"[{name}] vLLM failed to start: {e}")
         return {"error": str(e)}
@@ -794,6 +794,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-dtypes", type=csv(str), default=["float32", "bfloat16"])
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    p.add_argument(
+        "--vllm-env",
+        type=lambda s: tuple(s.split("=", 1)),
+        action="append",
+        default=[],
+        help="vllm: KEY=VALUE for the vLLM worker only, e.g. LD_PRELOAD=/work/vllm-venv/lib/libiomp5.so (vLLM's CPU\n"
+        "docs ask for Intel OpenMP with speculative decoding)",
+    )
     p.add_argument(
         "--peer-prompts", type=int, default=0, help="vllm: the first N MT-bench questions (0: --mtbench-ids)"
     )

@@ -293,7 +293,7 @@ class VllmServer:
     Each call returns only once vLLM's worker has gone idle (SPIN_S): a process timed right after it (another
     engine, interleaved) does not share the CPU with its spin."""
 
-    def __init__(self, python: str, job: dict, work: Path, name: str) -> None:
+    def __init__(self, python: str, job: dict, work: Path, name: str, env: dict | None = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
         job_file, self.log = work / f"job-{name}.json", work / f"vllm-{name}.log"
         job_file.write_text(json.dumps(job))
@@ -303,7 +303,7 @@ class VllmServer:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
-                env=vllm_env(),
+                env=vllm_env() | (env or {}),
                 text=True,
             )
         ready = self.read()
