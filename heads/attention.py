@@ -26,7 +26,7 @@ from torch import Tensor
 
 BLOCK = 32  # positions per key block
 MIN_ROWS = 4  # MKL's fp32 GEMM gives other bits below 4 rows
-CHUNK = 256  # query rows per pass: bounds a long prefill's [rows, blocks, BLOCK] score tensor
+CHUNK = 32  # query rows per pass: its per-block partial sums stay in cache (1000-token prefill: 256 -> 32 cut ~25%)
 
 
 @dataclass
