@@ -25,8 +25,8 @@ pytestmark = [
     pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels"),
     pytest.mark.usefixtures("one_thread"),
 ]
-SEQ = 110  # past three key blocks
-MAX_SEQ = 160
+SEQ = 3 * BLOCK + 14  # past three key blocks
+MAX_SEQ = SEQ + 50
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +74,15 @@ def assert_same_kv(a, b, slots: slice) -> None:
 
 def test_decode_steps_equal_the_whole_prefill(target, tokens, whole):
     hidden, logits, cache_ref = whole
-    cache = prefilled(target, tokens, 30)
-    for p in range(30, SEQ):  # crosses the block boundaries at 32, 64, 96
+    cache = prefilled(target, tokens, BLOCK - 2)
+    for p in range(BLOCK - 2, SEQ):  # crosses three block boundaries
         out = run(target, cache, tokens[p : p + 1], torch.tensor([p]), p)
         assert_same_bits(out.hidden, hidden[p : p + 1], f"decode at {p}: hidden")
         assert_same_bits(out.logits, logits[p : p + 1], f"decode at {p}: logits")
     assert_same_kv(cache, cache_ref, slice(0, SEQ))
 
 
-@pytest.mark.parametrize("start", [5, 31, 60, 90])
+@pytest.mark.parametrize("start", [5, BLOCK - 1, 2 * BLOCK - 4, 3 * BLOCK - 6])
 @pytest.mark.parametrize("k", [2, 3, 4, 8, 16])
 def test_chain_verify_equals_the_whole_prefill(target, tokens, whole, start, k):
     hidden, logits, _ = whole
@@ -94,7 +94,7 @@ def test_chain_verify_equals_the_whole_prefill(target, tokens, whole, start, k):
     assert_same_bits(out.logits, logits[start : start + k], f"verify {k} at {start}: logits")
 
 
-@pytest.mark.parametrize("hit", [1, 32, 47, 64, 100])
+@pytest.mark.parametrize("hit", [1, BLOCK, BLOCK + 15, 2 * BLOCK, 3 * BLOCK + 4])
 def test_chunked_prefill_after_a_prefix_hit_equals_the_whole_prefill(target, tokens, whole, hit):
     hidden, logits, cache_ref = whole
     cache = prefilled(target, tokens, hit)
@@ -114,7 +114,7 @@ def tree_cases():
 
 
 @pytest.mark.parametrize("shape", tree_cases())
-@pytest.mark.parametrize("start", [20, 31, 62, 95])
+@pytest.mark.parametrize("start", [20, BLOCK - 1, 2 * BLOCK - 2, 3 * BLOCK - 1])
 def test_tree_verify_rows_equal_a_prefill_of_their_own_path(target, tokens, shape, start):
     """Each tree node's row equals the last row of a plain prefill of prefix + the node's ancestors + the node."""
     parents = torch.tensor(tree_cases()[shape])
@@ -135,13 +135,15 @@ def test_tree_verify_rows_equal_a_prefill_of_their_own_path(target, tokens, shap
 
 
 def test_plans_read_in_place_until_the_first_draft_off_its_position():
-    chain = make_plans(causal_mask(70, 8, "cpu"), 70, 8, 3, "cpu")[0]
-    assert chain.in_place == 3 and chain.tail == 0  # slot = position everywhere: positions 0..77 in 3 blocks
+    s = 2 * BLOCK + 6
+    chain = make_plans(causal_mask(s, 8, "cpu"), s, 8, 3, "cpu")[0]
+    assert chain.in_place == 3 and chain.tail == 0  # slot = position everywhere: positions 0..s+7 in 3 blocks
     tree = DraftTree(torch.zeros(3, dtype=torch.long), torch.tensor([-1, -1, 0]))
-    plan = make_plans(tree.attention_mask(70), 70, 4, 3, "cpu")[0]
-    assert plan.in_place == 72 // BLOCK and plan.tail == 1  # node 1 sits at slot 72, position 71
+    plan = make_plans(tree.attention_mask(s), s, 4, 3, "cpu")[0]
+    assert plan.in_place == 2 and plan.tail == 1  # node 1 sits at slot s+2, position s+1
     slots = plan.tail_slots.view(4, BLOCK)
-    assert slots[2, 71 - 64] == 72 and slots[3, 71 - 64] == 71 and slots[3, 72 - 64] == 73  # node 2's parent is 0
+    col = s + 1 - 2 * BLOCK  # position s+1 in the tail block
+    assert slots[2, col] == s + 2 and slots[3, col] == s + 1 and slots[3, col + 1] == s + 3  # node 2's parent is 0
     assert make_plans(None, 0, 1, 3, "cpu")[0].padded == 2  # 3 heads x 1 row -> 2 rows: MKL's 4-row kernel
 
 
