@@ -44,6 +44,11 @@ def version(t: Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def pack_weight(weight: Tensor) -> Tensor:
+    """oneDNN's blocked layout of a [out, in] weight, chosen for ROWS_HINT rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROWS_HINT)
+
+
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """x @ packed.T + bias on oneDNN; a half-precision single row runs as two (see ROWS_HINT)."""
     if x.dtype != torch.float32 and x.numel() == x.shape[-1]:
@@ -71,7 +76,7 @@ class PackedLinear(nn.Module):
         self.repack()
 
     def repack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), ROWS_HINT)
+        self.packed = pack_weight(self.weight)
         self.packed_version = version(self.weight)
 
     def release(self) -> None:
@@ -108,7 +113,7 @@ class FusedLinear(nn.Module):
 
     def repack(self) -> None:
         weight = torch.cat([p.weight.detach() for p in self.parts])
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT)
+        self.packed = pack_weight(weight)
         has_bias = self.parts[0].bias is not None
         self.bias = torch.cat([p.bias.detach() for p in self.parts]) if has_bias else None
         self.packed_versions = self.versions()
