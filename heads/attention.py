@@ -6,7 +6,9 @@ speculative output equals bf16 plain output token for token, and a prefix-cache 
 Attention runs in fp32 on MKL GEMMs, which change a row's bits in two ways (PyTorch 2.13, AVX-512): a GEMM of 1-3
 rows takes another kernel than one of 4 or more (whose rows all agree, however many), and a reduction over K terms
 changes with K, even when the extra terms are masked zeros. Hence:
-- every GEMM has at least MIN_ROWS rows (a short call repeats its last row);
+- every GEMM has at least MIN_ROWS rows (a short call repeats its last row), and runs in a batch of two or more:
+  with several threads MKL splits a lone GEMM's rows between them, and a piece under MIN_ROWS rows takes the other
+  kernel (a batch keeps each GEMM whole on one thread);
 - keys are cut into blocks of BLOCK positions counted from position 0, and each block is one GEMM of fixed shape:
   scores [rows, d] x [d, BLOCK], then [rows, BLOCK] x [BLOCK, d] for the values, and the softmax sum per block.
   The blocks are added in order by a cumsum, which is sequential: blocks past a row's position add exact zeros.
@@ -105,6 +107,14 @@ def read_fp32(cache: Tensor, length: int) -> Tensor:
     return out
 
 
+def batched_mm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """torch.bmm, a batch of one run as two (see the module docstring)."""
+    if a.shape[0] > 1:
+        return torch.bmm(a, b, out=out)
+    two = torch.bmm(a.expand(2, *a.shape[1:]), b.expand(2, *b.shape[1:]))[:1]
+    return two if out is None else out.copy_(two)
+
+
 def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, plans: list[BlockPlan]) -> Tensor:
     """q [1, heads, n, d]; the whole K and V cache [1, kv_heads, slots, d], new tokens written -> [1, heads, n, d]."""
     length = max(p.length for p in plans)
@@ -156,7 +166,7 @@ def in_place_scores(q: Tensor, keys: Tensor, plan: BlockPlan) -> Tensor:
     kv, g, _, d = q.shape
     q = pad_rows(q, plan.padded).reshape(kv, g * plan.padded, d)
     k = keys[:, : plan.in_place * BLOCK]
-    s = torch.bmm(q, k.transpose(1, 2)).view(kv, g, plan.padded, -1)
+    s = batched_mm(q, k.transpose(1, 2)).view(kv, g, plan.padded, -1)  # a batch of one with a single KV head
     return s.masked_fill_(plan.unseen, float("-inf"))
 
 
@@ -169,7 +179,7 @@ def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan
     v = values[:, :length].view(kv, blocks, BLOCK, d)
     out = torch.empty(kv, blocks, g * rows, d, dtype=p.dtype, device=p.device)
     for h in range(kv):
-        torch.bmm(p[h].transpose(0, 1), v[h], out=out[h])
+        batched_mm(p[h].transpose(0, 1), v[h], out=out[h])  # a batch of one below BLOCK positions
     out = out.view(kv, blocks, g, rows, d)[:, :, :, :n].permute(0, 2, 3, 1, 4)
     return out, p.sum(-1).view(kv, g, rows, blocks)[:, :, :n]
 
@@ -179,7 +189,8 @@ def tail_scores(q: Tensor, keys: Tensor, plan: BlockPlan) -> Tensor:
     heads = max(g, MIN_ROWS)  # one row's heads make one GEMM: padded to MIN_ROWS
     q = pad_rows(q.transpose(1, 2), heads)
     k = keys.index_select(1, plan.tail_slots).view(kv, n, plan.tail, BLOCK, d)
-    s = q.reshape(kv, n, 1, heads, d) @ k.transpose(-1, -2)  # [kv, n, tail, heads, BLOCK]
+    q = q.reshape(kv, n, 1, heads, d).expand(kv, n, plan.tail, heads, d).reshape(-1, heads, d)
+    s = batched_mm(q, k.view(-1, BLOCK, d).transpose(1, 2)).view(kv, n, plan.tail, heads, BLOCK)
     return s.masked_fill_(plan.tail_unseen, float("-inf"))
 
 
@@ -191,5 +202,5 @@ def tail_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan) ->
     m = pad_rows(top.transpose(1, 2), heads)  # [kv, n, heads]
     p = (scores - m[:, :, None, :, None]).exp_()  # [kv, n, tail, heads, BLOCK]: a GEMM of MIN_ROWS rows or more
     v = values.index_select(1, plan.tail_slots).view(kv, n, tail, BLOCK, -1)
-    out = (p @ v)[:, :, :, :g]  # [kv, n, tail, g, d]
+    out = batched_mm(p.view(-1, heads, BLOCK), v.view(-1, BLOCK, v.shape[-1])).view(kv, n, tail, heads, -1)[..., :g, :]
     return out.permute(0, 3, 1, 2, 4), p[:, :, :, :g].sum(-1).permute(0, 3, 1, 2)

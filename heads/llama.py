@@ -172,16 +172,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qkv_proj: nn.Module | None = None
 
+    def parts(self) -> tuple[nn.Module, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [b, n, in_dim] -> q [b, heads, n, head_dim], k and v [b, kv_heads, n, head_dim], rope applied."""
         b, n, _ = x.shape
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        if self.qkv_proj is not None and not hasattr(self, "q_norm"):  # rope q and k in one pass
-            qkv = self.qkv_proj(x).view(b, n, h + 2 * kv, d).transpose(1, 2)
+        fused = self.qkv_proj if self.qkv_proj is not None and self.qkv_proj.fuses(*self.parts()) else None
+        if fused is not None and not hasattr(self, "q_norm"):  # rope q and k in one pass
+            qkv = fused(x).view(b, n, h + 2 * kv, d).transpose(1, 2)
             qk = apply_rope(qkv[:, : h + kv], cos, sin)
             return qk[:, :h], qk[:, h:], qkv[:, h + kv :]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, -1)
+        if fused is not None:
+            q, k, v = fused(x).split(fused.sizes, -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(b, n, h, d), k.view(b, n, kv, d), v.view(b, n, kv, d)
@@ -237,7 +241,7 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj is not None:
+        if self.gate_up_proj is not None and self.gate_up_proj.fuses(self.gate_proj, self.up_proj):
             gate, up = self.gate_up_proj(x).chunk(2, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)

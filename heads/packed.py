@@ -44,6 +44,18 @@ def version(t: Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
+def stamp(tensors: list[Tensor]) -> list[tuple[Tensor, int]]:
+    """Which tensors, at which in-place version, a packed copy was made from."""
+    return [(t, version(t)) for t in tensors]
+
+
+def fresh(stamped: list[tuple[Tensor, int]], tensors: list[Tensor]) -> bool:
+    """Still the same tensors, unedited: a parameter replaced or edited in place makes a packed copy stale."""
+    if len(stamped) != len(tensors):
+        return False
+    return all(s is t and v == version(t) for (s, v), t in zip(stamped, tensors, strict=True))
+
+
 def pack_weight(weight: Tensor) -> Tensor:
     """oneDNN's blocked layout of a [out, in] weight, chosen for ROWS_HINT rows."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROWS_HINT)
@@ -77,15 +89,15 @@ class PackedLinear(nn.Module):
 
     def repack(self) -> None:
         self.packed = pack_weight(self.weight)
-        self.packed_version = version(self.weight)
+        self.stamp = stamp([self.weight])
 
     def release(self) -> None:
         """Drop the packed copy (a FusedLinear holds this weight now); it is rebuilt if this linear runs alone."""
-        self.packed, self.packed_version = None, None
+        self.packed, self.stamp = None, []
 
     def forward(self, x: Tensor) -> Tensor:
         if takes_packed(x, self.dtype):
-            if self.packed is None or version(self.weight) != self.packed_version:
+            if self.packed is None or not fresh(self.stamp, [self.weight]):
                 self.repack()
             return packed_linear(x, self.packed, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
@@ -108,19 +120,23 @@ class FusedLinear(nn.Module):
         for p in parts:
             p.release()
 
-    def versions(self) -> list[int]:
-        return [version(t) for p in self.parts for t in (p.weight, p.bias) if t is not None]
+    def sources(self) -> list[Tensor]:
+        return [t for p in self.parts for t in (p.weight, p.bias) if t is not None]
+
+    def fuses(self, *parts: nn.Module) -> bool:
+        """Are these still its parts? A part module replaced after packing leaves this fused copy behind."""
+        return len(parts) == len(self.parts) and all(a is b for a, b in zip(parts, self.parts, strict=True))
 
     def repack(self) -> None:
         weight = torch.cat([p.weight.detach() for p in self.parts])
         self.packed = pack_weight(weight)
         has_bias = self.parts[0].bias is not None
         self.bias = torch.cat([p.bias.detach() for p in self.parts]) if has_bias else None
-        self.packed_versions = self.versions()
+        self.stamp = stamp(self.sources())
 
     def forward(self, x: Tensor) -> Tensor:
         if takes_packed(x, self.dtype):
-            if self.versions() != self.packed_versions:
+            if not fresh(self.stamp, self.sources()):
                 self.repack()
             return packed_linear(x, self.packed, self.bias, sum(self.sizes))
         return torch.cat([p(x) for p in self.parts], -1)

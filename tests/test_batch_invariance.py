@@ -189,3 +189,63 @@ def test_bf16_prefix_cache_hit_equals_a_cold_prefill(target):
     assert got.metrics.prefix_hit_tokens == 48
     assert got.output_ids == want.output_ids
     assert_same_kv(warm.cache, cold.cache, slice(0, 60 + 24 - 1))
+
+
+# ---------------------------------------------------------------- several threads, a single KV head
+
+
+@pytest.mark.parametrize("heads", [1, 6])
+def test_a_single_kv_head_keeps_its_bits_under_two_threads(tiny_llama_dir, heads):
+    """With 2+ threads MKL splits a lone GEMM's rows between them, and a piece under 4 rows rounds differently: with
+    one KV head (MQA) the per-head score GEMM is alone, so every attention GEMM runs in a batch of two or more."""
+    folder = tiny_llama_dir(
+        "llama",
+        hidden_size=64 * heads,
+        intermediate_size=128,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        head_dim=64,
+    )
+    mqa = load_model(folder, torch.bfloat16, "cpu")
+    seq = torch.randint(0, 128, (2 * BLOCK + 30,), generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref = run(mqa, mqa.new_cache(MAX_SEQ), seq, torch.arange(len(seq)), 0, causal_mask(0, len(seq), "cpu"))
+        cache = prefilled(mqa, seq, 10)
+        for p in range(10, len(seq)):
+            out = run(mqa, cache, seq[p : p + 1], torch.tensor([p]), p)
+            assert_same_bits(out.hidden, ref.hidden[p : p + 1], f"decode at {p}")
+        for start in (5, BLOCK - 3, 2 * BLOCK + 3):
+            cache = prefilled(mqa, seq, start)
+            for k in (2, 3, 5, 9, 11, 16):
+                out = run(
+                    mqa,
+                    cache,
+                    seq[start : start + k],
+                    torch.arange(start, start + k),
+                    start,
+                    causal_mask(start, k, "cpu"),
+                )
+                assert_same_bits(out.hidden, ref.hidden[start : start + k], f"verify {k} at {start}")
+        parents = torch.tensor(tree_cases()["wide16"])
+        nodes = torch.randint(0, 128, (len(parents),), generator=torch.Generator().manual_seed(2))
+        tree, start = DraftTree(nodes, parents), 2 * BLOCK - 2
+        out = run(
+            mqa,
+            prefilled(mqa, seq, start),
+            torch.cat([seq[start : start + 1], nodes]),
+            tree.positions(start),
+            start,
+            tree.attention_mask(start),
+        )
+        for i in range(len(parents)):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, int(nodes[j]))
+                j = int(parents[j])
+            own = torch.cat([seq[: start + 1], torch.tensor(path)])
+            want = run(mqa, mqa.new_cache(MAX_SEQ), own, torch.arange(len(own)), 0, causal_mask(0, len(own), "cpu"))
+            assert_same_bits(out.hidden[i + 1 : i + 2], want.hidden[-1:], f"tree node {i}")
+    finally:
+        torch.set_num_threads(threads)

@@ -116,3 +116,20 @@ def test_a_fused_linear_repacks_when_a_part_is_edited_and_falls_back_under_autog
     x.requires_grad_(True)
     fused(x).sum().backward()
     assert x.grad is not None
+
+
+def test_a_replaced_part_or_parameter_is_not_served_from_a_stale_packed_copy():
+    torch.manual_seed(0)
+    cfg = ModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2)
+    attn, mlp = Attention(cfg), MLP(cfg)
+    pack_linears(attn), pack_linears(mlp)
+    x = torch.randn(1, 3, 32)
+    cos, sin = torch.ones(3, 8), torch.zeros(3, 8)
+    with torch.no_grad():
+        attn.k_proj = PackedLinear(nn.Linear(32, 16))  # a part module replaced after fusing
+        mlp.up_proj.weight = nn.Parameter(torch.randn(48, 32))  # a parameter replaced (its version counter is 0)
+        _, k, _ = attn.qkv(x, cos, sin)
+        want_k = (x @ attn.k_proj.weight.T + attn.k_proj.bias).view(1, 3, 2, 8).transpose(1, 2)
+        torch.testing.assert_close(k, want_k, atol=1e-5, rtol=1e-5)
+        want = mlp.down_proj(F.silu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight))
+        torch.testing.assert_close(mlp(x), want, atol=1e-5, rtol=1e-5)
