@@ -119,19 +119,24 @@ def test_tree_verify_rows_equal_a_prefill_of_their_own_path(target, tokens, shap
     """Each tree node's row equals the last row of a plain prefill of prefix + the node's ancestors + the node."""
     parents = torch.tensor(tree_cases()[shape])
     nodes = torch.randint(0, 128, (len(parents),), generator=torch.Generator().manual_seed(start))
+    assert_tree_rows_equal_own_paths(target, tokens, start, nodes, parents, f"{shape} at {start}")
+
+
+def assert_tree_rows_equal_own_paths(model, tokens, start: int, nodes, parents, what: str) -> None:
+    """Verify the tree after tokens[:start+1]; each node's row must equal the last row of a plain prefill of
+    prefix + the node's ancestors + the node."""
     tree = DraftTree(nodes, parents)
-    cache = prefilled(target, tokens, start)
     inputs = torch.cat([tokens[start : start + 1], nodes])
-    out = run(target, cache, inputs, tree.positions(start), start, tree.attention_mask(start))
+    out = run(model, prefilled(model, tokens, start), inputs, tree.positions(start), start, tree.attention_mask(start))
     for i in range(len(parents)):
         path, j = [], i
         while j >= 0:
             path.insert(0, int(nodes[j]))
             j = int(parents[j])
         seq = torch.cat([tokens[: start + 1], torch.tensor(path)])
-        ref = run(target, target.new_cache(MAX_SEQ), seq, torch.arange(len(seq)), 0, causal_mask(0, len(seq), "cpu"))
-        assert_same_bits(out.hidden[i + 1 : i + 2], ref.hidden[-1:], f"{shape} node {i} at {start}: hidden")
-        assert_same_bits(out.logits[i + 1 : i + 2], ref.logits[-1:], f"{shape} node {i} at {start}: logits")
+        ref = run(model, model.new_cache(MAX_SEQ), seq, torch.arange(len(seq)), 0, causal_mask(0, len(seq), "cpu"))
+        assert_same_bits(out.hidden[i + 1 : i + 2], ref.hidden[-1:], f"{what}, node {i}: hidden")
+        assert_same_bits(out.logits[i + 1 : i + 2], ref.logits[-1:], f"{what}, node {i}: logits")
 
 
 def test_plans_read_in_place_until_the_first_draft_off_its_position():
@@ -230,22 +235,6 @@ def test_a_single_kv_head_keeps_its_bits_under_two_threads(tiny_llama_dir, heads
                 assert_same_bits(out.hidden, ref.hidden[start : start + k], f"verify {k} at {start}")
         parents = torch.tensor(tree_cases()["wide16"])
         nodes = torch.randint(0, 128, (len(parents),), generator=torch.Generator().manual_seed(2))
-        tree, start = DraftTree(nodes, parents), 2 * BLOCK - 2
-        out = run(
-            mqa,
-            prefilled(mqa, seq, start),
-            torch.cat([seq[start : start + 1], nodes]),
-            tree.positions(start),
-            start,
-            tree.attention_mask(start),
-        )
-        for i in range(len(parents)):
-            path, j = [], i
-            while j >= 0:
-                path.insert(0, int(nodes[j]))
-                j = int(parents[j])
-            own = torch.cat([seq[: start + 1], torch.tensor(path)])
-            want = run(mqa, mqa.new_cache(MAX_SEQ), own, torch.arange(len(own)), 0, causal_mask(0, len(own), "cpu"))
-            assert_same_bits(out.hidden[i + 1 : i + 2], want.hidden[-1:], f"tree node {i}")
+        assert_tree_rows_equal_own_paths(mqa, seq, 2 * BLOCK - 2, nodes, parents, "tree")
     finally:
         torch.set_num_threads(threads)
