@@ -131,7 +131,7 @@ def by_spec(spec: str) -> Kind:
 
 
 def resolve(ref: str) -> Any:
-    """"package.module:attr" -> the object, imported now."""
+    """ "package.module:attr" -> the object, imported now."""
     module, _, attr = ref.partition(":")
     try:
         return getattr(importlib.import_module(module), attr)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
+from .packed import fused_linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -148,10 +149,15 @@ def use_grouped_attention(q: Tensor, mask: Tensor | None) -> bool:
     return small and q.shape[2] <= SMALL_N and q.dtype != torch.float32 and q.device.type == "cpu"
 
 
+def invariant_path(dtype: torch.dtype, device: torch.device) -> bool:
+    """Half precision on CPU takes heads/attention.py at batch 1: row-invariant bits (lossless bf16 speculation), over
+    an fp32 KV cache. fp32 keeps SDPA (its rounding differences are far below bf16's and have not flipped a greedy
+    token in tests)."""
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def batch_invariant(x: Tensor) -> bool:
-    """Half-precision batch-1 inference on CPU takes heads/attention.py: row-invariant bits (lossless bf16 speculation).
-    fp32 keeps SDPA (its rounding differences are far below bf16's and have not flipped a greedy token in tests)."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] == 1
+    return x.shape[0] == 1 and invariant_path(x.dtype, x.device)
 
 
 class Attention(nn.Module):
@@ -172,14 +178,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.qkv_proj: nn.Module | None = None
 
-    def parts(self) -> tuple[nn.Module, ...]:
-        return self.q_proj, self.k_proj, self.v_proj
-
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [b, n, in_dim] -> q [b, heads, n, head_dim], k and v [b, kv_heads, n, head_dim], rope applied."""
         b, n, _ = x.shape
         h, kv, d = self.n_heads, self.n_kv, self.head_dim
-        fused = self.qkv_proj if self.qkv_proj is not None and self.qkv_proj.fuses(*self.parts()) else None
+        fused = fused_linear(self, "qkv_proj")
         if fused is not None and not hasattr(self, "q_norm"):  # rope q and k in one pass
             qkv = fused(x).view(b, n, h + 2 * kv, d).transpose(1, 2)
             qk = apply_rope(qkv[:, : h + kv], cos, sin)
@@ -241,8 +244,8 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gate_up_proj is not None and self.gate_up_proj.fuses(self.gate_proj, self.up_proj):
-            gate, up = self.gate_up_proj(x).chunk(2, -1)
+        if (fused := fused_linear(self, "gate_up_proj")) is not None:
+            gate, up = fused(x).chunk(2, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -305,8 +308,7 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: int) -> KVCache:
         """A batch-1 cache; in fp32 where the batch-invariant attention reads it (CPU bf16/fp16: no copy per step)."""
         c = self.config
-        probe = torch.empty(1, 0, dtype=self.dtype, device=self.device)
-        dtype = torch.float32 if batch_invariant(probe) else self.dtype
+        dtype = torch.float32 if invariant_path(self.dtype, self.device) else self.dtype
         return KVCache.allocate(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, dtype, self.device)
 
     def forward(

@@ -97,7 +97,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if takes_packed(x, self.dtype):
-            if self.packed is None or not fresh(self.stamp, [self.weight]):
+            if not fresh(self.stamp, [self.weight]):  # released (stamp []), edited or replaced
                 self.repack()
             return packed_linear(x, self.packed, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
@@ -115,6 +115,7 @@ class FusedLinear(nn.Module):
         super().__init__()
         self.parts = tuple(parts)
         self.sizes = [p.out_features for p in parts]
+        self.out_features = sum(self.sizes)
         self.dtype = parts[0].dtype
         self.repack()
         for p in parts:
@@ -122,10 +123,6 @@ class FusedLinear(nn.Module):
 
     def sources(self) -> list[Tensor]:
         return [t for p in self.parts for t in (p.weight, p.bias) if t is not None]
-
-    def fuses(self, *parts: nn.Module) -> bool:
-        """Are these still its parts? A part module replaced after packing leaves this fused copy behind."""
-        return len(parts) == len(self.parts) and all(a is b for a, b in zip(parts, self.parts, strict=True))
 
     def repack(self) -> None:
         weight = torch.cat([p.weight.detach() for p in self.parts])
@@ -138,11 +135,20 @@ class FusedLinear(nn.Module):
         if takes_packed(x, self.dtype):
             if not fresh(self.stamp, self.sources()):
                 self.repack()
-            return packed_linear(x, self.packed, self.bias, sum(self.sizes))
+            return packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.cat([p(x) for p in self.parts], -1)
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, packed={self.dtype}"
+
+
+def fused_linear(module: nn.Module, name: str) -> FusedLinear | None:
+    """module's FusedLinear `name`, if pack_linears made one and its parts are still the module's (a part module
+    replaced after packing leaves the fused copy behind)."""
+    fused = getattr(module, name)
+    if fused is None or any(getattr(module, n) is not p for n, p in zip(module.FUSED[name], fused.parts, strict=True)):
+        return None
+    return fused
 
 
 def pack_linears(model: nn.Module) -> int:

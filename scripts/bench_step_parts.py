@@ -52,7 +52,7 @@ VARIANTS = {
         (packed.FusedLinear, "forward", lean_fused),
     ],
     "1-row linear as 1 row (inexact)": [(packed, "packed_linear", one_row)],
-    "SDPA-style attention (inexact)": [(llama, "batch_invariant", lambda x: False)],
+    "SDPA-style attention (inexact)": [(llama, "invariant_path", lambda dtype, device: False)],
 }
 
 
