@@ -24,10 +24,14 @@ from torch import Tensor, nn
 
 PACKABLE = (torch.float32, torch.bfloat16)
 ROWS_HINT = 16  # oneDNN picks the weight layout for this many rows; any number of rows stays correct
-# In bf16, oneDNN runs a 1-row input through another kernel than 2 or more rows, and on real activations some
-# of its rows round differently (SmolLM2's down_proj: 5 of 120 rows), while every count from 2 up gives each row
-# the same bits. So a half-precision row runs as two: a decode step then matches a verify or prefill row bit for
-# bit (heads/attention.py), and bf16 costs about the same for 2 rows as for 1.
+# A half-precision row must get the same bits in a decode step, a verify and a prefill (heads/attention.py), but
+# oneDNN's bf16 kernels round a row differently with the row count. On AVX512-BF16 a 1-row input takes another
+# kernel than 2 or more rows (SmolLM2's down_proj: 5 of 120 rows differ), and every count from 2 up agrees. On AMX
+# its brgemm blocks K by the row count: 2 to 32 rows agree with each other, and larger counts differ among
+# themselves (1-40 of 64 rows, by shape). So a half-precision GEMM runs 2 to MAX_ROWS rows: a single row as two,
+# a prefill in pieces of MAX_ROWS. bf16 costs about the same for 2 rows as for 1; the pieces cost an AMX prefill's
+# linears ~4x (still ~2x faster than fp32's; docs/benchmarks.md).
+MAX_ROWS = 32
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -62,11 +66,20 @@ def pack_weight(weight: Tensor) -> Tensor:
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """x @ packed.T + bias on oneDNN; a half-precision single row runs as two (see ROWS_HINT)."""
-    if x.dtype != torch.float32 and x.numel() == x.shape[-1]:
-        two = torch.ops.mkldnn._linear_pointwise(x.reshape(1, -1).expand(2, -1), packed, bias, "none", [], "")
-        return two[:1].view(*x.shape[:-1], out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """x @ packed.T + bias on oneDNN; half precision runs 2 to MAX_ROWS rows per GEMM (see MAX_ROWS)."""
+    n = x.numel() // x.shape[-1]
+    if x.dtype == torch.float32 or n == 0 or 2 <= n <= MAX_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    pieces = [invariant_rows(rows[i : i + MAX_ROWS], packed, bias) for i in range(0, len(rows), MAX_ROWS)]
+    return torch.cat(pieces).view(*x.shape[:-1], out_features)
+
+
+def invariant_rows(rows: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """A GEMM of up to MAX_ROWS half-precision rows; a single row runs as two."""
+    if len(rows) == 1:
+        return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1), packed, bias, "none", [], "")[:1]
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
 def takes_packed(x: Tensor, dtype: torch.dtype) -> bool:
