@@ -22,7 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PACKABLE = (torch.float32, torch.bfloat16)
+NATIVE = {  # does this CPU's oneDNN have kernels for the dtype
+    torch.float32: lambda: True,
+    torch.bfloat16: lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    torch.float16: lambda: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+}
 ROWS_HINT = 16  # oneDNN picks the weight layout for this many rows; any number of rows stays correct
 # A half-precision row must get the same bits in a decode step, a verify and a prefill (heads/attention.py), but
 # oneDNN's bf16 kernels round a row differently with the row count. On AVX512-BF16 a 1-row input takes another
@@ -30,16 +34,17 @@ ROWS_HINT = 16  # oneDNN picks the weight layout for this many rows; any number 
 # its brgemm blocks K by the row count: 2 to 32 rows agree with each other, and larger counts differ among
 # themselves (1-40 of 64 rows, by shape). So a half-precision GEMM runs 2 to MAX_ROWS rows: a single row as two,
 # a prefill in pieces of MAX_ROWS. bf16 costs about the same for 2 rows as for 1; the pieces cost an AMX prefill's
-# linears ~4x (still ~2x faster than fp32's; docs/benchmarks.md).
+# linears ~4x (still ~2x faster than fp32's; docs/benchmarks.md). fp16 (AVX512-FP16, AMX) is cut the same way.
+# Under 32 input features AMX rounds 3+ rows differently again (toy models only; real targets are far wider).
 MAX_ROWS = 32
 
 
 def can_pack(weight: Tensor) -> bool:
     return (
         weight.device.type == "cpu"
-        and weight.dtype in PACKABLE
+        and weight.dtype in NATIVE
         and torch.backends.mkldnn.is_available()
-        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and NATIVE[weight.dtype]()
     )
 
 

@@ -3,9 +3,11 @@
 
 1. target forward time per step size (1-row decode, k-row verify): bf16 bit-exact (heads/attention.py) vs the
    previous bf16 path (SDPA / grouped attention, no plans) vs fp32; the minimum over repeats (robust to load).
-2. plain greedy decoding tok/s, fp32 vs bf16 (bit-exact), on a few MT-bench prompts, interleaved prompt by prompt.
+2. a long prefill: bf16 bit-exact (linears in pieces of packed.MAX_ROWS rows) vs bf16 with its linears whole
+   (inexact on AMX) vs fp32.
+3. plain greedy decoding tok/s, fp32 vs bf16 (bit-exact), on a few MT-bench prompts, interleaved prompt by prompt.
 
-  python scripts/bench_bf16_exact.py [--repeats 30] [--prompts 4] [--new 64]
+  python scripts/bench_bf16_exact.py [--repeats 30] [--prompts 4] [--new 64] [--prefill 2000]
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from draftsmith.eval.suites import mt_bench  # noqa: E402
-from draftsmith.heads import llama  # noqa: E402
+from draftsmith.heads import llama, packed  # noqa: E402
 from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, load  # noqa: E402
 from draftsmith.serve.draft_model import causal_mask  # noqa: E402
 from draftsmith.serve.sampling import SamplingParams  # noqa: E402
@@ -65,6 +67,30 @@ def step_section(fp32, bf16, repeats: int) -> None:
         print(f"{rows:4d} | " + " | ".join(f"{m:7.2f}" for m in ms) + f" | {ms[0] / ms[1]:.2f}x")
 
 
+def prefill_time(model, n: int) -> float:
+    tokens = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model(tokens, torch.arange(n), model.new_cache(n), 0, causal_mask(0, n, "cpu"))
+        return time.perf_counter() - t
+
+
+def prefill_section(fp32, bf16, n: int, repeats: int = 3) -> None:
+    whole = mock.patch.object(packed, "MAX_ROWS", n)
+    variants = {
+        "bf16 exact": (bf16, nullcontext),
+        "bf16 linears whole": (bf16, lambda: whole),
+        "fp32": (fp32, nullcontext),
+    }
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(repeats):
+        for name, (model, ctx) in variants.items():
+            with ctx():
+                best[name] = min(best[name], prefill_time(model, n))
+    print(f"prefill of {n} tokens, min over {repeats} interleaved repeats (ms)")
+    print("  " + "   ".join(f"{k} {v * 1e3:.0f}" for k, v in best.items()))
+
+
 def plain_section(targets: dict, n_prompts: int, new: int) -> None:
     engines = {k: build_engine(t, SpecConfig("ar"), prefix_cache=False, max_seq_len=1024) for k, t in targets.items()}
     tok = next(iter(targets.values())).tokenizer
@@ -91,10 +117,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=2000, help="prompt tokens of section 2 (0: skip it)")
     args = ap.parse_args()
     targets = {k: load(TargetConfig(dtype=d, device="cpu")) for k, d in (("fp32", "float32"), ("bf16", "bfloat16"))}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     step_section(targets["fp32"].model, targets["bf16"].model, args.repeats)
+    if args.prefill:
+        prefill_section(targets["fp32"].model, targets["bf16"].model, args.prefill)
     plain_section(targets, args.prompts, args.new)
 
 

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,12 @@ def torch_dtype(name: str, device: str) -> torch.dtype:
         return torch.bfloat16 if native_bf16(device) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use auto, fast, {', '.join(DTYPES)}")
+    if name == "float16" and device == "cpu" and not can_pack(torch.empty(0, dtype=torch.float16)):
+        warnings.warn(
+            "float16 on this CPU has no oneDNN kernels: its linears are neither fast nor row-invariant, so greedy "
+            "speculative output may part from plain decoding at a near-tie; use dtype=bfloat16 or float32",
+            stacklevel=2,
+        )
     return DTYPES[name]
 
 

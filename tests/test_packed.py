@@ -15,7 +15,7 @@ from helpers import build_tiny
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no oneDNN on this CPU build")
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_packed_matches_linear(dtype, tol, rows):
     if not can_pack(torch.zeros(1, dtype=dtype)):
@@ -63,16 +63,17 @@ def test_an_in_place_weight_edit_repacks():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("k", "n"), [(1536, 576), (576, 960), (576, 3072)])  # SmolLM2's down, qkv, gate_up
-def test_a_bf16_row_gets_the_same_bits_alone_as_among_other_rows(k, n):
+def test_a_half_precision_row_gets_the_same_bits_alone_as_among_other_rows(k, n, dtype):
     """oneDNN rounds some bf16 rows differently by row count: alone on AVX512-BF16 (down_proj: 7 of 64 rows here),
     past 32 rows on AMX (1-40 of 64 by shape). A decode step must match the same row in a verify or a prefill of any
     length, bit for bit."""
-    if not can_pack(torch.zeros(1, dtype=torch.bfloat16)):
-        pytest.skip("oneDNN has no bf16 kernels on this CPU")
+    if not can_pack(torch.zeros(1, dtype=dtype)):
+        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
     torch.manual_seed(0)
-    lin = PackedLinear(nn.Linear(k, n, bias=False).to(torch.bfloat16))
-    x = torch.randn(1, 300, k, dtype=torch.bfloat16)
+    lin = PackedLinear(nn.Linear(k, n, bias=False).to(dtype))
+    x = torch.randn(1, 300, k, dtype=dtype)
     with torch.inference_mode():
         alone = torch.cat([lin(x[:, i : i + 1]) for i in range(80)], 1)
         assert lin(x[0, 0]).shape == (n,)  # a bare vector keeps its shape
