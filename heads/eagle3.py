@@ -26,6 +26,8 @@ class Eagle3Config(EagleConfig):
     target_layers: tuple[int, ...] = (2, 16, 29)  # inputs of these target layers (L = the last layer's output)
     draft_vocab_size: int = 8192
     init: str = "scratch"  # target: norm and lm_head start as the target's final norm and lm_head rows
+    norm_before_fc: bool = False  # an RMSNorm (input_norm) over the concatenated target features before fc
+    norm_output: bool = False  # EAGLE-3.1: the next depth reads norm(output), what the lm_head reads, not output
 
     def __post_init__(self) -> None:
         if self.init not in ("scratch", "target"):
@@ -137,6 +139,8 @@ class Eagle3Head(DraftVocabHead):
         self.config = cfg
         h = cfg.hidden_size
         self.embed_tokens, self.target_lm_head = borrow(target, cfg)  # target_lm_head: the loss's soft targets
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(len(cfg.target_layers) * h, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
         self.midlayer = Eagle3Layer(cfg.layer_config())
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -155,7 +159,16 @@ class Eagle3Head(DraftVocabHead):
         """The fused feature: fc over the target's layer inputs [.., k*H] (in target_layers order)."""
         if aux is None:
             raise ValueError(f"EAGLE-3 needs the target's inputs to layers {self.config.target_layers}")
-        return self.fc(aux.to(self.fc.weight.dtype))
+        aux = aux.to(self.fc.weight.dtype)
+        return self.fc(self.input_norm(aux) if self.config.norm_before_fc else aux)
+
+    def fed_back(self, output: Tensor) -> Tensor:
+        """What the next depth reads of the layer's output (and logits() turns into the next token)."""
+        return self.norm(output) if self.config.norm_output else output
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden: what forward() returned (normed already under norm_output)."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     def forward(
         self,
@@ -167,11 +180,13 @@ class Eagle3Head(DraftVocabHead):
         mask: Tensor | None = None,
     ) -> Tensor:
         """feature [b, n, H] (fused target feature_i, or the head's own previous output), tokens [b, n]
-        (token_{i+1}), positions [n] -> the next feature [b, n, H] (before `norm`). Cache and mask as EagleHead."""
+        (token_{i+1}), positions [n] -> the next feature [b, n, H] (before `norm`, but under norm_output).
+        Cache and mask as EagleHead."""
         embeds = self.embed_tokens(tokens).to(self.fc.weight.dtype)  # the borrowed embedding may be wider
         cos, sin = self.rope(positions, embeds.dtype)
         kc, vc = (cache.k[0], cache.v[0]) if cache is not None else (None, None)
-        return self.midlayer(embeds, feature.to(embeds.dtype), cos, sin, kc, vc, start, sdpa_mask(mask))
+        out = self.midlayer(embeds, feature.to(embeds.dtype), cos, sin, kc, vc, start, sdpa_mask(mask))
+        return self.fed_back(out)
 
     def unroll(self, feature: Tensor, tokens: Tensor, steps: int) -> list[Tensor]:
         """Training-time test over m pairs: feature [b, m, H] fused target features 0..m-1, tokens [b, m]
@@ -188,7 +203,7 @@ class Eagle3Head(DraftVocabHead):
             q, k, v = attn.qkv(self.midlayer.attn_input(embeds, feature), cos, sin)
             kv.append((k, v))
             out = attn.o_proj(ttt_attention(q, kv).transpose(1, 2).reshape(b, m, -1))
-            feature = self.midlayer.finish(feature, out)
+            feature = self.fed_back(self.midlayer.finish(feature, out))
             outs.append(feature)
         return outs
 

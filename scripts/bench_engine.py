@@ -612,7 +612,7 @@ def vllm_section(args, ours, tok, tid, summary, report) -> None:
     greedy, both stopping at EOS: plain decoding per dtype, and with --eagle3 the same exported EAGLE-3 head in
     both engines as a chain of --peer-k. One vLLM worker at a time, kept alive over its pair's requests."""
     if not vllm_installed(args.vllm_python):
-        msg = f"6. vLLM peer: skipped, no vLLM at {args.vllm_python}; create it with: bash scripts/vllm_crosscheck.sh"
+        msg = f"6. vLLM peer: skipped, no vLLM at {args.vllm_python}; create it with: bash scripts/vllm_venv.sh"
         print(msg)
         summary["vllm"] = {"skipped": msg}
         report.append(f"\n{msg}")
@@ -789,13 +789,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-repeats", type=int, default=3)
     p.add_argument("--prefix-dtypes", type=csv(str), default=["float32", "bfloat16"])
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
-    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    p.add_argument("--vllm-python", default=vc.default_vllm_python())
     p.add_argument(
         "--vllm-env",
         type=lambda s: tuple(s.split("=", 1)),
         action="append",
         default=[],
-        help="vllm: KEY=VALUE for the vLLM worker only, e.g. LD_PRELOAD=/work/vllm-venv/lib/libiomp5.so (vLLM's CPU\n"
+        help="vllm: KEY=VALUE for the vLLM worker only, e.g. LD_PRELOAD=<venv>/lib/libiomp5.so (vLLM's CPU\n"
         "docs ask for Intel OpenMP with speculative decoding)",
     )
     p.add_argument(

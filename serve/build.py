@@ -21,7 +21,7 @@ from .ngram import NgramConfig, NgramProposer
 from .prefix_cache import PrefixCache
 from .proposer import Proposer
 from .suffix import SuffixConfig, SuffixProposer
-from .target import TargetConfig, load_target, load_tokenizer, torch_dtype
+from .target import TargetConfig, load_target, load_tokenizer, resolve_target, torch_dtype
 from .tree import TreeConfig
 
 
@@ -118,10 +118,11 @@ class Loaded:
     model: Transformer
     tokenizer: PreTrainedTokenizerBase
     target_id: str
+    folder: Path | None = None  # the HF folder it was loaded from (what another engine, e.g. vLLM, would read)
 
 
 def load(cfg: TargetConfig) -> Loaded:
-    return Loaded(*load_target(cfg))
+    return Loaded(*load_target(cfg), resolve_target(cfg))
 
 
 def target_info(target: Loaded) -> TargetInfo:

@@ -32,6 +32,7 @@ PART_SUFFIX = re.compile(r"_\d+$")  # ShareGPT V3 splits long chats into parts i
 class Conversation:
     id: str
     messages: list[dict]  # {"role": system|user|assistant, "content": str}
+    generator: dict | None = None  # who wrote the answers, where a regenerated file says (engine, ..., target)
 
 
 @dataclass
@@ -105,7 +106,8 @@ def parse_row(row: dict, index: int, skipped: Skipped) -> Conversation | None:
     if not any(m["role"] == "assistant" for m in messages):
         skipped.add("without an assistant turn")
         return None
-    return Conversation(str(row.get("id", index)), messages)
+    generator = row.get("generator")
+    return Conversation(str(row.get("id", index)), messages, generator if isinstance(generator, dict) else None)
 
 
 def iter_rows(source: str, skipped: Skipped) -> Iterator[dict]:

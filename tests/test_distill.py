@@ -3,6 +3,7 @@ turn by turn; sampling is reproducible; a killed run resumes without duplicates;
 trainer keys its feature cache apart and reuses the file; head=draft_model turns it on."""
 
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -15,12 +16,17 @@ from draftsmith.serve.cli import typed
 from draftsmith.serve.conversations import Conversation, Skipped
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
+from draftsmith.train import batch_decode
 from draftsmith.train import distill as distill_mod
 from draftsmith.train.data import DataConfig, DistillConfig, data_key
-from draftsmith.train.distill import DistillRun, answer_text, distill, distill_path, run
+from draftsmith.train.distill import DistillRun, distill, distill_path, run
+from draftsmith.train.distill_file import read_rows
 from draftsmith.train.features import FeatureConfig, cache_key
 from draftsmith.train.head import HeadConfig
+from draftsmith.train.regen_backends import Backend
 from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
+from draftsmith.train.turns import answer_text
+from draftsmith.train.vllm_backend import VllmUnavailable
 from helpers import build_tiny_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +61,7 @@ CONVS = [
 
 
 def cfg(**kw) -> DistillConfig:
-    return DistillConfig(**{"max_new_tokens": NEW, "batch_size": 3, **kw})
+    return DistillConfig(**{"max_new_tokens": NEW, "batch_size": 3, "backend": "draftsmith", **kw})
 
 
 def expected_greedy(target, conv: Conversation) -> list[dict]:
@@ -82,8 +88,8 @@ def file_ids(path: Path) -> list[str]:
 @pytest.mark.parametrize("batch_size, spec", [(1, "ngram"), (1, "ar"), (3, "ngram"), (8, "ngram")])
 def test_answers_are_the_targets_greedy_output_turn_by_turn(target, tmp_path, monkeypatch, batch_size, spec):
     reused = []  # batched: a later turn prefills only what follows the chat's KV so far
-    original = distill_mod.common_prefix
-    monkeypatch.setattr(distill_mod, "common_prefix", lambda a, b: reused.append(original(a, b)) or reused[-1])
+    original = batch_decode.common_prefix
+    monkeypatch.setattr(batch_decode, "common_prefix", lambda a, b: reused.append(original(a, b)) or reused[-1])
     out = distill(CONVS, target, cfg(batch_size=batch_size, spec=spec), tmp_path / "d.jsonl", 512, Skipped())
     assert (len(reused) == 3 and min(reused) > 30) if batch_size > 1 else not reused  # a: 1, d: 2 later turns
     assert [c.id for c in out] == [c.id for c in CONVS]  # input order
@@ -110,13 +116,13 @@ def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch, 
     whole = distill(CONVS, target, cfg(batch_size=batch_size), tmp_path / "whole.jsonl", 512, Skipped())
     path, original, written = tmp_path / "killed.jsonl", distill_mod.append_row, []
 
-    def killed_after_two(f, conv_id, messages):
+    def killed_after_two(f, row):
         if len(written) == 2:
-            f.write(b'{"id": "' + conv_id.encode() + b'", "messages": [{"ro')  # torn mid-row by the kill
+            f.write(b'{"id": "' + row["id"].encode() + b'", "messages": [{"ro')  # torn mid-row by the kill
             f.flush()
             raise KeyboardInterrupt("simulated kill")
-        written.append(conv_id)
-        original(f, conv_id, messages)
+        written.append(row["id"])
+        original(f, row)
 
     monkeypatch.setattr(distill_mod, "append_row", killed_after_two)
     with pytest.raises(KeyboardInterrupt):
@@ -220,7 +226,7 @@ def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, mon
     data = DataConfig(
         source=str(source), max_conversations=None, max_length=48, heldout_fraction=0.0, self_distill=True
     )
-    data.distill = DistillConfig(max_new_tokens=NEW, batch_size=4)
+    data.distill = DistillConfig(max_new_tokens=NEW, batch_size=4, backend="draftsmith")
 
     def config(out: str, mode: str) -> RunConfig:
         tc = TrainConfig(max_steps=1, batch_size=4, log_every=1, features=FeatureConfig(mode=mode))
@@ -260,8 +266,103 @@ def test_the_command_line_writes_the_file(target_dir, tmp_path, capsys):
         "data.heldout_fraction=0",
         f"data.distill.max_new_tokens={NEW}",
         f"data.distill.out={out}",
+        "data.distill.backend=draftsmith",
     ]
     with initialize_config_module("draftsmith.conf", version_base=None):
         assert run(typed(compose("distill", overrides=overrides), DistillRun)) == out
     assert sorted(file_ids(out)) == sorted(c.id for c in CONVS)
     assert f"5 conversations (8 answers by {target_dir.name}" in capsys.readouterr().out
+
+
+def scripted(outputs: dict, eos: int):
+    """A backend whose answers are scripted per (conversation, turn): `cut` answers fill their budget, the others
+    end with an end-of-turn token."""
+    record = {"engine": "scripted", "version": "1", "target": "t"}
+
+    def generate(chats, prompts, budgets):
+        return [
+            [7] * n if outputs.get((c.id, c.turn)) == "cut" else [7, eos] for c, n in zip(chats, budgets, strict=True)
+        ]
+
+    return lambda *args, **kw: Backend(generate, record, 2)
+
+
+def test_rows_record_their_generator_and_which_answers_hit_the_token_limit(target, tmp_path, monkeypatch):
+    path = tmp_path / "d.jsonl"
+    out = distill(CONVS, target, cfg(), path, 512, Skipped())
+    rows = read_rows(path)
+    dtype = str(target.model.dtype).removeprefix("torch.")
+    expected = {"engine": "draftsmith", "dtype": dtype, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+    for conv in out:
+        generator = rows[conv.id]["generator"]
+        assert {k: generator[k] for k in expected} == expected and generator["max_new_tokens"] == NEW
+        assert generator["target"] == target.target_id and conv.generator == generator
+    eos = eos_ids(target)[0]
+    monkeypatch.setattr(distill_mod, "open_backend", scripted({("a", 1): "cut", ("d", 0): "cut"}, eos))
+    distill(CONVS, target, cfg(), tmp_path / "s.jsonl", 512, Skipped())
+    rows = read_rows(tmp_path / "s.jsonl")
+    assert rows["a"]["truncated"] == [1] and rows["d"]["truncated"] == [0] and "truncated" not in rows["c"]
+    assert len(rows["a"]["messages"]) == 4 and rows["a"]["messages"][3]["role"] == "assistant"  # kept
+
+
+def test_shards_by_id_range_merge_into_the_whole_when_training(target, tmp_path, monkeypatch):
+    whole = distill(CONVS, target, cfg(), tmp_path / "whole.jsonl", 512, Skipped())
+    path = tmp_path / "answers.jsonl"
+    shards = [distill(CONVS, target, cfg(shard=f"{i}/3"), path, 512, Skipped()) for i in range(3)]
+    assert [[c.id for c in s] for s in shards] == [["a"], ["b", "c"], ["d", "e"]]  # contiguous, input order
+    assert not path.exists() and len(list(tmp_path.glob("answers.shard*-of-3.jsonl"))) == 3
+    monkeypatch.setattr(distill_mod, "generate_into", lambda *a, **k: pytest.fail("generated again"))
+    merged = distill(CONVS, target, cfg(), path, 512, Skipped())
+    assert as_dict(merged) == as_dict(whole) and file_ids(path) == [c.id for c in CONVS]
+    with pytest.raises(ValueError, match="data.distill.shard must be i/n"):
+        distill(CONVS, target, cfg(shard="3/3"), path, 512, Skipped())
+
+
+def fake_vllm_python(tmp_path: Path, package_body: str) -> str:
+    """A Python that finds a `vllm` package whose import runs package_body (vLLM installed but broken)."""
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(package_body)
+    script = tmp_path / "python"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_vllm_missing_or_failing_falls_back_in_one_line_or_is_an_error(target, tmp_path):
+    said = []
+    missing = cfg(backend="auto", vllm_python=str(tmp_path / "no-python"))
+    out = distill(CONVS[:2], target, missing, tmp_path / "a.jsonl", 512, Skipped(), say=said.append)
+    assert [c.generator["engine"] for c in out] == ["draftsmith", "draftsmith"]
+    (line,) = [s for s in said if "falls back" in s]
+    assert "no-python cannot import vllm" in line and "bash scripts/setup.sh" in line
+    broken = fake_vllm_python(tmp_path, "raise RuntimeError('this vLLM has no CPU backend')")
+    said.clear()
+    distill(
+        CONVS[:2],
+        target,
+        cfg(backend="auto", vllm_python=broken),
+        tmp_path / "b.jsonl",
+        512,
+        Skipped(),
+        say=said.append,
+    )
+    assert any("falls back" in s and "this vLLM has no CPU backend" in s for s in said)
+    with pytest.raises(VllmUnavailable, match="failed to start"):
+        distill(CONVS[:2], target, cfg(backend="vllm", vllm_python=broken), tmp_path / "c.jsonl", 512, Skipped())
+    assert read_rows(tmp_path / "c.jsonl") == {}
+
+
+def test_answers_generated_by_another_target_are_refused_naming_both(target_dir, tmp_path):
+    source = tmp_path / "theirs.jsonl"
+    row = {"id": "x", "messages": [user("Hi"), said("Hello!")], "generator": {"engine": "vllm", "target": "big@1"}}
+    source.write_text(json.dumps(row) + "\n")
+    run = RunConfig(
+        out=str(tmp_path / "out"),
+        target=TargetConfig(path=str(target_dir)),
+        head=HeadConfig(kind=standin_head.KIND),
+        data=DataConfig(source=str(source), heldout_fraction=0.0),
+        train=TrainConfig(max_steps=1, features=FeatureConfig(mode="online")),
+        wandb=WandbConfig(enabled=False),
+    )
+    with pytest.raises(ValueError, match=rf"generated by big@1, but this run's target is {target_dir.name}@"):
+        train(run)

@@ -106,10 +106,15 @@ def test_config_defaults():
     assert EagleConfig.from_target(smol).vocab_size == 49152
 
 
-def test_eagle3_training_time_test_is_what_drafting_sees(target):
+EAGLE31 = {"norm_before_fc": True, "norm_output": True}
+
+
+@pytest.mark.parametrize("norms", [{}, EAGLE31], ids=["eagle3", "eagle3.1"])
+def test_eagle3_training_time_test_is_what_drafting_sees(norms, target):
     """Step j of unroll at index i equals drafting depth j+1 with the KV cache: the real pairs 0..i in slots
-    1..i+1 (the proposer's layout), then the head's own outputs fed back with the next tokens."""
-    head = make_head("eagle3", target)
+    1..i+1 (the proposer's layout), then the head's own outputs fed back with the next tokens (normed first
+    under norm_output, as vLLM feeds them)."""
+    head = make_head("eagle3", target, **norms)
     c, m, steps = head.config, 9, 3
     feature = torch.randn(1, m, c.hidden_size)
     toks = torch.randint(0, c.vocab_size, (1, m))
@@ -128,6 +133,26 @@ def test_eagle3_training_time_test_is_what_drafting_sees(target):
                 visible[:, 0] = False
                 h = head(h, tok, torch.tensor([slot]), cache, slot, visible)
                 assert torch.allclose(h[0, 0], outs[j][0, i], atol=1e-5), (i, j)
+
+
+def test_eagle31_norms_change_what_the_head_reads_and_feeds_back(target):
+    plain, normed = make_head("eagle3", target), make_head("eagle3", target, **EAGLE31)
+    assert not hasattr(plain, "input_norm") and normed.input_norm.weight.shape == (3 * target.config.hidden_size,)
+    normed.load_state_dict(plain.state_dict(), strict=False)  # the same weights but input_norm
+    ids = torch.randint(0, target.config.vocab_size, (1, 6))
+    batch = head_features(target, plain, ids, torch.ones(1, 6))
+    with torch.no_grad():
+        normed.input_norm.weight.fill_(2.0)
+        f_plain, f_normed = (
+            plain.target_features(batch.hidden, batch.aux),
+            normed.target_features(batch.hidden, batch.aux),
+        )
+        assert not torch.allclose(f_plain, f_normed)
+        rms = batch.aux.pow(2).mean(-1, keepdim=True).add(normed.config.rms_norm_eps).rsqrt()
+        assert torch.allclose(f_normed, plain.fc(2.0 * batch.aux * rms), atol=1e-5)
+        out_plain, out_normed = plain(f_plain, ids, torch.arange(1, 7)), normed(f_plain, ids, torch.arange(1, 7))
+        assert torch.allclose(out_normed, plain.norm(out_plain), atol=1e-5)  # fed back normed
+        assert torch.allclose(normed.logits(out_normed), plain.logits(out_plain), atol=1e-5)  # the same tokens
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -258,6 +283,26 @@ def test_eagle3_loss_shifts(target):
         ("input_ids", t - 1, True),
     ):
         assert (eagle3_loss(head, perturbed(base, name, pos), ttt_steps=3)[0] != loss) == changes, (name, pos)
+
+
+def test_eagle3_loss_masks_tokens_outside_the_draft_vocabulary_and_adds_feature_noise(target):
+    head = make_head("eagle3", target, draft_vocab_size=target.config.vocab_size // 2)
+    outside = int((~head.t2d).nonzero()[0])
+    ids = torch.randint(0, target.config.vocab_size, (1, 10))
+    ids[0, 6] = outside
+    mask = torch.zeros(1, 10)
+    mask[0, 6] = 1  # the only weighted token: one the head cannot draft
+    batch = head_features(target, head, ids, mask)
+    assert eagle3_loss(head, batch, ttt_steps=2)[0] > 0
+    assert eagle3_loss(head, batch, ttt_steps=2, mask_outside_vocab=True)[0] == 0
+    mask[0, 7] = 1
+    batch = head_features(target, head, ids, mask)
+    kept = eagle3_loss(head, batch, ttt_steps=1, mask_outside_vocab=True)[0]
+    mask[0, 6] = 0
+    assert torch.allclose(kept, eagle3_loss(head, head_features(target, head, ids, mask), ttt_steps=1)[0])
+    exact = eagle3_loss(head, batch, ttt_steps=1)[0]
+    assert eagle3_loss(head, batch, ttt_steps=1, feature_noise=0.0)[0] == exact
+    assert eagle3_loss(head, batch, ttt_steps=1, feature_noise=0.5)[0] != exact
 
 
 def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):

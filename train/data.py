@@ -9,18 +9,23 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class DistillConfig:
-    """Self-distillation (train/distill.py): the target's own answers replace the source's."""
+    """Regeneration (train/distill.py): the target's own answers replace the source's."""
 
     max_new_tokens: int = 512  # per answer (and never past data.max_length: later tokens are cut anyway)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
-    batch_size: int = 16  # conversations decoded together; 1 = the engine, one at a time
-    spec: str = "ngram"  # batch_size 1: the engine's proposer, ar | ngram (lossless either way)
+    backend: str = "auto"  # vllm | draftsmith (its own decoders) | auto: vLLM where installed, else draftsmith's
+    vllm_python: str | None = None  # a Python with vLLM; default $DRAFTSMITH_VLLM_PYTHON, <cache>/vllm-venv, this one
+    dtype: str = "auto"  # vLLM's dtype (auto: bfloat16 where native, else float32); the own decoder runs target.dtype
+    engine_args: dict = field(default_factory=dict)  # more vLLM LLM(...) arguments, e.g. {data_parallel_size: 4}
+    batch_size: int | None = None  # conversations in flight; null: 256 with vLLM, 16 with the own batched decoder
+    spec: str = "ngram"  # own decoder at batch_size 1: the engine's proposer, ar | ngram (lossless either way)
+    shard: str | None = None  # i/n: answer only the i-th of n contiguous slices, into the shard's own file
     out: str | None = None  # the JSONL; default <target.cache_dir or $DRAFTSMITH_CACHE>/distill/<target>-<key>.jsonl
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1 or self.batch_size < 1:
+        if self.max_new_tokens < 1 or (self.batch_size is not None and self.batch_size < 1):
             n, b = self.max_new_tokens, self.batch_size
             raise ValueError(f"data.distill.max_new_tokens and batch_size must be >= 1, got {n} and {b}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
@@ -28,6 +33,11 @@ class DistillConfig:
             raise ValueError(f"data.distill.temperature must be >= 0 and top_p in (0, 1], got {t} and {p}")
         if self.spec not in ("ar", "ngram"):
             raise ValueError(f"data.distill.spec must be ar or ngram (no drafter is trained yet), got {self.spec!r}")
+        if self.backend not in ("auto", "vllm", "draftsmith"):
+            raise ValueError(f"data.distill.backend must be auto, vllm or draftsmith, got {self.backend!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"data.distill.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        self.engine_args = dict(self.engine_args)
 
 
 ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # what changes the answers (not how fast)

@@ -68,6 +68,7 @@ class TrainConfig:
     eval_max_new_tokens: int = 32
     num_workers: int = 0
     seed: int = 0
+    loss_on: str = "answers"  # answers: the assistant tokens (the loss mask) | all: every token of the example
     features: FeatureConfig = field(default_factory=FeatureConfig)
 
     def __post_init__(self) -> None:  # when the config is built: before the target loads or features are made
@@ -81,6 +82,8 @@ class TrainConfig:
             raise ValueError(f"train.eval_every, warmup_steps and num_workers must be >= 0, got {e}, {w} and {n}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"train.lr must be a positive number, got {self.lr}")
+        if self.loss_on not in ("answers", "all"):
+            raise ValueError(f"train.loss_on must be answers or all, got {self.loss_on!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"train.betas must be two numbers in [0, 1), e.g. [0.9, 0.95], got {list(self.betas)}")
 
@@ -152,7 +155,7 @@ def setup(cfg: RunConfig) -> Loop:
     fingerprint = make_fingerprint(cfg, target, acc.num_processes, len(dataset), zero_stage(acc))
     hook = make_hook(cfg, target, head_cfg, say) if acc.is_main_process and tc.eval_every else None
     parts = (cfg, acc, say, model, head, head_cfg, optimizer, scheduler, target, layers, dataset, plan, fingerprint)
-    return Loop(*parts, hook, token_counts)
+    return Loop(*parts, hook, token_counts, data_info)
 
 
 def make_accelerator(tc: TrainConfig) -> Accelerator:
@@ -257,7 +260,8 @@ def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int, 
     DeepSpeed the ZeRO stage fixes how the optimizer state was saved). The key is added only under DeepSpeed, so
     earlier checkpoints keep their fingerprint; head.draft (what the drafter is recorded for) is left out."""
     tc = cfg.train
-    deepspeed = {} if zero is None else {"deepspeed_zero_stage": zero}
+    optional = {} if zero is None else {"deepspeed_zero_stage": zero}  # keys set only where they apply, so
+    optional |= {} if tc.loss_on == "answers" else {"loss_on": tc.loss_on}  # earlier checkpoints keep theirs
     head = {k: v for k, v in asdict(cfg.head).items() if k != "draft"}
     return json.loads(
         json.dumps(
@@ -270,15 +274,18 @@ def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int, 
                 "processes": world,
                 **{k: getattr(tc, k) for k in ("epochs", "max_steps", "batch_size", "grad_accum", "seed")},
                 **{k: getattr(tc, k) for k in ("lr", "betas", "warmup_steps", "min_lr_ratio", "weight_decay")},
-                **deepspeed,
+                **optional,
             }
         )
     )
 
 
-def feature_batch(batch: dict, model: nn.Module, layers: tuple, device) -> FeatureBatch:
-    """A collated batch -> FeatureBatch on `device`: cached states cast to float32, or the target run now."""
+def feature_batch(batch: dict, model: nn.Module, layers: tuple, device, loss_on: str = "answers") -> FeatureBatch:
+    """A collated batch -> FeatureBatch on `device`: cached states cast to float32, or the target run now.
+    loss_on=all weighs every token of each example, not only its answers."""
     ids, mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
+    if loss_on == "all":
+        mask = (torch.arange(ids.shape[1], device=device) < batch["lengths"].to(device)[:, None]).to(mask.dtype)
     if "hidden" in batch:
         hidden, aux = batch["hidden"], batch.get("aux")
     else:
@@ -307,6 +314,7 @@ class Loop:
     fingerprint: dict
     hook: Callable[[nn.Module, str], dict] | None
     token_counts: Tensor  # of the training answers, saved with the drafter (serve-time draft vocabularies)
+    data_info: str = ""  # what the examples are: counts, who wrote the answers, what was skipped (the card says it)
     log: MetricsLog | None = None
     last_eval: dict = field(default_factory=dict)
     window: Window = field(default_factory=lambda: Window())
@@ -362,7 +370,12 @@ class Loop:
             f"({len(self.dataset)} examples, max_length {cfg.data.max_length})",
             steps=state.step,
             tokens=state.tokens,
-            extra={"train": tc.name, "features": tc.features.mode, "processes": self.acc.num_processes},
+            extra={
+                "train": tc.name,
+                "features": tc.features.mode,
+                "processes": self.acc.num_processes,
+                "data_info": self.data_info,
+            },
             acceptance=measured,
         )
         info = target_info(self.target)
@@ -411,7 +424,7 @@ class Loop:
             self.evaluate(state.step)
 
     def micro_step(self, batch: dict) -> None:
-        fb = feature_batch(batch, self.target.model, self.layers, self.acc.device)
+        fb = feature_batch(batch, self.target.model, self.layers, self.acc.device, self.cfg.train.loss_on)
         with self.acc.accumulate(self.model):
             loss, logs = self.model(fb)
             self.acc.backward(loss)

@@ -1,0 +1,92 @@
+"""Regeneration through a real vLLM (the venv scripts/setup.sh makes) on a tiny chat target: the rows say vLLM
+wrote them, the answers are the target's (fp32 greedy, against draftsmith's own decoder), turn by turn; the
+fidelity check counts agreement. Without vLLM the module is skipped, except where DRAFTSMITH_REQUIRE_VLLM=1
+(scripts/test.sh sets it: the README's setup installs vLLM, so CI must not skip)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from draftsmith.serve.build import load
+from draftsmith.serve.cli import typed
+from draftsmith.serve.conversations import Conversation, Skipped
+from draftsmith.serve.target import TargetConfig
+from draftsmith.train.data import DistillConfig
+from draftsmith.train.distill import DistillRun, distill, run
+from draftsmith.train.vllm_backend import VllmUnavailable, find_vllm_python
+from helpers import build_tiny_chat_target
+
+try:
+    VLLM = find_vllm_python(None, None)
+except VllmUnavailable as e:
+    if os.environ.get("DRAFTSMITH_REQUIRE_VLLM") == "1":
+        raise
+    pytest.skip(f"vLLM is not installed: {e}", allow_module_level=True)
+
+NEW = 12
+EAGER = {"enforce_eager": True}  # no torch.compile warm-up: the tiny target starts in seconds
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def said(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+CONVS = [
+    Conversation("a", [user("What is 2 plus 2?"), said("4."), user("And 3 plus 3?"), said("6.")]),
+    Conversation("b", [user("Name a colour."), said("Red.")]),
+    Conversation("c", [{"role": "system", "content": "Be brief."}, user("Hi"), user("Say something"), said("Hi.")]),
+]
+
+
+@pytest.fixture(scope="module")
+def target_dir(smollm2_dir, tmp_path_factory) -> Path:
+    # head_dim 32: vLLM's CPU attention has no kernel for the tiny default of 16
+    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir, head_dim=32)
+
+
+def cfg(backend: str) -> DistillConfig:
+    return DistillConfig(max_new_tokens=NEW, backend=backend, dtype="float32", engine_args=EAGER, batch_size=2)
+
+
+def test_vllm_answers_turn_by_turn_as_the_target_does(target_dir, tmp_path):
+    target = load(TargetConfig(path=str(target_dir), dtype="float32"))
+    lines = []
+    theirs = distill(CONVS, target, cfg("vllm"), tmp_path / "v.jsonl", 256, Skipped(), say=lines.append)
+    ours = distill(CONVS, target, cfg("draftsmith"), tmp_path / "d.jsonl", 256, Skipped())
+    assert [c.generator["engine"] for c in theirs] == ["vllm"] * 3 and theirs[0].generator["dtype"] == "float32"
+    assert any("by vllm 0.32" in line for line in lines)
+    a = theirs[0].messages  # the second user turn follows vLLM's own first answer, not the source's "4."
+    assert [m["role"] for m in a] == ["user", "assistant", "user", "assistant"] and a[1] != said("4.")
+    assert [m["role"] for m in theirs[2].messages] == ["system", "user", "user", "assistant"]  # one run, one answer
+    assert [c.messages for c in theirs] == [c.messages for c in ours]
+
+
+def test_the_command_checks_fidelity_and_says_so(target_dir, tmp_path, capsys):
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in CONVS))
+    out = tmp_path / "answers.jsonl"
+    overrides = [
+        f"target.path={target_dir}",
+        f"data.source={source}",
+        "data.heldout_fraction=0",
+        f"data.distill.max_new_tokens={NEW}",
+        f"data.distill.out={out}",
+        "data.distill.backend=vllm",
+        "+data.distill.engine_args.enforce_eager=true",
+        "fidelity=3",
+        "fidelity_tokens=8",
+    ]
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        run(typed(compose("distill", overrides=overrides), DistillRun))
+    printed = capsys.readouterr().out
+    assert "regenerated 3 conversations" in printed and "by vllm 0.32" in printed
+    result = json.loads(out.with_suffix(".fidelity.json").read_text())
+    assert result["prompts"] == 3 and result["identical"] + len(result["first_differences"]) == 3
+    assert f"equals draftsmith's plain decoding on {result['identical']}/3" in printed

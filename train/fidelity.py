@@ -1,0 +1,81 @@
+"""Does vLLM answer as the target does? On a sample of first user turns, vLLM's greedy answers against draftsmith's
+own plain greedy decoding, both in fp32, token for token. Any difference is counted and shown, with where it
+starts (a near-tie that the two engines' fp32 rounding breaks apart, or a real mismatch: a template, a stop token,
+a weight that loads differently)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from draftsmith.heads.files import write_file_atomic
+from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.conversations import Conversation
+from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.target import TargetConfig
+
+from .data import DistillConfig
+from .turns import user_segments
+from .vllm_backend import VllmJob, VllmWorker, find_vllm_python
+
+
+@dataclass
+class Fidelity:
+    prompts: int
+    max_new_tokens: int
+    vllm_version: str
+    identical: int
+    first_differences: list[int]  # per differing prompt: the index of its first differing token
+
+    def __str__(self) -> str:
+        head = f"fidelity (fp32 greedy, {self.prompts} first turns x {self.max_new_tokens} tokens): "
+        head += f"vLLM {self.vllm_version} equals draftsmith's plain decoding on {self.identical}/{self.prompts}"
+        if not self.first_differences:
+            return head
+        return head + f"; the others part at tokens {', '.join(map(str, self.first_differences))}"
+
+
+def first_prompts(convs: list[Conversation], tokenizer, n: int, limit: int) -> list[list[int]]:
+    """The chat-encoded first user turns of the first n conversations that have one and fit under `limit`."""
+    out = []
+    for conv in convs:
+        segments = user_segments(conv.messages)
+        ids = encode_chat(tokenizer, segments[0]) if segments else None
+        if ids and len(ids) < limit:
+            out.append(ids)
+        if len(out) == n:
+            break
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_fidelity(
+    tcfg: TargetConfig, convs: list[Conversation], n: int, max_new_tokens: int, cfg: DistillConfig, log: Path
+) -> Fidelity:
+    target = load(replace(tcfg, dtype="float32"))
+    limit = target.model.config.max_position_embeddings - max_new_tokens
+    prompts = first_prompts(convs, target.tokenizer, n, limit)
+    if not prompts:
+        raise ValueError("the fidelity check found no conversation with a first user turn that fits the context")
+    engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=limit + max_new_tokens)
+    ours = [engine.generate(p, max_new_tokens, SamplingParams()).output_ids for p in prompts]
+    python = find_vllm_python(cfg.vllm_python, tcfg.cache_dir)
+    job = VllmJob(str(target.folder), "float32", limit + max_new_tokens, dict(cfg.engine_args))
+    with VllmWorker(python, job, log) as worker:
+        batch = {"prompts": prompts, "max_tokens": [max_new_tokens] * len(prompts), "seeds": [0] * len(prompts)}
+        batch |= {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": list(eos_ids(target))}
+        theirs = worker.generate(batch)["outputs"]
+        version = worker.version
+    differences = [d for a, b in zip(ours, theirs, strict=True) if (d := first_difference(a, b)) is not None]
+    return Fidelity(len(prompts), max_new_tokens, version, len(prompts) - len(differences), differences)
+
+
+def save_fidelity(result: Fidelity, path: Path) -> None:
+    write_file_atomic(path, lambda tmp: tmp.write_text(json.dumps(asdict(result), indent=1) + "\n"))

@@ -1,0 +1,96 @@
+"""A conversation re-answered by the target turn by turn: each answer is fed back before the next user turn."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+
+from draftsmith.serve.build import encode_chat
+from draftsmith.serve.conversations import Conversation, Skipped
+
+from .batch_decode import Past
+
+
+@dataclass
+class Chat:
+    """A conversation being re-answered: the runs of messages still to answer, the messages so far, and which
+    answers stopped at the token limit."""
+
+    id: str
+    segments: list[list[dict]]  # the non-assistant messages before each answer (each with a user turn)
+    messages: list[dict] = field(default_factory=list)
+    turn: int = 0
+    truncated: list[int] = field(default_factory=list)  # answers (0 = the first) cut at the token limit
+    past: Past | None = None  # kept between turns by the own batched decoder
+
+    def next_messages(self) -> list[dict] | None:
+        return self.messages + self.segments[self.turn] if self.turn < len(self.segments) else None
+
+    def add(self, answer: str, cut: bool = False) -> None:
+        if cut:
+            self.truncated.append(self.turn)
+        self.messages = self.next_messages() + [{"role": "assistant", "content": answer}]
+        self.turn += 1
+
+
+def user_segments(messages: list[dict]) -> list[list[dict]]:
+    """Runs of non-assistant messages, each answered once. A run without a user turn (a system message between
+    two answers) joins the next run; a trailing one is dropped."""
+    segments, pending = [], []
+    for m in [*messages, {"role": "assistant"}]:  # a closing answer ends the last run
+        if m["role"] != "assistant":
+            pending.append(m)
+        elif any(p["role"] == "user" for p in pending):
+            segments.append(pending)
+            pending = []
+    return segments
+
+
+def turn_seed(seed: int, conv_id: str, turn: int) -> int:
+    """A sampling seed per answer: a rerun (or a resume, in any batch, on any backend) asks for the same draw."""
+    return int.from_bytes(hashlib.sha256(f"{seed}|{conv_id}|{turn}".encode()).digest()[:8], "big") >> 1
+
+
+def next_prompt(chat: Chat, tokenizer, limit: int) -> list[int] | None:
+    """The chat-encoded prompt of the chat's next answer; None when no user turn is left or the prompt leaves
+    no room under `limit` (data.max_length: what follows would be cut from the training example anyway)."""
+    messages = chat.next_messages()
+    if messages is None:
+        return None
+    ids = encode_chat(tokenizer, messages)
+    return ids if len(ids) < limit else None
+
+
+def prepare(convs: list[Conversation], tokenizer, limit: int, skipped: Skipped) -> list[tuple[Chat, list[int]]]:
+    """Each answerable conversation with its first prompt; the others counted in `skipped`."""
+    out, seen = [], set()
+    for conv in convs:
+        if conv.id in seen:  # ids key the output file: a second row with the same id would be lost
+            skipped.add("with a duplicate id")
+            continue
+        seen.add(conv.id)
+        chat = Chat(conv.id, user_segments(conv.messages))
+        if not chat.segments:
+            skipped.add("without a user turn to answer")
+            continue
+        try:
+            ids = next_prompt(chat, tokenizer, limit)
+        except TemplateError:
+            skipped.add("rejected by the chat template")
+            continue
+        if ids is None:
+            skipped.add(f"whose first prompt fills max_length ({limit} tokens)")
+            continue
+        out.append((chat, ids))
+    return out
+
+
+def answer_text(tokenizer, out: list[int], eos) -> str:
+    return tokenizer.decode(out[:-1] if ended(out, eos) else out, skip_special_tokens=True)
+
+
+def ended(out: list[int], eos) -> bool:
+    """Did the answer stop at an end-of-turn token (not at the token limit)?"""
+    return bool(out) and out[-1] in eos

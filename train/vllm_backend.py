@@ -1,0 +1,130 @@
+"""vLLM as the regeneration backend: a worker process in vLLM's own Python (train/vllm_worker.py) holding one
+engine over the target, fed batches of chat-encoded prompts over JSON lines.
+
+vLLM pins its own torch and transformers, so it usually lives in a virtual environment of its own:
+scripts/setup.sh makes one at <cache root>/vllm-venv. The Python that runs the worker is, first found:
+data.distill.vllm_python, $DRAFTSMITH_VLLM_PYTHON, <cache root>/vllm-venv/bin/python, this Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftsmith.serve.target import cache_root
+
+WORKER = Path(__file__).with_name("vllm_worker.py")
+INSTALL_HINT = (
+    "install it with `bash scripts/setup.sh` (a venv at <cache root>/vllm-venv), or set data.distill.vllm_python"
+)
+KV_CACHE_BYTES = 2 << 30  # CPU memory for vLLM's KV cache: 256 chats of 512 tokens of SmolLM2-135M need ~3/4 GiB
+
+
+class VllmUnavailable(RuntimeError):
+    """vLLM is not installed where we look, or its engine did not start."""
+
+
+def has_vllm(python: str) -> bool:
+    """Whether `python` can import vllm (located, not imported: importing vLLM takes seconds)."""
+    check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        return subprocess.run([python, "-c", check], env=worker_env(), capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def vllm_pythons(setting: str | None, cache_dir: str | None) -> list[str]:
+    venv = cache_root(cache_dir) / "vllm-venv" / "bin" / "python"
+    found = [setting, os.environ.get("DRAFTSMITH_VLLM_PYTHON"), str(venv), sys.executable]
+    return [p for p in dict.fromkeys(found) if p]
+
+
+def find_vllm_python(setting: str | None, cache_dir: str | None) -> str:
+    candidates = vllm_pythons(setting, cache_dir)
+    if setting and not has_vllm(setting):
+        raise VllmUnavailable(f"data.distill.vllm_python={setting} cannot import vllm; {INSTALL_HINT}")
+    for python in candidates:
+        if Path(python).exists() and has_vllm(python):
+            return python
+    raise VllmUnavailable(f"no Python with vLLM found (looked at {', '.join(candidates)}); {INSTALL_HINT}")
+
+
+def worker_env() -> dict:
+    # vLLM's Python must not import draftsmith's packages through our PYTHONPATH; both cores go to its engine
+    return os.environ | {"PYTHONPATH": "", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+@dataclass
+class VllmJob:
+    """What the worker's engine is built from."""
+
+    model: str  # the target's HF folder
+    dtype: str  # float32 | bfloat16 | float16
+    max_model_len: int
+    engine_args: dict  # more vLLM LLM(...) arguments: tensor_parallel_size, data_parallel_size, ...
+
+    def as_json(self) -> dict:
+        args = dict(self.engine_args)
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "max_model_len": self.max_model_len,
+            "kv_cache_bytes": int(args.pop("kv_cache_memory_bytes", KV_CACHE_BYTES)),
+            "engine_args": args,
+        }
+
+
+class VllmWorker:
+    """The parent's end of train/vllm_worker.py: started once, one batch of prompts per call."""
+
+    def __init__(self, python: str, job: VllmJob, log: Path) -> None:
+        self.log = log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(job.as_json(), f)
+        self.job_file = Path(f.name)
+        with open(log, "w") as out:  # the child holds its own copy of the file
+            self.proc = subprocess.Popen(
+                [python, str(WORKER), str(self.job_file)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=out,
+                env=worker_env(),
+                text=True,
+            )
+        ready = self.read("start")
+        self.version, self.load_s = ready["version"], ready["load_s"]
+
+    def generate(self, batch: dict) -> dict:
+        self.proc.stdin.write(json.dumps(batch) + "\n")
+        self.proc.stdin.flush()
+        return self.read("answer")
+
+    def read(self, doing: str) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            self.job_file.unlink(missing_ok=True)
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
+            raise VllmUnavailable(f"vLLM's worker failed to {doing} (exit {code}); its log {self.log} ends:\n{tail}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin and not self.proc.stdin.closed:
+            self.proc.stdin.close()  # the worker's loop ends at end of input
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.job_file.unlink(missing_ok=True)
+
+    def __enter__(self) -> VllmWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,78 @@
+"""The vLLM end of regeneration (train/vllm_backend.py starts it): one vLLM engine over the target, answering
+batches of chat-encoded prompts with token ids, so the chat template, turns and files stay on draftsmith's side.
+
+It runs in vLLM's own Python (vLLM pins its own torch and transformers), as a script: it imports vLLM and the
+standard library only, never draftsmith.
+
+    python vllm_worker.py JOB.json     # JOB: {"model", "dtype", "max_model_len", "kv_cache_bytes", "engine_args"}
+
+Its first stdout line says it is ready (vLLM's version, the load time); then each stdin line is a batch
+{"prompts": [[ids]], "max_tokens": [n], "seeds": [s], "temperature", "top_p", "stop_token_ids"} and each stdout
+line the reply {"outputs": [[ids]], "finish_reasons": ["stop" | "length"], "seconds"}. vLLM's own logs go to
+stderr. End of input ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def make_llm(job: dict):
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # every core for the engine on a CPU
+    from vllm import LLM
+
+    return LLM(
+        job["model"],
+        dtype=job["dtype"],
+        seed=0,
+        max_model_len=job["max_model_len"],
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        generation_config="vllm",  # the sampling asked for, not defaults from the model's generation_config.json
+        **job.get("engine_args", {}),
+    )
+
+
+def answer(llm, batch: dict) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = [
+        SamplingParams(
+            temperature=batch["temperature"],
+            top_p=batch["top_p"],
+            seed=seed,
+            max_tokens=n,
+            stop_token_ids=batch["stop_token_ids"],
+            detokenize=False,
+        )
+        for n, seed in zip(batch["max_tokens"], batch["seeds"], strict=True)
+    ]
+    began = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]], params, use_tqdm=False)
+    return {
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        "seconds": time.perf_counter() - began,
+    }
+
+
+def serve(job_file: str) -> None:
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # vLLM logs to stdout: that stream is kept for the replies alone
+    with open(job_file) as f:
+        job = json.load(f)
+    began = time.perf_counter()
+    llm = make_llm(job)
+    import vllm
+
+    ready = {"ready": True, "version": vllm.__version__, "load_s": time.perf_counter() - began}
+    replies.write(json.dumps(ready) + "\n")
+    for line in sys.stdin:
+        replies.write(json.dumps(answer(llm, json.loads(line))) + "\n")
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
