@@ -130,11 +130,15 @@ def eagle3_vllm(src: Source) -> Export:
         state = {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
     if c.attention_bias:
         state["midlayer.self_attn.o_proj.bias"] = torch.zeros(c.hidden_size)  # engines' attention_bias has o bias
+    eagle = {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True}
     config = llama_head_config(src, "LlamaForCausalLMEagle3") | {
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.hidden_size,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True},
+        "eagle_config": eagle | ({"norm_before_fc": True} if c.norm_before_fc else {}),
     }
+    # EAGLE-3.1's switches where set (vLLM reads both at the top, norm_before_fc in eagle_config first; llama.cpp
+    # reads norm_before_fc at the top): unset, the folder stays what engines without them load
+    config |= {k: True for k in ("norm_before_fc", "norm_output") if getattr(c, k, False)}
     return Export(config, {"model.safetensors": state})
 
 

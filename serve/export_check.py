@@ -27,6 +27,7 @@ Shapes = dict[str, tuple[int, ...]]
 # max |diff| / max |drafter|: both forwards run the same rounded weights in float32, so only the order of the
 # float32 operations differs (a clean export: ~3e-7). Ten sign-flipped weights or a norm scaled by 1.003 are far more.
 TOLERANCE = 1e-5
+EAGLE31_KEYS = ("norm_before_fc", "norm_output")  # Eagle3Config's EAGLE-3.1 switches, as vLLM's config.json names them
 
 
 # ---------------------------------------------------------------- the table: keys and shapes per format
@@ -59,6 +60,8 @@ def eagle3_table(c, bias: bool) -> Shapes:
     s |= {"norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h)}
     if c.draft_vocab_size < c.vocab_size:
         s |= {"d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,)}
+    if getattr(c, "norm_before_fc", False):
+        s["input_norm.weight"] = (len(c.target_layers) * h,)
     return s
 
 
@@ -121,9 +124,13 @@ def eagle_config(src: Source, arch: str = "EagleLlamaForCausalLM") -> dict:
 
 
 def eagle3_config(src: Source) -> dict:
+    """What vLLM reads: the layer ids in eagle_config; the EAGLE-3.1 switches that are on, at the top (and
+    norm_before_fc in eagle_config too, where vLLM looks first)."""
     c = src.head.config
     ids = {"eagle_aux_hidden_state_layer_ids": list(c.target_layers), "use_aux_hidden_state": True}
-    want = eagle_config(src, "LlamaForCausalLMEagle3")
+    on = {k: True for k in EAGLE31_KEYS if getattr(c, k, False)}
+    want = eagle_config(src, "LlamaForCausalLMEagle3") | on
+    ids |= {k: v for k, v in on.items() if k == "norm_before_fc"}
     return want | {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size, "eagle_config": ids}
 
 
@@ -258,13 +265,20 @@ def mlp(x: Tensor, w: dict[str, Tensor], p: str) -> Tensor:
     return linear(F.silu(linear(x, w, f"{p}.gate_proj")) * linear(x, w, f"{p}.up_proj"), w, f"{p}.down_proj")
 
 
-def eagle3_forward(w, cfg: ModelConfig, embeds: Tensor, aux: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
-    """vLLM's Eagle3LlamaForCausalLM: feature = fc(aux); [norm(embed); norm(feature)] -> attention, residual =
-    feature; returns the next feature, logits over the draft vocabulary and each draft id's target id."""
+def eagle3_forward(
+    w, cfg: ModelConfig, embeds: Tensor, aux: Tensor, positions: Tensor, norms: dict | None = None
+) -> tuple[Tensor, ...]:
+    """vLLM's Eagle3LlamaForCausalLM: feature = fc(aux) (aux normed first under norm_before_fc); [norm(embed);
+    norm(feature)] -> attention, residual = feature; returns the feature fed back (normed under norm_output),
+    logits over the draft vocabulary and each draft id's target id."""
+    norms, eps = norms or {}, cfg.rms_norm_eps
+    if norms.get("norm_before_fc"):
+        aux = rms(aux, w["input_norm.weight"], eps)
     h = eagle3_layer(w, "midlayer", cfg, embeds, linear(aux, w, "fc"), positions)
-    logits = linear(rms(h, w["norm.weight"], cfg.rms_norm_eps), w, "lm_head")
-    vd = logits.shape[-1]
-    return h, logits, torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
+    normed = rms(h, w["norm.weight"], eps)
+    logits, vd = linear(normed, w, "lm_head"), w["lm_head.weight"].shape[0]
+    ids = torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
+    return normed if norms.get("norm_output") else h, logits, ids
 
 
 def eagle3_layer(w, p: str, cfg: ModelConfig, embeds: Tensor, feat: Tensor, positions: Tensor) -> Tensor:
@@ -350,7 +364,8 @@ def eagle3_pairs(src: Source, p: Probe) -> dict[str, tuple]:
     c, head, n = src.head.config, p.head, p.tokens.numel()
     aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=p.g)
     embeds, cfg = head.embed_tokens(p.tokens), ModelConfig.from_hf(p.config)
-    h, logits, ids = eagle3_forward(p.w, cfg, embeds, aux, p.positions)
+    norms = {k: bool(p.config.get(k) or (p.config.get("eagle_config") or {}).get(k)) for k in EAGLE31_KEYS}
+    h, logits, ids = eagle3_forward(p.w, cfg, embeds, aux, p.positions, norms)
     mine = head(head.target_features(None, aux[None]), p.tokens[None], p.positions)[0]
     pairs = {"feature": (h, mine), "logits": (logits, head.logits(mine)), "target ids": (ids, head.vocab_ids)}
     return pairs | t2d_pair(p.w, head)

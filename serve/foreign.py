@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from draftsmith.heads.eagle import EagleConfig
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.llama import ModelConfig, Transformer
 
-from .export_check import eagle3_table
+from .export_check import EAGLE31_KEYS, eagle3_table
 from .loader import load_state_dict, weight_files
 from .speculators import FLAT_LAYER, LAYER, PLAIN, flat_name, speculators_name
 
@@ -48,6 +48,7 @@ class Foreign:
     layer_ids: list[int] | None
     target_hidden_size: int | None
     verifier: dict | None  # speculators only
+    norms: dict = field(default_factory=dict)  # norm_before_fc, norm_output (Eagle3Config's EAGLE-3.1 switches)
 
 
 def foreign_format(folder: Path) -> str | None:
@@ -117,6 +118,7 @@ def read_speculators(folder: Path, config: dict) -> Foreign:
         config.get("eagle_aux_hidden_state_layer_ids"),
         config.get("target_hidden_size"),
         verifier,
+        read_norms(path, config),
     )
 
 
@@ -131,7 +133,17 @@ def read_specforge(folder: Path, config: dict) -> Foreign:
         eagle.get("eagle_aux_hidden_state_layer_ids"),
         config.get("target_hidden_size"),
         None,
+        read_norms(path, config | {k: eagle[k] for k in ("norm_before_fc",) if k in eagle}),  # vLLM: eagle_config wins
     )
+
+
+def read_norms(path: Path, config: dict) -> dict:
+    """The EAGLE-3.1 switches as vLLM reads them (absent = false); anything but a boolean is refused."""
+    norms = {k: config.get(k, False) for k in EAGLE31_KEYS}
+    bad = [f"{k}={v!r}" for k, v in norms.items() if not isinstance(v, bool)]
+    if bad:
+        raise ValueError(f"{path}: {', '.join(bad)}: must be true or false")
+    return norms
 
 
 def unsupported(path: Path, config: dict, runs: dict) -> None:
@@ -160,7 +172,7 @@ def foreign_config(f: Foreign, folder: Path, target: ModelConfig) -> Eagle3Confi
     sizes = {k: getattr(m, k) for k in EagleConfig.__dataclass_fields__}
     sizes["max_position_embeddings"] = max(m.max_position_embeddings, target.max_position_embeddings)
     try:
-        return Eagle3Config(**sizes, target_layers=ids, draft_vocab_size=f.draft_vocab_size)
+        return Eagle3Config(**sizes, target_layers=ids, draft_vocab_size=f.draft_vocab_size, **f.norms)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from e
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .export import Export, Source, eagle3_vllm
-from .export_check import Probe, Shapes, eagle3_pairs, eagle3_shapes, head_config_problems
+from .export_check import EAGLE31_KEYS, Probe, Shapes, eagle3_pairs, eagle3_shapes, head_config_problems
 
 SCHEMA_VERSION = "0.9.0"  # the speculators release whose classes these keys follow
 LAYER, FLAT_LAYER = "layers.0.", "midlayer."
@@ -49,7 +49,7 @@ GREEDY_KEYS = frozenset({"proposal_type", "speculative_tokens", "verifier_accept
 # variants of the EAGLE-3 layer draftsmith's Eagle3Head does not compute: each key -> the value it runs (written
 # here; serve/foreign.py refuses a folder that sets another). vLLM reads a missing norm_before_residual as true,
 # speculators as false: our layer's residual is the un-normed feature.
-PLAIN = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
+PLAIN = {"norm_before_residual": False, "fc_norm": False}
 
 
 def speculators_name(name: str, layer: str = LAYER) -> str:
@@ -109,6 +109,7 @@ def eagle3_values(src: Source, model_type: str = "eagle3") -> dict:
         "target_hidden_size": c.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(c.target_layers),
         **PLAIN,
+        **{k: getattr(c, k) for k in EAGLE31_KEYS},
     }
 
 
@@ -131,7 +132,8 @@ def speculators_shapes(src: Source, config: dict) -> Shapes:
 
 def speculators_pairs(src: Source, p: Probe) -> dict[str, tuple]:
     """vLLM's EAGLE-3 forward on the tensors renamed back, with the layer config."""
-    return eagle3_pairs(src, replace(p, w={flat_name(k): v for k, v in p.w.items()}, config=layer_of(p.config)))
+    config = layer_of(p.config) | {k: p.config.get(k) for k in EAGLE31_KEYS}  # the switches sit at the top
+    return eagle3_pairs(src, replace(p, w={flat_name(k): v for k, v in p.w.items()}, config=config))
 
 
 def speculators_problems(

@@ -80,13 +80,13 @@ def test_the_command_checks_fidelity_and_says_so(target_dir, tmp_path, capsys):
         f"data.distill.out={out}",
         "data.distill.backend=vllm",
         "+data.distill.engine_args.enforce_eager=true",
-        "fidelity=3",
-        "fidelity_tokens=8",
+        "data.distill.fidelity=3",
+        "data.distill.fidelity_tokens=8",
     ]
     with initialize_config_module("draftsmith.conf", version_base=None):
         run(typed(compose("distill", overrides=overrides), DistillRun))
     printed = capsys.readouterr().out
     assert "regenerated 3 conversations" in printed and "by vllm 0.32" in printed
-    result = json.loads(out.with_suffix(".fidelity.json").read_text())
+    result = json.loads(out.with_suffix(".fidelity.json").read_text())  # beside the answers
     assert result["prompts"] == 3 and result["identical"] + len(result["first_differences"]) == 3
     assert f"equals draftsmith's plain decoding on {result['identical']}/3" in printed

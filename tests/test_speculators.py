@@ -42,11 +42,12 @@ def copy_target(tiny_llama_dir, folder: Path, model_type: str = "llama", **overr
 
 
 def save_head(
-    target, tcfg: TargetConfig, folder: Path, draft_vocab: int = DRAFT_V, draft: DraftShape | None = None
+    target, tcfg: TargetConfig, folder: Path, draft_vocab: int = DRAFT_V, draft: DraftShape | None = None, **norms
 ) -> Path:
-    """An EAGLE-3 head of trained-looking weights, saved as draftsmith-train does."""
+    """An EAGLE-3 head of trained-looking weights, saved as draftsmith-train does (norms: EAGLE-3.1's switches)."""
     torch.manual_seed(1)
-    head = Eagle3Head(Eagle3Config.from_target(target.model.config, draft_vocab_size=draft_vocab), target.model)
+    config = Eagle3Config.from_target(target.model.config, draft_vocab_size=draft_vocab, **norms)
+    head = Eagle3Head(config, target.model)
     head.set_vocab(torch.rand(V))  # a draft vocabulary that is not the first ids
     with torch.no_grad():
         for p in head.parameters():
@@ -229,6 +230,25 @@ def test_round_trip_drafts_what_the_original_drafts(tiny, which):
     assert drafted(target, folder) == drafted(target, drafter)
 
 
+@pytest.mark.parametrize("fmt", ["speculators", "vllm"])
+def test_eagle31_heads_go_out_with_their_switches_and_come_back_drafting_the_same(tiny, tmp_path, fmt):
+    tcfg, target, *_ = tiny
+    drafter = save_head(target, tcfg, tmp_path / "eagle31", norm_before_fc=True, norm_output=True)
+    with torch.no_grad():  # a norm that is not all ones, so a reader that skipped it would draft otherwise
+        state = load_file(str(drafter / "model.safetensors"))
+        state["input_norm.weight"] = 1 + 0.5 * torch.rand_like(state["input_norm.weight"])
+        save_file(state, str(drafter / "model.safetensors"))
+    out = export(drafter, fmt, tmp_path / fmt, tcfg, "fp32")  # validated against vLLM's forward with the switches
+    config = json.loads((out / "config.json").read_text())
+    assert config["norm_before_fc"] is True and config["norm_output"] is True
+    if fmt == "vllm":
+        assert config["eagle_config"]["norm_before_fc"] is True
+    assert "input_norm.weight" in load_file(str(out / "model.safetensors"))
+    back = loaded(target, out)
+    assert back.config.norm_before_fc and back.config.norm_output
+    assert drafted(target, out) == drafted(target, drafter)
+
+
 def test_specforge_folder_with_its_embedding_and_default_layers(tiny, tmp_path):
     """SpecForge saves the draft's (frozen) copy of the target embedding and, unless told otherwise, no layer ids:
     the engines' default 2, L/2, L-3 (here 0, 1, 2 for 3 layers), as the head was made with."""
@@ -277,7 +297,9 @@ BAD = [
     ),
     (SPEC, lambda c: c.pop("norm_before_residual"), None, "missing norm_before_residual"),
     (SPEC, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"),
-    (SPEC, lambda c: c.update(norm_before_fc=True), None, "norm_before_fc=True"),
+    (SPEC, lambda c: c.update(norm_before_fc=True), None, "missing input_norm.weight"),
+    (SPEC, lambda c: c.update(norm_output="yes"), None, "norm_output='yes': must be true or false"),
+    (SPEC, lambda c: c.update(fc_norm=True), None, "fc_norm=True"),
     (SPEC, lambda c: c.pop("transformer_layer_config"), None, "missing transformer_layer_config"),
     (SPEC, lambda c: c["transformer_layer_config"].update(num_hidden_layers=2), None, "num_hidden_layers=2"),
     (SPEC, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 9]), None, r"layer_ids=\[0, 1, 9\] \(the tar"),
@@ -296,7 +318,7 @@ BAD = [
     (FLAT, lambda c: c.update(draft_vocab_size=50), None, r"lm_head.weight has shape \(48, 64\), expected \(50, 64\)"),
     (FLAT, lambda c: c.update(hidden_size=32), None, "hidden_size=32"),
     (FLAT, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"),
-    (FLAT, lambda c: c["eagle_config"].update(norm_before_fc=True), None, "norm_before_fc=True"),
+    (FLAT, lambda c: c["eagle_config"].update(norm_before_fc=True), None, "missing input_norm.weight"),
 ]
 
 

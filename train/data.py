@@ -22,9 +22,14 @@ class DistillConfig:
     batch_size: int | None = None  # conversations in flight; null: 256 with vLLM, 16 with the own batched decoder
     spec: str = "ngram"  # own decoder at batch_size 1: the engine's proposer, ar | ngram (lossless either way)
     shard: str | None = None  # i/n: answer only the i-th of n contiguous slices, into the shard's own file
+    fidelity: int = 0  # after vLLM wrote answers: this many first turns, vLLM vs draftsmith, fp32 greedy (fidelity.py)
+    fidelity_tokens: int = 64  # new tokens per checked turn
     out: str | None = None  # the JSONL; default <target.cache_dir or $DRAFTSMITH_CACHE>/distill/<target>-<key>.jsonl
 
     def __post_init__(self) -> None:
+        if self.fidelity < 0 or self.fidelity_tokens < 1:
+            f, t = self.fidelity, self.fidelity_tokens
+            raise ValueError(f"data.distill.fidelity must be >= 0 and fidelity_tokens >= 1, got {f} and {t}")
         if self.max_new_tokens < 1 or (self.batch_size is not None and self.batch_size < 1):
             n, b = self.max_new_tokens, self.batch_size
             raise ValueError(f"data.distill.max_new_tokens and batch_size must be >= 1, got {n} and {b}")

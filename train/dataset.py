@@ -46,8 +46,8 @@ def make_examples(cfg: RunConfig, target: Loaded, acc: Accelerator, say) -> tupl
         convs = distill(convs, target, data.distill, path, data.max_length, skipped, *args)
     check_generated_by(convs, target.target_id, data.source)
     examples = encode_all(target.tokenizer, convs, data.max_length, skipped)
-    info = f"{len(examples)} conversations used{', answers by the target' if data.self_distill else ''}"
-    info += f"{generators_text(convs)}, skipped: {skipped}"
+    by = generators_text(convs) or ("the target" if data.self_distill else "")
+    info = f"{len(examples)} conversations used{f', answers by {by}' if by else ''}, skipped: {skipped}"
     say(info)
     return examples, info
 
@@ -63,9 +63,9 @@ def check_generated_by(convs: list[Conversation], target_id: str, source: str) -
 
 
 def generators_text(convs: list[Conversation]) -> str:
-    """` (answers by vllm 0.32.0, bfloat16, greedy: 530)` where rows say who wrote them."""
+    """`the target (vllm 0.32.0, bfloat16, greedy: 530)` where rows say who wrote them, else empty."""
     counts = Counter(describe(c.generator) for c in convs if c.generator)
-    return f" (answers by {'; '.join(f'{g}: {n}' for g, n in counts.most_common())})" if counts else ""
+    return f"the target ({'; '.join(f'{g}: {n}' for g, n in counts.most_common())})" if counts else ""
 
 
 def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator, say) -> tuple[Dataset, str]:

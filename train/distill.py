@@ -40,6 +40,7 @@ from .distill_file import (
     shards_beside,
 )
 from .features import source_stamp
+from .fidelity import check_fidelity
 from .regen_backends import Generate, describe, open_backend
 from .turns import Chat, answer_text, ended, next_prompt, prepare
 
@@ -182,7 +183,9 @@ def distill(
     there = read_rows(path)
     mine = [t for t in mine if t[0].id not in there]
     if mine:
-        generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, say if rank == 0 else lambda _: None)
+        done = generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, say if rank == 0 else lambda _: None)
+        if cfg.fidelity and done.generator.get("engine") == "vllm":
+            say(str(check_fidelity(target, convs, cfg, own.with_suffix(".fidelity.json"), cache_dir)))
     if world > 1:
         barrier()
         if rank == 0 and cfg.backend == "draftsmith":
@@ -225,13 +228,6 @@ class DistillRun:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    fidelity: int = 0  # then this many first turns: vLLM fp32 greedy vs draftsmith plain greedy (train/fidelity.py)
-    fidelity_tokens: int = 64
-
-    def __post_init__(self) -> None:
-        if self.fidelity < 0 or self.fidelity_tokens < 1:
-            f, t = self.fidelity, self.fidelity_tokens
-            raise ValueError(f"fidelity must be >= 0 and fidelity_tokens >= 1, got {f} and {t}")
 
 
 def run(cfg: DistillRun) -> Path:
@@ -246,13 +242,6 @@ def run(cfg: DistillRun) -> Path:
     answers = sum(m["role"] == "assistant" for c in out for m in c.messages)
     written = shard_path(path, *parse_shard(data.distill.shard)) if data.distill.shard else path
     print(f"{len(out)} conversations ({answers} answers by {target.target_id}) in {written}; skipped: {skipped}")
-    if cfg.fidelity:
-        from .fidelity import check_fidelity, save_fidelity
-
-        log = written.with_suffix(".fidelity.vllm.log")
-        result = check_fidelity(cfg.target, convs, cfg.fidelity, cfg.fidelity_tokens, data.distill, log)
-        save_fidelity(result, written.with_suffix(".fidelity.json"))
-        print(result)
     return written
 
 

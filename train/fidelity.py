@@ -6,11 +6,11 @@ a weight that loads differently)."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from draftsmith.heads.files import write_file_atomic
-from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids, load
 from draftsmith.serve.conversations import Conversation
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
@@ -57,25 +57,26 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def check_fidelity(
-    tcfg: TargetConfig, convs: list[Conversation], n: int, max_new_tokens: int, cfg: DistillConfig, log: Path
+    loaded: Loaded, convs: list[Conversation], cfg: DistillConfig, out: Path, cache_dir: str | None = None
 ) -> Fidelity:
-    target = load(replace(tcfg, dtype="float32"))
+    """data.distill.fidelity first turns of `convs`, both engines in fp32 (the target read again from its folder);
+    the result is also written to `out` (JSON)."""
+    n, max_new_tokens = cfg.fidelity, cfg.fidelity_tokens
+    target = load(TargetConfig(path=str(loaded.folder), dtype="float32", cache_dir=cache_dir))
     limit = target.model.config.max_position_embeddings - max_new_tokens
     prompts = first_prompts(convs, target.tokenizer, n, limit)
     if not prompts:
         raise ValueError("the fidelity check found no conversation with a first user turn that fits the context")
     engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=limit + max_new_tokens)
     ours = [engine.generate(p, max_new_tokens, SamplingParams()).output_ids for p in prompts]
-    python = find_vllm_python(cfg.vllm_python, tcfg.cache_dir)
+    python = find_vllm_python(cfg.vllm_python, cache_dir)
     job = VllmJob(str(target.folder), "float32", limit + max_new_tokens, dict(cfg.engine_args))
-    with VllmWorker(python, job, log) as worker:
+    with VllmWorker(python, job, out.with_suffix(".vllm.log")) as worker:
         batch = {"prompts": prompts, "max_tokens": [max_new_tokens] * len(prompts), "seeds": [0] * len(prompts)}
         batch |= {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": list(eos_ids(target))}
         theirs = worker.generate(batch)["outputs"]
         version = worker.version
     differences = [d for a, b in zip(ours, theirs, strict=True) if (d := first_difference(a, b)) is not None]
-    return Fidelity(len(prompts), max_new_tokens, version, len(prompts) - len(differences), differences)
-
-
-def save_fidelity(result: Fidelity, path: Path) -> None:
-    write_file_atomic(path, lambda tmp: tmp.write_text(json.dumps(asdict(result), indent=1) + "\n"))
+    result = Fidelity(len(prompts), max_new_tokens, version, len(prompts) - len(differences), differences)
+    write_file_atomic(out, lambda tmp: tmp.write_text(json.dumps(asdict(result), indent=1) + "\n"))
+    return result
