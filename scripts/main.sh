@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct), end to end:
-#   1. train an EAGLE-3 head with train=quick (ShareGPT answers, the target's features cached once)
+#   1. train an EAGLE-3 head with train=quick: the target re-answers ShareGPT's conversations itself, through vLLM
+#      (the venv scripts/setup.sh makes; draftsmith's own decoder where vLLM is missing, said in one line), 8 answers
+#      checked against draftsmith's own fp32 greedy decoding; its features cached once; then the head's steps
 #   2. evaluate it against plain decoding, n-gram lookup and the two merged (eagle3_ngram) on MT-bench, twice over
 #      (repeats=2: the intervals cover prompts and repeats, and the repeat spread is the run's noise control)
 #   3. the rag suite with the prefix cache x speculation 2x2 study
@@ -29,7 +31,7 @@ stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
 resume() { python -c "import sys; from draftsmith.eval.journal import unfinished; from pathlib import Path
 print('resume=' + str(unfinished(Path(sys.argv[1]))).lower())" "$1"; }
 
-stage "1/4 train an EAGLE-3 head (train=quick) -> $HEAD"
+stage "1/4 regenerate the answers with the target (vLLM) and train an EAGLE-3 head on them (train=quick) -> $HEAD"
 if [ "${FRESH:-0}" = 1 ]; then rm -rf "$HEAD"; fi
 if [ -f "$HEAD/final/model.safetensors" ]; then
   echo "reusing $HEAD/final (FRESH=1 retrains)"

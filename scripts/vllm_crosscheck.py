@@ -32,10 +32,10 @@ from pathlib import Path
 
 
 def default_vllm_python() -> str:
-    """$VLLM_PYTHON, else the venv scripts/vllm_venv.sh makes (<cache root>/vllm-venv). Computed without draftsmith:
-    this script also runs in vLLM's Python."""
-    root = os.environ.get("DRAFTSMITH_CACHE") or os.path.expanduser("~/.cache/draftsmith")
-    return os.environ.get("VLLM_PYTHON", os.path.join(root, "vllm-venv", "bin", "python"))
+    """$VLLM_PYTHON, else the venv scripts/vllm_venv.sh makes (~/.cache/draftsmith/vllm-venv). Computed without
+    draftsmith: this script also runs in vLLM's Python."""
+    venv = os.path.expanduser("~/.cache/draftsmith/vllm-venv")
+    return os.environ.get("VLLM_PYTHON", os.path.join(venv, "bin", "python"))
 
 
 KINDS = ("eagle3", "eagle", "medusa", "draft_model")  # checked by default; their vLLM format comes from the registry

@@ -3,7 +3,7 @@
 # lives in its own virtual environment (scripts/vllm_venv.sh; made here on first use if setup has not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VLLM_VENV:-${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/vllm-venv}
+VENV=${VLLM_VENV:-$HOME/.cache/draftsmith/vllm-venv}
 VLLM_VENV=$VENV bash scripts/vllm_venv.sh
 # the speculators package checks format=speculators exports; its own dependencies (vLLM's torch and transformers
 # are there; datasets is training-only) stay out: --no-deps

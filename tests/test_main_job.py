@@ -1,5 +1,6 @@
-"""The README's main job (scripts/main.sh) end to end on a tiny random target: train an EAGLE-3 head, evaluate it
-on MT-bench and the rag 2x2 study, export it for vLLM, print the headline; a second run reuses the head."""
+"""The README's main job (scripts/main.sh) end to end on a tiny random target: regenerate the answers with the
+target through vLLM, train an EAGLE-3 head on them, evaluate it on MT-bench and the rag 2x2 study, export it for
+vLLM, print the headline; a second run reuses the head."""
 
 import json
 import os
@@ -42,7 +43,8 @@ def main_job(out: Path, target: Path, chats: Path, tmp_path: Path) -> subprocess
         "MAIN_OUT": str(out),
         "MAIN_TARGET": f"target.path={target}",
         "MAIN_TRAIN_ARGS": f"data.source={chats} data.max_conversations=null data.max_length=64 "
-        "train.max_steps=2 train.batch_size=2 train.eval_every=100 train.eval_prompts=1 wandb.enabled=false",
+        "train.max_steps=2 train.batch_size=2 train.eval_every=100 train.eval_prompts=1 wandb.enabled=false "
+        "+data.distill.engine_args.enforce_eager=true data.distill.fidelity=2 data.distill.fidelity_tokens=4",
         "MAIN_RAG_ARGS": f"suite.document={doc}",
     }
     args = ["bash", "scripts/main.sh", "limit=2", "max_new_tokens=4", "wandb.enabled=false"]
@@ -50,7 +52,7 @@ def main_job(out: Path, target: Path, chats: Path, tmp_path: Path) -> subprocess
 
 
 def test_main_job_runs_end_to_end_and_reuses_the_head(smollm2_dir, chats, tmp_path):
-    target = build_tiny_chat_target(tmp_path / "target", smollm2_dir)
+    target = build_tiny_chat_target(tmp_path / "target", smollm2_dir, head_dim=32)  # one vLLM's CPU attention runs
     out = tmp_path / "main"
     first = main_job(out, target, chats, tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -66,6 +68,8 @@ def test_main_job_runs_end_to_end_and_reuses_the_head(smollm2_dir, chats, tmp_pa
     assert "MT-bench (2 questions x 2 repeats" in first.stdout and "rag 2x2" in first.stdout
     assert "export-vllm" in first.stdout and "control (plain TPOT, cache on / off)" in first.stdout
     assert "machine: " in first.stdout and "speedup" in first.stdout
+    assert "regenerated 23 conversations" in first.stdout and "by vllm 0.32" in first.stdout  # one is held out
+    assert "fidelity (fp32 greedy, 2 first turns x 4 tokens)" in first.stdout
 
     records = (out / "mt_bench" / "records.jsonl").read_bytes()
     (out / "mt_bench" / "results.json").unlink()  # as if the first run had been killed after its last prompt

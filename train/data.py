@@ -16,7 +16,7 @@ class DistillConfig:
     top_p: float = 1.0
     seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
     backend: str = "auto"  # vllm | draftsmith (its own decoders) | auto: vLLM where installed, else draftsmith's
-    vllm_python: str | None = None  # a Python with vLLM; default $DRAFTSMITH_VLLM_PYTHON, <cache>/vllm-venv, this one
+    vllm_python: str | None = None  # a Python with vLLM; default $DRAFTSMITH_VLLM_PYTHON, the setup venv, this one
     dtype: str = "auto"  # vLLM's dtype (auto: bfloat16 where native, else float32); the own decoder runs target.dtype
     engine_args: dict = field(default_factory=dict)  # more vLLM LLM(...) arguments, e.g. {data_parallel_size: 4}
     batch_size: int | None = None  # conversations in flight; null: 256 with vLLM, 16 with the own batched decoder

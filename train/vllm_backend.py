@@ -2,8 +2,9 @@
 engine over the target, fed batches of chat-encoded prompts over JSON lines.
 
 vLLM pins its own torch and transformers, so it usually lives in a virtual environment of its own:
-scripts/setup.sh makes one at <cache root>/vllm-venv. The Python that runs the worker is, first found:
-data.distill.vllm_python, $DRAFTSMITH_VLLM_PYTHON, <cache root>/vllm-venv/bin/python, this Python.
+scripts/setup.sh makes one at ~/.cache/draftsmith/vllm-venv ($VLLM_VENV moves it). The Python that runs the worker
+is, first found: data.distill.vllm_python, $DRAFTSMITH_VLLM_PYTHON, $VLLM_VENV/bin/python, <cache root>/vllm-venv
+(a cache moved by target.cache_dir or $DRAFTSMITH_CACHE), ~/.cache/draftsmith/vllm-venv, this Python.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.serve.target import cache_root
+from draftsmith.serve.target import DEFAULT_CACHE, cache_root
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+VENV_PYTHON = Path("vllm-venv") / "bin" / "python"
 INSTALL_HINT = (
-    "install it with `bash scripts/setup.sh` (a venv at <cache root>/vllm-venv), or set data.distill.vllm_python"
+    "install it with `bash scripts/setup.sh` (a venv at ~/.cache/draftsmith/vllm-venv), or set data.distill.vllm_python"
 )
 KV_CACHE_BYTES = 2 << 30  # CPU memory for vLLM's KV cache: 256 chats of 512 tokens of SmolLM2-135M need ~3/4 GiB
 
@@ -39,8 +41,10 @@ def has_vllm(python: str) -> bool:
 
 
 def vllm_pythons(setting: str | None, cache_dir: str | None) -> list[str]:
-    venv = cache_root(cache_dir) / "vllm-venv" / "bin" / "python"
-    found = [setting, os.environ.get("DRAFTSMITH_VLLM_PYTHON"), str(venv), sys.executable]
+    moved = os.environ.get("VLLM_VENV")  # where scripts/vllm_venv.sh was told to put it
+    venvs = [cache_root(cache_dir) / VENV_PYTHON, Path(DEFAULT_CACHE).expanduser() / VENV_PYTHON]
+    venvs = ([Path(moved) / "bin" / "python"] if moved else []) + venvs
+    found = [setting, os.environ.get("DRAFTSMITH_VLLM_PYTHON"), *map(str, venvs), sys.executable]
     return [p for p in dict.fromkeys(found) if p]
 
 
