@@ -453,18 +453,6 @@ def test_presets_set_the_draft_shape_the_head_is_made_for():
     assert draft("head=eagle3", "head.draft.num_tokens=2")["num_tokens"] == 2
 
 
-def test_self_distill_defaults_per_head_and_overrides():
-    def self_distill(*overrides: str) -> bool:
-        with initialize_config_module("draftsmith.conf", version_base=None):
-            return compose("train", overrides=["out=x", *overrides]).data.self_distill
-
-    assert self_distill("head=draft_model", "train=full")  # conf/head/draft_model.yaml
-    assert not self_distill("head=draft_model")  # train=quick: conf/tuning/draft_model-quick.yaml
-    assert not self_distill("head=eagle3")
-    assert self_distill("head=eagle3", "data.self_distill=true")  # the README's command
-    assert not self_distill("head=draft_model", "train=full", "data.self_distill=false")
-
-
 def run(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
 
