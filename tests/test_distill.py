@@ -169,11 +169,15 @@ def test_conversations_without_a_user_turn_or_room_are_skipped_and_counted(targe
 
 
 def test_answers_stop_at_max_length(target, tmp_path):
-    """Tokens past max_length would be cut from the training example: they are not generated."""
+    """Tokens past max_length would be cut from the training example: they are not generated, and the
+    conversation is counted as cut short."""
     conv = Conversation("long", [user("Tell me a story."), said("..."), user("More."), said("...")])
     first = len(encode_chat(target.tokenizer, conv.messages[:1]))
-    (out,) = distill([conv], target, cfg(max_new_tokens=50), tmp_path / "d.jsonl", first + 4, Skipped())
+    lines = []
+    out = distill([conv], target, cfg(max_new_tokens=50), tmp_path / "d.jsonl", first + 4, Skipped(), say=lines.append)
+    (out,) = out
     assert len(out.messages) == 2  # the second user turn would start past max_length
+    assert any("1 answers hit the token limit, 1 conversations filled max_length" in line for line in lines)
     ids = target.tokenizer(out.messages[1]["content"], add_special_tokens=False)["input_ids"]
     assert 0 < len(ids) <= 4
 

@@ -55,6 +55,8 @@ class Regenerated:
     tokens: int = 0
     seconds: float = 0.0
     generator: dict = field(default_factory=dict)
+    cut_short: int = 0  # conversations whose context filled before their last user turn (kept, answered so far)
+    truncated: int = 0  # answers that stopped at the token limit (kept, marked in their rows)
 
     def __str__(self) -> str:
         if not self.conversations:
@@ -62,7 +64,8 @@ class Regenerated:
         rate = self.tokens / max(self.seconds, 1e-9)
         return (
             f"regenerated {self.conversations} conversations ({self.tokens} new tokens) in {self.seconds:.0f} s, "
-            f"{rate:.0f} tok/s, by {describe(self.generator)}"
+            f"{rate:.0f} tok/s, by {describe(self.generator)}; {self.truncated} answers hit the token limit, "
+            f"{self.cut_short} conversations filled max_length before their last user turn (both kept)"
         )
 
 
@@ -131,6 +134,8 @@ def generate_into(
                     for chat in finished:
                         append_row(f, row_of(chat, backend.generator))
                     done.conversations += len(finished)
+                    done.truncated += sum(len(chat.truncated) for chat in finished)
+                    done.cut_short += sum(chat.turn < len(chat.segments) for chat in finished)
                     done.tokens += new_tokens
                     done.seconds = time.perf_counter() - began
                     bar.set_postfix(tok_s=f"{done.tokens / done.seconds:.0f}", refresh=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from draftsmith.serve.target import DEFAULT_CACHE, cache_root
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 VENV_PYTHON = Path("vllm-venv") / "bin" / "python"
+EXCEPTION = re.compile(r"\b\w+(Error|Exception): ")
 INSTALL_HINT = (
     "install it with `bash scripts/setup.sh` (a venv at ~/.cache/draftsmith/vllm-venv), or set data.distill.vllm_python"
 )
@@ -29,6 +31,14 @@ KV_CACHE_BYTES = 2 << 30  # CPU memory for vLLM's KV cache: 256 chats of 512 tok
 
 class VllmUnavailable(RuntimeError):
     """vLLM is not installed where we look, or its engine did not start."""
+
+
+def first_error(lines: list[str]) -> str:
+    """The log line that names the failure: the first exception that is not vLLM's engine reporting its own death
+    (the root cause comes first), else the last line."""
+    said = [line.strip() for line in lines if line.strip()]
+    errors = [line for line in said if EXCEPTION.search(line) and "EngineDeadError" not in line]
+    return (errors[:1] or said[-1:] or ["(the log is empty)"])[0][-400:]
 
 
 def has_vllm(python: str) -> bool:
@@ -114,8 +124,8 @@ class VllmWorker:
         if not line:
             code = self.proc.wait()
             self.job_file.unlink(missing_ok=True)
-            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-20:])
-            raise VllmUnavailable(f"vLLM's worker failed to {doing} (exit {code}); its log {self.log} ends:\n{tail}")
+            cause = first_error(self.log.read_text(errors="replace").splitlines())
+            raise VllmUnavailable(f"vLLM's worker failed to {doing} (exit {code}): {cause} (whole log: {self.log})")
         return json.loads(line)
 
     def close(self) -> None:
