@@ -33,6 +33,7 @@ class Conversation:
     id: str
     messages: list[dict]  # {"role": system|user|assistant, "content": str}
     generator: dict | None = None  # who wrote the answers, where a regenerated file says (engine, ..., target)
+    truncated: list[int] = field(default_factory=list)  # answers (0 = the first) a regenerated file says were cut
 
 
 @dataclass
@@ -106,8 +107,14 @@ def parse_row(row: dict, index: int, skipped: Skipped) -> Conversation | None:
     if not any(m["role"] == "assistant" for m in messages):
         skipped.add("without an assistant turn")
         return None
-    generator = row.get("generator")
-    return Conversation(str(row.get("id", index)), messages, generator if isinstance(generator, dict) else None)
+    return Conversation(str(row.get("id", index)), messages, *provenance(row))
+
+
+def provenance(row: dict) -> tuple[dict | None, list[int]]:
+    """A regenerated row's generator record and its answers cut at the token limit (absent elsewhere)."""
+    generator, cut = row.get("generator"), row.get("truncated")
+    cut = [i for i in cut if isinstance(i, int)] if isinstance(cut, list) else []
+    return (generator if isinstance(generator, dict) else None), cut
 
 
 def iter_rows(source: str, skipped: Skipped) -> Iterator[dict]:

@@ -16,11 +16,11 @@ from draftsmith.serve.cli import typed
 from draftsmith.serve.conversations import Conversation, Skipped
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
-from draftsmith.train import batch_decode
+from draftsmith.train import batch_decode, vllm_backend
 from draftsmith.train import distill as distill_mod
 from draftsmith.train.data import DataConfig, DistillConfig, data_key
 from draftsmith.train.distill import DistillRun, distill, distill_path, run
-from draftsmith.train.distill_file import read_rows
+from draftsmith.train.distill_file import merge_into, read_rows
 from draftsmith.train.features import FeatureConfig, cache_key
 from draftsmith.train.head import HeadConfig
 from draftsmith.train.regen_backends import Backend
@@ -144,9 +144,21 @@ def test_empty_input_and_foreign_files_are_clear_errors(target, tmp_path):
     foreign = tmp_path / "foreign.jsonl"
     foreign.write_text('{"id": "a", "messages": []}\nnot json\n{"id": "b", "messages": []}\n')
     before = foreign.read_bytes()
-    with pytest.raises(ValueError, match=r"foreign.jsonl:2 is not a self-distillation row"):
+    with pytest.raises(ValueError, match=r"foreign.jsonl:2 is not a row of regenerated answers"):
         distill(CONVS, target, cfg(), foreign, 512, Skipped())
     assert foreign.read_bytes() == before
+    for text in ('[{"conversations": []}, {"conversations": []}]', '{"id": "a", "conversations": []}'):
+        foreign.write_text(text)  # one line, no newline: not a row cut off mid-write, so nothing is cut
+        with pytest.raises(ValueError, match=r"foreign.jsonl:1 is not a row of regenerated answers"):
+            distill(CONVS, target, cfg(), foreign, 512, Skipped())
+        assert foreign.read_text() == text
+
+
+def test_a_last_row_without_its_newline_is_kept(target, tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"id": "a", "messages": [user("Hi"), said("Hello.")]}))  # as a "\n".join writes
+    out = distill(CONVS, target, cfg(), path, 512, Skipped())
+    assert as_dict(out)["a"] == [user("Hi"), said("Hello.")] and sorted(file_ids(path)) == ["a", "b", "c", "d", "e"]
 
 
 def test_conversations_without_a_user_turn_or_room_are_skipped_and_counted(target, tmp_path):
@@ -182,12 +194,17 @@ def test_answers_stop_at_max_length(target, tmp_path):
     assert 0 < len(ids) <= 4
 
 
-def test_processes_share_the_work_and_merge_into_one_file(target, tmp_path):
+@pytest.mark.parametrize("backend", ["draftsmith", "auto"], ids=["own", "auto-without-vllm"])
+def test_processes_share_the_work_and_merge_into_one_file(target, tmp_path, monkeypatch, backend):
+    """Without vLLM, auto splits the work between the processes as the own decoder does."""
     single = distill(CONVS, target, cfg(), tmp_path / "one.jsonl", 512, Skipped())
     path, barrier, results = tmp_path / "two.jsonl", threading.Barrier(2, timeout=120), {}
+    c = cfg(backend=backend, vllm_python=str(tmp_path / "no-python") if backend == "auto" else None)
+    parts = []
+    monkeypatch.setattr(distill_mod, "merge_into", lambda p, ps, o: parts.extend(ps) or merge_into(p, ps, o))
 
     def rank(r: int) -> None:
-        results[r] = distill(CONVS, target, cfg(), path, 512, Skipped(), r, 2, barrier.wait)
+        results[r] = distill(CONVS, target, c, path, 512, Skipped(), r, 2, barrier.wait)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -196,6 +213,7 @@ def test_processes_share_the_work_and_merge_into_one_file(target, tmp_path):
         t.join()
     assert as_dict(results[0]) == as_dict(results[1]) == as_dict(single)
     assert file_ids(path) == [c.id for c in CONVS] and list(tmp_path.glob("two.part*")) == []
+    assert sorted(p.name for p in parts) == ["two.part0-of-2.jsonl", "two.part1-of-2.jsonl"]  # both ranks wrote
 
 
 def test_data_keys_change_only_with_self_distillation():
@@ -261,6 +279,12 @@ def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, mon
     assert "(self-distilled)" in recipe["data"]
     assert "answers by the target (draftsmith " in recipe["extra"]["data_info"]  # the card names who wrote them
 
+    rows = [json.loads(line) for line in made.read_text().splitlines()]
+    rows[0]["messages"][1]["content"] = "Other answers (another backend, say) make other features."
+    made.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train(config("c", "cached"))
+    assert len(list((tmp_path / "home" / "features").iterdir())) == 2  # not the cache of the earlier answers
+
 
 def test_the_command_line_writes_the_file(target_dir, tmp_path, capsys):
     source = tmp_path / "chats.jsonl"
@@ -320,8 +344,16 @@ def test_shards_by_id_range_merge_into_the_whole_when_training(target, tmp_path,
     monkeypatch.setattr(distill_mod, "generate_into", lambda *a, **k: pytest.fail("generated again"))
     merged = distill(CONVS, target, cfg(), path, 512, Skipped())
     assert as_dict(merged) == as_dict(whole) and file_ids(path) == [c.id for c in CONVS]
+    again = distill(CONVS, target, cfg(shard="1/3"), path, 512, Skipped())  # its ids are in the file by now
+    assert [c.id for c in again] == ["b", "c"]
     with pytest.raises(ValueError, match="data.distill.shard must be i/n"):
         distill(CONVS, target, cfg(shard="3/3"), path, 512, Skipped())
+    monkeypatch.undo()
+    other = tmp_path / "other.jsonl"
+    distill(CONVS, target, cfg(shard="0/2", temperature=1.0), other, 512, Skipped())
+    with pytest.raises(ValueError, match=r"other.shard0-of-2.jsonl holds answers made with \{'temperature': 1.0\}"):
+        distill(CONVS, target, cfg(), other, 512, Skipped())
+    assert not other.exists()  # nothing merged
 
 
 def fake_vllm_python(tmp_path: Path, package_body: str) -> str:
@@ -356,6 +388,34 @@ def test_vllm_missing_or_failing_falls_back_in_one_line_or_is_an_error(target, t
     with pytest.raises(VllmUnavailable, match="failed to start"):
         distill(CONVS[:2], target, cfg(backend="vllm", vllm_python=broken), tmp_path / "c.jsonl", 512, Skipped())
     assert read_rows(tmp_path / "c.jsonl") == {}
+
+
+def test_a_failed_vllm_leaves_no_process_behind_and_a_hung_one_times_out(target, tmp_path, monkeypatch):
+    pid_file = tmp_path / "engine.pid"
+    spawns = (
+        f"import subprocess\np = subprocess.Popen(['sleep', '300'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+    )
+    broken = fake_vllm_python(tmp_path / "a", spawns + "raise RuntimeError('engine core died')")
+    lines = []
+    distill(
+        CONVS[:1],
+        target,
+        cfg(backend="auto", vllm_python=broken),
+        tmp_path / "a.jsonl",
+        512,
+        Skipped(),
+        say=lines.append,
+    )
+    assert any("engine core died" in line for line in lines)
+    engine = int(pid_file.read_text())
+    assert not Path(f"/proc/{engine}").exists() or "Z" in Path(f"/proc/{engine}/stat").read_text().split()[2]
+    hung = fake_vllm_python(tmp_path / "b", "import time\ntime.sleep(300)")
+    monkeypatch.setattr(vllm_backend, "START_TIMEOUT_S", 3)
+    lines.clear()
+    distill(
+        CONVS[:1], target, cfg(backend="auto", vllm_python=hung), tmp_path / "b.jsonl", 512, Skipped(), say=lines.append
+    )
+    assert any("did not start within 3 s" in line for line in lines)
 
 
 def test_answers_generated_by_another_target_are_refused_naming_both(target_dir, tmp_path):

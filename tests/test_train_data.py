@@ -6,6 +6,7 @@ import pytest
 from datasets import Dataset
 
 from draftsmith.serve.conversations import (
+    Conversation,
     Skipped,
     heldout_conversations,
     is_heldout,
@@ -68,6 +69,17 @@ def test_masks_on_real_sharegpt_cover_exactly_the_answers_and_their_end_marker(t
         ends = [i for i in range(len(ex.loss_mask) - 1) if ex.loss_mask[i] and not ex.loss_mask[i + 1]]
         assert all(tokenizer.decode(ex.input_ids[e]) == END for e in ends)
         assert ex.input_ids == tokenizer(render_chat(tokenizer, conv.messages), add_special_tokens=False)["input_ids"]
+
+
+def test_an_answer_cut_at_the_token_limit_leaves_its_end_marker_out_of_the_loss(tokenizer, sharegpt):
+    """The target never said end-of-turn where regeneration stopped it at its budget."""
+    conv = next(c for c in sharegpt[0] if sum(m["role"] == "assistant" for m in c.messages) >= 2)
+    answers = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+    cut = Conversation(conv.id, conv.messages, truncated=[1])
+    ex = encode(tokenizer, cut, max_length=100_000)
+    decoded = [tokenizer.decode(r) for r in masked_runs(ex.input_ids, ex.loss_mask)]
+    assert decoded[:2] == [answers[0] + END, answers[1]]  # the second answer's marker is not trained
+    assert ex.input_ids == encode(tokenizer, conv, max_length=100_000).input_ids
 
 
 def test_truncation_keeps_the_first_tokens_and_their_mask(tokenizer, sharegpt):
@@ -158,9 +170,13 @@ def test_a_non_utf8_byte_names_its_line(tmp_path):
         load_conversations(str(path), 0.02)
 
 
-def test_self_distillation_refuses_a_nan_temperature():
+def test_self_distillation_refuses_a_nan_temperature_and_engine_args_it_sets_itself():
     with pytest.raises(ValueError, match="data.distill.temperature must be >= 0 and top_p in .*got nan"):
         DistillConfig(temperature=float("nan"))
+    with pytest.raises(ValueError, match="engine_args sets dtype, max_model_len, which regeneration sets itself"):
+        DistillConfig(engine_args={"max_model_len": 8, "dtype": "half", "enforce_eager": True})
+    with pytest.raises(ValueError, match="data.distill.backend must be auto, vllm or draftsmith"):
+        DistillConfig(backend="hf")
 
 
 def test_a_truncated_json_array_is_read_up_to_the_cut_and_counted(tmp_path):

@@ -32,28 +32,33 @@ def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict], genera
 
 
 def assistant_spans(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict], text: str, upto: int
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], text: str, upto: int, cut: tuple[int, ...] = ()
 ) -> list[tuple[int, int]]:
     """The [start, end) character span in `text` (the rendered conversation) of each assistant turn
-    starting before `upto`: from the end of its header to the end of its end-of-turn marker."""
-    spans = []
+    starting before `upto`: from the end of its header to the end of its end-of-turn marker. Answers in `cut`
+    (0 = the first answer) stopped at a token limit: their span ends with their content, since the marker the
+    template adds there is not what the target said."""
+    spans, answer = [], -1
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
+        answer += 1
         head = render_chat(tokenizer, messages[:i], True)
         if len(head) >= upto:
             break
         through = render_chat(tokenizer, messages[: i + 1])
         if not (through.startswith(head) and text.startswith(through)):
             raise NotPrefixStable(f"{tokenizer.name_or_path}'s chat template renders turn {i} differently in context")
-        spans.append((len(head), len(head) + len(through[len(head) :].rstrip())))  # trailing glue dropped
+        body = through[len(head) :].rstrip()  # trailing glue dropped
+        at = body.find(m["content"]) if answer in cut else -1
+        spans.append((len(head), len(head) + (at + len(m["content"]) if at >= 0 else len(body))))
     return spans
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, conv: Conversation, max_length: int) -> Example:
     text = render_chat(tokenizer, conv.messages)
     ids, offsets = tokenize_head(tokenizer, text, max_length)
-    spans = assistant_spans(tokenizer, conv.messages, text, offsets[-1][1] if offsets else 0)
+    spans = assistant_spans(tokenizer, conv.messages, text, offsets[-1][1] if offsets else 0, tuple(conv.truncated))
     return Example(conv.id, ids, span_mask(offsets, spans))
 
 

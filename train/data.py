@@ -43,8 +43,15 @@ class DistillConfig:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"data.distill.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         self.engine_args = dict(self.engine_args)
+        taken = sorted(set(self.engine_args) & OWN_ENGINE_ARGS)
+        if taken:
+            raise ValueError(
+                f"data.distill.engine_args sets {', '.join(taken)}, which regeneration sets itself (the target's "
+                "folder, data.distill.dtype, data.max_length, greedy defaults): drop them"
+            )
 
 
+OWN_ENGINE_ARGS = frozenset({"model", "dtype", "seed", "max_model_len", "generation_config"})  # vllm_worker sets them
 ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # what changes the answers (not how fast)
 
 

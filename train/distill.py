@@ -24,7 +24,7 @@ from jinja2 import TemplateError
 from tqdm import tqdm
 
 from draftsmith.serve.build import Loaded, eos_ids
-from draftsmith.serve.conversations import Conversation, Skipped
+from draftsmith.serve.conversations import Conversation, Skipped, provenance
 from draftsmith.serve.target import TargetConfig, keyed_cache_path
 
 from .data import ANSWER_FIELDS, DataConfig, DistillConfig
@@ -43,6 +43,7 @@ from .features import source_stamp
 from .fidelity import check_fidelity
 from .regen_backends import Generate, describe, open_backend
 from .turns import Chat, answer_text, ended, next_prompt, prepare
+from .vllm_backend import VllmUnavailable, find_vllm_python
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
 
@@ -56,16 +57,20 @@ class Regenerated:
     seconds: float = 0.0
     generator: dict = field(default_factory=dict)
     cut_short: int = 0  # conversations whose context filled before their last user turn (kept, answered so far)
+    rejected: int = 0  # conversations stopped at a later turn the chat template rejects (kept, answered so far)
     truncated: int = 0  # answers that stopped at the token limit (kept, marked in their rows)
+    start_s: float = 0.0  # the backend's start (vLLM's engine and its compile)
 
     def __str__(self) -> str:
         if not self.conversations:
             return "nothing to regenerate: every conversation was already answered"
         rate = self.tokens / max(self.seconds, 1e-9)
+        start = f" (+{self.start_s:.0f} s to start it)" if self.start_s >= 1 else ""
+        rejected = f", {self.rejected} stopped at a turn the chat template rejects" if self.rejected else ""
         return (
             f"regenerated {self.conversations} conversations ({self.tokens} new tokens) in {self.seconds:.0f} s, "
-            f"{rate:.0f} tok/s, by {describe(self.generator)}; {self.truncated} answers hit the token limit, "
-            f"{self.cut_short} conversations filled max_length before their last user turn (both kept)"
+            f"{rate:.0f} tok/s, by {describe(self.generator)}{start}; {self.truncated} answers hit the token limit, "
+            f"{self.cut_short} conversations filled max_length before their last user turn{rejected} (all kept)"
         )
 
 
@@ -94,9 +99,10 @@ def answer_all(
             try:
                 ids = next_prompt(chat, tokenizer, limit)
             except TemplateError:  # a later turn the template rejects: keep the answers so far
-                ids = None
+                ids, chat.stopped = None, "template"
             if ids is None:
-                chat.past = None
+                left = chat.turn < len(chat.segments)
+                chat.past, chat.stopped = None, chat.stopped or ("max_length" if left else "")
                 finished.append(chat)
             else:
                 kept.append((chat, ids))
@@ -123,8 +129,9 @@ def generate_into(
         todo = [(chat, ids) for chat, ids in todo if chat.id not in rows]
         if not todo:
             return Regenerated()
+        opened = time.perf_counter()
         backend = open_backend(target, cfg, limit, path.with_suffix(".vllm.log"), cache_dir, say)
-        done = Regenerated(generator=backend.generator)
+        done = Regenerated(generator=backend.generator, start_s=time.perf_counter() - opened)
         began = time.perf_counter()
         try:
             with tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not show, dynamic_ncols=True) as bar:
@@ -135,7 +142,8 @@ def generate_into(
                         append_row(f, row_of(chat, backend.generator))
                     done.conversations += len(finished)
                     done.truncated += sum(len(chat.truncated) for chat in finished)
-                    done.cut_short += sum(chat.turn < len(chat.segments) for chat in finished)
+                    done.cut_short += sum(chat.stopped == "max_length" for chat in finished)
+                    done.rejected += sum(chat.stopped == "template" for chat in finished)
                     done.tokens += new_tokens
                     done.seconds = time.perf_counter() - began
                     bar.set_postfix(tok_s=f"{done.tokens / done.seconds:.0f}", refresh=False)
@@ -173,6 +181,8 @@ def distill(
     todo = prepare(convs, target.tokenizer, limit, skipped)
     order = [chat.id for chat, _ in todo]
     if rank == 0 and not cfg.shard and (shards := shards_beside(path)):
+        for shard in shards:
+            check_shard(shard, target.target_id, cfg)
         merge_into(path, shards, order)
     barrier()
     own, mine = path, todo
@@ -181,8 +191,9 @@ def distill(
             raise ValueError("data.distill.shard is for the regeneration command run once per machine, not under DDP")
         index, count = parse_shard(cfg.shard)
         own, mine = shard_path(path, index, count), [todo[i] for i in shard_range(len(todo), index, count)]
-    elif world > 1:
-        split = cfg.backend == "draftsmith"
+        wanted = {chat.id for chat, _ in mine}
+    elif world > 1:  # vLLM takes the machine on rank 0; without it the own decoder splits the work
+        split = cfg.backend == "draftsmith" or (cfg.backend == "auto" and not vllm_found(cfg, cache_dir))
         mine = [t for i, t in enumerate(todo) if i % world == rank] if split else (todo if rank == 0 else [])
         own = part_path(path, rank, world) if split else path
     there = read_rows(path)
@@ -193,22 +204,42 @@ def distill(
             say(str(check_fidelity(target, convs, cfg, own.with_suffix(".fidelity.json"), cache_dir)))
     if world > 1:
         barrier()
-        if rank == 0 and cfg.backend == "draftsmith":
+        if rank == 0 and split:
             parts = [part_path(path, r, world) for r in range(world)]
             merge_into(path, parts, order)
             for part in parts:
                 part.unlink(missing_ok=True)
         barrier()
-    rows = read_rows(own if cfg.shard else path)
-    out = [conversation(rows[i]) for i in order if i in rows]
+    rows = read_rows(path) | (read_rows(own) if cfg.shard else {})  # a shard's ids may be in the file already
+    out = [conversation(rows[i]) for i in order if i in rows and (not cfg.shard or i in wanted)]
     if not out:
         raise ValueError(f"self-distillation left no conversation to train on (skipped: {skipped})")
     return out
 
 
+def vllm_found(cfg: DistillConfig, cache_dir: str | None) -> bool:
+    try:
+        find_vllm_python(cfg.vllm_python, cache_dir)
+    except VllmUnavailable:
+        return False
+    return True
+
+
+def check_shard(shard: Path, target_id: str, cfg: DistillConfig) -> None:
+    """A shard is merged only if its rows were written by this target with these sampling settings."""
+    wanted = {k: getattr(cfg, k) for k in ANSWER_FIELDS} | {"target": target_id}
+    for row in read_rows(shard).values():
+        generator = row.get("generator") or {}
+        differ = {k: generator.get(k) for k, v in wanted.items() if generator.get(k) != v}
+        if differ:
+            raise ValueError(
+                f"shard {shard} holds answers made with {differ}, but this run asks for "
+                f"{ {k: wanted[k] for k in differ} }: move it away, or regenerate it with these settings"
+            )
+
+
 def conversation(row: dict) -> Conversation:
-    generator = row.get("generator")
-    return Conversation(row["id"], row["messages"], generator if isinstance(generator, dict) else None)
+    return Conversation(row["id"], row["messages"], *provenance(row))
 
 
 def distill_path(data: DataConfig, target: Loaded, cache_dir: str | None) -> Path:

@@ -21,12 +21,16 @@ from typing import BinaryIO
 
 from .jsonl import complete_rows
 
-BAD_ROW = "is not a self-distillation row ({id, messages}): delete the file or set data.distill.out to another path"
+BAD_ROW = (
+    "is not a row of regenerated answers ({id, messages}): this file is not an answers file; point "
+    "data.distill.out at a new path (nothing was written to this one)"
+)
+TORN = b'{"id": '  # how every row append_row writes starts: only such a line can be one cut off mid-write
 
 
 def parse_rows(data: bytes, path: Path) -> tuple[dict[str, dict], int]:
     """id -> row of the complete rows, and the byte length they span (a torn last line excluded)."""
-    rows, end = complete_rows(data, path, is_answer_row, BAD_ROW)
+    rows, end = complete_rows(data, path, is_answer_row, BAD_ROW, TORN)
     return {row["id"]: row for row in rows}, end
 
 
@@ -46,12 +50,16 @@ def locked_output(path: Path) -> Iterator[tuple[BinaryIO, dict[str, dict]]]:
     with open(path, "a+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.seek(0)
-        rows, end = parse_rows(f.read(), path)
+        data = f.read()
+        rows, end = parse_rows(data, path)
         f.truncate(end)
+        if end and not data[:end].endswith(b"\n"):  # a last row someone else wrote without its newline
+            f.write(b"\n")
         yield f, rows
 
 
 def append_row(f: BinaryIO, row: dict) -> None:
+    row = {"id": row["id"], **row}  # id first: a line cut off mid-write starts with TORN
     f.write((json.dumps(row, ensure_ascii=False) + "\n").encode())
     f.flush()
     os.fsync(f.fileno())

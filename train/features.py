@@ -60,11 +60,18 @@ def target_states(model: Transformer, input_ids: Tensor, layers: tuple[int, ...]
 
 
 def cache_key(
-    target_id: str, data: DataConfig, layers: tuple[int, ...], dtype: str, chat_template: str, computed_in: str
+    target_id: str,
+    data: DataConfig,
+    layers: tuple[int, ...],
+    dtype: str,
+    chat_template: str,
+    computed_in: str,
+    answers: str | None = None,
 ) -> dict:
     """computed_in: the dtype the target ran in (bf16 features are ~1.7x faster to make on this CPU and round
-    differently from fp32 ones); dtype: the dtype they are stored in."""
-    return {
+    differently from fp32 ones); dtype: the dtype they are stored in; answers: a digest of the regenerated answers
+    (self-distillation), so features of other answers are never reused for them."""
+    key = {
         "format_version": FORMAT_VERSION,
         "target": target_id,
         "computed_in": computed_in,
@@ -73,6 +80,7 @@ def cache_key(
         "dtype": dtype,
         "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()[:12],
     }
+    return key | ({"answers": answers} if answers else {})
 
 
 def source_stamp(source: str) -> str:

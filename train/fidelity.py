@@ -9,6 +9,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 from draftsmith.heads.files import write_file_atomic
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids, load
 from draftsmith.serve.conversations import Conversation
@@ -41,7 +43,10 @@ def first_prompts(convs: list[Conversation], tokenizer, n: int, limit: int) -> l
     out = []
     for conv in convs:
         segments = user_segments(conv.messages)
-        ids = encode_chat(tokenizer, segments[0]) if segments else None
+        try:
+            ids = encode_chat(tokenizer, segments[0]) if segments else None
+        except TemplateError:  # one regeneration skipped too
+            continue
         if ids and len(ids) < limit:
             out.append(ids)
         if len(out) == n:

@@ -24,6 +24,7 @@ class Chat:
     turn: int = 0
     truncated: list[int] = field(default_factory=list)  # answers (0 = the first) cut at the token limit
     past: Past | None = None  # kept between turns by the own batched decoder
+    stopped: str = ""  # why it ended before its last user turn: "max_length" or "template" (empty: it did not)
 
     def next_messages(self) -> list[dict] | None:
         return self.messages + self.segments[self.turn] if self.turn < len(self.segments) else None
@@ -49,7 +50,8 @@ def user_segments(messages: list[dict]) -> list[list[dict]]:
 
 
 def turn_seed(seed: int, conv_id: str, turn: int) -> int:
-    """A sampling seed per answer: a rerun (or a resume, in any batch, on any backend) asks for the same draw."""
+    """A sampling seed per answer: a rerun (or a resume, in any batch) asks for the same draw; the same backend
+    then draws the same answer (vLLM and draftsmith sample differently from one seed)."""
     return int.from_bytes(hashlib.sha256(f"{seed}|{conv_id}|{turn}".encode()).digest()[:8], "big") >> 1
 
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from draftsmith.serve.target import DEFAULT_CACHE, cache_root
 WORKER = Path(__file__).with_name("vllm_worker.py")
 VENV_PYTHON = Path("vllm-venv") / "bin" / "python"
 EXCEPTION = re.compile(r"\b\w+(Error|Exception): ")
+START_TIMEOUT_S = 1800  # a vLLM that has not started in half an hour is hung (it took 60-100 s on a 2-core CPU)
 INSTALL_HINT = (
     "install it with `bash scripts/setup.sh` (a venv at ~/.cache/draftsmith/vllm-venv), or set data.distill.vllm_python"
 )
@@ -110,8 +114,9 @@ class VllmWorker:
                 stderr=out,
                 env=worker_env(),
                 text=True,
+                start_new_session=True,  # its engine processes join its group, so close() can end them all
             )
-        ready = self.read("start")
+        ready = self.read("start", START_TIMEOUT_S)
         self.version, self.load_s = ready["version"], ready["load_s"]
 
     def generate(self, batch: dict) -> dict:
@@ -119,22 +124,35 @@ class VllmWorker:
         self.proc.stdin.flush()
         return self.read("answer")
 
-    def read(self, doing: str) -> dict:
+    def read(self, doing: str, timeout: float | None = None) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.close()
+            raise VllmUnavailable(f"vLLM's worker did not {doing} within {timeout:.0f} s (its log: {self.log})")
         line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            self.job_file.unlink(missing_ok=True)
+        if not line:  # end of its output: it exited
+            self.close()
+            code = self.proc.returncode
+            how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
             cause = first_error(self.log.read_text(errors="replace").splitlines())
-            raise VllmUnavailable(f"vLLM's worker failed to {doing} (exit {code}): {cause} (whole log: {self.log})")
+            raise VllmUnavailable(f"vLLM's worker failed to {doing} ({how}): {cause} (whole log: {self.log})")
         return json.loads(line)
 
     def close(self) -> None:
+        """End the worker (its loop ends at end of input), then whatever of its engine is left."""
         if self.proc.stdin and not self.proc.stdin.closed:
-            self.proc.stdin.close()  # the worker's loop ends at end of input
+            self.proc.stdin.close()
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)  # engine processes outlive a killed worker otherwise
+            except ProcessLookupError:
+                break
+            time.sleep(2)
+        self.proc.wait()
         self.job_file.unlink(missing_ok=True)
 
     def __enter__(self) -> VllmWorker:
