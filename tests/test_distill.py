@@ -77,6 +77,12 @@ def expected_greedy(target, conv: Conversation) -> list[dict]:
     return messages
 
 
+def regenerate(convs: list[Conversation], target, c: DistillConfig, path: Path) -> tuple[list, list[str]]:
+    """distill() into path at max_length 512, and the lines it said."""
+    lines = []
+    return distill(convs, target, c, path, 512, Skipped(), say=lines.append), lines
+
+
 def as_dict(convs: list[Conversation]) -> dict:
     return {c.id: c.messages for c in convs}
 
@@ -367,23 +373,13 @@ def fake_vllm_python(tmp_path: Path, package_body: str) -> str:
 
 
 def test_vllm_missing_or_failing_falls_back_in_one_line_or_is_an_error(target, tmp_path):
-    said = []
     missing = cfg(backend="auto", vllm_python=str(tmp_path / "no-python"))
-    out = distill(CONVS[:2], target, missing, tmp_path / "a.jsonl", 512, Skipped(), say=said.append)
+    out, said = regenerate(CONVS[:2], target, missing, tmp_path / "a.jsonl")
     assert [c.generator["engine"] for c in out] == ["draftsmith", "draftsmith"]
     (line,) = [s for s in said if "falls back" in s]
     assert "no-python cannot import vllm" in line and "bash scripts/setup.sh" in line
     broken = fake_vllm_python(tmp_path, "raise RuntimeError('this vLLM has no CPU backend')")
-    said.clear()
-    distill(
-        CONVS[:2],
-        target,
-        cfg(backend="auto", vllm_python=broken),
-        tmp_path / "b.jsonl",
-        512,
-        Skipped(),
-        say=said.append,
-    )
+    _, said = regenerate(CONVS[:2], target, cfg(backend="auto", vllm_python=broken), tmp_path / "b.jsonl")
     assert any("falls back" in s and "this vLLM has no CPU backend" in s for s in said)
     with pytest.raises(VllmUnavailable, match="failed to start"):
         distill(CONVS[:2], target, cfg(backend="vllm", vllm_python=broken), tmp_path / "c.jsonl", 512, Skipped())
@@ -396,25 +392,13 @@ def test_a_failed_vllm_leaves_no_process_behind_and_a_hung_one_times_out(target,
         f"import subprocess\np = subprocess.Popen(['sleep', '300'])\nopen({str(pid_file)!r}, 'w').write(str(p.pid))\n"
     )
     broken = fake_vllm_python(tmp_path / "a", spawns + "raise RuntimeError('engine core died')")
-    lines = []
-    distill(
-        CONVS[:1],
-        target,
-        cfg(backend="auto", vllm_python=broken),
-        tmp_path / "a.jsonl",
-        512,
-        Skipped(),
-        say=lines.append,
-    )
+    _, lines = regenerate(CONVS[:1], target, cfg(backend="auto", vllm_python=broken), tmp_path / "a.jsonl")
     assert any("engine core died" in line for line in lines)
     engine = int(pid_file.read_text())
     assert not Path(f"/proc/{engine}").exists() or "Z" in Path(f"/proc/{engine}/stat").read_text().split()[2]
     hung = fake_vllm_python(tmp_path / "b", "import time\ntime.sleep(300)")
     monkeypatch.setattr(vllm_backend, "START_TIMEOUT_S", 3)
-    lines.clear()
-    distill(
-        CONVS[:1], target, cfg(backend="auto", vllm_python=hung), tmp_path / "b.jsonl", 512, Skipped(), say=lines.append
-    )
+    _, lines = regenerate(CONVS[:1], target, cfg(backend="auto", vllm_python=hung), tmp_path / "b.jsonl")
     assert any("did not start within 3 s" in line for line in lines)
 
 

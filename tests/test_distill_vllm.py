@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
+from test_distill import said, user
 
 from draftsmith.serve.build import load
 from draftsmith.serve.cli import typed
@@ -28,14 +29,6 @@ except VllmUnavailable as e:
 
 NEW = 12
 EAGER = {"enforce_eager": True}  # no torch.compile warm-up: the tiny target starts in seconds
-
-
-def user(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def said(text: str) -> dict:
-    return {"role": "assistant", "content": text}
 
 
 CONVS = [
