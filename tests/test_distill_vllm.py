@@ -83,3 +83,15 @@ def test_the_command_checks_fidelity_and_says_so(target_dir, tmp_path, capsys):
     result = json.loads(out.with_suffix(".fidelity.json").read_text())  # beside the answers
     assert result["prompts"] == 3 and result["identical"] + len(result["first_differences"]) == 3
     assert f"equals draftsmith's plain decoding on {result['identical']}/3" in printed
+
+
+def test_a_target_vllm_cannot_run_falls_back_under_auto_and_fails_under_vllm(smollm2_dir, tmp_path):
+    """vLLM loads a head size of 16 but its CPU attention cannot run it: the worker's one-token warm-up fails at
+    start, so auto answers with draftsmith's own decoder (saying why) and backend=vllm names the cause."""
+    folder = build_tiny_chat_target(tmp_path / "t16", smollm2_dir, head_dim=16)
+    target, lines = load(TargetConfig(path=str(folder), dtype="float32")), []
+    convs = distill(CONVS[1:2], target, cfg("auto"), tmp_path / "a.jsonl", 256, Skipped(), say=lines.append)
+    assert convs[0].generator["engine"] == "draftsmith"
+    assert any("falls back to draftsmith's own" in line and "head_dim=16" in line for line in lines), lines
+    with pytest.raises(VllmUnavailable, match="failed to start.*head_dim=16"):
+        distill(CONVS[1:2], target, cfg("vllm"), tmp_path / "v.jsonl", 256, Skipped())

@@ -471,6 +471,7 @@ def cli_args(target, data) -> list[str]:
         "train.features.mode=online",
         "train.batch_size=2",
         "train.log_every=1",
+        "data.self_distill=false",  # as config(): these runs are compared with it (regeneration: test_distill*)
     ]
 
 

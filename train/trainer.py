@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -158,18 +159,24 @@ def setup(cfg: RunConfig) -> Loop:
     return Loop(*parts, hook, token_counts, data_info)
 
 
+BARRIER_TIMEOUT = timedelta(hours=4)
+
+
 def make_accelerator(tc: TrainConfig) -> Accelerator:
     """On a CPU machine, processes started by torchrun join via gloo. accelerate runs DeepSpeed only with
-    cpu=False, and then picks no backend when there is no GPU: name gloo (DeepSpeed's CPU accelerator uses it)."""
+    cpu=False, and then picks no backend when there is no GPU: name gloo (DeepSpeed's CPU accelerator uses it).
+    The other ranks wait at a barrier while rank 0 regenerates answers through vLLM or caches features, which can
+    outlast torch's 10/30-minute collective timeouts: a barrier may wait BARRIER_TIMEOUT."""
     cpu = not torch.cuda.is_available()
     deepspeed = parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
     if cpu and deepspeed:
         skip_shm_comm_build()
+    backend = "gloo" if cpu and deepspeed else "nccl"  # nccl: accelerate's default, which it then picks itself
     return Accelerator(
         cpu=cpu and not deepspeed,
         mixed_precision=resolve_precision(tc.mixed_precision),
         gradient_accumulation_steps=tc.grad_accum,
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if cpu and deepspeed else None,
+        kwargs_handlers=[InitProcessGroupKwargs(backend=backend, timeout=BARRIER_TIMEOUT)],
     )
 
 

@@ -6,10 +6,10 @@ standard library only, never draftsmith.
 
     python vllm_worker.py JOB.json     # JOB: {"model", "dtype", "max_model_len", "kv_cache_bytes", "engine_args"}
 
-Its first stdout line says it is ready (vLLM's version, the load time); then each stdin line is a batch
-{"prompts": [[ids]], "max_tokens": [n], "seeds": [s], "temperature", "top_p", "stop_token_ids"} and each stdout
-line the reply {"outputs": [[ids]], "finish_reasons": ["stop" | "length"], "seconds"}. vLLM's own logs go to
-stderr. End of input ends it.
+Its first stdout line says it is ready (vLLM's version, the load time; one token generated); then each stdin line
+is a batch {"prompts": [[ids]], "max_tokens": [n], "seeds": [s], "temperature", "top_p", "stop_token_ids"} and
+each stdout line the reply {"outputs": [[ids]], "finish_reasons": ["stop" | "length"], "seconds"}. vLLM's own
+logs go to stderr. End of input ends it.
 """
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ def answer(llm, batch: dict) -> dict:
     }
 
 
+def warm_up(llm) -> None:
+    """One token through the engine: a target vLLM loads but cannot run (a head size its CPU attention lacks)
+    fails here, at start, where backend=auto still falls back to draftsmith's own decoder."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=[0])], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
 def serve(job_file: str) -> None:
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM logs to stdout: that stream is kept for the replies alone
@@ -66,6 +75,7 @@ def serve(job_file: str) -> None:
         job = json.load(f)
     began = time.perf_counter()
     llm = make_llm(job)
+    warm_up(llm)
     import vllm
 
     ready = {"ready": True, "version": vllm.__version__, "load_s": time.perf_counter() - began}
