@@ -12,8 +12,19 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from draftsmith.serve.target import TargetConfig, resolve_target  # noqa: E402
+from draftsmith.serve.target import DEFAULT_CACHE, TargetConfig, resolve_target  # noqa: E402
 from helpers import build_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory) -> Path:
+    """The answers and features the tests make go to a cache of their own: one a past run left in ~/.cache would
+    stand in for the work a test means to check. Converted targets stay shared with the machine's cache."""
+    root, machine = tmp_path_factory.mktemp("cache"), Path(DEFAULT_CACHE).expanduser() / "targets"
+    machine.mkdir(parents=True, exist_ok=True)
+    (root / "targets").symlink_to(machine, target_is_directory=True)
+    os.environ["DRAFTSMITH_CACHE"] = str(root)
+    return root
 
 
 @pytest.fixture(scope="session")

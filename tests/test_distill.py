@@ -292,18 +292,17 @@ def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, mon
     assert len(list((tmp_path / "home" / "features").iterdir())) == 2  # not the cache of the earlier answers
 
 
+def command_line(target_dir: Path, tmp_path: Path, convs: list[Conversation], backend: str) -> tuple[list[str], Path]:
+    """draftsmith-regenerate's overrides over `convs` written as a source file, and the answers file it names."""
+    source, out = tmp_path / "chats.jsonl", tmp_path / "answers.jsonl"
+    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in convs))
+    overrides = [f"target.path={target_dir}", f"data.source={source}", "data.heldout_fraction=0"]
+    overrides += [f"data.distill.max_new_tokens={NEW}", f"data.distill.out={out}", f"data.distill.backend={backend}"]
+    return overrides, out
+
+
 def test_the_command_line_writes_the_file(target_dir, tmp_path, capsys):
-    source = tmp_path / "chats.jsonl"
-    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in CONVS))
-    out = tmp_path / "answers.jsonl"
-    overrides = [
-        f"target.path={target_dir}",
-        f"data.source={source}",
-        "data.heldout_fraction=0",
-        f"data.distill.max_new_tokens={NEW}",
-        f"data.distill.out={out}",
-        "data.distill.backend=draftsmith",
-    ]
+    overrides, out = command_line(target_dir, tmp_path, CONVS, "draftsmith")
     with initialize_config_module("draftsmith.conf", version_base=None):
         assert run(typed(compose("distill", overrides=overrides), DistillRun)) == out
     assert sorted(file_ids(out)) == sorted(c.id for c in CONVS)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
-from test_distill import said, user
+from test_distill import command_line, said, user
 
 from draftsmith.serve.build import load
 from draftsmith.serve.cli import typed
@@ -62,20 +62,9 @@ def test_vllm_answers_turn_by_turn_as_the_target_does(target_dir, tmp_path):
 
 
 def test_the_command_checks_fidelity_and_says_so(target_dir, tmp_path, capsys):
-    source = tmp_path / "chats.jsonl"
-    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in CONVS))
-    out = tmp_path / "answers.jsonl"
-    overrides = [
-        f"target.path={target_dir}",
-        f"data.source={source}",
-        "data.heldout_fraction=0",
-        f"data.distill.max_new_tokens={NEW}",
-        f"data.distill.out={out}",
-        "data.distill.backend=vllm",
-        "+data.distill.engine_args.enforce_eager=true",
-        "data.distill.fidelity=3",
-        "data.distill.fidelity_tokens=8",
-    ]
+    overrides, out = command_line(target_dir, tmp_path, CONVS, "vllm")
+    overrides += ["+data.distill.engine_args.enforce_eager=true", "data.distill.fidelity=3"]
+    overrides += ["data.distill.fidelity_tokens=8"]
     with initialize_config_module("draftsmith.conf", version_base=None):
         run(typed(compose("distill", overrides=overrides), DistillRun))
     printed = capsys.readouterr().out
@@ -93,5 +82,7 @@ def test_a_target_vllm_cannot_run_falls_back_under_auto_and_fails_under_vllm(smo
     convs = distill(CONVS[1:2], target, cfg("auto"), tmp_path / "a.jsonl", 256, Skipped(), say=lines.append)
     assert convs[0].generator["engine"] == "draftsmith"
     assert any("falls back to draftsmith's own" in line and "head_dim=16" in line for line in lines), lines
+    summary = next(line for line in lines if line.startswith("regenerated "))
+    assert "by draftsmith" in summary and "to start it" not in summary  # vLLM's failed start is not the own decoder's
     with pytest.raises(VllmUnavailable, match="failed to start.*head_dim=16"):
         distill(CONVS[1:2], target, cfg("vllm"), tmp_path / "v.jsonl", 256, Skipped())

@@ -129,9 +129,8 @@ def generate_into(
         todo = [(chat, ids) for chat, ids in todo if chat.id not in rows]
         if not todo:
             return Regenerated()
-        opened = time.perf_counter()
         backend = open_backend(target, cfg, limit, path.with_suffix(".vllm.log"), cache_dir, say)
-        done = Regenerated(generator=backend.generator, start_s=time.perf_counter() - opened)
+        done = Regenerated(generator=backend.generator, start_s=backend.start_s)
         began = time.perf_counter()
         try:
             with tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not show, dynamic_ncols=True) as bar:

@@ -4,6 +4,7 @@ backend answers a round of turns and says who it is (the `generator` every row r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
@@ -29,6 +30,7 @@ class Backend:
     generator: dict  # who writes the answers: engine, version, dtype, sampling, target
     batch_size: int  # conversations in flight (a kill loses at most their work)
     close: Callable[[], None] = lambda: None
+    start_s: float = 0.0  # seconds this backend took to start (vLLM's engine and its compile)
 
 
 def generator_record(engine: str, engine_version: str, dtype: str, cfg: DistillConfig, target_id: str) -> dict:
@@ -59,6 +61,7 @@ def vllm_backend(target: Loaded, cfg: DistillConfig, limit: int, log: Path, cach
     if target.folder is None:
         raise VllmUnavailable("the target was not loaded from a folder vLLM could read")
     python = find_vllm_python(cfg.vllm_python, cache_dir)
+    began = time.perf_counter()
     worker = VllmWorker(python, VllmJob(str(target.folder), vllm_dtype(cfg.dtype), limit, dict(cfg.engine_args)), log)
     eos = list(eos_ids(target))
 
@@ -68,7 +71,7 @@ def vllm_backend(target: Loaded, cfg: DistillConfig, limit: int, log: Path, cach
         return worker.generate(batch | {"temperature": cfg.temperature, "top_p": cfg.top_p})["outputs"]
 
     record = generator_record("vllm", worker.version, vllm_dtype(cfg.dtype), cfg, target.target_id)
-    return Backend(generate, record, cfg.batch_size or VLLM_BATCH, worker.close)
+    return Backend(generate, record, cfg.batch_size or VLLM_BATCH, worker.close, time.perf_counter() - began)
 
 
 def vllm_dtype(name: str) -> str:
