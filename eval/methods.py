@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from draftsmith.heads.kinds import by_spec, specs
 from draftsmith.serve.build import SpecConfig, needs_drafter, paired_lookup
+from draftsmith.serve.loader import weight_files
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
@@ -65,14 +66,17 @@ def drafter_identity(folder: str | None) -> str | None:
 
 
 def drafter_params(spec: SpecConfig) -> int | None:
-    """Parameters stored in the drafter's weight files; without a drafter, what its kind registers (0 for n-gram
-    lookup and suffix decoding; None when it drafts with the target's own weights: layerskip)."""
+    """Parameters in the drafter's weight files: floating-point tensors only, so the draft-vocabulary maps (d2t,
+    t2d) and the token counts a draftsmith folder keeps beside its weights are not counted; without a drafter,
+    what its kind registers (0 for n-gram lookup and suffix decoding; None when it drafts with the target's own
+    weights: layerskip)."""
     if not spec.drafter:
         return by_spec(spec.name).parameters
-    files = sorted(Path(spec.drafter).glob("*.safetensors"))
     total = 0
-    for file in files:
+    for file in weight_files(Path(spec.drafter)):
         with safe_open(str(file), "pt") as f:
             for key in f.keys():
-                total += prod(f.get_slice(key).get_shape())
+                tensor = f.get_slice(key)
+                if tensor.get_dtype().startswith(("F", "BF")):  # F16/F32/F64, BF16, F8_*: not I64 or BOOL
+                    total += prod(tensor.get_shape())
     return total or None

@@ -26,14 +26,29 @@ def read_hf_config(folder: Path) -> dict:
     return config
 
 
+SIDE_FILES = {"token_counts.safetensors"}  # a draftsmith drafter's draft-vocabulary counts: not weights
+
+
 def weight_files(folder: Path) -> list[Path]:
+    """The folder's weight files: those its index lists, else its one *.safetensors. A weights file nothing accounts
+    for is refused, naming it: merged in, a stray copy of a tensor would silently override the real one."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
+    present = sorted(f for f in folder.glob("*.safetensors") if f.name not in SIDE_FILES)
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [folder / n for n in names]
+        stray = [f.name for f in present if f.name not in names]
+        if stray:
+            raise ValueError(f"{folder}: {', '.join(stray)} not listed in {index.name}; move it out of the folder")
     else:
-        files = sorted(folder.glob("*.safetensors"))
+        files = present
+        if len(files) > 1:
+            listed = ", ".join(f.name for f in files)
+            raise ValueError(
+                f"{folder}: {len(files)} weight files ({listed}) and no model.safetensors.index.json to say which "
+                "tensor lives where; keep one (model.safetensors) or add the index save_pretrained writes"
+            )
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}; save the model with save_pretrained()")
     for f in files:
@@ -43,12 +58,16 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    state = {}
+    """Every tensor of the folder's weight files; a tensor two files hold is refused (one would override the other)."""
+    state: dict[str, torch.Tensor] = {}
     for f in weight_files(folder):
         try:
-            state.update(load_file(str(f)))
+            part = load_file(str(f))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{f} is corrupt or not a safetensors file ({e}); re-create it") from e
+        if twice := sorted(state.keys() & part.keys()):
+            raise ValueError(f"{f} holds {len(twice)} tensors another weight file holds too, e.g. {twice[:3]}")
+        state.update(part)
     return state
 
 

@@ -16,14 +16,14 @@ from draftsmith.eval import runner
 from draftsmith.eval.aggregate import Record, by_category, compared, pool
 from draftsmith.eval.distribution import distribution_check
 from draftsmith.eval.journal import unfinished
-from draftsmith.eval.methods import resolve_methods
+from draftsmith.eval.methods import drafter_params, resolve_methods
 from draftsmith.eval.prompts import Prompt
 from draftsmith.eval.report import study, write_report
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.serve.build import Loaded, load, target_info
+from draftsmith.serve.build import Loaded, SpecConfig, load, target_info
 from draftsmith.serve.cli import typed
 from draftsmith.serve.engine import Generation
 from draftsmith.serve.metrics import Metrics
@@ -121,6 +121,16 @@ def save_eagle3(target: Loaded, folder: Path, draft: DraftShape | None = None) -
     """An untrained eagle3 head for the target, saved as a drafter folder (made for `draft`)."""
     head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
     return save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), folder, draft=draft)
+
+
+def test_drafter_params_counts_the_heads_parameters_not_its_vocabulary_maps_or_token_counts(tiny_target, tmp_path):
+    target = load(TargetConfig(path=str(tiny_target)))
+    head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
+    counts = torch.ones(target.model.config.vocab_size)
+    folder = save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "h", counts)
+    assert (folder / "token_counts.safetensors").is_file()
+    trained = sum(p.numel() for p in head.parameters() if p.requires_grad)  # not the target's borrowed embeddings
+    assert drafter_params(SpecConfig(name="eagle3", drafter=str(folder))) == trained
 
 
 def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, prompts_file, tmp_path):

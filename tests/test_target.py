@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from draftsmith.heads.llama import ModelConfig, Transformer
 from draftsmith.serve import target as target_mod
@@ -128,6 +129,33 @@ def test_corrupt_safetensors(tiny_llama_dir, tmp_path: Path) -> None:
     folder = copy_of(tiny_llama_dir("llama"), tmp_path)
     (folder / "model.safetensors").write_bytes(b"\x00garbage" * 100)
     with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(folder)
+
+
+def zeroed_norm(folder: Path) -> dict[str, torch.Tensor]:
+    return {"model.norm.weight": torch.zeros_like(load_file(str(folder / "model.safetensors"))["model.norm.weight"])}
+
+
+def test_a_stray_weights_file_beside_the_weights_is_refused(tiny_llama_dir, tmp_path: Path) -> None:
+    """A later file merged over the weights would win silently: a zeroed final norm still loads and generates."""
+    folder = copy_of(tiny_llama_dir("llama"), tmp_path)
+    save_file(zeroed_norm(folder), str(folder / "zz-extra.safetensors"))
+    with pytest.raises(ValueError, match="zz-extra.safetensors.*no model.safetensors.index.json"):
+        load_model(folder)
+
+
+def test_an_index_must_account_for_every_weights_file_and_each_tensor_once(tiny_llama_dir, tmp_path: Path) -> None:
+    folder = copy_of(tiny_llama_dir("llama"), tmp_path)
+    keys = list(load_file(str(folder / "model.safetensors")))
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert load_model(folder) is not None  # an index listing the one file loads
+    save_file(zeroed_norm(folder), str(folder / "zz-extra.safetensors"))
+    with pytest.raises(ValueError, match="zz-extra.safetensors not listed in model.safetensors.index.json"):
+        load_model(folder)
+    index["weight_map"]["model.norm.weight"] = "zz-extra.safetensors"  # listed, but model.safetensors holds it too
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="another weight file holds too.*model.norm.weight"):
         load_model(folder)
 
 
