@@ -114,7 +114,7 @@ def read_speculators(folder: Path, config: dict) -> Foreign:
     return Foreign(
         "speculators",
         layer,
-        config["draft_vocab_size"],
+        vocab_size_of(path, "draft_vocab_size", config["draft_vocab_size"]),
         config.get("eagle_aux_hidden_state_layer_ids"),
         config.get("target_hidden_size"),
         verifier,
@@ -126,15 +126,23 @@ def read_specforge(folder: Path, config: dict) -> Foreign:
     path, eagle = Path(folder) / "config.json", config.get("eagle_config") or {}
     unsupported(path, config | eagle, PLAIN | {"use_aux_hidden_state": True})  # vLLM reads eagle_config too
     layer = {k: v for k, v in config.items() if k not in ("eagle_config", "architectures")}
+    size_key = "draft_vocab_size" if config.get("draft_vocab_size") is not None else "vocab_size"
     return Foreign(
         "specforge",
         layer,
-        config.get("draft_vocab_size") or config.get("vocab_size"),
+        vocab_size_of(path, size_key, config.get(size_key)),
         eagle.get("eagle_aux_hidden_state_layer_ids"),
         config.get("target_hidden_size"),
         None,
         read_norms(path, config | {k: eagle[k] for k in ("norm_before_fc",) if k in eagle}),  # vLLM: eagle_config wins
     )
+
+
+def vocab_size_of(path: Path, key: str, value) -> int:
+    """A vocabulary size as JSON spells one: a positive integer ("64" or 64.0 would fail far from the file)."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f'{path}: {key}={value!r} must be a positive integer (as in "{key}": 32000)')
+    return value
 
 
 def read_norms(path: Path, config: dict) -> dict:
@@ -231,22 +239,35 @@ def expected_shapes(cfg: Eagle3Config, prefix: str) -> tuple[dict, dict]:
     return required, optional
 
 
-def header(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, from the safetensors headers alone."""
-    shapes = {}
+def header(folder: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Tensor name -> shape, and name -> safetensors dtype (F32, BF16, I64, BOOL, ...), from the headers alone."""
+    shapes, dtypes = {}, {}
     for file in weight_files(folder):
         try:
             with safe_open(str(file), "pt") as st:
-                shapes |= {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}  # noqa: SIM118
+                for k in st.keys():  # noqa: SIM118
+                    tensor = st.get_slice(k)
+                    shapes[k], dtypes[k] = tuple(tensor.get_shape()), tensor.get_dtype()
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file} is corrupt or not a safetensors file ({e})") from e
-    return shapes
+    return shapes, dtypes
+
+
+def wrong_dtypes(dtypes: dict[str, str]) -> list[str]:
+    """Weights must be floating point; d2t integer (target id offsets); t2d boolean or integer (a mask)."""
+    want = {"d2t": ("I",), "t2d": ("BOOL", "I", "U8")}
+    said = {"d2t": "an integer type", "t2d": "a boolean mask"}
+    return [
+        f"{k} is {d}, expected {said.get(k, 'a floating-point type')}"
+        for k, d in sorted(dtypes.items())
+        if not d.startswith(want.get(k, ("F", "BF")))
+    ]
 
 
 def check_weights(folder: Path, cfg: Eagle3Config, prefix: str) -> None:
     required, optional = expected_shapes(cfg, prefix)
-    found = header(folder)
-    problems = []
+    found, dtypes = header(folder)
+    problems = wrong_dtypes(dtypes)
     if "d2t" in required and "d2t" not in found:
         problems.append(f"d2t is missing: draft_vocab_size {cfg.draft_vocab_size} < vocab {cfg.vocab_size} needs it")
         required.pop("d2t")
@@ -264,6 +285,9 @@ def head_state(folder: Path, cfg: Eagle3Config, prefix: str, embed: Tensor) -> d
     """The folder's tensors under Eagle3Head's names, d2t/t2d checked (and t2d rebuilt where absent); its
     embedding, if it has one, must be the target's (the head drafts with the target's)."""
     state = {flat_name(k, prefix): v for k, v in load_state_dict(folder).items()}
+    broken = sorted(k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all())
+    if broken:
+        raise ValueError(f"{folder}: {', '.join(broken)} hold NaN or infinite values; the head is broken, retrain it")
     own = state.pop("embed_tokens.weight", None)
     if own is not None and not same_weights(own, embed):
         raise ValueError(

@@ -319,6 +319,11 @@ BAD = [
     (FLAT, lambda c: c.update(hidden_size=32), None, "hidden_size=32"),
     (FLAT, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"),
     (FLAT, lambda c: c["eagle_config"].update(norm_before_fc=True), None, "missing input_norm.weight"),
+    (SPEC, lambda c: c.update(draft_vocab_size="48"), None, r"draft_vocab_size='48' must be a positive integer"),
+    (SPEC, lambda c: c.update(draft_vocab_size=48.0), None, r"draft_vocab_size=48.0 must be a positive integer"),
+    (FLAT, lambda c: c.update(draft_vocab_size="48"), None, r"draft_vocab_size='48' must be a positive integer"),
+    (SPEC, None, lambda s: s.update({"fc.weight": s["fc.weight"].to(torch.int32)}), "fc.weight is I32, expected a fl"),
+    (SPEC, None, lambda s: s.update(d2t=s["d2t"].float()), "d2t is F32, expected an integer type"),
 ]
 
 
@@ -330,6 +335,16 @@ def test_refuses_a_bad_folder(tiny, tmp_path, no_weights_read, which, change_con
     with pytest.raises(ValueError, match=message):
         build_engine(target, chain(folder), False, 256)
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_refuses_weights_that_are_not_finite(tiny, tmp_path, value):
+    _, target, _, spec, _ = tiny
+    folder = broken(
+        spec, tmp_path / "bad", None, lambda s: s.update({"fc.weight": torch.full_like(s["fc.weight"], value)})
+    )
+    with pytest.raises(ValueError, match="fc.weight hold NaN or infinite values"):
+        build_engine(target, chain(folder), False, 256)
 
 
 def test_refuses_a_verifier_that_is_another_target(tiny, tiny_llama_dir, tmp_path, no_weights_read):
