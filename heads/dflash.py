@@ -203,5 +203,7 @@ register(
         # target step in fp32 and a quick drafter accepts little past position 3; conf/tuning/dflash-quick.yaml
         draft_shape=DraftShape(num_tokens=3, topk=1, total_tokens=0),
         draft_keys=("num_tokens", "topk", "total_tokens"),
+        max_depth="block_size",
+        max_depth_less=1,
     )
 )

@@ -50,6 +50,7 @@ class Kind:
     draft_shape: DraftShape  # the default draft: num_tokens, topk and total_tokens set
     draft_keys: tuple[str, ...] = ("num_tokens",)  # the DraftShape fields its drafts use (the others: the default)
     max_depth: str = ""  # the config field that bounds the draft's depth (Medusa: num_heads)
+    max_depth_less: int = 0  # what that field counts besides drafts (DFlash: block_size holds the accepted token)
     drafter: str = ""  # what spec.drafter takes ("" = a folder of this kind from draftsmith-train, if it is trained)
     parameters: int | None = None  # training-free kinds: parameters an eval reports (0: a lookup; None: not counted)
 
@@ -90,7 +91,8 @@ class Kind:
         return layers
 
     def depth_cap(self, config: dict) -> int | None:
-        return config.get(self.max_depth) if self.max_depth else None
+        bound = config.get(self.max_depth) if self.max_depth else None
+        return bound - self.max_depth_less if isinstance(bound, int) else None
 
 
 KINDS: dict[str, Kind] = {}

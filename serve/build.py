@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -93,8 +94,27 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
         return spec
     mine = DraftShape(spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices)
     shape = by_spec(spec.name).shape(mine, saved_shape(spec))
+    cap = depth_cap(spec)
+    if cap is not None and shape.num_tokens > cap:  # the slots past it would be drafted and verified for nothing
+        warnings.warn(
+            f"spec.num_tokens={shape.num_tokens} is past the {cap} positions this {spec.name} drafter drafts; "
+            f"it drafts {cap}",
+            stacklevel=2,
+        )
+        shape.num_tokens = cap
     tree = TreeConfig(shape.topk, shape.total_tokens)
     return replace(spec, num_tokens=shape.num_tokens, tree=tree, choices=shape.choices)
+
+
+def depth_cap(spec: SpecConfig) -> int | None:
+    """The deepest draft spec.drafter's head makes (Medusa: its heads; P-EAGLE: its trained depths; DFlash: its
+    block's mask slots), where a draftsmith folder records it; None where nothing bounds the depth."""
+    folder = Path(spec.drafter) if spec.drafter else None
+    if folder is None or not (folder / "config.json").is_file() or foreign_format(folder):
+        return None
+    meta = read_hf_config(folder)
+    kind = meta.get("kind")
+    return get(kind).depth_cap(meta.get("config") or {}) if kind in KINDS else None
 
 
 def saved_shape(spec: SpecConfig) -> DraftShape:

@@ -155,6 +155,18 @@ def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, tiny, draft
 
 
 @pytest.mark.parametrize("kind", BUILTIN)
+def test_a_draft_deeper_than_the_head_drafts_is_capped_saying_so(kind, drafters):
+    """One rule for every kind: spec.num_tokens past the positions a head drafts is cut to them, with a warning."""
+    folder, spec_name = drafters(kind)[1], kinds.get(kind).spec
+    cap = kinds.get(kind).depth_cap(json.loads((folder / "config.json").read_text())["config"])
+    if cap is None:
+        assert resolve_shape(SpecConfig(spec_name, 9, drafter=str(folder))).num_tokens == 9
+        return
+    with pytest.warns(UserWarning, match=f"spec.num_tokens={cap + 2} is past the {cap} positions"):
+        assert resolve_shape(SpecConfig(spec_name, cap + 2, drafter=str(folder))).num_tokens == cap
+
+
+@pytest.mark.parametrize("kind", BUILTIN)
 def test_a_folder_without_a_draft_shape_drafts_the_kinds_default(kind, drafters, tmp_path):
     """Folders written before drafters recorded their shape; a corrupt shape is named, not guessed around."""
     old = Path(shutil.copytree(drafters(kind)[1], tmp_path / "old"))
