@@ -93,8 +93,9 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
     if spec.name == "ar":
         return spec
     mine = DraftShape(spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices)
-    shape = by_spec(spec.name).shape(mine, saved_shape(spec))
-    cap = depth_cap(spec)
+    meta = drafter_meta(spec)
+    shape = by_spec(spec.name).shape(mine, saved_shape(spec, meta))
+    cap = get(meta["kind"]).depth_cap(meta.get("config") or {}) if meta else None
     if cap is not None and shape.num_tokens > cap:  # the slots past it would be drafted and verified for nothing
         warnings.warn(
             f"spec.num_tokens={shape.num_tokens} is past the {cap} positions this {spec.name} drafter drafts; "
@@ -106,31 +107,26 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
     return replace(spec, num_tokens=shape.num_tokens, tree=tree, choices=shape.choices)
 
 
-def depth_cap(spec: SpecConfig) -> int | None:
-    """The deepest draft spec.drafter's head makes (Medusa: its heads; P-EAGLE: its trained depths; DFlash: its
-    block's mask slots), where a draftsmith folder records it; None where nothing bounds the depth."""
+def drafter_meta(spec: SpecConfig) -> dict | None:
+    """spec.drafter's draftsmith config.json (kind, config, draft); None for no folder, a foreign layout or a plain
+    HF model."""
     folder = Path(spec.drafter) if spec.drafter else None
     if folder is None or not (folder / "config.json").is_file() or foreign_format(folder):
         return None
-    meta = read_hf_config(folder)
-    kind = meta.get("kind")
-    return get(kind).depth_cap(meta.get("config") or {}) if kind in KINDS else None
+    return read_meta(folder) if read_hf_config(folder).get("kind") is not None else None
 
 
-def saved_shape(spec: SpecConfig) -> DraftShape:
-    """The shape spec.drafter was made for: a draftsmith folder's recorded draft, a speculators folder's chain of
-    speculative_tokens (what vLLM drafts from it); else the kind's default (no folder, a plain HF model, a layout
-    that records no shape, or one the proposer's loader will refuse with its own message)."""
-    folder = Path(spec.drafter) if spec.drafter else None
-    kind = by_spec(spec.name)
-    if folder is None or not (folder / "config.json").is_file():
-        return kind.draft_shape
-    if foreign_format(folder):  # topk 1 only: a topk set without total_tokens keeps the kind's node cap
-        depth = recorded_depth(folder)
+def saved_shape(spec: SpecConfig, meta: dict | None) -> DraftShape:
+    """The shape spec.drafter was made for: a draftsmith folder's recorded draft (`meta`), a speculators folder's
+    chain of speculative_tokens (what vLLM drafts from it); else the kind's default (no folder, a plain HF model, a
+    layout that records no shape, or one the proposer's loader will refuse with its own message)."""
+    if meta is not None:
+        return folder_shape(meta)
+    kind, folder = by_spec(spec.name), Path(spec.drafter) if spec.drafter else None
+    if folder is not None and (folder / "config.json").is_file() and foreign_format(folder):
+        depth = recorded_depth(folder)  # topk 1 only: a topk set without total_tokens keeps the kind's node cap
         return DraftShape(num_tokens=depth, topk=1) if depth else kind.draft_shape
-    if read_hf_config(folder).get("kind") is None:
-        return kind.draft_shape
-    return folder_shape(read_meta(folder))
+    return kind.draft_shape
 
 
 @dataclass
