@@ -30,19 +30,16 @@ SIDE_FILES = {"token_counts.safetensors"}  # a draftsmith drafter's draft-vocabu
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The folder's weight files: those its index lists, else its one *.safetensors. A weights file nothing accounts
-    for is refused, naming it: merged in, a stray copy of a tensor would silently override the real one."""
+    """The folder's weight files: those its index lists (others are never read, as transformers does: Mistral's
+    repos ship consolidated.safetensors beside the shards), else its one *.safetensors. Several without an index
+    are refused, naming them: merged in, a stray copy of a tensor would silently override the real one."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    present = sorted(f for f in folder.glob("*.safetensors") if f.name not in SIDE_FILES)
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [folder / n for n in names]
-        stray = [f.name for f in present if f.name not in names]
-        if stray:
-            raise ValueError(f"{folder}: {', '.join(stray)} not listed in {index.name}; move it out of the folder")
     else:
-        files = present
+        files = sorted(f for f in folder.glob("*.safetensors") if f.name not in SIDE_FILES)
         if len(files) > 1:
             listed = ", ".join(f.name for f in files)
             raise ValueError(
