@@ -1,4 +1,5 @@
-"""Imports follow docs/design.md: heads <- serve <- train, heads <- serve <- eval; nothing imports a __main__.
+"""Imports follow docs/design.md: heads <- serve <- train, heads <- serve <- eval; nothing imports a __main__; no
+two modules import each other, however indirectly.
 
 Every import statement in the packages' files is read with `ast` (those inside functions and TYPE_CHECKING blocks
 too), relative ones resolved against the file's package."""
@@ -19,18 +20,25 @@ ALLOWED = {
 }
 
 
-def imported(path: Path, package: str) -> list[tuple[int, str]]:
+def module_name(path: Path) -> str:
+    """draftsmith.serve.engine.step for serve/engine/step.py; a package's __init__.py is the package."""
+    parts = ["draftsmith", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported(path: Path) -> list[tuple[int, str]]:
     """(line, absolute module) of each import statement in the file, one per module it names: `from X import a`
     names X.a too, so a module imported by name (`from . import __main__`) is seen."""
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:  # relative to draftsmith.<package>
-                parts = ["draftsmith", package][: 3 - node.level]
-                base = ".".join(parts + ([base] if base else []))
+            if node.level:  # relative to the file's package
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             out += [(node.lineno, f"{base}.{a.name}") for a in node.names]
     return out
 
@@ -48,7 +56,7 @@ def violations(package: str) -> list[str]:
     """One line per import statement that breaks the layers: file:line, the module and why."""
     bad = {}
     for path in sorted((ROOT / package).rglob("*.py")):
-        for line, module in imported(path, package):
+        for line, module in imported(path):
             why = refusal(package, module)
             where = f"{path.relative_to(ROOT)}:{line}"
             if why and where not in bad:
@@ -75,3 +83,58 @@ def test_the_walk_sees_what_it_should_refuse(tmp_path, monkeypatch):
     found = violations("heads")
     assert len(found) == 4 and not any("heads.llama" in v for v in found)
     assert any("draftsmith.train" in v for v in found) and any("draftsmith.heads.__main__" in v for v in found)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each package module and the package modules it imports: `from X import a` counts X, and X.a where that is
+    a module."""
+    paths = [p for package in ALLOWED for p in sorted((ROOT / package).rglob("*.py"))]
+    modules = {module_name(p) for p in paths}
+    graph = {}
+    for path in paths:
+        edges = set()
+        for _, name in imported(path):
+            edges |= {m for m in (name, name.rpartition(".")[0]) if m in modules}
+        graph[module_name(path)] = edges - {module_name(path)}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert found == [], "import cycles (move the shared types into a leaf module):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_the_cycle_walk_finds_indirect_and_hidden_imports():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert cycles(graph) == [["a", "b", "c"]]
