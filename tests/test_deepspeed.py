@@ -15,10 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.wandb_run import WandbConfig
+from draftsmith.train.config import RunConfig, TrainConfig
 from draftsmith.train.data import DataConfig
 from draftsmith.train.features import FeatureConfig
 from draftsmith.train.head import HeadConfig
-from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
+from draftsmith.train.trainer import train
 from helpers import build_tiny_chat_target
 
 CONF = Path(__file__).parents[1] / "conf" / "deepspeed"

@@ -16,15 +16,17 @@ from draftsmith.serve.cli import typed
 from draftsmith.serve.conversations import Conversation, Skipped
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.wandb_run import WandbConfig
 from draftsmith.train import batch_decode, vllm_backend
 from draftsmith.train import distill as distill_mod
+from draftsmith.train.config import RunConfig, TrainConfig
 from draftsmith.train.data import DataConfig, DistillConfig, data_key
 from draftsmith.train.distill import DistillRun, distill, distill_path, run
 from draftsmith.train.distill_file import merge_into, read_rows
 from draftsmith.train.features import FeatureConfig, cache_key
 from draftsmith.train.head import HeadConfig
 from draftsmith.train.regen_backends import Backend
-from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
+from draftsmith.train.trainer import train
 from draftsmith.train.turns import answer_text
 from draftsmith.train.vllm_backend import VllmUnavailable
 from helpers import build_tiny_chat_target

@@ -37,8 +37,9 @@ from draftsmith.serve.prefix_cache import PrefixCache
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig, target_id
 from draftsmith.serve.tree import TreeConfig
+from draftsmith.train.config import RunConfig
 from draftsmith.train.losses_peagle import cod_anchors, peagle_loss
-from draftsmith.train.trainer import RunConfig, check_loss_options, loss_for
+from draftsmith.train.trainer import check_loss_options, loss_for
 from helpers import (
     PROMPTS,
     TARGET_ID,

@@ -24,13 +24,15 @@ from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import load, resolve_shape, target_info
 from draftsmith.serve.cli import typed
 from draftsmith.serve.target import TargetConfig, native_bf16
+from draftsmith.serve.wandb_run import WandbConfig
 from draftsmith.train import acceptance as acceptance_mod
 from draftsmith.train import features as features_mod
 from draftsmith.train import trainer as trainer_mod
+from draftsmith.train.config import RunConfig, TrainConfig
 from draftsmith.train.data import DataConfig
 from draftsmith.train.features import FeatureConfig
 from draftsmith.train.head import HeadConfig
-from draftsmith.train.trainer import RunConfig, TrainConfig, WandbConfig, train
+from draftsmith.train.trainer import train
 from helpers import build_tiny_chat_target
 
 TESTS = Path(__file__).parent

@@ -26,7 +26,8 @@ def _main(cfg: DictConfig) -> None:
 
     from draftsmith.serve.cli import typed_or_exit
 
-    from .trainer import RunConfig, train
+    from .config import RunConfig
+    from .trainer import train
 
     run = typed_or_exit(cfg, RunConfig, "draftsmith-train")
     hc = HydraConfig.get()

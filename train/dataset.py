@@ -30,7 +30,7 @@ from .features import (
 from .regen_backends import describe
 
 if TYPE_CHECKING:
-    from .trainer import RunConfig
+    from .config import RunConfig
 
 
 def training_conversations(cfg: RunConfig, target: Loaded, acc: Accelerator, say) -> tuple[list, Skipped]:

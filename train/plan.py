@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .trainer import TrainConfig
+    from .config import TrainConfig
 
 
 @dataclass
