@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from draftsmith.serve.cli import typed_or_exit
+from draftsmith.serve.shared.cli import typed_or_exit
 
 from .methods import check_drafters
 from .report import busy, ci, iv, speedup_cell, write_report

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from draftsmith.serve.metrics import Metrics
+from draftsmith.serve.engine.metrics import Metrics
 
 from .stats import Bootstrap, intervals, significant, speedup_interval, spread
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from draftsmith.heads.files import write_text_atomic
-from draftsmith.serve.metrics import Metrics
+from draftsmith.serve.engine.metrics import Metrics
 
 from .aggregate import Record
 

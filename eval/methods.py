@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from draftsmith.heads.kinds import by_spec, specs
 from draftsmith.serve.build import SpecConfig, needs_drafter, paired_lookup
-from draftsmith.serve.loader import weight_files
+from draftsmith.serve.models.loader import weight_files
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:
@@ -45,7 +45,7 @@ def check_drafters(cfg: DictConfig) -> None:
 
 
 def spec_label(spec: SpecConfig) -> str:
-    """spec.name, with the lookup it pairs (serve/hybrid.py: the proposer's name, e.g. eagle3+suffix)."""
+    """spec.name, with the lookup it pairs (serve/proposers/hybrid.py: the proposer's name, e.g. eagle3+suffix)."""
     lookup = paired_lookup(spec)
     return f"{spec.name}+{lookup}" if lookup else spec.name
 

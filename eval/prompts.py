@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from draftsmith.serve.conversations import utf8_line
+from draftsmith.serve.shared.conversations import utf8_line
 
 
 @dataclass

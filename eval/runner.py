@@ -14,10 +14,10 @@ from tqdm import tqdm
 
 from draftsmith.heads.files import write_text_atomic
 from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load, resolve_shape
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig
-from draftsmith.serve.wandb_run import WandbConfig
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.wandb_run import WandbConfig
 
 from .aggregate import (
     Record,
@@ -58,7 +58,7 @@ class EvalConfig:
     seed: int = 0
     prefix_cache: bool = True
     max_seq_len: int = 4096
-    cuda_graphs: str = "auto"  # serve/graphs.py: auto | graphs | eager | off
+    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | graphs | eager | off
     limit: int | None = None
     warmup: int = 1
     repeats: int = 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from draftsmith.serve.metrics import Metrics
+from draftsmith.serve.engine.metrics import Metrics
 
 RESAMPLES = 2000
 LEVEL = 0.95

@@ -62,7 +62,7 @@ def humaneval(chat: bool = False) -> list[Prompt]:
 
 def sharegpt(source: str, heldout_fraction: float, max_turns: int, max_chars: int) -> list[Prompt]:
     """User turns of the held-out ShareGPT conversations (the split training never sees)."""
-    from draftsmith.serve.conversations import heldout_conversations
+    from draftsmith.serve.shared.conversations import heldout_conversations
 
     prompts = []
     for conv in heldout_conversations(source, heldout_fraction):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftsmith.serve.wandb_run import WandbConfig, start_wandb
+from draftsmith.serve.shared.wandb_run import WandbConfig, start_wandb
 
 
 def headline(r: dict) -> dict[str, float]:

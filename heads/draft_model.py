@@ -116,8 +116,8 @@ register(
         config=DraftModelConfig,
         module=DraftModel,
         loss="draftsmith.train.losses:draft_model_loss",
-        proposer="draftsmith.serve.draft_model:draft_proposer",
-        formats={"hf": "draftsmith.serve.formats:DRAFT_MODEL_HF"},
+        proposer="draftsmith.serve.proposers.propose_draft_model:draft_proposer",
+        formats={"hf": "draftsmith.serve.export.formats:DRAFT_MODEL_HF"},
         draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
         drafter="an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
     )

@@ -135,8 +135,11 @@ register(
         config=EagleConfig,
         module=EagleHead,
         loss="draftsmith.train.losses:eagle_loss",
-        proposer="draftsmith.serve.eagle:eagle_proposer",
-        formats={"vllm": "draftsmith.serve.formats:EAGLE_VLLM", "sglang": "draftsmith.serve.formats:EAGLE_SGLANG"},
+        proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
+        formats={
+            "vllm": "draftsmith.serve.export.formats:EAGLE_VLLM",
+            "sglang": "draftsmith.serve.export.formats:EAGLE_SGLANG",
+        },
         draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
         draft_keys=("num_tokens", "topk", "total_tokens"),
     )

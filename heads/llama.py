@@ -324,7 +324,7 @@ class Transformer(nn.Module):
         """Run tokens [n] at `positions` [n], writing their KV to cache slots [start, start+n).
 
         mask: bool [n, start+n] (True = attend), required when n > 1 and start > 0.
-        start as a tensor of n slots: the static-shape form (serve/graphs.py), mask then [n, cache.max_len].
+        start as a tensor of n slots: the static-shape form (serve/engine/graphs.py), mask then [n, cache.max_len].
         logit_rows: which rows get logits (the lm_head is the costliest single matmul).
         target_layers: layer indices whose input residual stream to return (L = last layer's output).
         """

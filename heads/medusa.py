@@ -100,8 +100,11 @@ register(
         config=MedusaConfig,
         module=MedusaHeads,
         loss="draftsmith.train.losses:medusa_loss",
-        proposer="draftsmith.serve.medusa:medusa_proposer",
-        formats={"vllm": "draftsmith.serve.formats:MEDUSA_VLLM", "tgi": "draftsmith.serve.formats:MEDUSA_TGI"},
+        proposer="draftsmith.serve.proposers.propose_medusa:medusa_proposer",
+        formats={
+            "vllm": "draftsmith.serve.export.formats:MEDUSA_VLLM",
+            "tgi": "draftsmith.serve.export.formats:MEDUSA_TGI",
+        },
         draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0, choices=DEFAULT_CHOICES),
         draft_keys=("num_tokens", "choices"),
         max_depth="num_heads",

@@ -8,7 +8,7 @@ from .kinds import DraftShape, Kind, register
 register(
     Kind(
         name="ngram",
-        proposer="draftsmith.serve.ngram:ngram_proposer",
+        proposer="draftsmith.serve.proposers.propose_ngram:ngram_proposer",
         draft_shape=DraftShape(num_tokens=5, topk=1, total_tokens=0),
         parameters=0,
     )
@@ -16,7 +16,7 @@ register(
 register(
     Kind(  # suffix decoding (arXiv 2411.04975, vLLM's method: suffix); its settings: spec.suffix (SuffixConfig)
         name="suffix",
-        proposer="draftsmith.serve.suffix:suffix_proposer",
+        proposer="draftsmith.serve.proposers.propose_suffix:suffix_proposer",
         draft_shape=DraftShape(num_tokens=24, topk=1, total_tokens=0),  # vLLM: num_speculative_tokens = max depth
         parameters=0,
     )
@@ -24,7 +24,7 @@ register(
 register(
     Kind(
         name="layerskip",
-        proposer="draftsmith.serve.draft_model:layerskip_proposer",
+        proposer="draftsmith.serve.proposers.propose_draft_model:layerskip_proposer",
         draft_shape=DraftShape(num_tokens=3, topk=1, total_tokens=0),
     )
 )

@@ -26,9 +26,9 @@ import torch  # noqa: E402
 from draftsmith.eval.suites import mt_bench  # noqa: E402
 from draftsmith.heads import llama, packed  # noqa: E402
 from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, load  # noqa: E402
-from draftsmith.serve.draft_model import causal_mask  # noqa: E402
-from draftsmith.serve.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.target import TargetConfig  # noqa: E402
+from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.models.target import TargetConfig  # noqa: E402
+from draftsmith.serve.proposers.propose_draft_model import causal_mask  # noqa: E402
 
 CONTEXT = 300  # tokens already in the cache when a step runs
 ROWS = (1, 4, 8, 16)

@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from draftsmith.heads import kinds  # noqa: E402
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape  # noqa: E402
-from draftsmith.serve.eagle import TreeConfig  # noqa: E402
-from draftsmith.serve.target import TargetConfig, load_target  # noqa: E402
+from draftsmith.serve.models.target import TargetConfig, load_target  # noqa: E402
+from draftsmith.serve.proposers.propose_eagle import TreeConfig  # noqa: E402
 
 TREE_KEYS = ("topk", "total_tokens")
 

@@ -49,14 +49,14 @@ import vllm_crosscheck as vc  # noqa: E402  (scripts/, beside this file: no vLLM
 from tqdm import tqdm  # noqa: E402
 
 from draftsmith.serve.build import Loaded, make_proposer  # noqa: E402
-from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, layerskip_model  # noqa: E402
-from draftsmith.serve.engine import Engine  # noqa: E402
-from draftsmith.serve.metrics import Metrics  # noqa: E402
-from draftsmith.serve.ngram import NgramConfig, NgramProposer  # noqa: E402
-from draftsmith.serve.prefix_cache import PrefixCache  # noqa: E402
-from draftsmith.serve.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.suffix import SuffixConfig, SuffixProposer  # noqa: E402
-from draftsmith.serve.target import SHORT_NAMES, TargetConfig, load_target, resolve_target  # noqa: E402
+from draftsmith.serve.engine.engine import Engine  # noqa: E402
+from draftsmith.serve.engine.metrics import Metrics  # noqa: E402
+from draftsmith.serve.engine.prefix_cache import PrefixCache  # noqa: E402
+from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.models.target import SHORT_NAMES, TargetConfig, load_target, resolve_target  # noqa: E402
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model  # noqa: E402
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer  # noqa: E402
+from draftsmith.serve.proposers.propose_suffix import SuffixConfig, SuffixProposer  # noqa: E402
 
 GREEDY = SamplingParams()
 BENCH_DTYPES = ("float32", "bfloat16")
@@ -475,9 +475,8 @@ def ngram_section(args, ours, tok, summary, report) -> None:
     """Section 2: n-gram speculation (K grid) and suffix decoding (vLLM's defaults) vs plain decoding on
     copy-heavy prompts, per dtype."""
     records = sharegpt_records(2)
-    code_path = (
-        Path(args.code_file) if args.code_file else Path(importlib.resources.files("draftsmith.serve")) / "verify.py"
-    )
+    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine"))
+    code_path = Path(args.code_file) if args.code_file else engine_dir / "verify.py"
     prompts = [code_prompt(tok, code_path), document_prompt(tok, records[0])]
     eos = stop_ids(ours, tok)
     out = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts], "dtypes": {}}
@@ -780,7 +779,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--spec-new-tokens", type=int, default=128, help="max new tokens per copy prompt (section 2)")
     p.add_argument("--spec-dtypes", type=csv(str), default=["float32", "bfloat16"])
     p.add_argument("--ngram-k", type=csv(int), default=[3, 5, 8], help="n-gram num_tokens grid")
-    p.add_argument("--code-file", default=None, help="Python file for the edit-code prompt (default serve/verify.py)")
+    p.add_argument("--code-file", default=None, help="Python file for the edit-code prompt (default: verify.py)")
     p.add_argument("--layerskip", type=csv(int), default=[4, 8], help="layerskip draft depths")
     p.add_argument("--layerskip-k", type=int, default=4, help="layerskip chain length")
     p.add_argument("--layerskip-dtype", default="bfloat16", choices=["float32", "bfloat16"])

@@ -33,12 +33,12 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from draftsmith.heads.llama import ForwardOut  # noqa: E402
 from draftsmith.heads.packed import pack_linears  # noqa: E402
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead  # noqa: E402
-from draftsmith.serve.dflash import DFlashProposer  # noqa: E402
-from draftsmith.serve.eagle import EagleProposer  # noqa: E402
-from draftsmith.serve.peagle import PEagleProposer  # noqa: E402
-from draftsmith.serve.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.target import TargetConfig, load_target  # noqa: E402
-from draftsmith.serve.tree import TreeConfig  # noqa: E402
+from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.engine.tree import TreeConfig  # noqa: E402
+from draftsmith.serve.models.target import TargetConfig, load_target  # noqa: E402
+from draftsmith.serve.proposers.propose_dflash import DFlashProposer  # noqa: E402
+from draftsmith.serve.proposers.propose_eagle import EagleProposer  # noqa: E402
+from draftsmith.serve.proposers.propose_peagle import PEagleProposer  # noqa: E402
 
 CHAIN = TreeConfig(1, 0)
 

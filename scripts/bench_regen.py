@@ -19,8 +19,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from draftsmith.serve.build import load  # noqa: E402
-from draftsmith.serve.conversations import Skipped, load_conversations  # noqa: E402
-from draftsmith.serve.target import TargetConfig  # noqa: E402
+from draftsmith.serve.models.target import TargetConfig  # noqa: E402
+from draftsmith.serve.shared.conversations import Skipped, load_conversations  # noqa: E402
 from draftsmith.train.data import DistillConfig  # noqa: E402
 from draftsmith.train.distill import TREE_ROOM, generate_into  # noqa: E402
 from draftsmith.train.turns import prepare  # noqa: E402

@@ -25,8 +25,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from draftsmith.heads import llama, packed  # noqa: E402
 from draftsmith.serve.build import load  # noqa: E402
-from draftsmith.serve.draft_model import causal_mask  # noqa: E402
-from draftsmith.serve.target import TargetConfig  # noqa: E402
+from draftsmith.serve.models.target import TargetConfig  # noqa: E402
+from draftsmith.serve.proposers.propose_draft_model import causal_mask  # noqa: E402
 
 
 def lean_packed(self, x):

@@ -45,14 +45,14 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from draftsmith.heads.llama import ModelConfig, Transformer  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from draftsmith.heads.packed import pack_linears  # noqa: E402
-from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, causal_mask  # noqa: E402
-from draftsmith.serve.eagle import EagleProposer, TreeConfig  # noqa: E402
-from draftsmith.serve.engine import Engine  # noqa: E402
-from draftsmith.serve.medusa import MedusaProposer  # noqa: E402
-from draftsmith.serve.ngram import NgramConfig, NgramProposer  # noqa: E402
-from draftsmith.serve.proposer import Proposer  # noqa: E402
-from draftsmith.serve.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.target import DTYPES, SHORT_NAMES  # noqa: E402
+from draftsmith.serve.engine.engine import Engine  # noqa: E402
+from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.models.target import DTYPES, SHORT_NAMES  # noqa: E402
+from draftsmith.serve.proposers.base import Proposer  # noqa: E402
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, causal_mask  # noqa: E402
+from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig  # noqa: E402
+from draftsmith.serve.proposers.propose_medusa import MedusaProposer  # noqa: E402
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer  # noqa: E402
 
 RANDOM_NOTE = "random weights: acceptance (tau) is meaningless here; only costs are measured"
 BENCH_DTYPES = ("float32", "bfloat16")

@@ -70,7 +70,7 @@ print(f"python {platform.python_version()} at {sys.executable}; torch {torch.__v
 if device == "cuda":
     assert torch.cuda.is_available(), "no CUDA device"
     print(torch.cuda.get_device_name(), torch.cuda.get_device_capability(), f"{torch.cuda.mem_get_info()[1] / 2**30:.0f} GiB")
-for name in ("draftsmith.serve.engine", "draftsmith.serve.__main__", "draftsmith.eval.__main__", "hydra", "gguf"):
+for name in ("draftsmith.serve.engine.engine", "draftsmith.serve.__main__", "draftsmith.eval.__main__", "hydra", "gguf"):
     mod = importlib.import_module(name)
     print(f"import {name}: {mod.__file__}")
 import draftsmith.serve

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from draftsmith.eval.suites import mt_bench, round_robin  # noqa: E402
 from draftsmith.heads.drafter import read_meta  # noqa: E402
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, load, load_trained  # noqa: E402
-from draftsmith.serve.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.target import TargetConfig  # noqa: E402
+from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.models.target import TargetConfig  # noqa: E402
 from draftsmith.train.features import target_states  # noqa: E402
 
 KS = (1, 3, 5)

@@ -188,7 +188,7 @@ def chain_spec(kind: str, drafter: Path, k: int):
     depth d); each kind reads the keys it drafts with."""
     from draftsmith.heads.kinds import get
     from draftsmith.serve.build import SpecConfig
-    from draftsmith.serve.eagle import TreeConfig
+    from draftsmith.serve.proposers.propose_eagle import TreeConfig
 
     chain = [[0] * d for d in range(1, k + 1)]
     return SpecConfig(get(kind).spec, k, drafter=str(drafter), tree=TreeConfig(1, 0), choices=chain)
@@ -207,7 +207,7 @@ def vllm_format(kind: str, name: str | None = None) -> tuple[str, str, dict]:
 def export_for_vllm(kind: str, drafter: Path, folder: Path, tcfg, k: int) -> dict:
     """The drafter exported (fp32) under folder in the first format of its kind that vLLM loads, and vLLM's
     speculative_config serving it as a chain of k."""
-    from draftsmith.serve.export import export
+    from draftsmith.serve.export.exporters import export
 
     fmt, method, options = vllm_format(kind)
     out = folder / f"{kind}-{fmt}"
@@ -223,8 +223,8 @@ def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len
 
 def generate_all(engine, prompts: list[list[int]], max_new: int) -> tuple[list, object]:
     """Greedy outputs of the prompts, one at a time, and the engine's metrics over all of them."""
-    from draftsmith.serve.metrics import Metrics
-    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.engine.metrics import Metrics
+    from draftsmith.serve.engine.sampling import SamplingParams
 
     total, outputs = Metrics(requests=0), []
     for ids in prompts:
@@ -365,7 +365,7 @@ def first_difference(a: list[int], b: list[int]) -> int:
 def main(args) -> None:
     from draftsmith.heads.kinds import get
     from draftsmith.serve.build import SpecConfig, load
-    from draftsmith.serve.target import TargetConfig
+    from draftsmith.serve.models.target import TargetConfig
 
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -430,7 +430,7 @@ def speculators_rows(run: Runner, kind: str, drafter: Path) -> list[tuple]:
     """format=speculators, checked by the speculators package itself, then served both ways the model card
     gives (the folder alone: vLLM reads the target and the method from it, at its speculative_tokens; the target
     with the method spelled out), against draftsmith's engine on the export read back (spec.drafter=OUT)."""
-    from draftsmith.serve.export import export
+    from draftsmith.serve.export.exporters import export
 
     _, method, _ = vllm_format(kind, "speculators")
     out = export(drafter, "speculators", run.work / "exports" / f"{kind}-speculators", run.tcfg, "fp32", overwrite=True)
@@ -494,7 +494,7 @@ def draft_agreement(args, spec, prompts: list[list[int]], plain: list[list[int]]
     token at a time: how often their drafts are the same tokens, and the same score."""
     from dataclasses import asdict
 
-    from draftsmith.serve.suffix import SuffixProposer
+    from draftsmith.serve.proposers.propose_suffix import SuffixProposer
 
     streams = [[p, o] for p, o in zip(prompts, plain, strict=True)] * args.passes
     job = {"streams": streams, "k": spec.num_tokens, "suffix": asdict(spec.suffix)}
@@ -529,7 +529,7 @@ def max_depth(kind: str, folder: Path) -> int:
 
 
 def target_dir(tcfg) -> Path:
-    from draftsmith.serve.target import resolve_target
+    from draftsmith.serve.models.target import resolve_target
 
     return resolve_target(tcfg).resolve()
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import hydra
 from omegaconf import DictConfig
 
-from .build import SpecConfig, build_engine, encode_chat, encode_raw, load
-from .cli import typed_or_exit
-from .sampling import SamplingParams
-from .target import TargetConfig
+from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.cli import typed_or_exit
 
 
 @dataclass
@@ -26,7 +26,7 @@ class GenerateConfig:
     seed: int = 0
     prefix_cache: bool = False
     max_seq_len: int = 4096
-    cuda_graphs: str = "auto"  # serve/graphs.py: auto | graphs | eager | off
+    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | graphs | eager | off
 
 
 def run(cfg: GenerateConfig) -> None:

@@ -13,17 +13,23 @@ from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_drafter, loa
 from draftsmith.heads.kinds import KINDS, DraftShape, by_spec, folder_shape, get, resolve, specs
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
-
-from .engine import Engine
-from .foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, load_foreign, read_foreign, recorded_depth
-from .hybrid import HybridProposer
-from .loader import load_model, read_hf_config
-from .ngram import NgramConfig, NgramProposer
-from .prefix_cache import PrefixCache
-from .proposer import Proposer
-from .suffix import SuffixConfig, SuffixProposer
-from .target import TargetConfig, load_target, load_tokenizer, resolve_target, torch_dtype
-from .tree import TreeConfig
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.tree import TreeConfig
+from draftsmith.serve.export.foreign import (
+    FOREIGN_KIND,
+    TARGET_ARCHS,
+    foreign_format,
+    load_foreign,
+    read_foreign,
+    recorded_depth,
+)
+from draftsmith.serve.models.loader import load_model, read_hf_config
+from draftsmith.serve.models.target import TargetConfig, load_target, load_tokenizer, resolve_target, torch_dtype
+from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.proposers.hybrid import HybridProposer
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
+from draftsmith.serve.proposers.propose_suffix import SuffixConfig, SuffixProposer
 
 
 @dataclass
@@ -166,7 +172,7 @@ def paired_lookup(spec: SpecConfig) -> str | None:
 
 
 def lookup_proposer(spec: SpecConfig) -> Proposer | None:
-    """The lookup drafter paired with a model drafter (serve/hybrid.py), if any. Under `prefer` a suffix draft
+    """The lookup drafter paired with a model drafter (serve/proposers/hybrid.py), if any. Under `prefer` a suffix draft
     must score (expect to get accepted) spec.num_tokens tokens to be taken over the drafter's, as ArcticInference
     takes it over its speculator's."""
     lookup = paired_lookup(spec)
@@ -192,7 +198,7 @@ def load_draft_lm(folder: Path, target: Loaded, dtype: torch.dtype | None = None
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
-    if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/foreign.py)
+    if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/export/foreign.py)
         return load_trained(folder, target, "draft", dtype=dtype, draft_vocab=draft_vocab)
     archs = hf.get("architectures") or []
     if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export
@@ -226,10 +232,10 @@ def load_trained(
     dtype: torch.dtype | None = None,
     draft_vocab: int = 0,
 ):
-    """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere, serve/foreign.py), refused
-    unless it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.load_drafter);
-    dtype: its weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab
-    most frequent tokens only."""
+    """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere, serve/export/foreign.py),
+    refused unless it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.load_drafter);
+    dtype: its weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab most
+    frequent tokens only."""
     kind, fmt = by_spec(spec_name).name, foreign_format(folder)
     if fmt:
         read_foreign(folder, fmt)  # a speculators type other than eagle3 is refused as such, whatever the spec

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from draftsmith.serve.target import DEFAULT_CACHE, TargetConfig, resolve_target  # noqa: E402
+from draftsmith.serve.models.target import DEFAULT_CACHE, TargetConfig, resolve_target  # noqa: E402
 from helpers import build_tiny  # noqa: E402
 
 

@@ -100,7 +100,7 @@ PROMPTS = tiny_prompts()  # token prompts for the tiny (vocab 128) models
 def exact_joint(target, prompt: list[int], sp) -> torch.Tensor:
     """joint[a, b, c] = q(a) q(b | a) q(c | a, b): the exact plain-sampling distribution of the first three
     tokens after prompt, from the target's own logits (a tiny vocabulary keeps this small)."""
-    from draftsmith.serve.sampling import probs_from_logits
+    from draftsmith.serve.engine.sampling import probs_from_logits
 
     def q(seq: list[int]) -> torch.Tensor:
         logits = target(torch.tensor(seq), torch.arange(len(seq)), target.new_cache(len(seq)), 0).logits[-1]
@@ -154,8 +154,8 @@ def greedy_continuations(target, plain: dict, max_seq_len: int) -> tuple[torch.T
     """ids [b, n] and loss mask, right-padded: PROMPTS with their greedy continuations (plain: prompt -> output)
     and three random prompts with 32 greedy tokens each; what the engine tests briefly train a head on, so its
     drafts get accepted and rejected."""
-    from draftsmith.serve.engine import Engine
-    from draftsmith.serve.sampling import SamplingParams
+    from draftsmith.serve.engine.engine import Engine
+    from draftsmith.serve.engine.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(2)
     seqs = [p + plain[tuple(p)].output_ids for p in PROMPTS]

@@ -11,14 +11,19 @@ from draftsmith.heads.attention import BLOCK, make_plans
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack
-from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, causal_mask, layerskip_model
-from draftsmith.serve.eagle import EagleProposer, TreeConfig
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.ngram import NgramConfig, NgramProposer
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.tree import DraftTree
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.propose_draft_model import (
+    DraftChainConfig,
+    DraftModelProposer,
+    causal_mask,
+    layerskip_model,
+)
+from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS
 
 pytestmark = [

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from draftsmith.serve.build import SpecConfig, build_engine, eos_ids, load
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.models.target import TargetConfig
 from helpers import build_tiny, build_tiny_chat_target
 
 

@@ -13,7 +13,7 @@ from hydra.errors import MissingConfigException
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.serve.__main__ import GenerateConfig
 from draftsmith.serve.__main__ import run as generate
-from draftsmith.serve.cli import typed
+from draftsmith.serve.shared.cli import typed
 from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}

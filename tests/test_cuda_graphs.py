@@ -10,13 +10,13 @@ import torch
 
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
-from draftsmith.serve.eagle import EagleProposer, TreeConfig
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.medusa import MedusaProposer
-from draftsmith.serve.ngram import NgramConfig, NgramProposer
-from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_medusa import MedusaProposer
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

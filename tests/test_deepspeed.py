@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.serve.target import TargetConfig
-from draftsmith.serve.wandb_run import WandbConfig
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.wandb_run import WandbConfig
 from draftsmith.train.config import RunConfig, TrainConfig
 from draftsmith.train.data import DataConfig
 from draftsmith.train.features import FeatureConfig

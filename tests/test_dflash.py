@@ -23,12 +23,12 @@ from draftsmith.heads.drafter import Recipe, load_drafter, save_drafter
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
-from draftsmith.serve.dflash import DFlashProposer
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.tree import TreeConfig
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import TreeConfig
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.propose_dflash import DFlashProposer
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses_dflash import dflash_loss, sample_anchors
 from helpers import (

@@ -12,11 +12,11 @@ import standin_head
 from hydra import compose, initialize_config_module
 
 from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, eos_ids, load
-from draftsmith.serve.cli import typed
-from draftsmith.serve.conversations import Conversation, Skipped
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig
-from draftsmith.serve.wandb_run import WandbConfig
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.cli import typed
+from draftsmith.serve.shared.conversations import Conversation, Skipped
+from draftsmith.serve.shared.wandb_run import WandbConfig
 from draftsmith.train import batch_decode, vllm_backend
 from draftsmith.train import distill as distill_mod
 from draftsmith.train.config import RunConfig, TrainConfig

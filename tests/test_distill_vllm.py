@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_module
 from test_distill import command_line, said, user
 
 from draftsmith.serve.build import load
-from draftsmith.serve.cli import typed
-from draftsmith.serve.conversations import Conversation, Skipped
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.cli import typed
+from draftsmith.serve.shared.conversations import Conversation, Skipped
 from draftsmith.train.data import DistillConfig
 from draftsmith.train.distill import DistillRun, distill, run
 from draftsmith.train.vllm_backend import VllmUnavailable, find_vllm_python

@@ -22,13 +22,13 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.packed import can_pack
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape
-from draftsmith.serve.eagle import EagleProposer, TreeConfig
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.hybrid import HybridProposer
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.ngram import NgramConfig, NgramProposer
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.hybrid import HybridProposer
+from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from draftsmith.train.losses import eagle3_loss, eagle_loss
 from draftsmith.train.trainer import loss_for
 from helpers import DEVICES, PROMPTS, TARGET_ID, exact_joint, greedy_continuations, head_features, perturbed, tiny_info

@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from draftsmith.heads.draft_model import DraftModel
-from draftsmith.serve import graphs as graphs_mod
-from draftsmith.serve import verify as verify_mod
-from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.graphs import full_mask
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.ngram import NgramConfig, NgramProposer
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.proposer import Proposer
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.tree import DraftTree
+from draftsmith.serve.engine import graphs as graphs_mod
+from draftsmith.serve.engine import verify as verify_mod
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.graphs import full_mask
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import DEVICES, PROMPTS, exact_joint
 
 GREEDY = SamplingParams()
@@ -537,7 +537,7 @@ def test_negative_control_biased_engine_is_caught(small, monkeypatch):
 
 @pytest.mark.parametrize("name", [None, "ngram", "draft-noisy", "oracle-tree"])
 def test_static_step_equals_dynamic_forward(name, target, other, noisy, plain):
-    """cuda_graphs=eager runs serve/graphs.py's static form (KV written at slot tensors, attention over the
+    """cuda_graphs=eager runs serve/engine/graphs.py's static form (KV written at slot tensors, attention over the
     whole cache under a widened mask) on CPU: the outputs and the cache it leaves must equal plain decoding."""
     for p in PROMPTS[:3]:
         ref, ref_kv = plain[tuple(p)]

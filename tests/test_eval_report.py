@@ -17,8 +17,8 @@ from draftsmith.eval.compare import compare, main, parse_args
 from draftsmith.eval.report import write_report
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.wandb_log import log_eval
-from draftsmith.serve.cli import typed
-from draftsmith.serve.wandb_run import WandbConfig
+from draftsmith.serve.shared.cli import typed
+from draftsmith.serve.shared.wandb_run import WandbConfig
 from helpers import build_tiny_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -24,10 +24,10 @@ from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import Loaded, SpecConfig, load, target_info
-from draftsmith.serve.cli import typed
-from draftsmith.serve.engine import Generation
-from draftsmith.serve.metrics import Metrics
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.engine.engine import Generation
+from draftsmith.serve.engine.metrics import Metrics
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.cli import typed
 from draftsmith.train.head import HeadConfig, build_head
 from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
 

@@ -9,7 +9,7 @@ from draftsmith.eval.aggregate import Record, compared, repeat_spread
 from draftsmith.eval.machine import SPEED_FLAGS, cpu_flags, describe, environment
 from draftsmith.eval.stats import Bootstrap, intervals, significant
 from draftsmith.eval.study import study_cells
-from draftsmith.serve.metrics import Metrics
+from draftsmith.serve.engine.metrics import Metrics
 
 
 def rec(

@@ -11,7 +11,7 @@ from hydra.errors import MissingConfigException
 
 from draftsmith.eval.prompts import Prompt
 from draftsmith.eval.suites import SuiteConfig, load_suite, rag, round_robin
-from draftsmith.serve.conversations import load_conversations, split_key
+from draftsmith.serve.shared.conversations import load_conversations, split_key
 
 
 def well_formed(prompts: list[Prompt]) -> bool:

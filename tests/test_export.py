@@ -1,4 +1,4 @@
-"""Export (serve/export.py) on tiny drafters of every kind for a tiny random Llama target: each format's key
+"""Export (serve/export/exporters.py) on tiny drafters of every kind for a tiny random Llama target: each format's key
 names, shapes and config.json as the engines expect them; the validator catching a renamed key, a wrong shape,
 a missing d2t and a wrong weight; the HF draft model as transformers' assistant_model; refusals and atomic
 writes. The real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""
@@ -21,12 +21,12 @@ from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, save_draf
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.serve import export as export_mod
-from draftsmith.serve import formats
-from draftsmith.serve.export import ExportError, export, validate
-from draftsmith.serve.export_main import ExportConfig, run
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.target import TargetConfig, target_id
+from draftsmith.serve.export import exporters as export_mod
+from draftsmith.serve.export import formats
+from draftsmith.serve.export.__main__ import ExportConfig, run
+from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import TargetConfig, target_id
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

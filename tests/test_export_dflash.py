@@ -15,9 +15,9 @@ from test_export import edit_weights, flip_ten, rename, save_tiny_tokenizer, sca
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter import Recipe, TargetInfo, save_drafter
-from draftsmith.serve.export import ExportError, export, validate
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.target import TargetConfig, target_id
+from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import TargetConfig, target_id
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

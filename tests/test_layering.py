@@ -21,7 +21,7 @@ ALLOWED = {
 
 
 def module_name(path: Path) -> str:
-    """draftsmith.serve.engine.step for serve/engine/step.py; a package's __init__.py is the package."""
+    """draftsmith.serve.engine.engine.step for serve/engine/step.py; a package's __init__.py is the package."""
     parts = ["draftsmith", *path.relative_to(ROOT).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

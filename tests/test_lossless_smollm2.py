@@ -7,13 +7,13 @@ import torch
 from draftsmith.eval.suites import mt_bench
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids, load
-from draftsmith.serve.draft_model import causal_mask
-from draftsmith.serve.eagle import EagleProposer, TreeConfig
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig, native_bf16
-from draftsmith.serve.tree import DraftTree
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.target import TargetConfig, native_bf16
+from draftsmith.serve.proposers.propose_draft_model import causal_mask
+from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
 from helpers import truncated_copy
 
 NEW_TOKENS = 64

@@ -13,13 +13,13 @@ from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, load_draf
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
-from draftsmith.serve.draft_model import DraftChainConfig, DraftModelProposer
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.hybrid import HybridProposer
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.medusa import DEFAULT_CHOICES, MedusaProposer, tree_from_choices
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.hybrid import HybridProposer
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
+from draftsmith.serve.proposers.propose_medusa import DEFAULT_CHOICES, MedusaProposer, tree_from_choices
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import draft_model_loss, medusa_loss
 from draftsmith.train.trainer import loss_for

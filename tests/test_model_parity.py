@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from draftsmith.serve.loader import load_model
+from draftsmith.serve.models.loader import load_model
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

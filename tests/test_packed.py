@@ -9,7 +9,7 @@ from torch import nn
 
 from draftsmith.heads.llama import MLP, Attention, ModelConfig
 from draftsmith.heads.packed import FusedLinear, PackedLinear, can_pack, pack_linears
-from draftsmith.serve.loader import load_model
+from draftsmith.serve.models.loader import load_model
 from helpers import build_tiny
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="no oneDNN on this CPU build")

@@ -28,15 +28,15 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
-from draftsmith.serve.cli import typed
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.export import ExportError, export, validate
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.peagle import PEagleProposer
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig, target_id
-from draftsmith.serve.tree import TreeConfig
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import TreeConfig
+from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import TargetConfig, target_id
+from draftsmith.serve.proposers.propose_peagle import PEagleProposer
+from draftsmith.serve.shared.cli import typed
 from draftsmith.train.config import RunConfig
 from draftsmith.train.losses_peagle import cod_anchors, peagle_loss
 from draftsmith.train.trainer import check_loss_options, loss_for

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from draftsmith.heads.kv_cache import KVCache
-from draftsmith.serve import prefix_cache
-from draftsmith.serve.prefix_cache import PrefixCache
+from draftsmith.serve.engine import prefix_cache
+from draftsmith.serve.engine.prefix_cache import PrefixCache
 
 BS = 4  # block size used throughout
 BLOCK_BYTES = BS * 2 * 2 * 2 * 4 * 4  # tokens * (k, v) * layers * kv_heads * head_dim * fp32

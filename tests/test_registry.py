@@ -22,11 +22,11 @@ from draftsmith.heads import kinds
 from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, own_state, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.export import Format, export, validate
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig, load_tokenizer, target_id
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.export.exporters import Format, export, validate
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import TargetConfig, load_tokenizer, target_id
 from draftsmith.train.head import HeadConfig, build_head, trained_kind
 from draftsmith.train.trainer import feature_batch, loss_for
 from helpers import PROMPTS, exact_joint
@@ -52,7 +52,7 @@ def test_every_reference_resolves_and_every_kind_has_its_configs():
         kind = kinds.get(name)
         assert kind.loss and kind.proposer and kind.formats and (CONF / "head" / f"{name}.yaml").is_file(), name
     with pytest.raises(ValueError, match="does not resolve"):
-        kinds.resolve("draftsmith.serve.eagle:no_such_factory")
+        kinds.resolve("draftsmith.serve.proposers.propose_eagle:no_such_factory")
 
 
 def test_specs_and_their_default_shapes_come_from_the_registry():

@@ -1,7 +1,7 @@
-"""vLLM's speculators format out (serve/speculators.py) and EAGLE-3 heads made elsewhere in (serve/foreign.py), on a
-tiny random Llama target: the export's keys against the speculators source, validation, round trips that draft
-exactly what the original head drafts, and every bad folder refused before anything loads. The real-vLLM check
-is scripts/vllm_crosscheck.py (its own environment, not run here)."""
+"""vLLM's speculators format out (serve/export/speculators.py) and EAGLE-3 heads made elsewhere in
+(serve/export/foreign.py), on a tiny random Llama target: the export's keys against the speculators source, validation,
+round trips that draft exactly what the original head drafts, and every bad folder refused before anything loads. The
+real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from transformers import LlamaConfig
 from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.serve import foreign, formats, speculators
 from draftsmith.serve.build import SpecConfig, build_engine, load, load_trained, resolve_shape
-from draftsmith.serve.eagle import TreeConfig
-from draftsmith.serve.export import ExportError, export, validate
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.export import foreign, formats, speculators
+from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.proposers.propose_eagle import TreeConfig
 from helpers import PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_thread")

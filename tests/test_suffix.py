@@ -1,6 +1,6 @@
-"""Suffix decoding (serve/suffix.py): the trees' counts, matches and drafts on small hand-checked sequences (and
-against brute force), the global tree's FIFO bound, the engine with it (greedy lossless, a repeated request
-drafted from the first one's answer, sampling keeping the target's distribution), the hybrid with a head,
+"""Suffix decoding (serve/proposers/propose_suffix.py): the trees' counts, matches and drafts on small hand-checked
+sequences (and against brute force), the global tree's FIFO bound, the engine with it (greedy lossless, a repeated
+request drafted from the first one's answer, sampling keeping the target's distribution), the hybrid with a head,
 configs, and bad settings refused."""
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import draftsmith.conf
 from draftsmith.eval.methods import drafter_params, spec_label
 from draftsmith.eval.runner import run_eval
 from draftsmith.serve.build import Loaded, SpecConfig, lookup_proposer, make_proposer, resolve_shape
-from draftsmith.serve.eagle import EagleProposer, TreeConfig
-from draftsmith.serve.engine import Engine
-from draftsmith.serve.hybrid import HybridProposer, merge_tree
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.prefix_cache import PrefixCache
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.suffix import SuffixConfig, SuffixProposer, SuffixTree
-from draftsmith.serve.tree import DraftTree
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.hybrid import HybridProposer, merge_tree
+from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_suffix import SuffixConfig, SuffixProposer, SuffixTree
 from helpers import PROMPTS, build_tiny_chat_target, exact_joint
 
 GREEDY = SamplingParams()

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.heads.llama import ModelConfig, Transformer
-from draftsmith.serve import target as target_mod
-from draftsmith.serve.loader import load_model
-from draftsmith.serve.target import TargetConfig, load_target, resolve_target, torch_dtype
+from draftsmith.serve.models import target as target_mod
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, torch_dtype
 
 
 def copy_of(folder: Path, tmp_path: Path) -> Path:

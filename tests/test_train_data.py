@@ -5,7 +5,8 @@ import json
 import pytest
 from datasets import Dataset
 
-from draftsmith.serve.conversations import (
+from draftsmith.serve.models.target import load_tokenizer
+from draftsmith.serve.shared.conversations import (
     Conversation,
     Skipped,
     heldout_conversations,
@@ -16,7 +17,6 @@ from draftsmith.serve.conversations import (
     parse_row,
     split_key,
 )
-from draftsmith.serve.target import load_tokenizer
 from draftsmith.train.chat import encode, encode_all, render_chat
 from draftsmith.train.data import DataConfig, DistillConfig
 

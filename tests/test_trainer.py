@@ -22,9 +22,9 @@ from draftsmith.heads.drafter import load_drafter, load_token_counts
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import load, resolve_shape, target_info
-from draftsmith.serve.cli import typed
-from draftsmith.serve.target import TargetConfig, native_bf16
-from draftsmith.serve.wandb_run import WandbConfig
+from draftsmith.serve.models.target import TargetConfig, native_bf16
+from draftsmith.serve.shared.cli import typed
+from draftsmith.serve.shared.wandb_run import WandbConfig
 from draftsmith.train import acceptance as acceptance_mod
 from draftsmith.train import features as features_mod
 from draftsmith.train import trainer as trainer_mod

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from draftsmith.serve import verify as verify_mod
-from draftsmith.serve.sampling import SamplingParams, pick, probs_from_logits
-from draftsmith.serve.tree import DraftTree
-from draftsmith.serve.verify import Verdict, residual, verify, verify_greedy, verify_sampling
+from draftsmith.serve.engine import verify as verify_mod
+from draftsmith.serve.engine.sampling import SamplingParams, pick, probs_from_logits
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.engine.verify import Verdict, residual, verify, verify_greedy, verify_sampling
 from helpers import DEVICES
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -24,7 +24,7 @@ def _main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from draftsmith.serve.cli import typed_or_exit
+    from draftsmith.serve.shared.cli import typed_or_exit
 
     from .config import RunConfig
     from .trainer import train

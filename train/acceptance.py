@@ -15,9 +15,9 @@ from torch import nn
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape, get
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, target_info
-from draftsmith.serve.conversations import heldout_conversations
-from draftsmith.serve.metrics import Metrics
-from draftsmith.serve.sampling import SamplingParams
+from draftsmith.serve.engine.metrics import Metrics
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.shared.conversations import heldout_conversations
 
 from .data import DataConfig
 

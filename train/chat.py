@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.serve.conversations import Conversation, Skipped
+from draftsmith.serve.shared.conversations import Conversation, Skipped
 
 
 class NotPrefixStable(ValueError):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from draftsmith.serve.target import TargetConfig
-from draftsmith.serve.wandb_run import WandbConfig
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.wandb_run import WandbConfig
 
 from .data import DataConfig
 from .features import FeatureConfig

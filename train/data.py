@@ -1,4 +1,4 @@
-"""The hydra group `data`: which conversations train a head (read by serve/conversations.py) and how, and the
+"""The hydra group `data`: which conversations train a head (read by serve/shared/conversations.py) and how, and the
 settings that key the examples."""
 
 from __future__ import annotations

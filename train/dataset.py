@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from torch.utils.data import Dataset
 
 from draftsmith.serve.build import Loaded
-from draftsmith.serve.conversations import Conversation, Skipped, load_conversations
+from draftsmith.serve.shared.conversations import Conversation, Skipped, load_conversations
 
 from .chat import encode_all
 from .distill import distill, distill_path

@@ -24,8 +24,8 @@ from jinja2 import TemplateError
 from tqdm import tqdm
 
 from draftsmith.serve.build import Loaded, eos_ids
-from draftsmith.serve.conversations import Conversation, Skipped, provenance
-from draftsmith.serve.target import TargetConfig, keyed_cache_path
+from draftsmith.serve.models.target import TargetConfig, keyed_cache_path
+from draftsmith.serve.shared.conversations import Conversation, Skipped, provenance
 
 from .data import ANSWER_FIELDS, DataConfig, DistillConfig
 from .distill_file import (
@@ -267,7 +267,7 @@ class DistillRun:
 
 def run(cfg: DistillRun) -> Path:
     from draftsmith.serve.build import load
-    from draftsmith.serve.conversations import load_conversations
+    from draftsmith.serve.shared.conversations import load_conversations
 
     data = cfg.data
     convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
@@ -284,7 +284,7 @@ def main() -> None:
     import hydra
     from omegaconf import DictConfig
 
-    from draftsmith.serve.cli import typed_or_exit
+    from draftsmith.serve.shared.cli import typed_or_exit
 
     @hydra.main(config_path="../conf", config_name="distill", version_base=None)
     def _main(cfg: DictConfig) -> None:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from draftsmith.heads.files import move_into_place, write_file_atomic
 from draftsmith.heads.llama import Transformer
-from draftsmith.serve.target import DTYPES, keyed_cache_path
+from draftsmith.serve.models.target import DTYPES, keyed_cache_path
 
 from .chat import Example
 from .data import DataConfig, data_key

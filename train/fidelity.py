@@ -13,9 +13,9 @@ from jinja2 import TemplateError
 
 from draftsmith.heads.files import write_file_atomic
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids, load
-from draftsmith.serve.conversations import Conversation
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import TargetConfig
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.conversations import Conversation
 
 from .data import DistillConfig
 from .turns import user_segments

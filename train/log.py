@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.serve.wandb_run import start_wandb
+from draftsmith.serve.shared.wandb_run import start_wandb
 
 from .jsonl import complete_rows
 

@@ -11,8 +11,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from draftsmith.serve.build import Loaded, SpecConfig, build_engine, eos_ids
-from draftsmith.serve.sampling import SamplingParams
-from draftsmith.serve.target import native_bf16, pick_device
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.target import native_bf16, pick_device
 
 from .batch_decode import generate_batch
 from .data import DistillConfig

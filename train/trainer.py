@@ -29,7 +29,7 @@ from tqdm import tqdm
 from draftsmith.heads.drafter import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
 from draftsmith.serve.build import Loaded, load, target_info
-from draftsmith.serve.target import TargetConfig, native_bf16, pick_device
+from draftsmith.serve.models.target import TargetConfig, native_bf16, pick_device
 
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts

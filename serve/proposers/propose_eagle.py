@@ -16,11 +16,10 @@ from torch import Tensor, nn
 
 from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
-
-from .build import Loaded, SpecConfig, spec_head
-from .proposer import Proposer
-from .sampling import SamplingParams, probs_from_logits, widen
-from .tree import DraftTree, TreeConfig
+from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
+from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.proposers.base import Proposer
 
 
 class EagleProposer(Proposer):

@@ -9,9 +9,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from .cli import typed_or_exit
-from .export import ExportError, export, validate
-from .target import TargetConfig
+from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.shared.cli import typed_or_exit
 
 
 @dataclass

@@ -13,15 +13,14 @@ from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
-
-from .draft_model import causal_mask
-from .graphs import make_static_step
-from .metrics import Metrics
-from .prefix_cache import PrefixCache
-from .proposer import Proposer
-from .sampling import SamplingParams, pick
-from .tree import DraftTree
-from .verify import verify
+from draftsmith.serve.engine.graphs import make_static_step
+from draftsmith.serve.engine.metrics import Metrics
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams, pick
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.engine.verify import verify
+from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.proposers.propose_draft_model import causal_mask
 
 
 @dataclass
@@ -39,7 +38,7 @@ class Engine:
     eos_ids: tuple[int, ...] = ()
     max_seq_len: int = 4096
     salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
-    cuda_graphs: str = "auto"  # decode/verify step with static shapes: auto | graphs | eager | off (serve/graphs.py)
+    cuda_graphs: str = "auto"  # static-shape step (graphs.py): auto | graphs | eager | off
     cache: KVCache = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

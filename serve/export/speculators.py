@@ -7,7 +7,7 @@ speculators' Eagle3DraftModel; vLLM maps them onto its Eagle3LlamaForCausalLM). 
 (`vllm serve OUT`) reads the verifier and the method from it.
 
 The tensors are the `format=vllm` export's with `midlayer.` spelled `layers.0.`, so validation renames them back
-and reuses that format's table and forward (serve/export_check.py).
+and reuses that format's table and forward (serve/export/checks.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,15 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from .export import Export, Source, eagle3_vllm
-from .export_check import EAGLE31_KEYS, Probe, Shapes, eagle3_pairs, eagle3_shapes, head_config_problems
+from draftsmith.serve.export.checks import (
+    EAGLE31_KEYS,
+    Probe,
+    Shapes,
+    eagle3_pairs,
+    eagle3_shapes,
+    head_config_problems,
+)
+from draftsmith.serve.export.exporters import Export, Source, eagle3_vllm
 
 SCHEMA_VERSION = "0.9.0"  # the speculators release whose classes these keys follow
 LAYER, FLAT_LAYER = "layers.0.", "midlayer."
@@ -47,7 +54,7 @@ SPECULATORS_CONFIG_KEYS = frozenset({"algorithm", "proposal_methods", "default_p
 VERIFIER_KEYS = frozenset({"name_or_path", "architectures"})
 GREEDY_KEYS = frozenset({"proposal_type", "speculative_tokens", "verifier_accept_k", "accept_tolerance"})
 # variants of the EAGLE-3 layer draftsmith's Eagle3Head does not compute: each key -> the value it runs (written
-# here; serve/foreign.py refuses a folder that sets another). vLLM reads a missing norm_before_residual as true,
+# here; serve/export/foreign.py refuses a folder that sets another). vLLM reads a missing norm_before_residual as true,
 # speculators as false: our layer's residual is the un-normed feature.
 PLAIN = {"norm_before_residual": False, "fc_norm": False}
 
@@ -117,7 +124,7 @@ def verifier(src: Source) -> dict:
     return {"name_or_path": str(src.target_dir.resolve()), "architectures": src.target_hf.get("architectures") or []}
 
 
-# ---------------------------------------------------------------- the validator's pieces (serve/formats.py)
+# ---------------------------------------------------------------- the validator's pieces (serve/export/formats.py)
 
 
 def layer_of(config: dict) -> dict:

@@ -13,9 +13,8 @@ from torch import Tensor
 
 from draftsmith.heads.kv_cache import SlotCache
 from draftsmith.heads.llama import ForwardOut
-
-from .sampling import SamplingParams
-from .tree import DraftTree
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
 
 
 class Proposer:
@@ -24,7 +23,7 @@ class Proposer:
     max_tree_size = 0  # upper bound on nodes per proposal (the engine reserves cache slots)
     gen: torch.Generator | None = None  # draw random drafts from this; the engine sets the request's generator
     mergeable = False  # rebuilds its state from the target's outputs after each step, so it can take a path
-    # through nodes it did not draft (serve/hybrid.py merges n-gram lookup into its tree)
+    # through nodes it did not draft (serve/proposers/hybrid.py merges n-gram lookup into its tree)
 
     @property
     def slot_caches(self) -> list[SlotCache]:

@@ -16,11 +16,10 @@ from torch import Tensor
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
-
-from .build import Loaded, SpecConfig, spec_head
-from .eagle import SlotProposer
-from .sampling import SamplingParams
-from .tree import DraftTree, TreeConfig
+from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.proposers.propose_eagle import SlotProposer
 
 
 class DFlashProposer(SlotProposer):

@@ -1,9 +1,9 @@
 """Export a drafter folder to the formats serving engines load: vLLM, SGLang, TGI, HF.
 
-Each kind names its formats in its registry record (heads/kinds.py), each a Format (serve/formats.py for the
+Each kind names its formats in its registry record (heads/kinds.py), each a Format (serve/export/formats.py for the
 built-in ones): an exporter returning the export's config.json, its safetensors files and the target files to
 copy, and the validator's pieces. `export` writes them to a temp folder beside OUT, validates the result
-(serve/export_check.py) and only then renames it into place, so a failed export leaves nothing behind.
+(serve/export/checks.py) and only then renames it into place, so a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ from draftsmith.heads.drafter import (
 from draftsmith.heads.files import move_into_place, temp_folder_beside
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
-
-from .export_card import EXPORT_MARK, export_card
-from .loader import read_hf_config
-from .target import DTYPES, SHORT_NAMES, TargetConfig, resolve_target, target_id
+from draftsmith.serve.export.card import EXPORT_MARK, export_card
+from draftsmith.serve.models.loader import read_hf_config
+from draftsmith.serve.models.target import DTYPES, SHORT_NAMES, TargetConfig, resolve_target, target_id
 
 EXPORT_DTYPES = {short: name for name, short in SHORT_NAMES.items()}  # dtype=bf16 | fp16 | fp32 -> torch name
 TOKENIZER_FILES = (
@@ -97,7 +96,7 @@ def no_problems(*_) -> list[str]:
 
 @dataclass(frozen=True)
 class Format:
-    """One export format of a kind: the exporter, what the validator checks (serve/export_check.py: tables built
+    """One export format of a kind: the exporter, what the validator checks (serve/export/checks.py: tables built
     from the drafter's own config, not from the exporter, and the format's forward in plain torch), and the
     engines that load it (the card's serve commands)."""
 
@@ -376,7 +375,7 @@ def export(
     drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None, dtype: str = "bf16", overwrite: bool = False
 ) -> Path:
     """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation."""
-    from .export_check import check_export  # which imports this module
+    from draftsmith.serve.export.checks import check_export  # which imports this module
 
     drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
     if dtype not in EXPORT_DTYPES:
@@ -398,7 +397,7 @@ def export(
 
 def validate(drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None) -> None:
     """Validate an existing export at OUT against the drafter it came from (check=true); writes nothing."""
-    from .export_check import check_export  # which imports this module
+    from draftsmith.serve.export.checks import check_export  # which imports this module
 
     src = load_source(Path(drafter).expanduser(), target or TargetConfig())
     format_for(src.kind, fmt)

@@ -17,11 +17,10 @@ from torch import Tensor
 from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
-
-from .build import Loaded, SpecConfig, spec_head
-from .eagle import SlotProposer
-from .sampling import SamplingParams
-from .tree import DraftTree, TreeConfig
+from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.proposers.propose_eagle import SlotProposer
 
 
 class PEagleProposer(SlotProposer):

@@ -13,11 +13,10 @@ from torch import Tensor
 
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import DEFAULT_CHOICES, MedusaHeads
-
-from .build import Loaded, SpecConfig, spec_head
-from .proposer import Proposer
-from .sampling import SamplingParams
-from .tree import DraftTree
+from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.proposers.base import Proposer
 
 
 def tree_from_choices(choices: list[list[int]], max_depth: int) -> list[tuple[int, ...]]:

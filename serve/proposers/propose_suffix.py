@@ -28,13 +28,12 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.llama import ForwardOut
-
-from .proposer import Proposer
-from .sampling import SamplingParams
-from .tree import DraftTree
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.proposers.base import Proposer
 
 if TYPE_CHECKING:
-    from .build import Loaded, SpecConfig
+    from draftsmith.serve.build import Loaded, SpecConfig
 
 UNBOUNDED = sys.maxsize  # no budget: drafts only as deep as num_tokens and the match allow
 

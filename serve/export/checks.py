@@ -2,7 +2,7 @@
 (built from the drafter's own config, not from the exporter), then run the format's forward, written here in
 plain torch from the exported tensors, against the drafter's forward on random inputs.
 
-The functions here are the built-in formats' validator pieces; serve/formats.py puts each format's together.
+The functions here are the built-in formats' validator pieces; serve/export/formats.py puts each format's together.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from torch import Tensor, nn
 
 from draftsmith.heads.drafter import TOKEN_COUNTS, own_state
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
-
-from .export import TOKEN_MAP, ExportError, Format, Source, format_for
+from draftsmith.serve.export.exporters import TOKEN_MAP, ExportError, Format, Source, format_for
 
 Shapes = dict[str, tuple[int, ...]]
 # max |diff| / max |drafter|: both forwards run the same rounded weights in float32, so only the order of the
@@ -52,7 +51,7 @@ def eagle3_shapes(src: Source, config: dict) -> Shapes:
 
 
 def eagle3_table(c, bias: bool) -> Shapes:
-    """An EAGLE-3 head of config c in the LlamaForCausalLMEagle3 names (also what serve/foreign.py reads)."""
+    """An EAGLE-3 head of config c in the LlamaForCausalLMEagle3 names (also what serve/export/foreign.py reads)."""
     h = c.hidden_size
     s = {"fc.weight": (h, len(c.target_layers) * h), **attn_shapes("midlayer.self_attn", 2 * h, c, bias)}
     s |= mlp_shapes("midlayer.mlp", c)

@@ -15,13 +15,12 @@ from torch import Tensor, nn
 
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
-
-from .proposer import Proposer
-from .sampling import SamplingParams, probs_from_logits, sample, widen
-from .tree import DraftTree
+from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, sample, widen
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.proposers.base import Proposer
 
 if TYPE_CHECKING:
-    from .build import Loaded, SpecConfig
+    from draftsmith.serve.build import Loaded, SpecConfig
 
 
 @dataclass
@@ -96,7 +95,7 @@ class DraftModelProposer(Proposer):
 
 def draft_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
     """spec=draft: an HF draft LM, or a draft_model drafter folder."""
-    from .build import draft_dtype, load_draft_lm  # build imports this module (through the engine)
+    from draftsmith.serve.build import draft_dtype, load_draft_lm  # build imports this module (through the engine)
 
     model = load_draft_lm(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .sampling import SamplingParams, probs_from_logits, sample
-from .tree import DraftTree
+from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, sample
+from draftsmith.serve.engine.tree import DraftTree
 
 
 @dataclass

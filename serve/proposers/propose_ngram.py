@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor
 
-from .proposer import Proposer
-from .sampling import SamplingParams
-from .tree import DraftTree
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.proposers.base import Proposer
 
 if TYPE_CHECKING:
-    from .build import Loaded, SpecConfig
+    from draftsmith.serve.build import Loaded, SpecConfig
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """P-EAGLE export (issue 17): the speculators `peagle` checkpoint, which vLLM loads as eagle3 with
 `parallel_drafting: true` (transformers_utils/configs/speculators/algos.py: update_peagle maps mask_token_id to
 `pard_token`; models/llama_eagle3.py loads `mask_hidden` into a buffer and runs it through fc for every mask
-slot), and its validator's pieces; serve/formats.py puts them together as PEAGLE_VLLM.
+slot), and its validator's pieces; serve/export/formats.py puts them together as PEAGLE_VLLM.
 
 Keys and config fields follow speculators 0.9.0 (models/peagle, models/eagle3/config.py) and vLLM's loader,
 not memory: layers.{i}.* (layer 0 attends over [embed; feature]), fc, norm, lm_head, d2t/t2d (vLLM drops t2d and
@@ -18,9 +18,7 @@ from torch import Tensor
 
 from draftsmith.heads.drafter import own_state
 from draftsmith.heads.llama import ModelConfig
-
-from .export import Export, Source, llama_head_config
-from .export_check import (
+from draftsmith.serve.export.checks import (
     Probe,
     attention,
     attn_shapes,
@@ -33,7 +31,8 @@ from .export_check import (
     rms,
     t2d_pair,
 )
-from .speculators import speculators_config, speculators_name
+from draftsmith.serve.export.exporters import Export, Source, llama_head_config
+from draftsmith.serve.export.speculators import speculators_config, speculators_name
 
 
 def peagle_speculators(src: Source) -> Export:

@@ -1,5 +1,5 @@
 """A model drafter plus a lookup drafter: n-gram prompt lookup (spec.ngram_tokens) or suffix decoding
-(spec.suffix_tokens, serve/suffix.py).
+(spec.suffix_tokens, serve/proposers/propose_suffix.py).
 
 Small targets repeat themselves and their prompts (SmolLM2's MT-bench answers: n-gram tau ~3), which a
 one-layer head trained on a few hundred thousand tokens rarely predicts, and the lookup costs nothing to
@@ -24,12 +24,11 @@ from torch import Tensor
 
 from draftsmith.heads.kv_cache import SlotCache
 from draftsmith.heads.llama import ForwardOut
-
-from .ngram import NgramProposer
-from .proposer import Proposer
-from .sampling import SamplingParams
-from .suffix import SuffixProposer
-from .tree import DraftTree
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.proposers.propose_ngram import NgramProposer
+from draftsmith.serve.proposers.propose_suffix import SuffixProposer
 
 POLICIES = ("prefer", "merge")
 

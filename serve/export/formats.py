@@ -1,16 +1,16 @@
-"""The built-in kinds' export formats, one Format each: the exporter (serve/export.py), the validator's table,
-config keys, extra checks and forward (serve/export_check.py), and the engines that load the folder. A kind lists
-its formats in its registry record (heads/kinds.py) as "draftsmith.serve.formats:NAME"."""
+"""The built-in kinds' export formats, one Format each: the exporter (serve/export/exporters.py), the validator's table,
+config keys, extra checks and forward (serve/export/checks.py), and the engines that load the folder. A kind lists
+its formats in its registry record (heads/kinds.py) as "draftsmith.serve.export.formats:NAME"."""
 
 from __future__ import annotations
 
 from functools import partial
 
-from . import export as ex
-from . import export_check as ck
-from . import export_dflash as dfl
-from . import export_peagle as pe
-from . import speculators as sp
+import draftsmith.serve.export.checks as ck
+import draftsmith.serve.export.export_dflash as dfl
+import draftsmith.serve.export.export_peagle as pe
+import draftsmith.serve.export.exporters as ex
+import draftsmith.serve.export.speculators as sp
 
 # vLLM's and SGLang's LlamaForCausalLMEagle3: one folder for both
 EAGLE3 = ex.Format(
@@ -69,7 +69,7 @@ DRAFT_MODEL_HF = ex.Format(
     sglang="STANDALONE",
     hf=True,
 )
-# vLLM's DFlashDraftModel (dflash_config, non-causal block): issue 17, serve/export_dflash.py
+# vLLM's DFlashDraftModel (dflash_config, non-causal block): issue 17, serve/export/export_dflash.py
 DFLASH_VLLM = ex.Format(
     export=dfl.dflash_vllm,
     shapes=dfl.dflash_shapes,
@@ -78,7 +78,7 @@ DFLASH_VLLM = ex.Format(
     problems=dfl.dflash_problems,
     vllm="dflash",
 )
-# vLLM's native format, as the speculators package defines it (serve/speculators.py); vLLM serves the folder alone
+# vLLM's native format, as the speculators package defines it (speculators.py); vLLM serves the folder alone
 SPECULATORS = ex.Format(
     export=sp.eagle3_speculators,
     shapes=sp.speculators_shapes,
