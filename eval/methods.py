@@ -11,8 +11,9 @@ from omegaconf import DictConfig
 from safetensors import safe_open
 
 from draftsmith.heads.kinds import by_spec, specs
-from draftsmith.serve.build import SpecConfig, needs_drafter, paired_lookup
+from draftsmith.serve.build import paired_lookup
 from draftsmith.serve.models.loader import weight_files
+from draftsmith.serve.spec import SpecConfig, needs_drafter
 
 
 def resolve_methods(spec: SpecConfig, methods: dict[str, SpecConfig]) -> dict[str, SpecConfig]:

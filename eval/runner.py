@@ -13,11 +13,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from draftsmith.heads.files import write_text_atomic
-from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load, resolve_shape
+from draftsmith.serve.build import build_engine, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.models.target import TargetConfig, encode_chat, encode_raw, load_target
 from draftsmith.serve.shared.wandb_run import WandbConfig
+from draftsmith.serve.spec import SpecConfig
 
 from .aggregate import (
     Record,
@@ -77,7 +78,7 @@ def run_eval(cfg: EvalConfig) -> dict:
     # the shape each method drafts: its own settings, else its drafter folder's, else its kind's default
     methods = {label: resolve_shape(m) for label, m in resolve_methods(cfg.spec, cfg.methods).items()}
     prompts = pick_prompts(cfg)
-    target = load(cfg.target)
+    target = load_target(cfg.target)
     engines = {
         arm: build_engine(target, spec_of(arm, methods), arm[1], cfg.max_seq_len, cfg.cuda_graphs)
         for arm in arms(cfg, methods)

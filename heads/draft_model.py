@@ -117,7 +117,7 @@ register(
         module=DraftModel,
         loss="draftsmith.train.losses:draft_model_loss",
         proposer="draftsmith.serve.proposers.propose_draft_model:draft_proposer",
-        formats={"hf": "draftsmith.serve.export.formats:DRAFT_MODEL_HF"},
+        formats={"hf": "draftsmith.serve.export.export_draft_model:DRAFT_MODEL_HF"},
         draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
         drafter="an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
     )

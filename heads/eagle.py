@@ -137,8 +137,8 @@ register(
         loss="draftsmith.train.losses:eagle_loss",
         proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
         formats={
-            "vllm": "draftsmith.serve.export.formats:EAGLE_VLLM",
-            "sglang": "draftsmith.serve.export.formats:EAGLE_SGLANG",
+            "vllm": "draftsmith.serve.export.export_eagle:EAGLE_VLLM",
+            "sglang": "draftsmith.serve.export.export_eagle:EAGLE_SGLANG",
         },
         draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
         draft_keys=("num_tokens", "topk", "total_tokens"),

@@ -233,9 +233,9 @@ register(
         loss="draftsmith.train.losses:eagle3_loss",
         proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
         formats={
-            "vllm": "draftsmith.serve.export.formats:EAGLE3",
-            "sglang": "draftsmith.serve.export.formats:EAGLE3",
-            "speculators": "draftsmith.serve.export.formats:SPECULATORS",
+            "vllm": "draftsmith.serve.export.export_eagle3:EAGLE3",
+            "sglang": "draftsmith.serve.export.export_eagle3:EAGLE3",
+            "speculators": "draftsmith.serve.export.speculators:SPECULATORS",
         },
         draft_shape=DraftShape(num_tokens=5, topk=4, total_tokens=12),  # a GPU's: a dozen verify rows cost ~1 step
         draft_keys=("num_tokens", "topk", "total_tokens"),

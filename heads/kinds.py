@@ -44,8 +44,8 @@ class Kind:
     features: tuple[str, ...] = ("hidden",)  # what training reads from the target: hidden (last layer, normed),
     # aux (the inputs of the config's target_layers)
     loss: str | None = None  # "module:attr": loss(head, batch, **options) -> (loss, logs)
-    proposer: str | None = None  # "module:attr": factory(spec: SpecConfig, target: Loaded) -> Proposer, spec's shape
-    # resolved (None: serve cannot draft with it)
+    proposer: str | None = None  # "module:attr": factory(spec: SpecConfig, target: LoadedTarget) -> Proposer,
+    # the spec's shape resolved (None: serve cannot draft with it)
     formats: dict[str, str] = field(default_factory=dict)  # export format -> "module:attr" of a serve.export.Format
     draft_shape: DraftShape  # the default draft: num_tokens, topk and total_tokens set
     draft_keys: tuple[str, ...] = ("num_tokens",)  # the DraftShape fields its drafts use (the others: the default)

@@ -102,8 +102,8 @@ register(
         loss="draftsmith.train.losses:medusa_loss",
         proposer="draftsmith.serve.proposers.propose_medusa:medusa_proposer",
         formats={
-            "vllm": "draftsmith.serve.export.formats:MEDUSA_VLLM",
-            "tgi": "draftsmith.serve.export.formats:MEDUSA_TGI",
+            "vllm": "draftsmith.serve.export.export_medusa:MEDUSA_VLLM",
+            "tgi": "draftsmith.serve.export.export_medusa:MEDUSA_TGI",
         },
         draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0, choices=DEFAULT_CHOICES),
         draft_keys=("num_tokens", "choices"),

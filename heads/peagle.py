@@ -127,7 +127,7 @@ register(
         features=("hidden", "aux"),
         loss="draftsmith.train.losses_peagle:peagle_loss",
         proposer="draftsmith.serve.proposers.propose_peagle:peagle_proposer",
-        formats={"vllm": "draftsmith.serve.export.formats:PEAGLE_VLLM"},
+        formats={"vllm": "draftsmith.serve.export.export_peagle:PEAGLE_VLLM"},
         # a chain of the K=4 trained depths: one forward drafts all four, so depth costs ~nothing on a CPU, and a
         # chain keeps verification at 5 rows (a tree's extra rows cost verify time the CPU does not have)
         draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),

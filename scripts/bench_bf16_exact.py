@@ -25,10 +25,15 @@ import torch  # noqa: E402
 
 from draftsmith.eval.suites import mt_bench  # noqa: E402
 from draftsmith.heads import llama, packed  # noqa: E402
-from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, load  # noqa: E402
+from draftsmith.serve.build import build_engine  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.models.target import TargetConfig  # noqa: E402
-from draftsmith.serve.proposers.propose_draft_model import causal_mask  # noqa: E402
+from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
+from draftsmith.serve.models.target import (  # noqa: E402
+    TargetConfig,  # noqa: E402
+    encode_chat,
+    load_target,
+)
+from draftsmith.serve.spec import SpecConfig  # noqa: E402
 
 CONTEXT = 300  # tokens already in the cache when a step runs
 ROWS = (1, 4, 8, 16)
@@ -119,7 +124,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=2000, help="prompt tokens of section 2 (0: skip it)")
     args = ap.parse_args()
-    targets = {k: load(TargetConfig(dtype=d, device="cpu")) for k, d in (("fp32", "float32"), ("bf16", "bfloat16"))}
+    targets = {
+        k: load_target(TargetConfig(dtype=d, device="cpu")) for k, d in (("fp32", "float32"), ("bf16", "bfloat16"))
+    }
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     step_section(targets["fp32"].model, targets["bf16"].model, args.repeats)
     if args.prefill:

@@ -32,9 +32,13 @@ import bench_engine as be  # noqa: E402
 import torch  # noqa: E402
 
 from draftsmith.heads import kinds  # noqa: E402
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape  # noqa: E402
-from draftsmith.serve.models.target import TargetConfig, load_target  # noqa: E402
+from draftsmith.serve.build import make_proposer, resolve_shape  # noqa: E402
+from draftsmith.serve.models.target import (  # noqa: E402
+    TargetConfig,
+    load_target,
+)
 from draftsmith.serve.proposers.propose_eagle import TreeConfig  # noqa: E402
+from draftsmith.serve.spec import SpecConfig  # noqa: E402
 
 TREE_KEYS = ("topk", "total_tokens")
 
@@ -81,7 +85,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     load_start, began = os.getloadavg(), time.perf_counter()
 
-    target = Loaded(*load_target(TargetConfig(dtype=args.dtype)))
+    target = load_target(TargetConfig(dtype=args.dtype))
     tok, eos = target.tokenizer, ()  # EOS ignored: every method generates exactly max_new_tokens
     questions = be.mtbench_questions()
     prompts = [be.Prompt(f"mt{q}", be.chat_ids(tok, questions[q]["turns"][0])) for q in args.mtbench_ids]

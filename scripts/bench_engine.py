@@ -48,15 +48,22 @@ import torch  # noqa: E402
 import vllm_crosscheck as vc  # noqa: E402  (scripts/, beside this file: no vLLM import until a worker starts)
 from tqdm import tqdm  # noqa: E402
 
-from draftsmith.serve.build import Loaded, make_proposer  # noqa: E402
+from draftsmith.serve.build import make_proposer  # noqa: E402
 from draftsmith.serve.engine.engine import Engine  # noqa: E402
 from draftsmith.serve.engine.metrics import Metrics  # noqa: E402
 from draftsmith.serve.engine.prefix_cache import PrefixCache  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.models.target import SHORT_NAMES, TargetConfig, load_target, resolve_target  # noqa: E402
+from draftsmith.serve.models.target import (  # noqa: E402
+    SHORT_NAMES,
+    LoadedTarget,  # noqa: E402
+    TargetConfig,
+    load_target,
+    resolve_target,
+)
 from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model  # noqa: E402
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer  # noqa: E402
-from draftsmith.serve.proposers.propose_suffix import SuffixConfig, SuffixProposer  # noqa: E402
+from draftsmith.serve.proposers.propose_suffix import SuffixProposer  # noqa: E402
+from draftsmith.serve.spec import SuffixConfig  # noqa: E402
 
 GREEDY = SamplingParams()
 BENCH_DTYPES = ("float32", "bfloat16")
@@ -475,7 +482,7 @@ def ngram_section(args, ours, tok, summary, report) -> None:
     """Section 2: n-gram speculation (K grid) and suffix decoding (vLLM's defaults) vs plain decoding on
     copy-heavy prompts, per dtype."""
     records = sharegpt_records(2)
-    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine"))
+    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine.engine"))
     code_path = Path(args.code_file) if args.code_file else engine_dir / "verify.py"
     prompts = [code_prompt(tok, code_path), document_prompt(tok, records[0])]
     eos = stop_ids(ours, tok)
@@ -655,7 +662,7 @@ def eagle3_engine(args, model, tok, tid: str, folder: Path, dtype: str) -> Timed
     """draftsmith's engine on the EAGLE-3 head as vLLM reads it (the export folder), drafting a chain of --peer-k;
     the head in the target's dtype as vLLM runs it (draftsmith's auto would give an fp32 target a bf16 head)."""
     spec = replace(vc.chain_spec("eagle3", folder, args.peer_k), draft_dtype=dtype)
-    proposer = make_proposer(spec, Loaded(model, tok, tid))
+    proposer = make_proposer(spec, LoadedTarget(model, tok, tid))
     return TimedEngine(model, proposer=proposer, max_seq_len=args.max_seq_len)
 
 
@@ -848,7 +855,8 @@ def main(argv=None) -> None:
     cfg = lambda dtype: TargetConfig(dtype=dtype, device=args.device)
     ours, tok, tid = {}, None, ""
     for dtype in ("float32", "bfloat16"):
-        ours[dtype], tok, tid = load_target(cfg(dtype))
+        loaded = load_target(cfg(dtype))
+        ours[dtype], tok, tid = loaded.model, loaded.tokenizer, loaded.target_id
     hf = {}
     if "hf" in args.sections:
         from transformers import AutoModelForCausalLM

@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_target(TargetConfig(dtype="float32"))[0]
+    target = load_target(TargetConfig(dtype="float32")).model
     ks = [int(k) for k in args.k.split(",")]
     ps = proposers(args.kind, target, ks, getattr(torch, args.dtype))
     c, n = target.config, args.context

@@ -18,8 +18,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from draftsmith.serve.build import load  # noqa: E402
-from draftsmith.serve.models.target import TargetConfig  # noqa: E402
+from draftsmith.serve.models.target import (
+    TargetConfig,  # noqa: E402
+    load_target,  # noqa: E402
+)
 from draftsmith.serve.shared.conversations import Skipped, load_conversations  # noqa: E402
 from draftsmith.train.data import DistillConfig  # noqa: E402
 from draftsmith.train.distill import TREE_ROOM, generate_into  # noqa: E402
@@ -60,7 +62,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     convs, _ = load_conversations("sharegpt", 0.02, limit=args.conversations)
-    target = load(TargetConfig())
+    target = load_target(TargetConfig())
     rows = [run_backend(name, target, convs, args, out) for name in args.backends.split(",")]
     print(f"\nregeneration, {len(convs)} ShareGPT conversations turn by turn, <= {args.max_new_tokens} new tokens per")
     print(f"answer, greedy, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")

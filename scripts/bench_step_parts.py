@@ -24,9 +24,11 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from draftsmith.heads import llama, packed  # noqa: E402
-from draftsmith.serve.build import load  # noqa: E402
-from draftsmith.serve.models.target import TargetConfig  # noqa: E402
-from draftsmith.serve.proposers.propose_draft_model import causal_mask  # noqa: E402
+from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
+from draftsmith.serve.models.target import (
+    TargetConfig,  # noqa: E402
+    load_target,  # noqa: E402
+)
 
 
 def lean_packed(self, x):
@@ -64,7 +66,7 @@ def patched(patches) -> ExitStack:
 
 
 def step_section(context: int, rounds: int) -> None:
-    models = {dtype: load(TargetConfig(dtype=dtype)).model for dtype in ("bfloat16", "float32")}
+    models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in ("bfloat16", "float32")}
     runs = {(name, "bfloat16"): patches for name, patches in VARIANTS.items()} | {("today", "float32"): []}
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     caches, times = {}, {key: [] for key in runs}
@@ -91,7 +93,7 @@ def step_section(context: int, rounds: int) -> None:
 
 
 def linears_section(rounds: int) -> None:
-    cfg = load(TargetConfig(dtype="float32")).model.config
+    cfg = load_target(TargetConfig(dtype="float32")).model.config
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]  # qkv, o, gate_up, down
     print(f"the {cfg.num_hidden_layers} layers' packed linears, one row, cold weights (ms per step)")

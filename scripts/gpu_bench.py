@@ -47,9 +47,10 @@ from draftsmith.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from draftsmith.heads.packed import pack_linears  # noqa: E402
 from draftsmith.serve.engine.engine import Engine  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
 from draftsmith.serve.models.target import DTYPES, SHORT_NAMES  # noqa: E402
 from draftsmith.serve.proposers.base import Proposer  # noqa: E402
-from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, causal_mask  # noqa: E402
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer  # noqa: E402
 from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig  # noqa: E402
 from draftsmith.serve.proposers.propose_medusa import MedusaProposer  # noqa: E402
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer  # noqa: E402

@@ -24,15 +24,22 @@ import torch  # noqa: E402
 
 from draftsmith.eval.suites import mt_bench, round_robin  # noqa: E402
 from draftsmith.heads.drafter import read_meta  # noqa: E402
-from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, load, load_trained  # noqa: E402
+from draftsmith.serve.build import build_engine  # noqa: E402
+from draftsmith.serve.drafters import load_trained  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.models.target import TargetConfig  # noqa: E402
+from draftsmith.serve.models.target import (  # noqa: E402
+    LoadedTarget,
+    TargetConfig,  # noqa: E402
+    encode_chat,
+    load_target,
+)
+from draftsmith.serve.spec import SpecConfig  # noqa: E402
 from draftsmith.train.features import target_states  # noqa: E402
 
 KS = (1, 3, 5)
 
 
-def greedy_answers(target: Loaded, n: int, max_new_tokens: int) -> list[dict]:
+def greedy_answers(target: LoadedTarget, n: int, max_new_tokens: int) -> list[dict]:
     """The target's greedy answers to n MT-bench first turns (spread over categories): prompt and answer ids."""
     engine = build_engine(target, SpecConfig("ngram", 5), False, 2048)  # lossless, so the plain greedy answer
     rows = []
@@ -61,7 +68,7 @@ def top_k_hits(head, states, prompt: list[int], answer: list[int]) -> tuple[torc
     return hits, want.numel()
 
 
-def probe(folder: Path, target: Loaded, rows: list[dict], memo: dict) -> dict:
+def probe(folder: Path, target: LoadedTarget, rows: list[dict], memo: dict) -> dict:
     """memo: the target's states per (row, layers), shared by heads that read the same layers."""
     kind = read_meta(folder)["kind"]
     if kind not in ("eagle", "eagle3"):
@@ -91,7 +98,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/probe_topk.json"))
     args = p.parse_args(argv)
     torch.set_grad_enabled(False)
-    target = load(TargetConfig(name="smollm2-135m", dtype="float32"))
+    target = load_target(TargetConfig(name="smollm2-135m", dtype="float32"))
     key = {"target": target.target_id, "questions": args.questions, "max_new_tokens": args.max_new_tokens}
     saved = json.loads(args.answers.read_text()) if args.answers.is_file() else {}
     if saved.get("key") != key:

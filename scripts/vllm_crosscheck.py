@@ -187,8 +187,8 @@ def chain_spec(kind: str, drafter: Path, k: int):
     """A chain of k whatever the kind: EAGLE trees of one child, Medusa's top-1 path (head d-1's best token at
     depth d); each kind reads the keys it drafts with."""
     from draftsmith.heads.kinds import get
-    from draftsmith.serve.build import SpecConfig
     from draftsmith.serve.proposers.propose_eagle import TreeConfig
+    from draftsmith.serve.spec import SpecConfig
 
     chain = [[0] * d for d in range(1, k + 1)]
     return SpecConfig(get(kind).spec, k, drafter=str(drafter), tree=TreeConfig(1, 0), choices=chain)
@@ -207,7 +207,7 @@ def vllm_format(kind: str, name: str | None = None) -> tuple[str, str, dict]:
 def export_for_vllm(kind: str, drafter: Path, folder: Path, tcfg, k: int) -> dict:
     """The drafter exported (fp32) under folder in the first format of its kind that vLLM loads, and vLLM's
     speculative_config serving it as a chain of k."""
-    from draftsmith.serve.export.exporters import export
+    from draftsmith.serve.export.pipeline import export
 
     fmt, method, options = vllm_format(kind)
     out = folder / f"{kind}-{fmt}"
@@ -243,7 +243,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
     import torch
 
     from draftsmith.heads.drafter import Recipe, save_drafter
-    from draftsmith.serve.build import target_info
+    from draftsmith.serve.drafters import target_info
     from draftsmith.train.head import HeadConfig, build_head
 
     torch.manual_seed(0)
@@ -260,7 +260,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
 def prompts_for(target, n: int) -> list[list[int]]:
     """The first user turns of the first n MT-bench questions, chat-encoded (as draftsmith-eval's first turns)."""
     from draftsmith.eval.suites import mt_bench
-    from draftsmith.serve.build import encode_chat
+    from draftsmith.serve.models.target import encode_chat
 
     return [encode_chat(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in mt_bench(n)]
 
@@ -364,13 +364,13 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def main(args) -> None:
     from draftsmith.heads.kinds import get
-    from draftsmith.serve.build import SpecConfig, load
-    from draftsmith.serve.models.target import TargetConfig
+    from draftsmith.serve.models.target import TargetConfig, load_target
+    from draftsmith.serve.spec import SpecConfig
 
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     tcfg = TargetConfig(name=args.target, dtype="float32", device="cpu")
-    target = load(tcfg)
+    target = load_target(tcfg)
     drafters = dict(item.split("=", 1) for item in args.drafter)
     if args.fresh:
         drafters = {k: str(v) for k, v in fresh_drafters(target, work / "fresh").items()} | drafters
@@ -430,7 +430,7 @@ def speculators_rows(run: Runner, kind: str, drafter: Path) -> list[tuple]:
     """format=speculators, checked by the speculators package itself, then served both ways the model card
     gives (the folder alone: vLLM reads the target and the method from it, at its speculative_tokens; the target
     with the method spelled out), against draftsmith's engine on the export read back (spec.drafter=OUT)."""
-    from draftsmith.serve.export.exporters import export
+    from draftsmith.serve.export.pipeline import export
 
     _, method, _ = vllm_format(kind, "speculators")
     out = export(drafter, "speculators", run.work / "exports" / f"{kind}-speculators", run.tcfg, "fp32", overwrite=True)
@@ -469,7 +469,8 @@ def speculators_package_check(args, folder: Path, work: Path) -> str:
 def suffix_rows(run: Runner) -> list[tuple]:
     """Suffix decoding in both engines, pass by pass (the global tree keeps every earlier answer), and the
     draft-for-draft comparison of the two implementations on the same token streams."""
-    from draftsmith.serve.build import SpecConfig, build_engine
+    from draftsmith.serve.build import build_engine
+    from draftsmith.serve.spec import SpecConfig
 
     args, prompts, plain = run.args, run.prompts, run.plain
     spec = SpecConfig("suffix", args.suffix_k)

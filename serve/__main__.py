@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 import hydra
 from omegaconf import DictConfig
 
-from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, encode_raw, load
+from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.models.target import TargetConfig, encode_chat, encode_raw, load_target
 from draftsmith.serve.shared.cli import typed_or_exit
+from draftsmith.serve.spec import SpecConfig
 
 
 @dataclass
@@ -33,7 +34,7 @@ def run(cfg: GenerateConfig) -> None:
     sp = SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)
     if not cfg.prompt.strip():
         raise ValueError('prompt is empty: pass prompt="..."')
-    target = load(cfg.target)
+    target = load_target(cfg.target)
     ids = (
         encode_chat(target.tokenizer, [{"role": "user", "content": cfg.prompt}])
         if cfg.chat

@@ -5,8 +5,9 @@ import shutil
 
 import pytest
 
-from draftsmith.serve.build import SpecConfig, build_engine, eos_ids, load
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.build import build_engine
+from draftsmith.serve.models.target import TargetConfig, eos_ids, load_target
+from draftsmith.serve.spec import SpecConfig
 from helpers import build_tiny, build_tiny_chat_target
 
 
@@ -16,14 +17,14 @@ def tiny(smollm2_dir, tmp_path_factory):
 
 
 def test_drafter_with_another_vocab_size_is_refused(tiny, tmp_path):
-    target = load(TargetConfig(path=str(tiny)))
+    target = load_target(TargetConfig(path=str(tiny)))
     other = build_tiny(tmp_path / "d", "llama", vocab_size=1000)
     with pytest.raises(ValueError, match=r"vocab_size 1000 but target .*49152"):
         build_engine(target, SpecConfig("draft", drafter=str(other)), False, 256)
 
 
 def test_drafter_with_another_tokenizer_is_refused(tiny, smollm2_dir, tmp_path):
-    target = load(TargetConfig(path=str(tiny)))
+    target = load_target(TargetConfig(path=str(tiny)))
     other = build_tiny_chat_target(tmp_path / "d", smollm2_dir, seed=1)
     vocab = (other / "tokenizer.json").read_text().replace('"<|im_start|>"', '"<|im_begin|>"')
     (other / "tokenizer.json").write_text(vocab)
@@ -32,7 +33,7 @@ def test_drafter_with_another_tokenizer_is_refused(tiny, smollm2_dir, tmp_path):
 
 
 def test_drafter_without_tokenizer_or_folder_is_refused(tiny, tmp_path):
-    target = load(TargetConfig(path=str(tiny)))
+    target = load_target(TargetConfig(path=str(tiny)))
     bare = tmp_path / "bare"
     shutil.copytree(tiny, bare)
     for f in bare.glob("tokenizer*"):
@@ -44,7 +45,7 @@ def test_drafter_without_tokenizer_or_folder_is_refused(tiny, tmp_path):
 
 
 def test_matching_drafter_builds_and_eos_comes_from_config_and_tokenizer(tiny, smollm2_dir, tmp_path):
-    target = load(TargetConfig(path=str(tiny)))
+    target = load_target(TargetConfig(path=str(tiny)))
     draft = build_tiny_chat_target(tmp_path / "d", smollm2_dir, seed=2, num_hidden_layers=1)
     engine = build_engine(target, SpecConfig("draft", 3, drafter=str(draft)), True, 256)
     assert engine.proposer.model.config.num_hidden_layers == 1
@@ -63,7 +64,7 @@ def test_matching_drafter_builds_and_eos_comes_from_config_and_tokenizer(tiny, s
     ],
 )
 def test_a_config_json_that_is_no_drafter_config_is_refused_by_name(tiny, tmp_path, spec, config, message):
-    target = load(TargetConfig(path=str(tiny)))
+    target = load_target(TargetConfig(path=str(tiny)))
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps(config))
@@ -72,7 +73,7 @@ def test_a_config_json_that_is_no_drafter_config_is_refused_by_name(tiny, tmp_pa
 
 
 def test_a_draft_longer_than_the_context_is_refused_as_such(tiny):
-    target = load(TargetConfig(path=str(tiny)))
+    target = load_target(TargetConfig(path=str(tiny)))
     room = target.model.config.max_position_embeddings
     with pytest.raises(ValueError, match=rf"a draft of up to {room} tokens \(ngram\) leaves no room"):
         build_engine(target, SpecConfig("ngram", num_tokens=room), False, 256)

@@ -22,13 +22,15 @@ from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter import Recipe, load_drafter, save_drafter
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.build import make_proposer
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.propose_dflash import DFlashProposer
+from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses_dflash import dflash_loss, sample_anchors
 from helpers import (
@@ -173,7 +175,7 @@ def test_bad_drafter_folders_are_refused_by_name(target, tiny_llama_dir, tmp_pat
         ("block_size", 300, r"block_size must be in \[2, 256\] \(the target's context\), got 300"),
         ("target_layers", [1, 2, 7], r"target_layers \[1, 2, 7\] name layers the target does not have"),
     ]
-    loaded = Loaded(target, None, TARGET_ID)
+    loaded = LoadedTarget(target, None, TARGET_ID)
     for key, value, message in cases:
         bad = tmp_path / key
         bad.mkdir()
@@ -415,7 +417,7 @@ def test_sampled_chain_keeps_the_target_distribution(small):
 def test_spec_config_builds_the_proposer(target, plain, tmp_path):
     head = make_head(target, block_size=5)
     folder = save_drafter(head, head.config, "dflash", tiny_info(target), Recipe(), tmp_path / "d")
-    loaded = Loaded(target, None, TARGET_ID)
+    loaded = LoadedTarget(target, None, TARGET_ID)
     with initialize_config_module("draftsmith.conf", version_base=None):
         composed = compose("eval", overrides=["spec=dflash", f"spec.drafter={folder}"])
     assert (composed.spec.name, composed.spec.num_tokens, composed.spec.tree.topk) == ("dflash", None, None)

@@ -11,12 +11,13 @@ import pytest
 import standin_head
 from hydra import compose, initialize_config_module
 
-from draftsmith.serve.build import SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.models.target import TargetConfig, encode_chat, eos_ids, load_target
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.conversations import Conversation, Skipped
 from draftsmith.serve.shared.wandb_run import WandbConfig
+from draftsmith.serve.spec import SpecConfig
 from draftsmith.train import batch_decode, vllm_backend
 from draftsmith.train import distill as distill_mod
 from draftsmith.train.config import RunConfig, TrainConfig
@@ -42,7 +43,7 @@ def target_dir(smollm2_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return load(TargetConfig(path=str(target_dir)))
+    return load_target(TargetConfig(path=str(target_dir)))
 
 
 def user(text: str) -> dict:
@@ -271,7 +272,7 @@ def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, mon
 
     train(config("a", "cached"))
     (made,) = (tmp_path / "home" / "distill").glob("*.jsonl")
-    assert made == distill_path(data, load(TargetConfig(path=str(target_dir))), None)  # None: $DRAFTSMITH_CACHE
+    assert made == distill_path(data, load_target(TargetConfig(path=str(target_dir))), None)  # None: $DRAFTSMITH_CACHE
     assert len(file_ids(made)) == 12
     (features,) = (tmp_path / "home" / "features").iterdir()
     manifest = json.loads((features / "manifest.json").read_text())

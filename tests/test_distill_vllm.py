@@ -11,8 +11,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from test_distill import command_line, said, user
 
-from draftsmith.serve.build import load
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.conversations import Conversation, Skipped
 from draftsmith.train.data import DistillConfig
@@ -49,7 +48,7 @@ def cfg(backend: str) -> DistillConfig:
 
 
 def test_vllm_answers_turn_by_turn_as_the_target_does(target_dir, tmp_path):
-    target = load(TargetConfig(path=str(target_dir), dtype="float32"))
+    target = load_target(TargetConfig(path=str(target_dir), dtype="float32"))
     lines = []
     theirs = distill(CONVS, target, cfg("vllm"), tmp_path / "v.jsonl", 256, Skipped(), say=lines.append)
     ours = distill(CONVS, target, cfg("draftsmith"), tmp_path / "d.jsonl", 256, Skipped())
@@ -78,7 +77,7 @@ def test_a_target_vllm_cannot_run_falls_back_under_auto_and_fails_under_vllm(smo
     """vLLM loads a head size of 16 but its CPU attention cannot run it: the worker's one-token warm-up fails at
     start, so auto answers with draftsmith's own decoder (saying why) and backend=vllm names the cause."""
     folder = build_tiny_chat_target(tmp_path / "t16", smollm2_dir, head_dim=16)
-    target, lines = load(TargetConfig(path=str(folder), dtype="float32")), []
+    target, lines = load_target(TargetConfig(path=str(folder), dtype="float32")), []
     convs = distill(CONVS[1:2], target, cfg("auto"), tmp_path / "a.jsonl", 256, Skipped(), say=lines.append)
     assert convs[0].generator["engine"] == "draftsmith"
     assert any("falls back to draftsmith's own" in line and "head_dim=16" in line for line in lines), lines

@@ -21,14 +21,16 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.packed import can_pack
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape
+from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.hybrid import HybridProposer
 from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
+from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.losses import eagle3_loss, eagle_loss
 from draftsmith.train.trainer import loss_for
 from helpers import DEVICES, PROMPTS, TARGET_ID, exact_joint, greedy_continuations, head_features, perturbed, tiny_info
@@ -596,7 +598,7 @@ def test_speculative_sampling_matches_plain_distribution(kind, topk, ngram, poli
 
 
 def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
-    loaded = Loaded(target, None, TARGET_ID)
+    loaded = LoadedTarget(target, None, TARGET_ID)
     folders = {}
     for kind in KINDS:
         head = make_head(kind, target)
@@ -625,7 +627,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     with pytest.raises(ValueError, match="is a eagle drafter; spec=eagle3 needs a eagle3 drafter"):
         make_proposer(SpecConfig("eagle3", drafter=str(folders["eagle"])), loaded)
     with pytest.raises(ValueError, match=f"made for target {TARGET_ID}, not other@"):
-        make_proposer(SpecConfig("eagle", drafter=str(folders["eagle"])), Loaded(target, None, "other@1"))
+        make_proposer(SpecConfig("eagle", drafter=str(folders["eagle"])), LoadedTarget(target, None, "other@1"))
     hybrid = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"]), ngram_tokens=4), loaded)
     assert isinstance(hybrid, HybridProposer) and hybrid.max_tree_size == 3 + 4
     assert spec_label(SpecConfig("eagle", drafter="x", ngram_tokens=4)) == "eagle+ngram"

@@ -23,11 +23,12 @@ from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.serve.build import Loaded, SpecConfig, load, target_info
+from draftsmith.serve.drafters import target_info
 from draftsmith.serve.engine.engine import Generation
 from draftsmith.serve.engine.metrics import Metrics
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target
 from draftsmith.serve.shared.cli import typed
+from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.head import HeadConfig, build_head
 from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
 
@@ -117,14 +118,14 @@ class Recorder:
         return Generation(out, Metrics(new_tokens=len(out)), "length")
 
 
-def save_eagle3(target: Loaded, folder: Path, draft: DraftShape | None = None) -> Path:
+def save_eagle3(target: LoadedTarget, folder: Path, draft: DraftShape | None = None) -> Path:
     """An untrained eagle3 head for the target, saved as a drafter folder (made for `draft`)."""
     head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
     return save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), folder, draft=draft)
 
 
 def test_drafter_params_counts_the_heads_parameters_not_its_vocabulary_maps_or_token_counts(tiny_target, tmp_path):
-    target = load(TargetConfig(path=str(tiny_target)))
+    target = load_target(TargetConfig(path=str(tiny_target)))
     head, head_cfg = build_head("eagle3", target, HeadConfig(kind="eagle3", draft_vocab_size=64))
     counts = torch.ones(target.model.config.vocab_size)
     folder = save_drafter(head, head_cfg, "eagle3", target_info(target), Recipe(), tmp_path / "h", counts)
@@ -136,7 +137,7 @@ def test_drafter_params_counts_the_heads_parameters_not_its_vocabulary_maps_or_t
 def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, prompts_file, tmp_path):
     """Issue 16: spec=eagle3 spec.drafter=HEAD drafted the spec's defaults (depth 5, top-4, 12 nodes), not the depth
     1 x 3 the head was made for; the shape is now the folder's where the spec leaves it unset."""
-    target = load(TargetConfig(path=str(tiny_target)))
+    target = load_target(TargetConfig(path=str(tiny_target)))
     folder = save_eagle3(target, tmp_path / "head", DraftShape(num_tokens=1, topk=3, total_tokens=0))
     overrides = ["spec=eagle3", f"spec.drafter={folder}", "limit=1", "warmup=0", "max_new_tokens=4"]
     m = run_eval(config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides))["methods"]["eagle3"]
@@ -348,7 +349,7 @@ def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, pro
 
 def test_resume_refuses_edited_prompts_and_a_drafter_retrained_in_place(tiny_target, tmp_path, monkeypatch):
     """run.json held only the paths: a resume mixed records of the old prompts or drafter with new ones."""
-    target = load(TargetConfig(path=str(tiny_target)))
+    target = load_target(TargetConfig(path=str(tiny_target)))
 
     def train_head(seed: int) -> Path:
         torch.manual_seed(seed)

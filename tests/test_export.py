@@ -21,10 +21,11 @@ from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, save_draf
 from draftsmith.heads.eagle import EagleConfig, EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.serve.export import exporters as export_mod
-from draftsmith.serve.export import formats
+from draftsmith.serve.export import export_eagle
+from draftsmith.serve.export import export_eagle as export_mod
 from draftsmith.serve.export.__main__ import ExportConfig, run
-from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.export.base import ExportError
+from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
 
@@ -480,7 +481,7 @@ def test_failed_validation_writes_nothing(tiny, tmp_path, monkeypatch):
         exp.tensors["model.safetensors"]["fc.bias"] = exp.tensors["model.safetensors"]["fc.bias"] + 1.0
         return exp
 
-    monkeypatch.setattr(formats, "EAGLE_SGLANG", replace(formats.EAGLE_SGLANG, export=broken))
+    monkeypatch.setattr(export_eagle, "EAGLE_SGLANG", replace(export_eagle.EAGLE_SGLANG, export=broken))
     with pytest.raises(ExportError, match="forward differs"):
         do_export(tiny, "eagle", "sglang", out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export is untouched

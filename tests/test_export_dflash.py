@@ -15,7 +15,8 @@ from test_export import edit_weights, flip_ten, rename, save_tiny_tokenizer, sca
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter import Recipe, TargetInfo, save_drafter
-from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.export.base import ExportError
+from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
 

@@ -73,7 +73,7 @@ def test_the_walk_sees_what_it_should_refuse(tmp_path, monkeypatch):
     pkg = tmp_path / "heads"
     pkg.mkdir()
     (pkg / "x.py").write_text(
-        "from draftsmith.serve.build import load\n"
+        "from draftsmith.serve.build import load_target\n"
         "def f():\n    from ..train import log\n"
         "from .__main__ import main\n"
         "from draftsmith.eval import __main__\n"

@@ -6,14 +6,14 @@ import torch
 
 from draftsmith.eval.suites import mt_bench
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.tree import DraftTree
-from draftsmith.serve.models.target import TargetConfig, native_bf16
-from draftsmith.serve.proposers.propose_draft_model import causal_mask
+from draftsmith.serve.engine.tree import DraftTree, causal_mask
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, eos_ids, load_target, native_bf16
 from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.spec import SpecConfig
 from helpers import truncated_copy
 
 NEW_TOKENS = 64
@@ -24,8 +24,8 @@ BF16 = pytest.param(
 
 
 @pytest.fixture(scope="module", params=["float32", BF16])
-def target(request, smollm2_dir) -> Loaded:
-    return load(TargetConfig(dtype=request.param, device="cpu"))
+def target(request, smollm2_dir) -> LoadedTarget:
+    return load_target(TargetConfig(dtype=request.param, device="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def draft_dir(smollm2_dir, tmp_path_factory):
     return truncated_copy(smollm2_dir, tmp_path_factory.mktemp("draft-smollm2-2l"), 2)
 
 
-def random_eagle3(target: Loaded) -> Engine:
+def random_eagle3(target: LoadedTarget) -> Engine:
     """A random EAGLE-3 head drafting a tree (3 root children, each expanded): every verify has sibling rows
     whose KV sits at slots that are not their positions. Its drafts are rarely accepted; the check is the rows."""
     torch.manual_seed(0)

@@ -12,14 +12,16 @@ from draftsmith.heads.draft_model import DraftModel, DraftModelConfig, init_laye
 from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, load_drafter, save_drafter
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.build import make_proposer
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.hybrid import HybridProposer
 from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
 from draftsmith.serve.proposers.propose_medusa import DEFAULT_CHOICES, MedusaProposer, tree_from_choices
+from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.losses import draft_model_loss, medusa_loss
 from draftsmith.train.trainer import loss_for
@@ -230,8 +232,8 @@ def test_medusa_proposer_tree_uses_head_d_minus_1_at_depth_d(target, data):
 # ---------------------------------------------------------------- through the engine
 
 
-def loaded_target(target) -> Loaded:
-    return Loaded(target, None, INFO.id)  # the draftsmith-folder paths never read the tokenizer
+def loaded_target(target) -> LoadedTarget:
+    return LoadedTarget(target, None, INFO.id)  # the draftsmith-folder paths never read the tokenizer
 
 
 @pytest.mark.parametrize("spec", ["medusa", "draft"])
@@ -343,7 +345,9 @@ def test_wrong_kind_or_target_is_refused_by_the_engine_builder(target, trained):
     with pytest.raises(ValueError, match="spec=medusa needs spec.drafter"):
         SpecConfig("medusa")
     with pytest.raises(ValueError, match=r"tiny@0123abcd, not other@00000000"):
-        make_proposer(SpecConfig("medusa", drafter=str(trained["medusa"][1])), Loaded(target, None, "other@00000000"))
+        make_proposer(
+            SpecConfig("medusa", drafter=str(trained["medusa"][1])), LoadedTarget(target, None, "other@00000000")
+        )
 
 
 def test_sampling_is_deterministic_given_a_seed(target, data, trained):

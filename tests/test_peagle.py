@@ -27,16 +27,18 @@ from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer
+from draftsmith.serve.build import make_proposer
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import TreeConfig
-from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.export.base import ExportError
+from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
-from draftsmith.serve.models.target import TargetConfig, target_id
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, target_id
 from draftsmith.serve.proposers.propose_peagle import PEagleProposer
 from draftsmith.serve.shared.cli import typed
+from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.config import RunConfig
 from draftsmith.train.losses_peagle import cod_anchors, peagle_loss
 from draftsmith.train.trainer import check_loss_options, loss_for
@@ -148,7 +150,7 @@ def test_a_folder_whose_mask_token_is_not_in_the_targets_vocabulary_is_refused(t
     with pytest.raises(ValueError, match=r"mask_token_id=133 is not in the target's vocabulary of 128 tokens"):
         load_drafter(folder, tiny_info(target), target)
     with pytest.raises(ValueError, match="mask_token_id=133"):
-        make_proposer(SpecConfig("peagle", drafter=str(folder)), Loaded(target, None, TARGET_ID))
+        make_proposer(SpecConfig("peagle", drafter=str(folder)), LoadedTarget(target, None, TARGET_ID))
 
 
 # ---------------------------------------------------------------- the loss
@@ -368,7 +370,7 @@ def test_sampled_chain_with_a_draft_vocabulary_matches_plain_distribution(small)
 
 
 def test_spec_config_builds_the_proposer_and_refuses_bad_folders(target, plain, trained, tiny_llama_dir, tmp_path):
-    loaded = Loaded(target, None, TARGET_ID)
+    loaded = LoadedTarget(target, None, TARGET_ID)
     head = trained[2]
     folder = save_drafter(head, head.config, "peagle", tiny_info(target), Recipe(), tmp_path / "p")
     proposer = make_proposer(SpecConfig("peagle", 3, drafter=str(folder), draft_dtype="float32"), loaded)
@@ -378,7 +380,7 @@ def test_spec_config_builds_the_proposer_and_refuses_bad_folders(target, plain, 
     assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids
     small = load_model(tiny_llama_dir("llama", num_hidden_layers=1), torch.float32, "cpu")  # same id below
     with pytest.raises(ValueError, match=r"reads the inputs of target layers \[0, 1, 2\], but the target has 1 layers"):
-        make_proposer(SpecConfig("peagle", drafter=str(folder)), Loaded(small, None, TARGET_ID))
+        make_proposer(SpecConfig("peagle", drafter=str(folder)), LoadedTarget(small, None, TARGET_ID))
     eagle3 = tmp_path / "e3"
     e3 = Eagle3Head(Eagle3Config.from_target(target.config), target)
     save_drafter(e3, e3.config, "eagle3", tiny_info(target), Recipe(), eagle3)

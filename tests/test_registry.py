@@ -21,12 +21,14 @@ import draftsmith.conf
 from draftsmith.heads import kinds
 from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, own_state, save_drafter
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.serve.build import Loaded, SpecConfig, make_proposer, resolve_shape
+from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.export.exporters import Format, export, validate
+from draftsmith.serve.export.base import Format
+from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
-from draftsmith.serve.models.target import TargetConfig, load_tokenizer, target_id
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_tokenizer, target_id
+from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.head import HeadConfig, build_head, trained_kind
 from draftsmith.train.trainer import feature_batch, loss_for
 from helpers import PROMPTS, exact_joint
@@ -83,10 +85,10 @@ def tiny(tiny_llama_dir, tmp_path_factory):
     tcfg = TargetConfig(path=str(tdir))
     model = load_model(tdir, torch.float32, "cpu")
     info = TargetInfo(target_id(tcfg, tdir), model.config.hidden_size, model.config.vocab_size, 3)
-    return tcfg, Loaded(model, load_tokenizer(tdir), info.id), info
+    return tcfg, LoadedTarget(model, load_tokenizer(tdir), info.id), info
 
 
-def one_step(kind: str, target: Loaded, seed: int = 0) -> tuple[torch.nn.Module, object, float]:
+def one_step(kind: str, target: LoadedTarget, seed: int = 0) -> tuple[torch.nn.Module, object, float]:
     """The kind's head built as draftsmith-train builds it, after one AdamW step of its loss on the target's
     features; the loss before the step."""
     torch.manual_seed(seed)
@@ -187,7 +189,9 @@ def test_a_folder_without_a_draft_shape_drafts_the_kinds_default(kind, drafters,
 def small(tiny_llama_dir):
     """A vocabulary-8 target and the exact plain-sampling distribution of 3 tokens after SMALL_PROMPT."""
     model = load_model(tiny_llama_dir("llama", **SMALL), torch.float32, "cpu")
-    return Loaded(model, None, "small@00000000"), exact_joint(model, SMALL_PROMPT, SamplingParams(temperature=1.0))
+    return LoadedTarget(model, None, "small@00000000"), exact_joint(
+        model, SMALL_PROMPT, SamplingParams(temperature=1.0)
+    )
 
 
 @pytest.mark.parametrize("kind", BUILTIN)

@@ -19,12 +19,15 @@ from transformers import LlamaConfig
 from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.serve.build import SpecConfig, build_engine, load, load_trained, resolve_shape
+from draftsmith.serve.build import build_engine, resolve_shape
+from draftsmith.serve.drafters import load_trained
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.export import foreign, formats, speculators
-from draftsmith.serve.export.exporters import ExportError, export, validate
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.export import foreign, speculators
+from draftsmith.serve.export.base import ExportError
+from draftsmith.serve.export.pipeline import export, validate
+from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.proposers.propose_eagle import TreeConfig
+from draftsmith.serve.spec import SpecConfig
 from helpers import PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -62,7 +65,7 @@ def tiny(tiny_llama_dir, tmp_path_factory):
     """(target config, loaded target, drafter folder, its speculators export, its format=vllm export)."""
     root = tmp_path_factory.mktemp("speculators")
     tcfg = copy_target(tiny_llama_dir, root / "target")
-    target = load(tcfg)
+    target = load_target(tcfg)
     drafter = save_head(target, tcfg, root / "eagle3")
     spec = export(drafter, "speculators", root / "speculators", tcfg, "fp32")
     flat = export(drafter, "vllm", root / "vllm", tcfg, "fp32")
@@ -188,7 +191,7 @@ def test_failed_export_writes_nothing(tiny, tmp_path, monkeypatch):
         exp.tensors["model.safetensors"].pop("d2t")
         return exp
 
-    monkeypatch.setattr(formats, "SPECULATORS", replace(formats.SPECULATORS, export=without_d2t))
+    monkeypatch.setattr(speculators, "SPECULATORS", replace(speculators.SPECULATORS, export=without_d2t))
     with pytest.raises(ExportError, match="missing key d2t"):
         export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
@@ -375,7 +378,7 @@ def test_a_foreign_head_needs_spec_eagle3(tiny, spec):
 def test_round_trip_of_a_qwen2_head(tiny_llama_dir, tmp_path):
     """Qwen2 heads have q/k/v biases; the engines' attention_bias adds an o_proj bias, exported as zeros."""
     tcfg = copy_target(tiny_llama_dir, tmp_path / "target", "qwen2")
-    target = load(tcfg)
+    target = load_target(tcfg)
     drafter = save_head(target, tcfg, tmp_path / "eagle3")
     out = export(drafter, "speculators", tmp_path / "out", tcfg, "fp32")
     assert "layers.0.self_attn.o_proj.bias" in load_file(str(out / "model.safetensors"))

@@ -19,15 +19,17 @@ from test_eval_runner import config
 import draftsmith.conf
 from draftsmith.eval.methods import drafter_params, spec_label
 from draftsmith.eval.runner import run_eval
-from draftsmith.serve.build import Loaded, SpecConfig, lookup_proposer, make_proposer, resolve_shape
+from draftsmith.serve.build import lookup_proposer, make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.hybrid import HybridProposer, merge_tree
 from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
-from draftsmith.serve.proposers.propose_suffix import SuffixConfig, SuffixProposer, SuffixTree
+from draftsmith.serve.proposers.propose_suffix import SuffixProposer, SuffixTree
+from draftsmith.serve.spec import SpecConfig, SuffixConfig
 from helpers import PROMPTS, build_tiny_chat_target, exact_joint
 
 GREEDY = SamplingParams()
@@ -352,7 +354,7 @@ def test_merge_tree_shares_nodes_and_keeps_branches():
 
 
 def test_spec_configs_build_suffix_proposers(target):
-    loaded = Loaded(target, None, "tiny@0")
+    loaded = LoadedTarget(target, None, "tiny@0")
     conf = draftsmith.conf.__path__[0]
     spec = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(SpecConfig), OmegaConf.load(f"{conf}/spec/suffix.yaml"))
@@ -400,7 +402,7 @@ def test_lookup_pairs_with_a_head_by_the_spec():
 def test_suffix_tokens_need_a_head(target):
     layerskip = SpecConfig("layerskip", 2, layers=1, suffix_tokens=4)
     with pytest.raises(ValueError, match="spec.suffix_tokens pairs suffix decoding with drafters that rebuild"):
-        make_proposer(layerskip, Loaded(target, None, "tiny@0"))
+        make_proposer(layerskip, LoadedTarget(target, None, "tiny@0"))
 
 
 def test_eval_forgets_the_warm_up_and_earlier_repeats(smollm2_dir, tmp_path):

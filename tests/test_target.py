@@ -45,7 +45,8 @@ def test_smollm2_is_converted_once(smollm2_dir: Path, monkeypatch) -> None:
 
 
 def test_load_target_smollm2(smollm2_dir: Path) -> None:
-    model, tok, tid = load_target(TargetConfig(device="cpu"))
+    loaded = load_target(TargetConfig(device="cpu"))
+    model, tok, tid = loaded.model, loaded.tokenizer, loaded.target_id
     assert isinstance(model, Transformer) and model.dtype == torch_dtype("auto", "cpu")
     assert tok.decode(tok("hello world")["input_ids"]).endswith("hello world")
     assert tid.startswith("smollm2-135m@") and len(tid.split("@")[1]) == 8

@@ -21,8 +21,9 @@ from draftsmith.heads import kinds
 from draftsmith.heads.drafter import load_drafter, load_token_counts
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.llama import Transformer
-from draftsmith.serve.build import load, resolve_shape, target_info
-from draftsmith.serve.models.target import TargetConfig, native_bf16
+from draftsmith.serve.build import resolve_shape
+from draftsmith.serve.drafters import target_info
+from draftsmith.serve.models.target import TargetConfig, load_target, native_bf16
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.wandb_run import WandbConfig
 from draftsmith.train import acceptance as acceptance_mod
@@ -140,7 +141,7 @@ def test_loss_decreases_and_the_final_drafter_loads(uninterrupted, target):
     line = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "masked", "time"} <= line.keys()
     assert line["tokens_per_s"] > 0
-    loaded = load(TargetConfig(path=str(target)))
+    loaded = load_target(TargetConfig(path=str(target)))
     head = load_drafter(out / "final", target_info(loaded), loaded.model)
     assert torch.equal(head.proj.weight, weights(out)["proj.weight"])
     meta = json.loads((out / "final" / "config.json").read_text())
@@ -284,7 +285,7 @@ def test_feature_cache_is_built_once_reused_and_refused_for_another_target(
     cached = FeatureConfig(mode="cached", dir=str(cache), shard_tokens=500)
     train(config(tmp_path / "a", target, data, features=cached))
     manifest = json.loads((cache / "manifest.json").read_text())
-    loaded = load(TargetConfig(path=str(target)))
+    loaded = load_target(TargetConfig(path=str(target)))
     assert manifest["target"] == loaded.target_id and manifest["layers"] == [1] and manifest["dtype"] == "bfloat16"
     assert len(manifest["shards"]) == len(list(cache.glob("shard-*"))) > 1 and manifest["examples"] > 30
     # close to online features (bf16 storage): same data order, nearly the same losses

@@ -14,10 +14,13 @@ from torch import nn
 
 from draftsmith.heads.drafter import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape, get
-from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, target_info
+from draftsmith.serve.build import build_engine
+from draftsmith.serve.drafters import target_info
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.target import LoadedTarget, encode_chat
 from draftsmith.serve.shared.conversations import heldout_conversations
+from draftsmith.serve.spec import SpecConfig
 
 from .data import DataConfig
 
@@ -37,7 +40,7 @@ def heldout_prompts(data: DataConfig, tokenizer, n: int, max_tokens: int) -> lis
 
 
 def acceptance_hook(
-    target: Loaded,
+    target: LoadedTarget,
     config,
     prompts: list[list[int]],
     max_new_tokens: int,

@@ -15,7 +15,7 @@ import torch
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.engine.sampling import SamplingParams, pick
-from draftsmith.serve.proposers.propose_draft_model import causal_mask
+from draftsmith.serve.engine.tree import causal_mask
 
 
 @dataclass

@@ -7,15 +7,15 @@ import hashlib
 import json
 import time
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
 from torch.utils.data import Dataset
 
-from draftsmith.serve.build import Loaded
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.shared.conversations import Conversation, Skipped, load_conversations
 
 from .chat import encode_all
+from .config import RunConfig
 from .distill import distill, distill_path
 from .features import (
     MANIFEST,
@@ -29,11 +29,8 @@ from .features import (
 )
 from .regen_backends import describe
 
-if TYPE_CHECKING:
-    from .config import RunConfig
 
-
-def training_conversations(cfg: RunConfig, target: Loaded, acc: Accelerator, say) -> tuple[list, Skipped]:
+def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerator, say) -> tuple[list, Skipped]:
     """The train split of data.source, with the target's own answers under data.self_distill (regenerated once into
     the answers file, shards beside it merged in, then reused from it)."""
     data = cfg.data
@@ -53,7 +50,9 @@ def training_conversations(cfg: RunConfig, target: Loaded, acc: Accelerator, say
     return convs, skipped
 
 
-def make_examples(cfg: RunConfig, target: Loaded, convs: list[Conversation], skipped: Skipped, say) -> tuple[list, str]:
+def make_examples(
+    cfg: RunConfig, target: LoadedTarget, convs: list[Conversation], skipped: Skipped, say
+) -> tuple[list, str]:
     examples = encode_all(target.tokenizer, convs, cfg.data.max_length, skipped)
     by = generators_text(convs) or ("the target" if cfg.data.self_distill else "")
     info = f"{len(examples)} conversations used{f', answers by {by}' if by else ''}, skipped: {skipped}"
@@ -88,7 +87,7 @@ def generators_text(convs: list[Conversation]) -> str:
     return f"the target ({'; '.join(f'{g}: {n}' for g, n in counts.most_common())})"
 
 
-def make_dataset(cfg: RunConfig, target: Loaded, layers: tuple, acc: Accelerator, say) -> tuple[Dataset, str]:
+def make_dataset(cfg: RunConfig, target: LoadedTarget, layers: tuple, acc: Accelerator, say) -> tuple[Dataset, str]:
     """Tokenized examples (online features) or a feature cache, built once by all processes together."""
     fc, tok = cfg.train.features, target.tokenizer
     convs, skipped = training_conversations(cfg, target, acc, say)

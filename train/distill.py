@@ -23,8 +23,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 from tqdm import tqdm
 
-from draftsmith.serve.build import Loaded, eos_ids
-from draftsmith.serve.models.target import TargetConfig, keyed_cache_path
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, eos_ids, keyed_cache_path
 from draftsmith.serve.shared.conversations import Conversation, Skipped, provenance
 
 from .data import ANSWER_FIELDS, DataConfig, DistillConfig
@@ -118,7 +117,7 @@ def row_of(chat: Chat, generator: dict) -> dict:
 def generate_into(
     path: Path,
     todo: list[tuple[Chat, list[int]]],
-    target: Loaded,
+    target: LoadedTarget,
     cfg: DistillConfig,
     limit: int,
     show: bool,
@@ -158,7 +157,7 @@ def generate_into(
 
 def distill(
     convs: list[Conversation],
-    target: Loaded,
+    target: LoadedTarget,
     cfg: DistillConfig,
     path: Path,
     max_length: int,
@@ -241,7 +240,7 @@ def conversation(row: dict) -> Conversation:
     return Conversation(row["id"], row["messages"], *provenance(row))
 
 
-def distill_path(data: DataConfig, target: Loaded, cache_dir: str | None) -> Path:
+def distill_path(data: DataConfig, target: LoadedTarget, cache_dir: str | None) -> Path:
     """data.distill.out, else <cache_root(cache_dir)>/distill/<target>-<key hash>.jsonl, keyed by what changes the
     answers (not max_conversations: a run with more conversations appends to the same file)."""
     if data.distill.out:
@@ -266,12 +265,12 @@ class DistillRun:
 
 
 def run(cfg: DistillRun) -> Path:
-    from draftsmith.serve.build import load
+    from draftsmith.serve.models.target import load_target
     from draftsmith.serve.shared.conversations import load_conversations
 
     data = cfg.data
     convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
-    target = load(cfg.target)
+    target = load_target(cfg.target)
     path = distill_path(cfg.data, target, cfg.target.cache_dir)
     out = distill(convs, target, data.distill, path, data.max_length, skipped, cache_dir=cfg.target.cache_dir)
     answers = sum(m["role"] == "assistant" for c in out for m in c.messages)

@@ -12,10 +12,11 @@ from pathlib import Path
 from jinja2 import TemplateError
 
 from draftsmith.heads.files import write_file_atomic
-from draftsmith.serve.build import Loaded, SpecConfig, build_engine, encode_chat, eos_ids, load
+from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import TargetConfig
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, eos_ids, load_target
 from draftsmith.serve.shared.conversations import Conversation
+from draftsmith.serve.spec import SpecConfig
 
 from .data import DistillConfig
 from .turns import user_segments
@@ -62,12 +63,12 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def check_fidelity(
-    loaded: Loaded, convs: list[Conversation], cfg: DistillConfig, out: Path, cache_dir: str | None = None
+    loaded: LoadedTarget, convs: list[Conversation], cfg: DistillConfig, out: Path, cache_dir: str | None = None
 ) -> Fidelity:
     """data.distill.fidelity first turns of `convs`, both engines in fp32 (the target read again from its folder);
     the result is also written to `out` (JSON)."""
     n, max_new_tokens = cfg.fidelity, cfg.fidelity_tokens
-    target = load(TargetConfig(path=str(loaded.folder), dtype="float32", cache_dir=cache_dir))
+    target = load_target(TargetConfig(path=str(loaded.folder), dtype="float32", cache_dir=cache_dir))
     limit = target.model.config.max_position_embeddings - max_new_tokens
     prompts = first_prompts(convs, target.tokenizer, n, limit)
     if not prompts:

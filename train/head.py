@@ -9,7 +9,7 @@ from torch import nn
 
 from draftsmith.heads.kinds import KINDS, DraftShape, Kind
 from draftsmith.heads.llama import ModelConfig
-from draftsmith.serve.build import Loaded
+from draftsmith.serve.models.target import LoadedTarget
 
 SIZE_FIELDS = (
     "num_layers",
@@ -59,7 +59,7 @@ def trained_kind(kind: str) -> Kind:
     return found
 
 
-def build_head(kind: str, target: Loaded, cfg: HeadConfig) -> tuple[nn.Module, Any]:
+def build_head(kind: str, target: LoadedTarget, cfg: HeadConfig) -> tuple[nn.Module, Any]:
     """The kind's module, built with its config and the target (to borrow or copy weights from), and that
     config (what save_drafter writes: not always `head.config`, a draft model's is its ModelConfig)."""
     config = head_config(kind, cfg, target.model.config)

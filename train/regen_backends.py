@@ -10,9 +10,10 @@ from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from draftsmith.serve.build import Loaded, SpecConfig, build_engine, eos_ids
+from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import native_bf16, pick_device
+from draftsmith.serve.models.target import LoadedTarget, eos_ids, native_bf16, pick_device
+from draftsmith.serve.spec import SpecConfig
 
 from .batch_decode import generate_batch
 from .data import DistillConfig
@@ -44,7 +45,9 @@ def describe(generator: dict) -> str:
     return f"{generator.get('engine')} {generator.get('version')}, {generator.get('dtype')}, {how}"
 
 
-def open_backend(target: Loaded, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None, say) -> Backend:
+def open_backend(
+    target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None, say
+) -> Backend:
     """data.distill.backend: vllm, draftsmith, or auto (vLLM where it is installed and starts, else draftsmith's
     own decoder, saying so in one line)."""
     if cfg.backend != "draftsmith":
@@ -57,7 +60,7 @@ def open_backend(target: Loaded, cfg: DistillConfig, limit: int, log: Path, cach
     return own_backend(target, cfg, limit)
 
 
-def vllm_backend(target: Loaded, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None) -> Backend:
+def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None) -> Backend:
     if target.folder is None:
         raise VllmUnavailable("the target was not loaded from a folder vLLM could read")
     python = find_vllm_python(cfg.vllm_python, cache_dir)
@@ -81,7 +84,7 @@ def vllm_dtype(name: str) -> str:
     return name
 
 
-def own_backend(target: Loaded, cfg: DistillConfig, limit: int) -> Backend:
+def own_backend(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Backend:
     batch = cfg.batch_size or OWN_BATCH
     generate = engine_generate(target, cfg, limit) if batch == 1 else batched_generate(target, cfg)
     dtype = str(target.model.dtype).removeprefix("torch.")
@@ -95,7 +98,7 @@ def draftsmith_version() -> str:
         return "unknown"
 
 
-def engine_generate(target: Loaded, cfg: DistillConfig, limit: int) -> Generate:
+def engine_generate(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Generate:
     """The engine, one conversation at a time, with a lossless proposer (data.distill.spec)."""
     engine = build_engine(target, SpecConfig(cfg.spec), prefix_cache=False, max_seq_len=limit)
     sp = SamplingParams(cfg.temperature, cfg.top_p)
@@ -108,7 +111,7 @@ def engine_generate(target: Loaded, cfg: DistillConfig, limit: int) -> Generate:
     return generate
 
 
-def batched_generate(target: Loaded, cfg: DistillConfig) -> Generate:
+def batched_generate(target: LoadedTarget, cfg: DistillConfig) -> Generate:
     """Many conversations in lockstep on the engine's runner (train/batch_decode.py); a chat's KV is kept between
     its turns."""
     sp, eos = SamplingParams(cfg.temperature, cfg.top_p), eos_ids(target)

@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from draftsmith.heads.drafter import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
-from draftsmith.serve.build import Loaded, load, target_info
-from draftsmith.serve.models.target import TargetConfig, native_bf16, pick_device
+from draftsmith.serve.drafters import target_info
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target, native_bf16, pick_device
 
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts
@@ -165,10 +165,10 @@ def resolve_precision(name: str | None) -> str | None:
     return "bf16" if native_bf16(pick_device("auto")) else "no"
 
 
-def load_for_accelerator(cfg: TargetConfig, acc: Accelerator) -> Loaded:
+def load_for_accelerator(cfg: TargetConfig, acc: Accelerator) -> LoadedTarget:
     if cfg.device == "auto":  # each process uses the device accelerate gave it
         cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
-    return load(cfg)
+    return load_target(cfg)
 
 
 def loss_for(kind: str):
@@ -193,7 +193,7 @@ def check_loss_options(loss_fn, options: dict, kind: str) -> None:
         )
 
 
-def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
+def make_hook(cfg: RunConfig, target: LoadedTarget, head_cfg, say):
     tc = cfg.train
     prompts = heldout_prompts(cfg.data, target.tokenizer, tc.eval_prompts, cfg.data.max_length)
     if not prompts:
@@ -202,7 +202,7 @@ def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
     return acceptance_hook(target, head_cfg, prompts, tc.eval_max_new_tokens, say, cfg.head.draft)
 
 
-def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int, zero: int | None = None) -> dict:
+def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples: int, zero: int | None = None) -> dict:
     """What must not change between a checkpoint and its resume (it fixes the data order and schedule; under
     DeepSpeed the ZeRO stage fixes how the optimizer state was saved). The key is added only under DeepSpeed, so
     earlier checkpoints keep their fingerprint; head.draft (what the drafter is recorded for) is left out."""
@@ -254,7 +254,7 @@ class Loop:
     head_cfg: Any  # what save_drafter writes
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    target: Loaded
+    target: LoadedTarget
     layers: tuple[int, ...]
     dataset: Dataset
     plan: Plan

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
-from draftsmith.serve.build import encode_chat
+from draftsmith.serve.models.target import encode_chat
 from draftsmith.serve.shared.conversations import Conversation, Skipped
 
 from .batch_decode import Past

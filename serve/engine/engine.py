@@ -17,10 +17,9 @@ from draftsmith.serve.engine.graphs import make_static_step
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams, pick
-from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.engine.verify import verify
 from draftsmith.serve.proposers.base import Proposer
-from draftsmith.serve.proposers.propose_draft_model import causal_mask
 
 
 @dataclass

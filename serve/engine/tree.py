@@ -84,3 +84,10 @@ def tree_depths(parents: Tensor) -> Tensor:
     for p in parents.tolist():
         depths.append(1 if p < 0 else depths[p] + 1)
     return torch.tensor(depths, dtype=torch.long, device=parents.device)
+
+
+def causal_mask(start: int, n: int, device) -> Tensor | None:
+    """Bool [n, start+n] for n new tokens after `start` cached ones; None where SDPA needs none."""
+    if n == 1 or start == 0:
+        return None
+    return torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)

@@ -9,7 +9,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from draftsmith.serve.export.exporters import ExportError, export, validate
+from draftsmith.serve.export.base import ExportError
+from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.target import TargetConfig
 from draftsmith.serve.shared.cli import typed_or_exit
 

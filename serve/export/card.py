@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from draftsmith.heads.drafter import shape_text
 
 if TYPE_CHECKING:
-    from draftsmith.serve.export.exporters import Source
+    from draftsmith.serve.export.base import Source
 
 EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI"}

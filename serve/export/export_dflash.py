@@ -25,6 +25,7 @@ from torch import Tensor
 from draftsmith.heads.drafter import own_state
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
+from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,
     attn_shapes,
@@ -35,7 +36,6 @@ from draftsmith.serve.export.checks import (
     rms,
     rotate,
 )
-from draftsmith.serve.export.exporters import Export, Source, llama_head_config
 
 
 def dflash_vllm(src: Source) -> Export:
@@ -161,3 +161,14 @@ def dflash_pairs(src: Source, p: Probe) -> dict[str, tuple]:
     hidden, logits, ids = dflash_forward(p.w, cfg, aux, head.embed_tokens(block), start)
     pairs = {"hidden": (hidden, head.norm(mine)), "target ids": (ids, head.vocab_ids)}
     return pairs | ({"logits": (logits, head.logits(mine))} if logits is not None else {})
+
+
+# vLLM's DFlashDraftModel (dflash_config, non-causal block)
+DFLASH_VLLM = Format(
+    export=dflash_vllm,
+    shapes=dflash_shapes,
+    config=dflash_config,
+    forward=dflash_pairs,
+    problems=dflash_problems,
+    vllm="dflash",
+)

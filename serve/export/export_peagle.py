@@ -1,7 +1,7 @@
 """P-EAGLE export (issue 17): the speculators `peagle` checkpoint, which vLLM loads as eagle3 with
 `parallel_drafting: true` (transformers_utils/configs/speculators/algos.py: update_peagle maps mask_token_id to
 `pard_token`; models/llama_eagle3.py loads `mask_hidden` into a buffer and runs it through fc for every mask
-slot), and its validator's pieces; serve/export/formats.py puts them together as PEAGLE_VLLM.
+slot), its validator's pieces, and the Format that puts them together (PEAGLE_VLLM).
 
 Keys and config fields follow speculators 0.9.0 (models/peagle, models/eagle3/config.py) and vLLM's loader,
 not memory: layers.{i}.* (layer 0 attends over [embed; feature]), fc, norm, lm_head, d2t/t2d (vLLM drops t2d and
@@ -18,12 +18,11 @@ from torch import Tensor
 
 from draftsmith.heads.drafter import own_state
 from draftsmith.heads.llama import ModelConfig
+from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,
     attention,
     attn_shapes,
-    eagle3_layer,
-    eagle3_table,
     head_config_problems,
     linear,
     mlp,
@@ -31,7 +30,7 @@ from draftsmith.serve.export.checks import (
     rms,
     t2d_pair,
 )
-from draftsmith.serve.export.exporters import Export, Source, llama_head_config
+from draftsmith.serve.export.export_eagle3 import eagle3_layer, eagle3_table
 from draftsmith.serve.export.speculators import speculators_config, speculators_name
 
 
@@ -119,3 +118,16 @@ def peagle_pairs(src: Source, p: Probe) -> dict[str, tuple[Tensor, Tensor]]:
     mine = head.logits(head(feats[None], tokens[None], positions)[0])
     ids = torch.arange(c.draft_vocab_size) + w.get("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
     return {"logits": (theirs, mine), "target ids": (ids, head.vocab_ids)} | t2d_pair(w, head)
+
+
+# P-EAGLE in speculators' `peagle` layout, which vLLM loads as eagle3 drafting all tokens in one forward
+PEAGLE_VLLM = Format(
+    export=peagle_speculators,
+    shapes=peagle_shapes,
+    config=peagle_config,
+    forward=peagle_pairs,
+    problems=peagle_problems,
+    vllm="eagle3",
+    vllm_options=(("parallel_drafting", True),),
+    vllm_alone=True,
+)

@@ -24,7 +24,7 @@ from draftsmith.heads.drafter import cast_own, config_hash, own_state
 from draftsmith.heads.eagle import EagleConfig
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.llama import ModelConfig, Transformer
-from draftsmith.serve.export.checks import EAGLE31_KEYS, eagle3_table
+from draftsmith.serve.export.export_eagle3 import EAGLE31_KEYS, eagle3_table
 from draftsmith.serve.export.speculators import FLAT_LAYER, LAYER, PLAIN, flat_name, speculators_name
 from draftsmith.serve.models.loader import load_state_dict, weight_files
 

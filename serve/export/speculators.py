@@ -15,15 +15,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from draftsmith.serve.export.checks import (
-    EAGLE31_KEYS,
-    Probe,
-    Shapes,
-    eagle3_pairs,
-    eagle3_shapes,
-    head_config_problems,
-)
-from draftsmith.serve.export.exporters import Export, Source, eagle3_vllm
+from draftsmith.serve.export.base import Export, Format, Source
+from draftsmith.serve.export.checks import Probe, Shapes, head_config_problems
+from draftsmith.serve.export.export_eagle3 import EAGLE31_KEYS, eagle3_pairs, eagle3_shapes, eagle3_vllm
 
 SCHEMA_VERSION = "0.9.0"  # the speculators release whose classes these keys follow
 LAYER, FLAT_LAYER = "layers.0.", "midlayer."
@@ -124,7 +118,7 @@ def verifier(src: Source) -> dict:
     return {"name_or_path": str(src.target_dir.resolve()), "architectures": src.target_hf.get("architectures") or []}
 
 
-# ---------------------------------------------------------------- the validator's pieces (serve/export/formats.py)
+# ---------------------------------------------------------------- the validator's pieces
 
 
 def layer_of(config: dict) -> dict:
@@ -194,3 +188,15 @@ def layer_problems(src: Source, config: dict) -> list[str]:
     ]
     rope = [p.removeprefix("config.json ") for p in head_config_problems(src, Path(), layer)]
     return problems + [f"transformer_layer_config: {p}" for p in rope]
+
+
+# vLLM's native format, as the speculators package defines it (speculators.py); vLLM serves the folder alone
+SPECULATORS = Format(
+    export=eagle3_speculators,
+    shapes=speculators_shapes,
+    config=eagle3_values,
+    forward=speculators_pairs,
+    problems=speculators_problems,
+    vllm="eagle3",
+    vllm_alone=True,
+)

@@ -174,8 +174,38 @@ def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
-def load_target(cfg: TargetConfig) -> tuple[Transformer, PreTrainedTokenizerBase, str]:
+@dataclass
+class LoadedTarget:
+    """The target as the engine runs it: the model, its tokenizer, the id drafters record, the HF folder it was
+    loaded from (what another engine, e.g. vLLM, would read)."""
+
+    model: Transformer
+    tokenizer: PreTrainedTokenizerBase
+    target_id: str
+    folder: Path | None = None
+
+
+def load_target(cfg: TargetConfig) -> LoadedTarget:
     folder = resolve_target(cfg)
     device = pick_device(cfg.device)
     model = load_model(folder, torch_dtype(cfg.dtype, device), device)
-    return model, load_tokenizer(folder), target_id(cfg, folder)
+    return LoadedTarget(model, load_tokenizer(folder), target_id(cfg, folder), folder)
+
+
+def eos_ids(target: LoadedTarget) -> tuple[int, ...]:
+    ids = set(target.model.config.eos_token_ids)
+    if target.tokenizer.eos_token_id is not None:
+        ids.add(target.tokenizer.eos_token_id)
+    return tuple(sorted(ids))
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
+    """The target's chat template with the assistant turn opened."""
+    if not tokenizer.chat_template:
+        raise ValueError(f"{tokenizer.name_or_path} has no chat template; use raw prompts (chat=false / `prompt`)")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_raw(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]

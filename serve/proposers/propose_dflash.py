@@ -16,10 +16,12 @@ from torch import Tensor
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
-from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.drafters import spec_head
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.propose_eagle import SlotProposer
+from draftsmith.serve.spec import SpecConfig
 
 
 class DFlashProposer(SlotProposer):
@@ -68,6 +70,6 @@ class DFlashProposer(SlotProposer):
         return self.draft_slots(sp, budget)
 
 
-def dflash_proposer(spec: SpecConfig, target: Loaded) -> DFlashProposer:
+def dflash_proposer(spec: SpecConfig, target: LoadedTarget) -> DFlashProposer:
     """spec=dflash: the head borrows the target's embedding; num_tokens and tree come resolved (serve/build.py)."""
     return DFlashProposer(spec_head(spec, target, target.model), spec.num_tokens, spec.tree)

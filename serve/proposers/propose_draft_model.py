@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
+from draftsmith.serve.drafters import draft_dtype, load_draft_lm
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, sample, widen
-from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.engine.tree import DraftTree, causal_mask
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.base import Proposer
-
-if TYPE_CHECKING:
-    from draftsmith.serve.build import Loaded, SpecConfig
+from draftsmith.serve.spec import SpecConfig
 
 
 @dataclass
@@ -93,23 +92,14 @@ class DraftModelProposer(Proposer):
         return out.logits[-1] if logits else out.logits
 
 
-def draft_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
+def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     """spec=draft: an HF draft LM, or a draft_model drafter folder."""
-    from draftsmith.serve.build import draft_dtype, load_draft_lm  # build imports this module (through the engine)
-
     model = load_draft_lm(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
 
 
-def layerskip_proposer(spec: SpecConfig, target: Loaded) -> DraftModelProposer:
+def layerskip_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftChainConfig(spec.num_tokens))
-
-
-def causal_mask(start: int, n: int, device) -> Tensor | None:
-    """Bool [n, start+n] for n new tokens after `start` cached ones; None where SDPA needs none."""
-    if n == 1 or start == 0:
-        return None
-    return torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
 
 
 def layerskip_model(target: Transformer, num_layers: int) -> Transformer:

@@ -16,10 +16,12 @@ from torch import Tensor, nn
 
 from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
-from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.drafters import spec_head
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.spec import SpecConfig
 
 
 class EagleProposer(Proposer):
@@ -138,7 +140,7 @@ class EagleProposer(Proposer):
         return widen(p, self.vocab_ids, self.head.config.vocab_size)
 
 
-def eagle_proposer(spec: SpecConfig, target: Loaded) -> EagleProposer:
+def eagle_proposer(spec: SpecConfig, target: LoadedTarget) -> EagleProposer:
     """spec=eagle, eagle3: the head borrows the target's embedding (and EAGLE-1 its lm_head)."""
     return EagleProposer(spec_head(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
 

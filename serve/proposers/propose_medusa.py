@@ -13,10 +13,12 @@ from torch import Tensor
 
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import DEFAULT_CHOICES, MedusaHeads
-from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.drafters import spec_head
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.spec import SpecConfig
 
 
 def tree_from_choices(choices: list[list[int]], max_depth: int) -> list[tuple[int, ...]]:
@@ -71,7 +73,7 @@ class MedusaProposer(Proposer):
         return DraftTree(ranked[self.head_of[:n], self.rank_of[:n]], self.parents[:n])
 
 
-def medusa_proposer(spec: SpecConfig, target: Loaded) -> MedusaProposer:
+def medusa_proposer(spec: SpecConfig, target: LoadedTarget) -> MedusaProposer:
     return MedusaProposer(spec_head(spec, target), spec.choices, spec.num_tokens)
 
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.base import Proposer
-
-if TYPE_CHECKING:
-    from draftsmith.serve.build import Loaded, SpecConfig
+from draftsmith.serve.spec import SpecConfig
 
 
 @dataclass
@@ -45,7 +43,7 @@ class NgramProposer(Proposer):
         return DraftTree.empty(tokens.device)
 
 
-def ngram_proposer(spec: SpecConfig, target: Loaded) -> NgramProposer:
+def ngram_proposer(spec: SpecConfig, target: LoadedTarget) -> NgramProposer:
     return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
 
 

@@ -17,10 +17,12 @@ from torch import Tensor
 from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
-from draftsmith.serve.build import Loaded, SpecConfig, spec_head
+from draftsmith.serve.drafters import spec_head
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.propose_eagle import SlotProposer
+from draftsmith.serve.spec import SpecConfig
 
 
 class PEagleProposer(SlotProposer):
@@ -78,7 +80,7 @@ class PEagleProposer(SlotProposer):
         return self.draft_slots(sp, budget)
 
 
-def peagle_proposer(spec: SpecConfig, target: Loaded) -> PEagleProposer:
+def peagle_proposer(spec: SpecConfig, target: LoadedTarget) -> PEagleProposer:
     """spec=peagle: the head borrows the target's embedding; refused if it reads layers the target lacks."""
     head = spec_head(spec, target, target.model)
     check_target_layers(head, target.model, spec.drafter)

@@ -22,7 +22,6 @@ import itertools
 import sys
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -30,35 +29,11 @@ from torch import Tensor
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.base import Proposer
-
-if TYPE_CHECKING:
-    from draftsmith.serve.build import Loaded, SpecConfig
+from draftsmith.serve.spec import SpecConfig, SuffixConfig
 
 UNBOUNDED = sys.maxsize  # no budget: drafts only as deep as num_tokens and the match allow
-
-
-@dataclass
-class SuffixConfig:
-    """vLLM's suffix_decoding_* settings (same names and defaults), plus `tree`."""
-
-    max_tree_depth: int = 24  # longest substring a tree holds: bounds match length + draft length
-    max_cached_requests: int = 10000  # responses the global tree keeps, oldest dropped first; 0 = no global tree
-    max_spec_factor: float = 1.0  # draft at most max_spec_factor x match length tokens
-    min_token_prob: float = 0.1  # draft no token whose estimated path probability is under this
-    tree: bool = False  # draft a tree (the likeliest branches, best first) instead of one path as vLLM does
-
-    def __post_init__(self) -> None:
-        if self.max_tree_depth < 2:
-            raise ValueError(f"spec.suffix.max_tree_depth must be >= 2 (match + draft), got {self.max_tree_depth}")
-        if self.max_cached_requests < 0:
-            raise ValueError(
-                f"spec.suffix.max_cached_requests must be >= 0 (0 = no global tree), got {self.max_cached_requests}"
-            )
-        if self.max_spec_factor <= 0:
-            raise ValueError(f"spec.suffix.max_spec_factor must be > 0, got {self.max_spec_factor}")
-        if not 0 <= self.min_token_prob <= 1:
-            raise ValueError(f"spec.suffix.min_token_prob must be in [0, 1], got {self.min_token_prob}")
 
 
 class Node:
@@ -342,5 +317,5 @@ class SuffixProposer(Proposer):
         return best
 
 
-def suffix_proposer(spec: SpecConfig, target: Loaded) -> SuffixProposer:
+def suffix_proposer(spec: SpecConfig, target: LoadedTarget) -> SuffixProposer:
     return SuffixProposer(spec.suffix, spec.num_tokens)

@@ -1,0 +1,104 @@
+"""Load the drafter a spec names: a draftsmith drafter folder, an EAGLE-3 head made elsewhere, or a draft LM, each
+refused unless it was made for (or speaks the vocabulary of) the loaded target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_drafter, load_token_counts, not_a_drafter, read_meta
+from draftsmith.heads.kinds import by_spec, get
+from draftsmith.heads.llama import Transformer
+from draftsmith.heads.packed import can_pack, pack_linears
+from draftsmith.serve.export.foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, load_foreign, read_foreign
+from draftsmith.serve.models.loader import load_model, read_hf_config
+from draftsmith.serve.models.target import LoadedTarget, load_tokenizer, torch_dtype
+from draftsmith.serve.spec import SpecConfig
+
+
+def target_info(target: LoadedTarget) -> TargetInfo:
+    c = target.model.config
+    return TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
+
+
+def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:
+    """auto: bf16 for an fp32 target on a CPU with bf16 kernels (a draft step costs ~half; drafts are only
+    proposals, the fp32 target still decides every token), else the target's dtype."""
+    if spec.draft_dtype != "auto":
+        return torch_dtype(spec.draft_dtype, str(target.device))
+    if target.dtype == torch.float32 and can_pack(target.lm_head.weight.new_empty(0, dtype=torch.bfloat16)):
+        return torch.bfloat16
+    return target.dtype
+
+
+def load_draft_lm(
+    folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0
+) -> Transformer:
+    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see load_trained."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
+    hf = read_hf_config(folder)
+    if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/export/foreign.py)
+        return load_trained(folder, target, "draft", dtype=dtype, draft_vocab=draft_vocab)
+    archs = hf.get("architectures") or []
+    if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export
+        raise ValueError(not_a_drafter(folder, hf))
+    if draft_vocab:
+        raise ValueError(
+            f"spec.draft_vocab needs the training answers' token counts of a draftsmith draft_model folder; "
+            f"{folder} is a plain HF model: set spec.draft_vocab=0"
+        )
+    vocab = hf["vocab_size"]
+    if vocab != target.model.config.vocab_size:
+        raise ValueError(
+            f"drafter {folder} has vocab_size {vocab} but target {target.target_id} has "
+            f"{target.model.config.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    check_same_tokenizer(load_tokenizer(folder), target.tokenizer, str(folder), target.target_id)
+    return load_model(folder, dtype or target.model.dtype, str(target.model.device))
+
+
+def spec_head(spec: SpecConfig, target: LoadedTarget, *shared):
+    """The trained drafter spec.drafter names, for spec.name's kind (load_trained), in spec.draft_dtype."""
+    dtype = draft_dtype(spec, target.model)
+    return load_trained(Path(spec.drafter), target, spec.name, *shared, dtype=dtype, draft_vocab=spec.draft_vocab)
+
+
+def load_trained(
+    folder: Path,
+    target: LoadedTarget,
+    spec_name: str,
+    *shared,
+    dtype: torch.dtype | None = None,
+    draft_vocab: int = 0,
+):
+    """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere, serve/export/foreign.py),
+    refused unless it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.load_drafter);
+    dtype: its weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab most
+    frequent tokens only."""
+    kind, fmt = by_spec(spec_name).name, foreign_format(folder)
+    if fmt:
+        read_foreign(folder, fmt)  # a speculators type other than eagle3 is refused as such, whatever the spec
+    found = FOREIGN_KIND if fmt else read_meta(folder)["kind"]
+    if found != kind:
+        what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).spec}" if fmt else f"a {found} drafter"
+        raise ValueError(f"spec.drafter={folder} is {what}; spec={spec_name} needs a {kind} drafter")
+    m = target.model
+    if fmt:  # no draftsmith target id: checked against the target by what the folder records
+        head = load_foreign(folder, fmt, m, target.target_id, dtype or m.dtype)
+    else:
+        head = load_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
+    if draft_vocab:
+        head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
+    pack_linears(head.eval().requires_grad_(False))
+    return head
+
+
+def check_same_tokenizer(draft: PreTrainedTokenizerBase, tgt: PreTrainedTokenizerBase, dname: str, tname: str) -> None:
+    if draft.get_vocab() != tgt.get_vocab():
+        raise ValueError(
+            f"drafter {dname} has a different tokenizer ({len(draft)} tokens, {draft.name_or_path}) than target "
+            f"{tname} ({len(tgt)} tokens, {tgt.name_or_path}); train or pick a drafter on the target's tokenizer"
+        )

@@ -1,0 +1,124 @@
+"""Export a drafter folder to the formats serving engines load: vLLM, SGLang, TGI, HF.
+
+Each kind names its formats in its registry record (heads/kinds.py), each a Format (for the built-in kinds, in
+serve/export/export_<kind>.py): an exporter returning the export's config.json, its safetensors files and the target files to
+copy, and the validator's pieces. `export` writes them to a temp folder beside OUT, validates the result
+(serve/export/checks.py) and only then renames it into place, so a failed export leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from draftsmith.heads.files import move_into_place, temp_folder_beside
+from draftsmith.serve.export.base import (
+    EXPORT_DTYPES,
+    TOKEN_MAP,
+    Export,
+    ExportError,
+    Format,
+    Source,
+    check_format_name,
+    format_for,
+    load_source,
+)
+from draftsmith.serve.export.card import EXPORT_MARK, export_card
+from draftsmith.serve.models.target import DTYPES, TargetConfig
+
+# ---------------------------------------------------------------- exporters, one per (kind, format)
+
+
+# ---------------------------------------------------------------- loading and refusing bad input
+
+
+def check_target_type(src: Source, fmt: str, f: Format) -> None:
+    mtype = src.target_hf.get("model_type")
+    if mtype not in f.target_types:
+        raise ExportError(
+            f"target {src.target_dir} has model_type={mtype!r}; format={fmt} serves {src.kind} drafters for "
+            f"{', '.join(f.target_types)} targets only: pick another format or target"
+        )
+
+
+def check_out(out: Path, drafter: Path, overwrite: bool) -> None:
+    out, drafter = out.resolve(), drafter.resolve()
+    if out == drafter or drafter.is_relative_to(out) or out.is_relative_to(drafter):
+        raise ExportError(f"out={out} overlaps the drafter folder {drafter}: export to a separate folder")
+    if Path.cwd().resolve().is_relative_to(out):
+        raise ExportError(f"out={out} is the current folder or holds it: export to a new folder, e.g. out=export")
+    if out.exists() and not overwrite:
+        raise ExportError(f"out={out} exists; pass overwrite=true to replace it, or choose another out")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"out={out} exists and is not a folder; remove it or choose another out")
+    if out.exists() and any(out.iterdir()) and not is_export(out):
+        raise ExportError(
+            f"out={out} is not an earlier export (no README.md by draftsmith-export): overwrite=true replaces only "
+            "an export, never a training run or other files; choose another out, or remove it yourself"
+        )
+
+
+def is_export(folder: Path) -> bool:
+    card = folder / "README.md"
+    return card.is_file() and EXPORT_MARK in card.read_text(errors="replace")
+
+
+# ---------------------------------------------------------------- writing
+
+
+def cast(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Floating tensors to the export dtype; d2t (int64) and t2d (bool) keep theirs."""
+    return {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()}
+
+
+def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None:
+    config = exp.config | ({"torch_dtype": EXPORT_DTYPES[dtype]} if f.torch_dtype else {})
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, state in exp.tensors.items():
+        save_file(cast(state, DTYPES[EXPORT_DTYPES[dtype]]), str(folder / name), metadata={"format": "pt"})
+    for name in exp.copy:
+        shutil.copy2(src.target_dir / name, folder / name)
+    if exp.token_map is not None:  # SGLang reads it with torch.load(weights_only=True): a plain tensor
+        torch.save(exp.token_map.long().contiguous(), folder / TOKEN_MAP)
+    for f in folder.iterdir():
+        f.chmod(0o644)  # save_file writes owner-only files
+
+
+def export(
+    drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None, dtype: str = "bf16", overwrite: bool = False
+) -> Path:
+    """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation."""
+    from draftsmith.serve.export.checks import check_export  # which imports this module
+
+    drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
+    if dtype not in EXPORT_DTYPES:
+        raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
+    check_format_name(fmt)
+    check_out(out, drafter, overwrite)
+    src = load_source(drafter, target or TargetConfig())
+    f = format_for(src.kind, fmt)
+    check_target_type(src, fmt, f)
+    exp = f.export(src)
+    with temp_folder_beside(out, mode=0o755) as tmp:  # 755: an engine in a container may run as another user
+        write(exp, src, f, dtype, tmp)
+        token_map = TOKEN_MAP if exp.token_map is not None else None
+        (tmp / "README.md").write_text(export_card(src, fmt, dtype, out.resolve(), token_map))
+        check_export(tmp, src, fmt)
+        move_into_place(tmp, out)
+    return out
+
+
+def validate(drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None) -> None:
+    """Validate an existing export at OUT against the drafter it came from (check=true); writes nothing."""
+    from draftsmith.serve.export.checks import check_export  # which imports this module
+
+    src = load_source(Path(drafter).expanduser(), target or TargetConfig())
+    format_for(src.kind, fmt)
+    if not Path(out).expanduser().is_dir():
+        raise ExportError(f"out={out} is not a folder: nothing to check")
+    check_export(Path(out).expanduser(), src, fmt)

@@ -1,0 +1,92 @@
+"""The `spec` group: what drafts and how (SpecConfig), checked when the config is built, before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.heads.kinds import KINDS, by_spec, specs
+from draftsmith.serve.engine.tree import TreeConfig
+
+
+@dataclass
+class SuffixConfig:
+    """vLLM's suffix_decoding_* settings (same names and defaults), plus `tree`."""
+
+    max_tree_depth: int = 24  # longest substring a tree holds: bounds match length + draft length
+    max_cached_requests: int = 10000  # responses the global tree keeps, oldest dropped first; 0 = no global tree
+    max_spec_factor: float = 1.0  # draft at most max_spec_factor x match length tokens
+    min_token_prob: float = 0.1  # draft no token whose estimated path probability is under this
+    tree: bool = False  # draft a tree (the likeliest branches, best first) instead of one path as vLLM does
+
+    def __post_init__(self) -> None:
+        if self.max_tree_depth < 2:
+            raise ValueError(f"spec.suffix.max_tree_depth must be >= 2 (match + draft), got {self.max_tree_depth}")
+        if self.max_cached_requests < 0:
+            raise ValueError(
+                f"spec.suffix.max_cached_requests must be >= 0 (0 = no global tree), got {self.max_cached_requests}"
+            )
+        if self.max_spec_factor <= 0:
+            raise ValueError(f"spec.suffix.max_spec_factor must be > 0, got {self.max_spec_factor}")
+        if not 0 <= self.min_token_prob <= 1:
+            raise ValueError(f"spec.suffix.min_token_prob must be in [0, 1], got {self.min_token_prob}")
+
+
+@dataclass
+class SpecConfig:
+    """Mirrors the hydra group `spec`; each method reads the fields it needs. The draft's shape (num_tokens, tree,
+    choices) left None comes from the drafter folder (the shape it was made for), else the kind's default
+    (resolve_shape)."""
+
+    name: str = "ar"
+    num_tokens: int | None = None  # chain length k (tree depth for tree proposers; suffix: the most tokens a draft
+    # holds); None: the drafter's
+    min_n: int = 2  # ngram
+    max_n: int = 4  # ngram
+    drafter: str | None = None  # draft: an HF folder sharing the target's tokenizer, or a draft_model drafter folder
+    layers: int = 8  # layerskip: how many of the target's layers draft
+    choices: list[list[int]] | None = None  # medusa: tree paths, e.g. [[0], [0, 0], [1]]; None: the drafter's
+    # eagle, eagle3: topk (1 = a chain), total_tokens; None: the drafter's
+    tree: TreeConfig = field(default_factory=lambda: TreeConfig(None, None))
+    ngram_tokens: int = 0  # eagle, eagle3, medusa: also draft an n-gram lookup chain this long (0 = off)
+    suffix_tokens: int = 0  # eagle, eagle3, medusa: also draft by suffix decoding, up to this many tokens (0 = off)
+    ngram_policy: str = "prefer"  # for either lookup: prefer: its draft alone when found, else the tree | merge: both
+    suffix: SuffixConfig = field(default_factory=SuffixConfig)  # suffix (and suffix_tokens): vLLM's suffix settings
+    draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
+    draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
+
+    def __post_init__(self) -> None:  # checked when the config is built, before any model loads
+        if self.name not in specs():
+            raise ValueError(f"unknown spec {self.name!r}; choose one of {', '.join(specs())}")
+        if needs_drafter(self.name) and not self.drafter:
+            raise ValueError(f"spec={self.name} needs spec.drafter=DIR: {needs_drafter(self.name)}")
+        if self.num_tokens is not None and self.num_tokens < 1:
+            raise ValueError(f"spec.num_tokens must be >= 1, got {self.num_tokens}")
+        if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"spec.draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
+        if self.ngram_tokens < 0:
+            raise ValueError(f"spec.ngram_tokens must be >= 0 (0 = off), got {self.ngram_tokens}")
+        if self.suffix_tokens < 0:
+            raise ValueError(f"spec.suffix_tokens must be >= 0 (0 = off), got {self.suffix_tokens}")
+        if self.ngram_tokens and self.suffix_tokens:
+            raise ValueError("spec.ngram_tokens and spec.suffix_tokens both set: pair the drafter with one lookup")
+        if self.draft_vocab < 0:
+            raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
+        if self.draft_vocab and self.name not in vocab_specs():
+            raise ValueError(draft_vocab_refusal(self.name))
+
+
+def needs_drafter(name: str) -> str:
+    """What spec.drafter must be for spec=name; "" when that spec takes none."""
+    return next((k.drafter_help() for k in KINDS.values() if k.spec == name and k.proposer), "")
+
+
+def vocab_specs() -> list[str]:
+    """Specs whose drafter can narrow its logits at serve time (its module has restrict_vocab)."""
+    return [k.spec for k in KINDS.values() if k.proposer and hasattr(k.module, "restrict_vocab")]
+
+
+def draft_vocab_refusal(name: str) -> str:
+    names, config = vocab_specs(), by_spec(name).config if name != "ar" else None
+    own = config is not None and "draft_vocab_size" in config.__dataclass_fields__
+    why = f" an {name} head has its own (draft_vocab_size, set in training)" if own else ""
+    return f"spec.draft_vocab applies to spec={', '.join(names[:-1])} and {names[-1]}, not {name}.{why}"
