@@ -1,8 +1,8 @@
 """Export a drafter folder to the formats serving engines load: vLLM, SGLang, TGI, HF.
 
 Each kind names its formats in its registry record (heads/kinds.py), each a Format (for the built-in kinds, in
-serve/export/export_<kind>.py): an exporter returning the export's config.json, its safetensors files and the target files to
-copy, and the validator's pieces. `export` writes them to a temp folder beside OUT, validates the result
+serve/export/export_<kind>.py): an exporter returning the export's config.json, its safetensors files and the
+target files to copy, and the validator's pieces. `export` writes them to a temp folder beside OUT, validates the result
 (serve/export/checks.py) and only then renames it into place, so a failed export leaves nothing behind.
 """
 
