@@ -1,7 +1,4 @@
-# importing a kind's module registers it (heads/kinds.py): a new kind's module joins this line
-from . import draft_model, eagle, eagle3, medusa, training_free  # noqa: F401
+"""Drafter heads, the registry of kinds, and the Llama-family runner they are built from. Importing the package
+registers the built-in kinds (registry.py)."""
 
-# isort: off
-# issue 17's kinds after the others: registration order is the order spec lists and messages name kinds in
-from . import dflash, peagle  # noqa: F401
-# isort: on
+from . import registry  # noqa: F401

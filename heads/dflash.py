@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .eagle import EagleConfig, borrow
-from .eagle3 import DraftVocabHead, default_target_layers
-from .kinds import DraftShape, Kind, register
+from draftsmith.heads.draft_vocab import DraftVocabHead
+from draftsmith.heads.head_base import EagleConfig, borrow, default_target_layers
+
+from .kinds import DraftShape, Kind
 from .kv_cache import KVCache
 from .llama import DecoderLayer, ModelConfig, RMSNorm, Transformer, apply_rope
 
@@ -189,21 +190,19 @@ def anchored_mask(anchors: Tensor, n: int, block_size: int) -> Tensor:
     return torch.cat([context, own], dim=-1)
 
 
-register(
-    Kind(
-        name="dflash",
-        config=DFlashConfig,
-        module=DFlashHead,
-        features=("hidden", "aux"),  # aux: the fused context; hidden: the loss's target distribution
-        loss="draftsmith.train.losses_dflash:dflash_loss",
-        proposer="draftsmith.serve.proposers.propose_dflash:dflash_proposer",
-        formats={"vllm": "draftsmith.serve.export.export_dflash:DFLASH_VLLM"},
-        # a chain of the default block's 3 drafts (block_size 4): on a CPU one block forward costs about one EAGLE-3
-        # level whatever B is (a few rows through weights read once), but each verified row costs ~0.04 of a
-        # target step in fp32 and a quick drafter accepts little past position 3; conf/tuning/dflash-quick.yaml
-        draft_shape=DraftShape(num_tokens=3, topk=1, total_tokens=0),
-        draft_keys=("num_tokens", "topk", "total_tokens"),
-        max_depth="block_size",
-        max_depth_less=1,
-    )
+KIND = Kind(
+    name="dflash",
+    config=DFlashConfig,
+    module=DFlashHead,
+    features=("hidden", "aux"),  # aux: the fused context; hidden: the loss's target distribution
+    loss="draftsmith.train.loss_dflash:dflash_loss",
+    proposer="draftsmith.serve.proposers.propose_dflash:dflash_proposer",
+    formats={"vllm": "draftsmith.serve.export.export_dflash:DFLASH_VLLM"},
+    # a chain of the default block's 3 drafts (block_size 4): on a CPU one block forward costs about one EAGLE-3
+    # level whatever B is (a few rows through weights read once), but each verified row costs ~0.04 of a
+    # target step in fp32 and a quick drafter accepts little past position 3; conf/tuning/dflash-quick.yaml
+    draft_shape=DraftShape(num_tokens=3, topk=1, total_tokens=0),
+    draft_keys=("num_tokens", "topk", "total_tokens"),
+    max_depth="block_size",
+    max_depth_less=1,
 )

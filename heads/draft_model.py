@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .drafter import restricted_linear
-from .kinds import DraftShape, Kind, register
+from .kinds import DraftShape, Kind
 from .llama import ModelConfig, Transformer
 
 INITS = ("target", "scratch")
@@ -109,16 +109,14 @@ def init_scratch(model: Transformer, std: float = 0.02) -> None:
                 nn.init.zeros_(m.bias)
 
 
-register(
-    Kind(
-        name="draft_model",
-        spec="draft",
-        config=DraftModelConfig,
-        module=DraftModel,
-        loss="draftsmith.train.losses:draft_model_loss",
-        proposer="draftsmith.serve.proposers.propose_draft_model:draft_proposer",
-        formats={"hf": "draftsmith.serve.export.export_draft_model:DRAFT_MODEL_HF"},
-        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
-        drafter="an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
-    )
+KIND = Kind(
+    name="draft_model",
+    spec="draft",
+    config=DraftModelConfig,
+    module=DraftModel,
+    loss="draftsmith.train.loss_draft_model:draft_model_loss",
+    proposer="draftsmith.serve.proposers.propose_draft_model:draft_proposer",
+    formats={"hf": "draftsmith.serve.export.export_draft_model:DRAFT_MODEL_HF"},
+    draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
+    drafter="an HF folder of a small LM with the target's tokenizer, or a draft_model drafter folder",
 )

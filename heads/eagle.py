@@ -12,75 +12,15 @@ the target's, which the prefix cache relies on).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch import Tensor, nn
 
+from draftsmith.heads.head_base import EagleConfig, HeadBase, borrow, sdpa_mask
+
 from .drafter import restricted_linear
-from .kinds import DraftShape, Kind, register
+from .kinds import DraftShape, Kind
 from .kv_cache import KVCache
-from .llama import DecoderLayer, ModelConfig, Transformer, rope_tables
-
-
-@dataclass
-class EagleConfig:
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_attention_heads: int = 32
-    num_key_value_heads: int = 32
-    head_dim: int = 128
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 4096
-    vocab_size: int = 32000
-    attention_bias: bool = False
-
-    @classmethod
-    def from_target(cls, cfg: ModelConfig, **overrides):
-        """The head's layer has the target's sizes; overrides set the kind's own fields."""
-        sizes = {k: getattr(cfg, k) for k in EagleConfig.__dataclass_fields__}
-        return cls(**{**sizes, **overrides})
-
-    def layer_config(self) -> ModelConfig:
-        """A one-layer Llama config for the shared building blocks (no qk-norm: the head is plain Llama)."""
-        sizes = {k: v for k, v in asdict(self).items() if k in ModelConfig.__dataclass_fields__}
-        return ModelConfig(model_type="llama", num_hidden_layers=1, **sizes)
-
-
-def borrow(target: Transformer | None, cfg: EagleConfig) -> tuple[nn.Embedding, nn.Linear]:
-    """The target's embedding and lm_head (frozen), or frozen placeholders of their shape."""
-    if target is not None:
-        if (target.config.vocab_size, target.config.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
-            raise ValueError(
-                f"target has vocab {target.config.vocab_size} / hidden {target.config.hidden_size}, "
-                f"the head was made for vocab {cfg.vocab_size} / hidden {cfg.hidden_size}"
-            )
-        embed, lm_head = target.model.embed_tokens, target.lm_head
-    else:
-        embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-    return embed.requires_grad_(False), lm_head.requires_grad_(False)
-
-
-class HeadBase(nn.Module):
-    """What both EAGLE heads share: a rope table for their one layer, sized like the target's."""
-
-    config: EagleConfig
-    fc: nn.Linear
-
-    def rope_cache(self, max_len: int) -> None:
-        cos, sin = rope_tables(self.config.layer_config(), max_len)
-        self.register_buffer("cos", cos.to(self.fc.weight.device), persistent=False)
-        self.register_buffer("sin", sin.to(self.fc.weight.device), persistent=False)
-
-    def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
-
-
-def sdpa_mask(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else mask.view(1, 1, *mask.shape)
+from .llama import DecoderLayer, Transformer
 
 
 class EagleHead(HeadBase):
@@ -129,18 +69,16 @@ class EagleHead(HeadBase):
         self.vocab_ids = ids.to(self.fc.weight.device)
 
 
-register(
-    Kind(
-        name="eagle",
-        config=EagleConfig,
-        module=EagleHead,
-        loss="draftsmith.train.losses:eagle_loss",
-        proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
-        formats={
-            "vllm": "draftsmith.serve.export.export_eagle:EAGLE_VLLM",
-            "sglang": "draftsmith.serve.export.export_eagle:EAGLE_SGLANG",
-        },
-        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
-        draft_keys=("num_tokens", "topk", "total_tokens"),
-    )
+KIND = Kind(
+    name="eagle",
+    config=EagleConfig,
+    module=EagleHead,
+    loss="draftsmith.train.loss_eagle:eagle_loss",
+    proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
+    formats={
+        "vllm": "draftsmith.serve.export.export_eagle:EAGLE_VLLM",
+        "sglang": "draftsmith.serve.export.export_eagle:EAGLE_SGLANG",
+    },
+    draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
+    draft_keys=("num_tokens", "topk", "total_tokens"),
 )

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import frequent_ids
-from .eagle import EagleConfig, HeadBase, borrow, sdpa_mask
-from .kinds import DraftShape, Kind, register
+from draftsmith.heads.draft_vocab import DraftVocabHead
+from draftsmith.heads.head_base import EagleConfig, borrow, default_target_layers, sdpa_mask
+
+from .kinds import DraftShape, Kind
 from .kv_cache import KVCache
 from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 
@@ -49,24 +50,6 @@ class Eagle3Config(EagleConfig):
         return super().from_target(cfg, target_layers=layers, **overrides)
 
 
-def default_target_layers(num_layers: int) -> tuple[int, ...]:
-    """The inputs of layers 2, L/2 and L-3 (clipped to the target): EAGLE-3's, and every kind that reads the same
-    layers shares one feature cache with it."""
-    n = num_layers
-    return tuple(sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)}))
-
-
-def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:
-    """The draft vocabulary: the draft_vocab_size most frequent target ids (ties: the lower id), sorted by id.
-    d2t[i]: int64 offset, target id = i + d2t[i]; t2d: bool [vocab], True for the kept target ids."""
-    if not 0 < draft_vocab_size <= counts.numel():
-        raise ValueError(f"draft_vocab_size must be in [1, {counts.numel()}], got {draft_vocab_size}")
-    kept = frequent_ids(counts, draft_vocab_size)
-    t2d = torch.zeros(counts.numel(), dtype=torch.bool, device=counts.device)
-    t2d[kept] = True
-    return kept - torch.arange(draft_vocab_size, device=counts.device), t2d
-
-
 class Eagle3Layer(nn.Module):
     """vLLM's `midlayer`: attention over 2H, residual = the feature, then post-attention norm + MLP."""
 
@@ -88,49 +71,6 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, feature, cos, sin, kc, vc, start: int, mask) -> Tensor:
         return self.finish(feature, self.self_attn(self.attn_input(embeds, feature), cos, sin, kc, vc, start, mask))
-
-
-class DraftVocabHead(HeadBase):
-    """What EAGLE-3 and DFlash share: fc over target_layers' inputs, and logits over a draft vocabulary (vLLM's
-    d2t / t2d) from `norm` and `lm_head`, whose rows can start as the target lm_head's."""
-
-    shared_prefixes = ("embed_tokens.", "target_lm_head.")
-    config: Eagle3Config
-    norm: RMSNorm
-    lm_head: nn.Linear
-    target_lm_head: nn.Linear
-    copies_target_rows = True  # set_vocab copies the target lm_head's rows of the new vocabulary
-
-    def vocab_buffers(self) -> None:
-        cfg, dev = self.config, self.fc.weight.device
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long, device=dev))
-        self.register_buffer("t2d", torch.arange(cfg.vocab_size, device=dev) < cfg.draft_vocab_size)
-
-    @property
-    def target_layers(self) -> tuple[int, ...]:
-        return self.config.target_layers
-
-    @property
-    def vocab_ids(self) -> Tensor:
-        """Target id of each draft id."""
-        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
-
-    def set_vocab(self, counts: Tensor) -> None:
-        """Pick the draft vocabulary from target-token counts [vocab] (e.g. over the training answers)."""
-        d2t, t2d = build_vocab_map(counts.to(self.d2t.device), self.config.draft_vocab_size)
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        if self.copies_target_rows:
-            self.copy_target_rows()
-
-    def copy_target_rows(self) -> None:
-        """The target's own output rows: the draft starts in (DFlash: stays in) the target's output space."""
-        with torch.no_grad():
-            self.lm_head.weight.copy_(self.target_lm_head.weight[self.vocab_ids])
-
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Over the draft vocabulary (map ids with vocab_ids); hidden: the layers' output, before `norm`."""
-        return self.lm_head(self.norm(hidden))
 
 
 class Eagle3Head(DraftVocabHead):
@@ -224,20 +164,18 @@ def ttt_attention(q: Tensor, kv: list[tuple[Tensor, Tensor]]) -> Tensor:
     return out
 
 
-register(
-    Kind(
-        name="eagle3",
-        config=Eagle3Config,
-        module=Eagle3Head,
-        features=("hidden", "aux"),
-        loss="draftsmith.train.losses:eagle3_loss",
-        proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
-        formats={
-            "vllm": "draftsmith.serve.export.export_eagle3:EAGLE3",
-            "sglang": "draftsmith.serve.export.export_eagle3:EAGLE3",
-            "speculators": "draftsmith.serve.export.speculators:SPECULATORS",
-        },
-        draft_shape=DraftShape(num_tokens=5, topk=4, total_tokens=12),  # a GPU's: a dozen verify rows cost ~1 step
-        draft_keys=("num_tokens", "topk", "total_tokens"),
-    )
+KIND = Kind(
+    name="eagle3",
+    config=Eagle3Config,
+    module=Eagle3Head,
+    features=("hidden", "aux"),
+    loss="draftsmith.train.loss_eagle3:eagle3_loss",
+    proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
+    formats={
+        "vllm": "draftsmith.serve.export.export_eagle3:EAGLE3",
+        "sglang": "draftsmith.serve.export.export_eagle3:EAGLE3",
+        "speculators": "draftsmith.serve.export.speculators:SPECULATORS",
+    },
+    draft_shape=DraftShape(num_tokens=5, topk=4, total_tokens=12),  # a GPU's: a dozen verify rows cost ~1 step
+    draft_keys=("num_tokens", "topk", "total_tokens"),
 )

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .drafter import restricted_linear
-from .kinds import DraftShape, Kind, register
+from .kinds import DraftShape, Kind
 from .llama import Transformer
 
 # Medusa's mc_sim_7b_63 (paths sorted by their simulated acceptance on Vicuna-7B)
@@ -94,19 +94,17 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.head_logits(k, hidden) for k in range(num_heads or self.config.num_heads)])
 
 
-register(
-    Kind(
-        name="medusa",
-        config=MedusaConfig,
-        module=MedusaHeads,
-        loss="draftsmith.train.losses:medusa_loss",
-        proposer="draftsmith.serve.proposers.propose_medusa:medusa_proposer",
-        formats={
-            "vllm": "draftsmith.serve.export.export_medusa:MEDUSA_VLLM",
-            "tgi": "draftsmith.serve.export.export_medusa:MEDUSA_TGI",
-        },
-        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0, choices=DEFAULT_CHOICES),
-        draft_keys=("num_tokens", "choices"),
-        max_depth="num_heads",
-    )
+KIND = Kind(
+    name="medusa",
+    config=MedusaConfig,
+    module=MedusaHeads,
+    loss="draftsmith.train.loss_medusa:medusa_loss",
+    proposer="draftsmith.serve.proposers.propose_medusa:medusa_proposer",
+    formats={
+        "vllm": "draftsmith.serve.export.export_medusa:MEDUSA_VLLM",
+        "tgi": "draftsmith.serve.export.export_medusa:MEDUSA_TGI",
+    },
+    draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0, choices=DEFAULT_CHOICES),
+    draft_keys=("num_tokens", "choices"),
+    max_depth="num_heads",
 )

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .eagle import sdpa_mask
-from .eagle3 import Eagle3Config, Eagle3Head
-from .kinds import DraftShape, Kind, register
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.head_base import sdpa_mask
+
+from .kinds import DraftShape, Kind
 from .kv_cache import KVCache
 from .llama import DecoderLayer, ModelConfig, Transformer
 
@@ -119,19 +120,17 @@ def cod_mask(anchor: Tensor, depth: Tensor) -> Tensor:
     return ((kd == 0) & (ka <= qa)) | ((ka == qa) & (kd > 0) & (kd <= qd))
 
 
-register(
-    Kind(
-        name="peagle",
-        config=PEagleConfig,
-        module=PEagleHead,
-        features=("hidden", "aux"),
-        loss="draftsmith.train.losses_peagle:peagle_loss",
-        proposer="draftsmith.serve.proposers.propose_peagle:peagle_proposer",
-        formats={"vllm": "draftsmith.serve.export.export_peagle:PEAGLE_VLLM"},
-        # a chain of the K=4 trained depths: one forward drafts all four, so depth costs ~nothing on a CPU, and a
-        # chain keeps verification at 5 rows (a tree's extra rows cost verify time the CPU does not have)
-        draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
-        draft_keys=("num_tokens", "topk", "total_tokens"),
-        max_depth="num_depths",
-    )
+KIND = Kind(
+    name="peagle",
+    config=PEagleConfig,
+    module=PEagleHead,
+    features=("hidden", "aux"),
+    loss="draftsmith.train.loss_peagle:peagle_loss",
+    proposer="draftsmith.serve.proposers.propose_peagle:peagle_proposer",
+    formats={"vllm": "draftsmith.serve.export.export_peagle:PEAGLE_VLLM"},
+    # a chain of the K=4 trained depths: one forward drafts all four, so depth costs ~nothing on a CPU, and a
+    # chain keeps verification at 5 rows (a tree's extra rows cost verify time the CPU does not have)
+    draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),
+    draft_keys=("num_tokens", "topk", "total_tokens"),
+    max_depth="num_depths",
 )

@@ -33,11 +33,11 @@ import torch  # noqa: E402
 
 from draftsmith.heads import kinds  # noqa: E402
 from draftsmith.serve.build import make_proposer, resolve_shape  # noqa: E402
+from draftsmith.serve.engine.tree import TreeConfig  # noqa: E402
 from draftsmith.serve.models.target import (  # noqa: E402
     TargetConfig,
     load_target,
 )
-from draftsmith.serve.proposers.propose_eagle import TreeConfig  # noqa: E402
 from draftsmith.serve.spec import SpecConfig  # noqa: E402
 
 TREE_KEYS = ("topk", "total_tokens")

@@ -60,7 +60,8 @@ from draftsmith.serve.models.target import (  # noqa: E402
     load_target,
     resolve_target,
 )
-from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model  # noqa: E402
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer  # noqa: E402
+from draftsmith.serve.proposers.propose_layerskip import layerskip_model  # noqa: E402
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer  # noqa: E402
 from draftsmith.serve.proposers.propose_suffix import SuffixProposer  # noqa: E402
 from draftsmith.serve.spec import SuffixConfig  # noqa: E402

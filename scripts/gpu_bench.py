@@ -40,18 +40,22 @@ from bench_engine import Prompt, Run, TimedEngine, interleave, run_engine, run_h
 
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig  # noqa: E402
 from draftsmith.heads.drafter import cast_own  # noqa: E402
-from draftsmith.heads.eagle import EagleConfig, EagleHead  # noqa: E402
+from draftsmith.heads.eagle import EagleHead  # noqa: E402
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
+from draftsmith.heads.head_base import EagleConfig  # noqa: E402
 from draftsmith.heads.llama import ModelConfig, Transformer  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from draftsmith.heads.packed import pack_linears  # noqa: E402
 from draftsmith.serve.engine.engine import Engine  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
-from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
+from draftsmith.serve.engine.tree import (
+    TreeConfig,  # noqa: E402
+    causal_mask,  # noqa: E402
+)
 from draftsmith.serve.models.target import DTYPES, SHORT_NAMES  # noqa: E402
 from draftsmith.serve.proposers.base import Proposer  # noqa: E402
 from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer  # noqa: E402
-from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig  # noqa: E402
+from draftsmith.serve.proposers.propose_eagle import EagleProposer  # noqa: E402
 from draftsmith.serve.proposers.propose_medusa import MedusaProposer  # noqa: E402
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer  # noqa: E402
 

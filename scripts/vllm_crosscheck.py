@@ -187,7 +187,7 @@ def chain_spec(kind: str, drafter: Path, k: int):
     """A chain of k whatever the kind: EAGLE trees of one child, Medusa's top-1 path (head d-1's best token at
     depth d); each kind reads the keys it drafts with."""
     from draftsmith.heads.kinds import get
-    from draftsmith.serve.proposers.propose_eagle import TreeConfig
+    from draftsmith.serve.engine.tree import TreeConfig
     from draftsmith.serve.spec import SpecConfig
 
     chain = [[0] * d for d in range(1, k + 1)]

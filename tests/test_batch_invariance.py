@@ -14,10 +14,11 @@ from draftsmith.heads.packed import can_pack
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.tree import DraftTree, causal_mask
+from draftsmith.serve.engine.tree import DraftTree, TreeConfig, causal_mask
 from draftsmith.serve.models.loader import load_model
-from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
-from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
+from draftsmith.serve.proposers.propose_eagle import EagleProposer
+from draftsmith.serve.proposers.propose_layerskip import layerskip_model
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS
 

@@ -12,9 +12,11 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.loader import load_model
-from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
-from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
+from draftsmith.serve.proposers.propose_eagle import EagleProposer
+from draftsmith.serve.proposers.propose_layerskip import layerskip_model
 from draftsmith.serve.proposers.propose_medusa import MedusaProposer
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS

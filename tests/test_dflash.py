@@ -32,7 +32,7 @@ from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.propose_dflash import DFlashProposer
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.batch import FeatureBatch
-from draftsmith.train.losses_dflash import dflash_loss, sample_anchors
+from draftsmith.train.loss_dflash import dflash_loss, sample_anchors
 from helpers import (
     PROMPTS,
     TARGET_ID,

@@ -15,9 +15,11 @@ from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_pr
 
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
+from draftsmith.heads.draft_vocab import build_vocab_map
 from draftsmith.heads.drafter import TOKEN_COUNTS, Recipe, frequent_ids, load_drafter, save_drafter
-from draftsmith.heads.eagle import EagleConfig, EagleHead
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, build_vocab_map
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.head_base import EagleConfig
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.packed import can_pack
@@ -25,13 +27,15 @@ from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.hybrid import HybridProposer
-from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_eagle import EagleProposer
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from draftsmith.serve.spec import SpecConfig
-from draftsmith.train.losses import eagle3_loss, eagle_loss
+from draftsmith.train.loss_eagle import eagle_loss
+from draftsmith.train.loss_eagle3 import eagle3_loss
 from draftsmith.train.trainer import loss_for
 from helpers import DEVICES, PROMPTS, TARGET_ID, exact_joint, greedy_continuations, head_features, perturbed, tiny_info
 

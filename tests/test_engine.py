@@ -19,7 +19,8 @@ from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.proposers.base import Proposer
-from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer, layerskip_model
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
+from draftsmith.serve.proposers.propose_layerskip import layerskip_model
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import DEVICES, PROMPTS, exact_joint
 

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
 from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, save_drafter
-from draftsmith.heads.eagle import EagleConfig, EagleHead
+from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.head_base import EagleConfig
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.export import export_eagle
 from draftsmith.serve.export import export_eagle as export_mod

@@ -10,9 +10,9 @@ from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.tree import DraftTree, causal_mask
+from draftsmith.serve.engine.tree import DraftTree, TreeConfig, causal_mask
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, eos_ids, load_target, native_bf16
-from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_eagle import EagleProposer
 from draftsmith.serve.spec import SpecConfig
 from helpers import truncated_copy
 

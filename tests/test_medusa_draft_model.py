@@ -23,7 +23,8 @@ from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, Dra
 from draftsmith.serve.proposers.propose_medusa import DEFAULT_CHOICES, MedusaProposer, tree_from_choices
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.batch import FeatureBatch
-from draftsmith.train.losses import draft_model_loss, medusa_loss
+from draftsmith.train.loss_draft_model import draft_model_loss
+from draftsmith.train.loss_medusa import medusa_loss
 from draftsmith.train.trainer import loss_for
 
 GREEDY = SamplingParams()

@@ -40,7 +40,7 @@ from draftsmith.serve.proposers.propose_peagle import PEagleProposer
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.config import RunConfig
-from draftsmith.train.losses_peagle import cod_anchors, peagle_loss
+from draftsmith.train.loss_peagle import cod_anchors, peagle_loss
 from draftsmith.train.trainer import check_loss_options, loss_for
 from helpers import (
     PROMPTS,

@@ -22,11 +22,11 @@ from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import build_engine, resolve_shape
 from draftsmith.serve.drafters import load_trained
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.export import foreign, speculators
 from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.target import TargetConfig, load_target
-from draftsmith.serve.proposers.propose_eagle import TreeConfig
 from draftsmith.serve.spec import SpecConfig
 from helpers import PROMPTS
 

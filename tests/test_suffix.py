@@ -23,11 +23,11 @@ from draftsmith.serve.build import lookup_proposer, make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.hybrid import HybridProposer, merge_tree
-from draftsmith.serve.proposers.propose_eagle import EagleProposer, TreeConfig
+from draftsmith.serve.proposers.propose_eagle import EagleProposer
 from draftsmith.serve.proposers.propose_suffix import SuffixProposer, SuffixTree
 from draftsmith.serve.spec import SpecConfig, SuffixConfig
 from helpers import PROMPTS, build_tiny_chat_target, exact_joint

@@ -162,7 +162,7 @@ def test_rerank_keeps_the_best_nodes_with_all_their_ancestors():
     """serve/eagle.rerank: the kept nodes are the `keep` best by score, every kept node's ancestors are kept
     (ties broken by index, so a parent wins a tie with its child), parents are re-indexed and order stays
     topological, and each kept node keeps its token and draft distribution."""
-    from draftsmith.serve.proposers.propose_eagle import rerank
+    from draftsmith.serve.proposers.topk_trees import rerank
 
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
@@ -185,7 +185,7 @@ def test_rerank_keeps_the_best_nodes_with_all_their_ancestors():
 
 
 def test_rerank_keeps_all_when_the_tree_fits():
-    from draftsmith.serve.proposers.propose_eagle import rerank
+    from draftsmith.serve.proposers.topk_trees import rerank
 
     tokens, parents = torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0])
     tree = rerank(tokens, parents, torch.tensor([-1.0, -1.0, -3.0]), 3, None)

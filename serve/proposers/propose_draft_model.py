@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
@@ -98,21 +98,3 @@ def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
 
 
-def layerskip_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
-    return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftChainConfig(spec.num_tokens))
-
-
-def layerskip_model(target: Transformer, num_layers: int) -> Transformer:
-    """The target's first num_layers layers + final norm + lm_head, sharing its weights."""
-    total = target.config.num_hidden_layers
-    if not 1 <= num_layers < total:
-        raise ValueError(f"spec.layers must be in [1, {total - 1}] for a {total}-layer target, got {num_layers}")
-    cfg = type(target.config)(**{**vars(target.config), "num_hidden_layers": 0})
-    with torch.device("meta"):
-        draft = Transformer(cfg)
-    draft.config = type(cfg)(**{**vars(cfg), "num_hidden_layers": num_layers})
-    draft.model.embed_tokens, draft.model.norm = target.model.embed_tokens, target.model.norm
-    draft.model.layers = nn.ModuleList(target.model.layers[:num_layers])
-    draft.lm_head = target.lm_head
-    draft.cos, draft.sin = target.cos, target.sin
-    return draft

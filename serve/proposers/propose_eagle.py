@@ -21,6 +21,7 @@ from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, 
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.proposers.topk_trees import rerank, tree_size
 from draftsmith.serve.spec import SpecConfig
 
 
@@ -145,63 +146,3 @@ def eagle_proposer(spec: SpecConfig, target: LoadedTarget) -> EagleProposer:
     return EagleProposer(spec_head(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
 
 
-def rerank(tokens: Tensor, parents: Tensor, scores: Tensor, keep: int, probs: Tensor | None) -> DraftTree:
-    """Keep the `keep` best nodes by cumulative log-prob. A child never scores above its parent and comes
-    later, so with ties broken by index a kept node's ancestors are kept too; index order stays topological."""
-    if tokens.numel() > keep:
-        kept = torch.sort(scores, descending=True, stable=True).indices[:keep].sort().values
-        new_index = torch.full_like(parents, -1)
-        new_index[kept] = torch.arange(keep, device=kept.device)
-        p = parents[kept]
-        tokens, parents = tokens[kept], torch.where(p >= 0, new_index[p.clamp_min(0)], p)
-        probs = None if probs is None else probs[kept]
-    return DraftTree(tokens, parents, probs)
-
-
-def tree_size(tree: TreeConfig, depth: int, vocab: int) -> int:
-    """The most nodes a draft of `depth` levels holds: topk children of the root and of each level's topk best
-    nodes, capped at tree.total_tokens. Refused: a topk past the drafter's vocabulary."""
-    k = tree.topk
-    if k > vocab:
-        raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
-    drafted = k + (depth - 1) * k * k
-    return min(tree.total_tokens or drafted, drafted)
-
-
-class SlotProposer(Proposer):
-    """What the parallel drafters' proposers (P-EAGLE, DFlash) share: one head forward leaves `logits`
-    [>= depth, draft vocab], row d-1 drafting depth d, and a draft is made from those rows alone."""
-
-    def __init__(self, head: nn.Module, depth: int, tree: TreeConfig | None, generator) -> None:
-        self.head, self.depth, self.tree, self.gen = head, depth, tree or TreeConfig(), generator
-        self.target_layers = tuple(head.target_layers)
-        self.vocab_ids = head.vocab_ids  # target id of each draft id
-        self.max_tree_size = tree_size(self.tree, depth, head.lm_head.out_features)
-        self.cache: KVCache | None = None
-        self.logits: Tensor | None = None
-
-    def draft_slots(self, sp: SamplingParams, budget: int) -> DraftTree:
-        """Level d takes slot d's top-k under the level above's topk best nodes (by cumulative log-prob): a slot's
-        distribution does not depend on the tokens drafted before it. topk=1 is a chain; a sampled chain draws
-        depth d from slot d's distribution, which verification needs."""
-        logits, k = self.logits[: min(self.depth, budget)], self.tree.topk
-        if k == 1 and not sp.greedy:
-            p = probs_from_logits(logits, sp)
-            ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
-            return DraftTree.chain(self.vocab_ids[ids], widen(p, self.vocab_ids, self.head.config.vocab_size))
-        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
-        return slot_tree(self.vocab_ids[top.indices], top.values, self.max_tree_size)
-
-
-def slot_tree(ids: Tensor, logp: Tensor, max_tree_size: int) -> DraftTree:
-    """A parallel drafter's tree: ids, logp [depth, k] are each slot's k best tokens (one forward drafts every
-    level); level d's candidates are expanded under the level above's k best nodes, then reranked."""
-    k = ids.shape[1]
-    toks, parents, cum, first = [ids[0]], [torch.full((k,), -1, device=ids.device)], [logp[0]], 0
-    for d in range(1, ids.shape[0]):
-        best = cum[-1].topk(min(k, cum[-1].numel())).indices
-        toks.append(ids[d].repeat(best.numel()))
-        parents.append((first + best).repeat_interleave(k))
-        cum.append((cum[-1][best][:, None] + logp[d][None]).flatten())
-        first += toks[-2].numel()
-    return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), max_tree_size, None)

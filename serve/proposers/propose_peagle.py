@@ -21,7 +21,7 @@ from draftsmith.serve.drafters import spec_head
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
-from draftsmith.serve.proposers.propose_eagle import SlotProposer
+from draftsmith.serve.proposers.slots import SlotProposer
 from draftsmith.serve.spec import SpecConfig
 
 

@@ -1,0 +1,22 @@
+"""The built-in drafter kinds, listed once, in the order spec= lists and messages name them. A kind from outside
+the package registers itself with kinds.register when its module is imported (imports=[...] on the command line)."""
+
+from __future__ import annotations
+
+from . import dflash, draft_model, eagle, eagle3, medusa, peagle, training_free
+from .kinds import Kind, register
+
+BUILTIN: tuple[Kind, ...] = (
+    draft_model.KIND,
+    eagle.KIND,
+    eagle3.KIND,
+    medusa.KIND,
+    training_free.NGRAM,
+    training_free.SUFFIX,
+    training_free.LAYERSKIP,
+    dflash.KIND,
+    peagle.KIND,
+)
+
+for kind in BUILTIN:
+    register(kind)
