@@ -391,22 +391,9 @@ def prefix_document(tok, records: list[dict], min_tokens: int) -> str:
 def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     """Sections 1 and 5: ours vs HF, and layerskip vs plain, all on the chat prompts, exactly N new tokens."""
     prompts = mtbench_prompts(tok, args.mtbench_ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    variants: list[Variant] = []
-    plain = {}
-    for dtype in ("float32", "bfloat16"):
-        plain[dtype] = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len)
-        variants.append((f"ours {SHORT_NAMES[dtype]}", lambda ids, n, e=plain[dtype]: run_engine(e, ids, n, ())))
-        if "hf" in sections:
-            variants.append((f"HF {SHORT_NAMES[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
-    ls_dtype = args.layerskip_dtype
+    variants = plain_variants(args, ours, hf, tok, sections)
     if "layerskip" in sections:
-        for layers in args.layerskip:
-            draft = layerskip_model(ours[ls_dtype], layers)
-            prop = DraftModelProposer(draft, DraftChainConfig(num_tokens=args.layerskip_k))
-            e = TimedEngine(ours[ls_dtype], proposer=prop, max_seq_len=args.max_seq_len)
-            name = f"layerskip{layers} k{args.layerskip_k} {SHORT_NAMES[ls_dtype]}"
-            variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))
+        variants += layerskip_variants(args, ours)
     res = interleave("plain vs HF / layerskip", variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
     stats = {name: throughput(runs) for name, runs in res.runs.items()}
     eos = set(stop_ids(ours, tok))
@@ -414,61 +401,94 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     summary["plain"] = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts]}
     summary["plain"]["variants"] = {n: {**s, "prompts_emitting_eos": hit_eos[n]} for n, s in stats.items()}
     summary["plain"]["overhead"] = {n: overhead(res.runs[n]) for n in res.runs if n.startswith("ours")}
-
     if "hf" in sections:
-        agree = {}
-        for dtype in ("float32", "bfloat16"):
-            a, b = res.runs[f"ours {SHORT_NAMES[dtype]}"], res.runs[f"HF {SHORT_NAMES[dtype]}"]
-            agree[SHORT_NAMES[dtype]] = [hf_agreement(a[i][0].tokens, b[i][0].tokens, eos) for i in range(len(prompts))]
-        tps = {n: s["tokens_per_s"] for n, s in stats.items()}
-        ratios = {
-            "ours fp32 / HF fp32": tps["ours fp32"] / tps["HF fp32"],
-            "ours bf16 / HF fp32": tps["ours bf16"] / tps["HF fp32"],
-            "ours bf16 / HF bf16": tps["ours bf16"] / tps["HF bf16"],
-        }
-        summary["plain"]["ratios"] = ratios
-        summary["plain"]["greedy_agreement_with_hf"] = agree
-        rows = [
-            [n, s["tokens_per_s"], 1000 * s["seconds"] / s["new_tokens"], s["new_tokens"]]
-            for n, s in stats.items()
-            if not n.startswith("layerskip")
-        ]
-        report.append(
-            table(
-                f"1. Plain decoding vs HF generate  ({len(prompts)} MT-bench prompts, "
-                f"exactly {args.max_new_tokens} new tokens each, median of {args.repeats})",
-                ["variant", "tok/s", "ms/token", "new tokens"],
-                rows,
-            )
-        )
-        report.append("\n".join(f"   {k}: {v:.2f}x" for k, v in ratios.items()))
-        for d, per in agree.items():
-            shown = ", ".join(f"{a}/{n}" for a, n in per)
-            report.append(f"   greedy tokens agreeing with HF in {d} (until our first EOS): {shown}")
-
+        hf_report(args, res, stats, eos, summary, report)
     if "layerskip" in sections:
-        base = f"ours {SHORT_NAMES[ls_dtype]}"
-        rows, ls = [], {}
-        for n in res.runs:
-            if not n.startswith("layerskip") and n != base:
-                continue
-            same = identical(res.runs[n], res.runs[base])
-            speedup = stats[n]["tokens_per_s"] / stats[base]["tokens_per_s"]
-            dec = stats[n]["decode_tokens_per_s"] / stats[base]["decode_tokens_per_s"]
-            ls[n] = {**stats[n], "speedup": speedup, "decode_speedup": dec, **same, "overhead": overhead(res.runs[n])}
-            is_base = n == base
-            tau, shown = (None, "-") if is_base else (stats[n]["tau"], same_str(same))
-            rows.append([n, stats[n]["tokens_per_s"], speedup, dec, tau, shown])
-        summary["layerskip"] = ls
-        summary["plain"]["overhead"].update({n: v["overhead"] for n, v in ls.items() if n != base})
-        report.append(
-            table(
-                f"5. Layerskip drafts vs plain {SHORT_NAMES[ls_dtype]}  "
-                f"(same chat prompts, {args.max_new_tokens} tokens)",
-                ["variant", "tok/s", "speedup", "decode speedup", "tau", "identical"],
-                rows,
-            )
+        layerskip_report(args, res, stats, summary, report)
+
+
+def plain_variants(args, ours, hf, tok, sections) -> list[Variant]:
+    """Our plain engine per dtype, each followed by HF generate in that dtype when section hf is asked for."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    variants: list[Variant] = []
+    for dtype in ("float32", "bfloat16"):
+        plain = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len)
+        variants.append((f"ours {SHORT_NAMES[dtype]}", lambda ids, n, e=plain: run_engine(e, ids, n, ())))
+        if "hf" in sections:
+            variants.append((f"HF {SHORT_NAMES[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
+    return variants
+
+
+def layerskip_variants(args, ours) -> list[Variant]:
+    """A chain of --layerskip-k drafted by the target's first N layers, per depth in --layerskip."""
+    ls_dtype = args.layerskip_dtype
+    variants: list[Variant] = []
+    for layers in args.layerskip:
+        draft = layerskip_model(ours[ls_dtype], layers)
+        prop = DraftModelProposer(draft, DraftChainConfig(num_tokens=args.layerskip_k))
+        e = TimedEngine(ours[ls_dtype], proposer=prop, max_seq_len=args.max_seq_len)
+        name = f"layerskip{layers} k{args.layerskip_k} {SHORT_NAMES[ls_dtype]}"
+        variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))
+    return variants
+
+
+def hf_report(args, res: Results, stats: dict, eos: set[int], summary, report) -> None:
+    """Section 1's ratios, greedy agreement with HF and table."""
+    agree = {}
+    for dtype in ("float32", "bfloat16"):
+        a, b = res.runs[f"ours {SHORT_NAMES[dtype]}"], res.runs[f"HF {SHORT_NAMES[dtype]}"]
+        agree[SHORT_NAMES[dtype]] = [hf_agreement(a[i][0].tokens, b[i][0].tokens, eos) for i in range(len(a))]
+    tps = {n: s["tokens_per_s"] for n, s in stats.items()}
+    ratios = {
+        "ours fp32 / HF fp32": tps["ours fp32"] / tps["HF fp32"],
+        "ours bf16 / HF fp32": tps["ours bf16"] / tps["HF fp32"],
+        "ours bf16 / HF bf16": tps["ours bf16"] / tps["HF bf16"],
+    }
+    summary["plain"]["ratios"] = ratios
+    summary["plain"]["greedy_agreement_with_hf"] = agree
+    rows = [
+        [n, s["tokens_per_s"], 1000 * s["seconds"] / s["new_tokens"], s["new_tokens"]]
+        for n, s in stats.items()
+        if not n.startswith("layerskip")
+    ]
+    report.append(
+        table(
+            f"1. Plain decoding vs HF generate  ({len(res.prompts)} MT-bench prompts, "
+            f"exactly {args.max_new_tokens} new tokens each, median of {args.repeats})",
+            ["variant", "tok/s", "ms/token", "new tokens"],
+            rows,
         )
+    )
+    report.append("\n".join(f"   {k}: {v:.2f}x" for k, v in ratios.items()))
+    for d, per in agree.items():
+        shown = ", ".join(f"{a}/{n}" for a, n in per)
+        report.append(f"   greedy tokens agreeing with HF in {d} (until our first EOS): {shown}")
+
+
+def layerskip_report(args, res: Results, stats: dict, summary, report) -> None:
+    """Section 5: each layerskip draft against plain decoding in its dtype."""
+    ls_dtype = args.layerskip_dtype
+    base = f"ours {SHORT_NAMES[ls_dtype]}"
+    rows, ls = [], {}
+    for n in res.runs:
+        if not n.startswith("layerskip") and n != base:
+            continue
+        same = identical(res.runs[n], res.runs[base])
+        speedup = stats[n]["tokens_per_s"] / stats[base]["tokens_per_s"]
+        dec = stats[n]["decode_tokens_per_s"] / stats[base]["decode_tokens_per_s"]
+        ls[n] = {**stats[n], "speedup": speedup, "decode_speedup": dec, **same, "overhead": overhead(res.runs[n])}
+        is_base = n == base
+        tau, shown = (None, "-") if is_base else (stats[n]["tau"], same_str(same))
+        rows.append([n, stats[n]["tokens_per_s"], speedup, dec, tau, shown])
+    summary["layerskip"] = ls
+    summary["plain"]["overhead"].update({n: v["overhead"] for n, v in ls.items() if n != base})
+    report.append(
+        table(
+            f"5. Layerskip drafts vs plain {SHORT_NAMES[ls_dtype]}  (same chat prompts, {args.max_new_tokens} tokens)",
+            ["variant", "tok/s", "speedup", "decode speedup", "tau", "identical"],
+            rows,
+        )
+    )
 
 
 def hf_agreement(ours: list[int], hf: list[int], eos: set[int]) -> tuple[int, int]:
