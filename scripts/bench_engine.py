@@ -501,56 +501,21 @@ def hf_agreement(ours: list[int], hf: list[int], eos: set[int]) -> tuple[int, in
 def ngram_section(args, ours, tok, summary, report) -> None:
     """Section 2: n-gram speculation (K grid) and suffix decoding (vLLM's defaults) vs plain decoding on
     copy-heavy prompts, per dtype."""
-    records = sharegpt_records(2)
-    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine.engine"))
-    code_path = Path(args.code_file) if args.code_file else engine_dir / "verify.py"
-    prompts = [code_prompt(tok, code_path), document_prompt(tok, records[0])]
+    prompts = copy_prompts(args, tok)
     eos = stop_ids(ours, tok)
     out = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts], "dtypes": {}}
     rows = []
     for dtype in args.spec_dtypes:
-        model = ours[dtype]
-        engines = {"plain": TimedEngine(model, max_seq_len=args.max_seq_len)}
-        for k in args.ngram_k:
-            prop = NgramProposer(NgramConfig(num_tokens=k))
-            engines[f"ngram k{k}"] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len)
-        engines["suffix"] = TimedEngine(model, proposer=SuffixProposer(SuffixConfig()), max_seq_len=args.max_seq_len)
+        engines = copy_engines(args, ours[dtype])
         variants: list[Variant] = [
             (name, lambda ids, n, e=e: run_engine(e, ids, n, eos)) for name, e in engines.items()
         ]
         label = f"n-gram {SHORT_NAMES[dtype]}"
         res = interleave(label, variants, prompts, args.repeats, args.spec_new_tokens, args.warmup)
-        per_dtype = {}
-        for name, runs in res.runs.items():
-            entry = {"all": throughput(runs), "overhead": overhead(runs)}
-            for i, p in enumerate(prompts):
-                entry[p.name] = throughput(runs, [i])
-            for scope, idx in [("all", None)] + [(p.name, [i]) for i, p in enumerate(prompts)]:
-                base = throughput(res.runs["plain"], idx)
-                entry[scope]["speedup"] = entry[scope]["tokens_per_s"] / base["tokens_per_s"]
-                entry[scope]["decode_speedup"] = entry[scope]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-                entry[scope].update(identical(runs, res.runs["plain"], idx))
-            per_dtype[name] = entry
+        per_dtype = {name: speculation_entry(runs, res.runs["plain"], prompts) for name, runs in res.runs.items()}
         best = max((n for n in per_dtype if n != "plain"), key=lambda n: per_dtype[n]["all"]["tokens_per_s"])
         out["dtypes"][SHORT_NAMES[dtype]] = {"variants": per_dtype, "best": best}
-        for scope in [p.name for p in prompts] + ["all"]:
-            for name, entry in per_dtype.items():
-                s = entry[scope]
-                tau, shown = (None, "-") if name == "plain" else (s["tau"], same_str(s))
-                mark = " *" if name == best and scope == "all" else ""
-                rows.append(
-                    [
-                        SHORT_NAMES[dtype],
-                        scope,
-                        name + mark,
-                        s["new_tokens"],
-                        s["tokens_per_s"],
-                        s["speedup"],
-                        s["decode_speedup"],
-                        tau,
-                        shown,
-                    ]
-                )
+        rows += ngram_rows(SHORT_NAMES[dtype], per_dtype, best, prompts)
     summary["ngram"] = out
     report.append(
         table(
@@ -560,6 +525,53 @@ def ngram_section(args, ours, tok, summary, report) -> None:
             rows,
         )
     )
+
+
+def copy_prompts(args, tok) -> list[Prompt]:
+    """The copy-heavy prompts: edit a code file (--code-file, default: verify.py), answer from a document."""
+    records = sharegpt_records(2)
+    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine.engine"))
+    code_path = Path(args.code_file) if args.code_file else engine_dir / "verify.py"
+    return [code_prompt(tok, code_path), document_prompt(tok, records[0])]
+
+
+def copy_engines(args, model) -> dict[str, TimedEngine]:
+    """Plain decoding, n-gram speculation per K of --ngram-k, and suffix decoding, all on one target."""
+    engines = {"plain": TimedEngine(model, max_seq_len=args.max_seq_len)}
+    for k in args.ngram_k:
+        prop = NgramProposer(NgramConfig(num_tokens=k))
+        engines[f"ngram k{k}"] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len)
+    engines["suffix"] = TimedEngine(model, proposer=SuffixProposer(SuffixConfig()), max_seq_len=args.max_seq_len)
+    return engines
+
+
+def speculation_entry(runs: list[list[Run]], plain: list[list[Run]], prompts: list[Prompt]) -> dict:
+    """A variant's throughput over all prompts and per prompt, each with its speedup over plain decoding and
+    whether its output is plain's; and its step overhead."""
+    entry = {"all": throughput(runs), "overhead": overhead(runs)}
+    for i, p in enumerate(prompts):
+        entry[p.name] = throughput(runs, [i])
+    for scope, idx in [("all", None)] + [(p.name, [i]) for i, p in enumerate(prompts)]:
+        base = throughput(plain, idx)
+        entry[scope]["speedup"] = entry[scope]["tokens_per_s"] / base["tokens_per_s"]
+        entry[scope]["decode_speedup"] = entry[scope]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        entry[scope].update(identical(runs, plain, idx))
+    return entry
+
+
+def ngram_rows(dtype: str, per_dtype: dict, best: str, prompts: list[Prompt]) -> list[list]:
+    """Section 2's table rows of one dtype: per prompt, then over all prompts (the best variant starred)."""
+    rows = []
+    for scope in [p.name for p in prompts] + ["all"]:
+        for name, entry in per_dtype.items():
+            s = entry[scope]
+            tau, shown = (None, "-") if name == "plain" else (s["tau"], same_str(s))
+            mark = " *" if name == best and scope == "all" else ""
+            rows.append(
+                [dtype, scope, name + mark, s["new_tokens"], s["tokens_per_s"], s["speedup"], s["decode_speedup"]]
+                + [tau, shown]
+            )
+    return rows
 
 
 def prefix_section(args, ours, tok, tid, summary, report) -> None:
