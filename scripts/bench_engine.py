@@ -803,6 +803,19 @@ def csv(kind):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add_bench_args(p)
+    add_peer_args(p)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--device", default="cpu")
+    if p.parse_known_args(argv)[0].quick:  # new defaults; options given explicitly still win
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Output, sections, repeats and the options of sections 1-5."""
     p.add_argument("--out", default="runs/bench_engine.json", help="JSON results (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a ~2 minute version: fewer prompts, tokens and repeats")
     p.add_argument(
@@ -827,6 +840,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-repeats", type=int, default=3)
     p.add_argument("--prefix-dtypes", type=csv(str), default=["float32", "bfloat16"])
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
+
+
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    """The options of section 6, the vLLM peer table."""
     p.add_argument("--vllm-python", default=vc.default_vllm_python())
     p.add_argument(
         "--vllm-env",
@@ -845,18 +862,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--peer-k", type=int, default=3, help="vllm: the EAGLE-3 chain length (num_speculative_tokens)")
     p.add_argument("--peer-work", default="runs/bench_vllm", help="vllm: the export, jobs and vLLM's logs")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--device", default="cpu")
-    if p.parse_known_args(argv)[0].quick:  # new defaults; options given explicitly still win
-        p.set_defaults(**QUICK)
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit through the parser on an unknown section or dtype."""
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
     for d in (*args.spec_dtypes, *args.prefix_dtypes, *args.peer_dtypes):
         if d not in BENCH_DTYPES:
             p.error(f"unknown dtype {d!r}; use float32 or bfloat16")
-    return args
 
 
 def main(argv=None) -> None:
