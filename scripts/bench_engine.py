@@ -880,7 +880,33 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    start, load_start = time.perf_counter(), os.getloadavg()
+    start = time.perf_counter()
+    env = environment(args)
+    ours, tok, tid = load_ours(args)
+    hf = load_hf(args) if "hf" in args.sections else {}
+    summary: dict = {"target": tid, "env": env, "args": vars(args)}
+    report: list[str] = []
+    timings = run_sections(args, ours, hf, tok, tid, summary, report)
+    env["loadavg_end"] = os.getloadavg()
+    env["section_seconds"] = timings
+    env["total_seconds"] = time.perf_counter() - start
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
+    print(f"\n== bench_engine: {tid}, batch 1, greedy, {env['threads']} threads, {args.device} ==")
+    print("\n".join(report))
+    print(
+        f"\nload average start {fmt_load(env['loadavg_start'])}, end {fmt_load(env['loadavg_end'])} "
+        f"(above {env['cpu_count']}: other processes shared the CPU); total {env['total_seconds']:.0f} s; "
+        f"JSON: {out}"
+    )
+
+
+def environment(args) -> dict:
+    """Versions, threads, machine and load average at the start, printed with a note when the CPU is busy."""
+    import transformers
+
+    load_start = os.getloadavg()
     env = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -898,22 +924,31 @@ def main(argv=None) -> None:
             "every step several-fold. Ratios stay side by side, absolute speeds do not (try --threads 1 or "
             "OMP_WAIT_POLICY=PASSIVE)."
         )
+    return env
 
-    cfg = lambda dtype: TargetConfig(dtype=dtype, device=args.device)
+
+def load_ours(args) -> tuple[dict, object, str]:
+    """The target in float32 and bfloat16 as draftsmith loads it, its tokenizer and id."""
     ours, tok, tid = {}, None, ""
     for dtype in ("float32", "bfloat16"):
-        loaded = load_target(cfg(dtype))
+        loaded = load_target(TargetConfig(dtype=dtype, device=args.device))
         ours[dtype], tok, tid = loaded.model, loaded.tokenizer, loaded.target_id
-    hf = {}
-    if "hf" in args.sections:
-        from transformers import AutoModelForCausalLM
+    return ours, tok, tid
 
-        folder = resolve_target(cfg("float32"))
-        for dtype in ("float32", "bfloat16"):
-            hf[dtype] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
 
-    summary: dict = {"target": tid, "env": env, "args": vars(args)}
-    report: list[str] = []
+def load_hf(args) -> dict:
+    """The same target folder as HF transformers loads it, in float32 and bfloat16 (section 1)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = resolve_target(TargetConfig(dtype="float32", device=args.device))
+    return {
+        dtype: AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+def run_sections(args, ours, hf, tok, tid: str, summary, report) -> dict[str, float]:
+    """The asked-for sections in the report's order; seconds per section."""
     timings = {}
     if {"hf", "layerskip"} & set(args.sections):
         t = time.perf_counter()
@@ -933,20 +968,7 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         vllm_section(args, ours, tok, tid, summary, report)
         timings["vllm"] = time.perf_counter() - t
-
-    env["loadavg_end"] = os.getloadavg()
-    env["section_seconds"] = timings
-    env["total_seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1))
-    print(f"\n== bench_engine: {tid}, batch 1, greedy, {env['threads']} threads, {args.device} ==")
-    print("\n".join(report))
-    print(
-        f"\nload average start {fmt_load(load_start)}, end {fmt_load(env['loadavg_end'])} "
-        f"(above {env['cpu_count']}: other processes shared the CPU); total {env['total_seconds']:.0f} s; "
-        f"JSON: {out}"
-    )
+    return timings
 
 
 def fmt_load(load) -> str:
