@@ -530,7 +530,7 @@ def ngram_section(args, ours, tok, summary, report) -> None:
 def copy_prompts(args, tok) -> list[Prompt]:
     """The copy-heavy prompts: edit a code file (--code-file, default: verify.py), answer from a document."""
     records = sharegpt_records(2)
-    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine.engine"))
+    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine"))
     code_path = Path(args.code_file) if args.code_file else engine_dir / "verify.py"
     return [code_prompt(tok, code_path), document_prompt(tok, records[0])]
 
