@@ -392,22 +392,9 @@ def prefix_document(tok, records: list[dict], min_tokens: int) -> str:
 def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     """Sections 1 and 5: ours vs HF, and layerskip vs plain, all on the chat prompts, exactly N new tokens."""
     prompts = mtbench_prompts(tok, args.mtbench_ids)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    variants: list[Variant] = []
-    plain = {}
-    for dtype in ("float32", "bfloat16"):
-        plain[dtype] = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len)
-        variants.append((f"ours {SHORT_NAMES[dtype]}", lambda ids, n, e=plain[dtype]: run_engine(e, ids, n, ())))
-        if "hf" in sections:
-            variants.append((f"HF {SHORT_NAMES[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
-    ls_dtype = args.layerskip_dtype
+    variants = plain_variants(args, ours, hf, tok, sections)
     if "layerskip" in sections:
-        for layers in args.layerskip:
-            draft = layerskip_model(ours[ls_dtype], layers)
-            prop = DraftModelProposer(draft, DraftChainConfig(num_tokens=args.layerskip_k))
-            e = TimedEngine(ours[ls_dtype], proposer=prop, max_seq_len=args.max_seq_len)
-            name = f"layerskip{layers} k{args.layerskip_k} {SHORT_NAMES[ls_dtype]}"
-            variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))
+        variants += layerskip_variants(args, ours)
     res = interleave("plain vs HF / layerskip", variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
     stats = {name: throughput(runs) for name, runs in res.runs.items()}
     eos = set(stop_ids(ours, tok))
@@ -415,61 +402,94 @@ def plain_vs_hf(args, ours, hf, tok, sections, summary, report) -> None:
     summary["plain"] = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts]}
     summary["plain"]["variants"] = {n: {**s, "prompts_emitting_eos": hit_eos[n]} for n, s in stats.items()}
     summary["plain"]["overhead"] = {n: overhead(res.runs[n]) for n in res.runs if n.startswith("ours")}
-
     if "hf" in sections:
-        agree = {}
-        for dtype in ("float32", "bfloat16"):
-            a, b = res.runs[f"ours {SHORT_NAMES[dtype]}"], res.runs[f"HF {SHORT_NAMES[dtype]}"]
-            agree[SHORT_NAMES[dtype]] = [hf_agreement(a[i][0].tokens, b[i][0].tokens, eos) for i in range(len(prompts))]
-        tps = {n: s["tokens_per_s"] for n, s in stats.items()}
-        ratios = {
-            "ours fp32 / HF fp32": tps["ours fp32"] / tps["HF fp32"],
-            "ours bf16 / HF fp32": tps["ours bf16"] / tps["HF fp32"],
-            "ours bf16 / HF bf16": tps["ours bf16"] / tps["HF bf16"],
-        }
-        summary["plain"]["ratios"] = ratios
-        summary["plain"]["greedy_agreement_with_hf"] = agree
-        rows = [
-            [n, s["tokens_per_s"], 1000 * s["seconds"] / s["new_tokens"], s["new_tokens"]]
-            for n, s in stats.items()
-            if not n.startswith("layerskip")
-        ]
-        report.append(
-            table(
-                f"1. Plain decoding vs HF generate  ({len(prompts)} MT-bench prompts, "
-                f"exactly {args.max_new_tokens} new tokens each, median of {args.repeats})",
-                ["variant", "tok/s", "ms/token", "new tokens"],
-                rows,
-            )
-        )
-        report.append("\n".join(f"   {k}: {v:.2f}x" for k, v in ratios.items()))
-        for d, per in agree.items():
-            shown = ", ".join(f"{a}/{n}" for a, n in per)
-            report.append(f"   greedy tokens agreeing with HF in {d} (until our first EOS): {shown}")
-
+        hf_report(args, res, stats, eos, summary, report)
     if "layerskip" in sections:
-        base = f"ours {SHORT_NAMES[ls_dtype]}"
-        rows, ls = [], {}
-        for n in res.runs:
-            if not n.startswith("layerskip") and n != base:
-                continue
-            same = identical(res.runs[n], res.runs[base])
-            speedup = stats[n]["tokens_per_s"] / stats[base]["tokens_per_s"]
-            dec = stats[n]["decode_tokens_per_s"] / stats[base]["decode_tokens_per_s"]
-            ls[n] = {**stats[n], "speedup": speedup, "decode_speedup": dec, **same, "overhead": overhead(res.runs[n])}
-            is_base = n == base
-            tau, shown = (None, "-") if is_base else (stats[n]["tau"], same_str(same))
-            rows.append([n, stats[n]["tokens_per_s"], speedup, dec, tau, shown])
-        summary["layerskip"] = ls
-        summary["plain"]["overhead"].update({n: v["overhead"] for n, v in ls.items() if n != base})
-        report.append(
-            table(
-                f"5. Layerskip drafts vs plain {SHORT_NAMES[ls_dtype]}  "
-                f"(same chat prompts, {args.max_new_tokens} tokens)",
-                ["variant", "tok/s", "speedup", "decode speedup", "tau", "identical"],
-                rows,
-            )
+        layerskip_report(args, res, stats, summary, report)
+
+
+def plain_variants(args, ours, hf, tok, sections) -> list[Variant]:
+    """Our plain engine per dtype, each followed by HF generate in that dtype when section hf is asked for."""
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    variants: list[Variant] = []
+    for dtype in ("float32", "bfloat16"):
+        plain = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len)
+        variants.append((f"ours {SHORT_NAMES[dtype]}", lambda ids, n, e=plain: run_engine(e, ids, n, ())))
+        if "hf" in sections:
+            variants.append((f"HF {SHORT_NAMES[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
+    return variants
+
+
+def layerskip_variants(args, ours) -> list[Variant]:
+    """A chain of --layerskip-k drafted by the target's first N layers, per depth in --layerskip."""
+    ls_dtype = args.layerskip_dtype
+    variants: list[Variant] = []
+    for layers in args.layerskip:
+        draft = layerskip_model(ours[ls_dtype], layers)
+        prop = DraftModelProposer(draft, DraftChainConfig(num_tokens=args.layerskip_k))
+        e = TimedEngine(ours[ls_dtype], proposer=prop, max_seq_len=args.max_seq_len)
+        name = f"layerskip{layers} k{args.layerskip_k} {SHORT_NAMES[ls_dtype]}"
+        variants.append((name, lambda ids, n, e=e: run_engine(e, ids, n, ())))
+    return variants
+
+
+def hf_report(args, res: Results, stats: dict, eos: set[int], summary, report) -> None:
+    """Section 1's ratios, greedy agreement with HF and table."""
+    agree = {}
+    for dtype in ("float32", "bfloat16"):
+        a, b = res.runs[f"ours {SHORT_NAMES[dtype]}"], res.runs[f"HF {SHORT_NAMES[dtype]}"]
+        agree[SHORT_NAMES[dtype]] = [hf_agreement(a[i][0].tokens, b[i][0].tokens, eos) for i in range(len(a))]
+    tps = {n: s["tokens_per_s"] for n, s in stats.items()}
+    ratios = {
+        "ours fp32 / HF fp32": tps["ours fp32"] / tps["HF fp32"],
+        "ours bf16 / HF fp32": tps["ours bf16"] / tps["HF fp32"],
+        "ours bf16 / HF bf16": tps["ours bf16"] / tps["HF bf16"],
+    }
+    summary["plain"]["ratios"] = ratios
+    summary["plain"]["greedy_agreement_with_hf"] = agree
+    rows = [
+        [n, s["tokens_per_s"], 1000 * s["seconds"] / s["new_tokens"], s["new_tokens"]]
+        for n, s in stats.items()
+        if not n.startswith("layerskip")
+    ]
+    report.append(
+        table(
+            f"1. Plain decoding vs HF generate  ({len(res.prompts)} MT-bench prompts, "
+            f"exactly {args.max_new_tokens} new tokens each, median of {args.repeats})",
+            ["variant", "tok/s", "ms/token", "new tokens"],
+            rows,
         )
+    )
+    report.append("\n".join(f"   {k}: {v:.2f}x" for k, v in ratios.items()))
+    for d, per in agree.items():
+        shown = ", ".join(f"{a}/{n}" for a, n in per)
+        report.append(f"   greedy tokens agreeing with HF in {d} (until our first EOS): {shown}")
+
+
+def layerskip_report(args, res: Results, stats: dict, summary, report) -> None:
+    """Section 5: each layerskip draft against plain decoding in its dtype."""
+    ls_dtype = args.layerskip_dtype
+    base = f"ours {SHORT_NAMES[ls_dtype]}"
+    rows, ls = [], {}
+    for n in res.runs:
+        if not n.startswith("layerskip") and n != base:
+            continue
+        same = identical(res.runs[n], res.runs[base])
+        speedup = stats[n]["tokens_per_s"] / stats[base]["tokens_per_s"]
+        dec = stats[n]["decode_tokens_per_s"] / stats[base]["decode_tokens_per_s"]
+        ls[n] = {**stats[n], "speedup": speedup, "decode_speedup": dec, **same, "overhead": overhead(res.runs[n])}
+        is_base = n == base
+        tau, shown = (None, "-") if is_base else (stats[n]["tau"], same_str(same))
+        rows.append([n, stats[n]["tokens_per_s"], speedup, dec, tau, shown])
+    summary["layerskip"] = ls
+    summary["plain"]["overhead"].update({n: v["overhead"] for n, v in ls.items() if n != base})
+    report.append(
+        table(
+            f"5. Layerskip drafts vs plain {SHORT_NAMES[ls_dtype]}  (same chat prompts, {args.max_new_tokens} tokens)",
+            ["variant", "tok/s", "speedup", "decode speedup", "tau", "identical"],
+            rows,
+        )
+    )
 
 
 def hf_agreement(ours: list[int], hf: list[int], eos: set[int]) -> tuple[int, int]:
@@ -482,56 +502,21 @@ def hf_agreement(ours: list[int], hf: list[int], eos: set[int]) -> tuple[int, in
 def ngram_section(args, ours, tok, summary, report) -> None:
     """Section 2: n-gram speculation (K grid) and suffix decoding (vLLM's defaults) vs plain decoding on
     copy-heavy prompts, per dtype."""
-    records = sharegpt_records(2)
-    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine.engine"))
-    code_path = Path(args.code_file) if args.code_file else engine_dir / "verify.py"
-    prompts = [code_prompt(tok, code_path), document_prompt(tok, records[0])]
+    prompts = copy_prompts(args, tok)
     eos = stop_ids(ours, tok)
     out = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts], "dtypes": {}}
     rows = []
     for dtype in args.spec_dtypes:
-        model = ours[dtype]
-        engines = {"plain": TimedEngine(model, max_seq_len=args.max_seq_len)}
-        for k in args.ngram_k:
-            prop = NgramProposer(NgramConfig(num_tokens=k))
-            engines[f"ngram k{k}"] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len)
-        engines["suffix"] = TimedEngine(model, proposer=SuffixProposer(SuffixConfig()), max_seq_len=args.max_seq_len)
+        engines = copy_engines(args, ours[dtype])
         variants: list[Variant] = [
             (name, lambda ids, n, e=e: run_engine(e, ids, n, eos)) for name, e in engines.items()
         ]
         label = f"n-gram {SHORT_NAMES[dtype]}"
         res = interleave(label, variants, prompts, args.repeats, args.spec_new_tokens, args.warmup)
-        per_dtype = {}
-        for name, runs in res.runs.items():
-            entry = {"all": throughput(runs), "overhead": overhead(runs)}
-            for i, p in enumerate(prompts):
-                entry[p.name] = throughput(runs, [i])
-            for scope, idx in [("all", None)] + [(p.name, [i]) for i, p in enumerate(prompts)]:
-                base = throughput(res.runs["plain"], idx)
-                entry[scope]["speedup"] = entry[scope]["tokens_per_s"] / base["tokens_per_s"]
-                entry[scope]["decode_speedup"] = entry[scope]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-                entry[scope].update(identical(runs, res.runs["plain"], idx))
-            per_dtype[name] = entry
+        per_dtype = {name: speculation_entry(runs, res.runs["plain"], prompts) for name, runs in res.runs.items()}
         best = max((n for n in per_dtype if n != "plain"), key=lambda n: per_dtype[n]["all"]["tokens_per_s"])
         out["dtypes"][SHORT_NAMES[dtype]] = {"variants": per_dtype, "best": best}
-        for scope in [p.name for p in prompts] + ["all"]:
-            for name, entry in per_dtype.items():
-                s = entry[scope]
-                tau, shown = (None, "-") if name == "plain" else (s["tau"], same_str(s))
-                mark = " *" if name == best and scope == "all" else ""
-                rows.append(
-                    [
-                        SHORT_NAMES[dtype],
-                        scope,
-                        name + mark,
-                        s["new_tokens"],
-                        s["tokens_per_s"],
-                        s["speedup"],
-                        s["decode_speedup"],
-                        tau,
-                        shown,
-                    ]
-                )
+        rows += ngram_rows(SHORT_NAMES[dtype], per_dtype, best, prompts)
     summary["ngram"] = out
     report.append(
         table(
@@ -541,6 +526,53 @@ def ngram_section(args, ours, tok, summary, report) -> None:
             rows,
         )
     )
+
+
+def copy_prompts(args, tok) -> list[Prompt]:
+    """The copy-heavy prompts: edit a code file (--code-file, default: verify.py), answer from a document."""
+    records = sharegpt_records(2)
+    engine_dir = Path(importlib.resources.files("draftsmith.serve.engine"))
+    code_path = Path(args.code_file) if args.code_file else engine_dir / "verify.py"
+    return [code_prompt(tok, code_path), document_prompt(tok, records[0])]
+
+
+def copy_engines(args, model) -> dict[str, TimedEngine]:
+    """Plain decoding, n-gram speculation per K of --ngram-k, and suffix decoding, all on one target."""
+    engines = {"plain": TimedEngine(model, max_seq_len=args.max_seq_len)}
+    for k in args.ngram_k:
+        prop = NgramProposer(NgramConfig(num_tokens=k))
+        engines[f"ngram k{k}"] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len)
+    engines["suffix"] = TimedEngine(model, proposer=SuffixProposer(SuffixConfig()), max_seq_len=args.max_seq_len)
+    return engines
+
+
+def speculation_entry(runs: list[list[Run]], plain: list[list[Run]], prompts: list[Prompt]) -> dict:
+    """A variant's throughput over all prompts and per prompt, each with its speedup over plain decoding and
+    whether its output is plain's; and its step overhead."""
+    entry = {"all": throughput(runs), "overhead": overhead(runs)}
+    for i, p in enumerate(prompts):
+        entry[p.name] = throughput(runs, [i])
+    for scope, idx in [("all", None)] + [(p.name, [i]) for i, p in enumerate(prompts)]:
+        base = throughput(plain, idx)
+        entry[scope]["speedup"] = entry[scope]["tokens_per_s"] / base["tokens_per_s"]
+        entry[scope]["decode_speedup"] = entry[scope]["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        entry[scope].update(identical(runs, plain, idx))
+    return entry
+
+
+def ngram_rows(dtype: str, per_dtype: dict, best: str, prompts: list[Prompt]) -> list[list]:
+    """Section 2's table rows of one dtype: per prompt, then over all prompts (the best variant starred)."""
+    rows = []
+    for scope in [p.name for p in prompts] + ["all"]:
+        for name, entry in per_dtype.items():
+            s = entry[scope]
+            tau, shown = (None, "-") if name == "plain" else (s["tau"], same_str(s))
+            mark = " *" if name == best and scope == "all" else ""
+            rows.append(
+                [dtype, scope, name + mark, s["new_tokens"], s["tokens_per_s"], s["speedup"], s["decode_speedup"]]
+                + [tau, shown]
+            )
+    return rows
 
 
 def prefix_section(args, ours, tok, tid, summary, report) -> None:
@@ -772,6 +804,19 @@ def csv(kind):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    add_bench_args(p)
+    add_peer_args(p)
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--device", default="cpu")
+    if p.parse_known_args(argv)[0].quick:  # new defaults; options given explicitly still win
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Output, sections, repeats and the options of sections 1-5."""
     p.add_argument("--out", default="runs/bench_engine.json", help="JSON results (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a ~2 minute version: fewer prompts, tokens and repeats")
     p.add_argument(
@@ -796,6 +841,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-repeats", type=int, default=3)
     p.add_argument("--prefix-dtypes", type=csv(str), default=["float32", "bfloat16"])
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
+
+
+def add_peer_args(p: argparse.ArgumentParser) -> None:
+    """The options of section 6, the vLLM peer table."""
     p.add_argument("--vllm-python", default=vc.default_vllm_python())
     p.add_argument(
         "--vllm-env",
@@ -814,18 +863,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--peer-k", type=int, default=3, help="vllm: the EAGLE-3 chain length (num_speculative_tokens)")
     p.add_argument("--peer-work", default="runs/bench_vllm", help="vllm: the export, jobs and vLLM's logs")
-    p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--device", default="cpu")
-    if p.parse_known_args(argv)[0].quick:  # new defaults; options given explicitly still win
-        p.set_defaults(**QUICK)
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit through the parser on an unknown section or dtype."""
     bad = [s for s in args.sections if s not in SECTIONS]
     if bad:
         p.error(f"unknown sections {bad}; choose from {','.join(SECTIONS)}")
     for d in (*args.spec_dtypes, *args.prefix_dtypes, *args.peer_dtypes):
         if d not in BENCH_DTYPES:
             p.error(f"unknown dtype {d!r}; use float32 or bfloat16")
-    return args
 
 
 def main(argv=None) -> None:
@@ -834,7 +881,33 @@ def main(argv=None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    start, load_start = time.perf_counter(), os.getloadavg()
+    start = time.perf_counter()
+    env = environment(args)
+    ours, tok, tid = load_ours(args)
+    hf = load_hf(args) if "hf" in args.sections else {}
+    summary: dict = {"target": tid, "env": env, "args": vars(args)}
+    report: list[str] = []
+    timings = run_sections(args, ours, hf, tok, tid, summary, report)
+    env["loadavg_end"] = os.getloadavg()
+    env["section_seconds"] = timings
+    env["total_seconds"] = time.perf_counter() - start
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
+    print(f"\n== bench_engine: {tid}, batch 1, greedy, {env['threads']} threads, {args.device} ==")
+    print("\n".join(report))
+    print(
+        f"\nload average start {fmt_load(env['loadavg_start'])}, end {fmt_load(env['loadavg_end'])} "
+        f"(above {env['cpu_count']}: other processes shared the CPU); total {env['total_seconds']:.0f} s; "
+        f"JSON: {out}"
+    )
+
+
+def environment(args) -> dict:
+    """Versions, threads, machine and load average at the start, printed with a note when the CPU is busy."""
+    import transformers
+
+    load_start = os.getloadavg()
     env = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -852,22 +925,31 @@ def main(argv=None) -> None:
             "every step several-fold. Ratios stay side by side, absolute speeds do not (try --threads 1 or "
             "OMP_WAIT_POLICY=PASSIVE)."
         )
+    return env
 
-    cfg = lambda dtype: TargetConfig(dtype=dtype, device=args.device)
+
+def load_ours(args) -> tuple[dict, object, str]:
+    """The target in float32 and bfloat16 as draftsmith loads it, its tokenizer and id."""
     ours, tok, tid = {}, None, ""
     for dtype in ("float32", "bfloat16"):
-        loaded = load_target(cfg(dtype))
+        loaded = load_target(TargetConfig(dtype=dtype, device=args.device))
         ours[dtype], tok, tid = loaded.model, loaded.tokenizer, loaded.target_id
-    hf = {}
-    if "hf" in args.sections:
-        from transformers import AutoModelForCausalLM
+    return ours, tok, tid
 
-        folder = resolve_target(cfg("float32"))
-        for dtype in ("float32", "bfloat16"):
-            hf[dtype] = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
 
-    summary: dict = {"target": tid, "env": env, "args": vars(args)}
-    report: list[str] = []
+def load_hf(args) -> dict:
+    """The same target folder as HF transformers loads it, in float32 and bfloat16 (section 1)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = resolve_target(TargetConfig(dtype="float32", device=args.device))
+    return {
+        dtype: AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(args.device).eval()
+        for dtype in ("float32", "bfloat16")
+    }
+
+
+def run_sections(args, ours, hf, tok, tid: str, summary, report) -> dict[str, float]:
+    """The asked-for sections in the report's order; seconds per section."""
     timings = {}
     if {"hf", "layerskip"} & set(args.sections):
         t = time.perf_counter()
@@ -887,20 +969,7 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         vllm_section(args, ours, tok, tid, summary, report)
         timings["vllm"] = time.perf_counter() - t
-
-    env["loadavg_end"] = os.getloadavg()
-    env["section_seconds"] = timings
-    env["total_seconds"] = time.perf_counter() - start
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1))
-    print(f"\n== bench_engine: {tid}, batch 1, greedy, {env['threads']} threads, {args.device} ==")
-    print("\n".join(report))
-    print(
-        f"\nload average start {fmt_load(load_start)}, end {fmt_load(env['loadavg_end'])} "
-        f"(above {env['cpu_count']}: other processes shared the CPU); total {env['total_seconds']:.0f} s; "
-        f"JSON: {out}"
-    )
+    return timings
 
 
 def fmt_load(load) -> str:

@@ -1,0 +1,39 @@
+"""Every function and method in scripts/ (recursively) is at most MAX_LINES long, read with `ast`.
+
+A function's length is `end_lineno - lineno + 1` of its def (decorators excluded); nested functions count on their
+own and inside the one that holds them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+MAX_LINES = 50
+
+
+def long_functions(path: Path, root: Path = ROOT, limit: int = MAX_LINES) -> list[str]:
+    """'file:line name (N lines)' for each function in the file longer than limit, the file relative to root."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > limit:
+                out.append(f"{path.relative_to(root)}:{node.lineno} {node.name} ({n} lines)")
+    return out
+
+
+def test_scripts_are_found() -> None:
+    assert len(list(SCRIPTS.rglob("*.py"))) >= 5
+
+
+def test_long_functions_are_seen(tmp_path: Path) -> None:
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_LINES))  # def line + MAX_LINES body lines
+    (tmp_path / "long.py").write_text(f"def long():\n{body}\n\n\ndef short():\n    return 1\n")
+    assert long_functions(tmp_path / "long.py", tmp_path) == [f"long.py:1 long ({MAX_LINES + 1} lines)"]
+
+
+def test_script_functions_are_short() -> None:
+    found = [f for path in sorted(SCRIPTS.rglob("*.py")) for f in long_functions(path)]
+    assert not found, f"functions over {MAX_LINES} lines; split them into named steps:\n" + "\n".join(found)
