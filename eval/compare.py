@@ -100,9 +100,19 @@ def row(folder: Path, label: str, r: dict, m: dict) -> dict:
         "tokens_per_s": m["tokens_per_s"],
         "lossless": f"{m['lossless']['identical']}/{m['lossless']['checked']}" if "lossless" in m else "",
         "partial": r.get("partial", False),
-        "settings": {k: r.get(k) for k in SAME_SETTINGS} | {"suite": r.get("suite") or r.get("prompts_file")},
+        "settings": run_settings(r),
         "by_category": {c: v["methods"][m["method"]] for c, v in r.get("by_category", {}).items()},
     }
+
+
+def run_settings(r: dict) -> dict:
+    """The settings of SAME_SETTINGS under their short names (prefix_cache, seed, cuda_graphs, ...)."""
+    out = {}
+    for path in SAME_SETTINGS:
+        section, _, key = path.rpartition(".")
+        value = (r.get(section) or {}).get(key) if section else r.get(key)
+        out[section if key == "enabled" else key] = value
+    return out | {"suite": r.get("suite") or r.get("prompts_file")}
 
 
 def render(rows: list[dict], plots: list[Path], warnings: list[str]) -> str:
@@ -156,8 +166,9 @@ def machines_note(rows: list[dict]) -> str:
 
 
 def settings_note(rows: list[dict]) -> str | None:
-    """A warning when the runs differ in a setting that changes speed or outputs (dtype, prompts, lengths)."""
-    differ = {k: sorted({str(r["settings"].get(k)) for r in rows}) for k in SAME_SETTINGS}
+    """A warning when the runs differ in a setting that changes speed or outputs (dtype, prompts, lengths, sampling,
+    the prefix cache, CUDA graphs: machine.SAME_SETTINGS)."""
+    differ = {k: sorted({str(r["settings"][k]) for r in rows}) for k in rows[0]["settings"]}
     differ = {k: v for k, v in differ.items() if len(v) > 1}
     if not differ:
         return None

@@ -12,8 +12,25 @@ import torch
 
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # CPU features that change matmul speed
 SAME_MACHINE = ("cpu", "cpu_flags", "gpu", "threads")  # what must match for two results to be compared
-# results.json keys that change speed or outputs: runs differing in one are compared with a warning
-SAME_SETTINGS = ("device", "dtype", "suite", "prompts", "prompts_sha256", "max_new_tokens", "temperature")
+# results.json settings that change speed or outputs: runs differing in one are compared with a warning. Each is
+# a top-level key, or "section.key" for one inside a section (prefix_cache.enabled, config.cuda_graphs). A method's
+# own settings (its drafter and draft shape) are what a comparison compares: the report shows them per row.
+SAME_SETTINGS = (
+    "device",
+    "dtype",
+    "suite",
+    "prompts",
+    "prompts_sha256",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "config.seed",
+    "prefix_cache.enabled",
+    "config.cuda_graphs",
+    "config.max_seq_len",
+    "config.warmup",
+)
 
 
 def environment(device: torch.device, dtype: torch.dtype) -> dict:

@@ -279,6 +279,8 @@ def summarize(
         "prompts": len({r.id for r in main}),
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "top_k": cfg.top_k,
         "suite": cfg.suite.name if cfg.suite else None,
         "prompts_file": cfg.prompts,
         "repeats": cfg.repeats,

@@ -124,6 +124,27 @@ def test_compare_warns_when_runs_differ_in_dtype_or_prompts(evaluated, tmp_path)
     assert "max_new_tokens" not in warnings[0]
 
 
+def test_compare_warns_when_runs_differ_in_any_setting_that_changes_speed_or_outputs(evaluated, tmp_path):
+    """Two sampled runs differing only in prefix_cache, top_k or top_p were compared without a word (top_k and top_p
+    were not even in results.json): every setting that changes speed or outputs is recorded and compared."""
+    out, _ = evaluated
+    results = json.loads((out / "results.json").read_text())
+    assert (results["top_p"], results["top_k"]) == (1.0, 0)
+    first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
+    second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18, top_k=20, top_p=0.9)
+    r = json.loads((second / "results.json").read_text())
+    r["prefix_cache"]["enabled"] = False
+    r["config"] |= {"seed": 7, "cuda_graphs": "off", "max_seq_len": 512, "warmup": 0}
+    (second / "results.json").write_text(json.dumps(r))
+    warnings = compare([str(first), str(second)], tmp_path / "cmp")[1]
+    assert len(warnings) == 1
+    for named in ("prefix_cache: False, True", "top_k: 0, 20", "top_p: 0.9, 1.0", "seed: 0, 7"):
+        assert named in warnings[0], (named, warnings[0])
+    for named in ("cuda_graphs: auto, off", "max_seq_len: 4096, 512", "warmup: 0, 1"):
+        assert named in warnings[0], (named, warnings[0])
+    assert "max_new_tokens" not in warnings[0] and "temperature" not in warnings[0]
+
+
 def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
     out, _ = evaluated
     for i in range(2):
@@ -231,7 +252,7 @@ def test_a_method_drafting_deeper_than_its_intervals_still_reports_and_plots(eva
     m["acceptance_rate_per_position"] = [0.5, 0.25, 0.125]
     m["intervals"]["acceptance_rate_per_position"] = [[0.4, 0.6]]
     text = write_report(tmp_path, results).read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| ngram | 0.50"))
+    row = next(line for line in text.splitlines() if line.startswith("| ngram | 0.50 [0.40, 0.60] |"))
     assert row.count("|") == 5 and "0.25" in row and "0.12" in row
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == PNG
 
