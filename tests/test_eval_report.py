@@ -3,11 +3,13 @@ over a hydra sweep, W&B logging (offline), and the bad inputs of compare."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -94,11 +96,11 @@ def test_compare_merges_folders_into_one_report(evaluated, tmp_path):
     path, warnings = compare([str(first), str(second)], tmp_path / "cmp")
     text = path.read_text()
     assert warnings == [] and "**Warning:**" not in text
-    assert "| small:layerskip | rag | 1.00M | 1.20x [1.15, 1.25] |" in text
-    assert "| large:layerskip | rag | 4.00M | 1.10x [1.05, 1.15] |" in text
+    assert "| small:layerskip | rag | 1.00M | num_tokens 3 | 1.20x [1.15, 1.25] |" in text
+    assert "| large:layerskip | rag | 4.00M | num_tokens 3 | 1.10x [1.05, 1.15] |" in text
     assert "| small:layerskip | large:layerskip | 1.20x vs 1.10x | significant |" in text
     assert "All runs on one machine" in text
-    assert "| small:ngram | rag | 0 |" in text and "## Speedup by category" in text
+    assert "| small:ngram | rag | 0 | num_tokens 5 |" in text and "## Speedup by category" in text
     assert (tmp_path / "cmp" / "speedup_vs_params.png").read_bytes()[:4] == PNG
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert len(rows) == 4 and {r["label"] for r in rows} >= {"small:ngram", "large:layerskip"}
@@ -194,6 +196,11 @@ def test_compare_refuses_bad_input_and_writes_nothing(evaluated, tmp_path, capsy
     (bad / "results.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not a draftsmith-eval result"):
         compare([str(out), str(bad)], report)
+    old = json.loads((out / "results.json").read_text())
+    del old["schema_version"]  # a results.json from before schema versions
+    (bad / "results.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=f"{bad / 'results.json'} has results schema version none.*re-run the eval"):
+        compare([str(out), str(bad)], report)
     with pytest.raises(ValueError, match="give one out=REPORT"):
         parse_args([str(out)])
     with pytest.raises(ValueError, match="unknown argument 'title=x'"):
@@ -247,10 +254,10 @@ def test_a_method_drafting_deeper_than_its_intervals_still_reports_and_plots(eva
     """A head paired with a lookup (eagle3_ngram at depth 1) reports acceptance at the lookup's deeper positions,
     which its per-position intervals (taken over the head's depth) do not cover: each shows without an interval."""
     _, results = evaluated
-    results = json.loads(json.dumps(results))
-    m = results["methods"]["ngram"]
-    m["acceptance_rate_per_position"] = [0.5, 0.25, 0.125]
-    m["intervals"]["acceptance_rate_per_position"] = [[0.4, 0.6]]
+    results = copy.deepcopy(results)
+    m = results.methods["ngram"]
+    m.acceptance_rate_per_position = [0.5, 0.25, 0.125]
+    m.intervals["acceptance_rate_per_position"] = [[0.4, 0.6]]
     text = write_report(tmp_path, results).read_text()
     row = next(line for line in text.splitlines() if line.startswith("| ngram | 0.50 [0.40, 0.60] |"))
     assert row.count("|") == 5 and "0.25" in row and "0.12" in row
@@ -261,9 +268,9 @@ def test_a_busy_machine_is_named_in_the_report_and_the_headline(evaluated, tmp_p
     """Interleaving cancels a steady competitor in the control, but not its effect on the ratios themselves (beside
     a CPU hog the rag study's eagle3 ran 0.69x where it ran 0.94x idle): a load above 1.5x the CPUs is said."""
     out, results = evaluated
-    env = results["environment"] | {"cpu_count": 2}
-    busy = results | {"environment": env | {"load_before": [1.5, 1.0, 1.0], "load_after": [4.1, 3.0, 2.0]}}
-    idle = results | {"environment": env | {"load_before": [0.9, 1.0, 1.0], "load_after": [2.1, 1.5, 1.0]}}
+    env = replace(results.environment, cpu_count=2)
+    busy = replace(results, environment=replace(env, load_before=[1.5, 1.0, 1.0], load_after=[4.1, 3.0, 2.0]))
+    idle = replace(results, environment=replace(env, load_before=[0.9, 1.0, 1.0], load_after=[2.1, 1.5, 1.0]))
     (tmp_path / "idle").mkdir(), (tmp_path / "busy").mkdir()
     assert "BUSY" not in write_report(tmp_path / "idle", idle).read_text()
     print_headline(idle)
@@ -272,5 +279,6 @@ def test_a_busy_machine_is_named_in_the_report_and_the_headline(evaluated, tmp_p
     assert "BUSY: load average 4.10 on 2 CPUs" in text
     print_headline(busy)
     assert "BUSY: load average 4.10 on 2 CPUs" in capsys.readouterr().out
-    print_headline(results | {"environment": None})  # an older results.json: no load, no warning, no crash
+    unknown = replace(results, environment=replace(env, load_before=None, load_after=None))  # getloadavg failed
+    print_headline(unknown)
     assert "BUSY" not in capsys.readouterr().out
