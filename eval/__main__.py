@@ -14,12 +14,13 @@ from omegaconf import DictConfig
 from draftsmith.serve.shared.cli import typed_or_exit
 
 from .methods import check_drafters
-from .report import busy, ci, iv, speedup_cell, write_report
+from .report import busy, number, speedup_cell, write_report
+from .results import RunResult
 from .runner import EvalConfig, run_eval
 from .wandb_log import log_eval
 
 
-def evaluate(cfg: EvalConfig) -> dict:
+def evaluate(cfg: EvalConfig) -> RunResult:
     """The whole eval: run, DIR/results.json + report.md + PNGs, then W&B. Returns the results."""
     results = run_eval(cfg)
     write_report(cfg.out, results)
@@ -27,43 +28,43 @@ def evaluate(cfg: EvalConfig) -> dict:
     return results
 
 
-def print_headline(r: dict) -> None:
-    b = r["baseline"]
+def print_headline(r: RunResult) -> None:
+    b = r.baseline
     lines = [
-        f"{r['target']} on {r['device']} ({r['dtype']}), {r['prompts']} prompts"
-        + (f" x {r['repeats']} repeats" if r["repeats"] > 1 else "")
-        + f", {r['max_new_tokens']} new tokens; [95% intervals over prompts]"
-        + ("  [PARTIAL]" if r["partial"] else ""),
-        f"  {'ar':<13} {b['tokens_per_s']:6.1f} tok/s  TPOT {ci(b['tpot_ms'], iv(b, 'tpot_ms'), '{:.1f}')} ms"
-        f"  TTFT {b['ttft_ms']:.0f} ms",
+        f"{r.target} on {r.device} ({r.dtype}), {r.prompts} prompts"
+        + (f" x {r.repeats} repeats" if r.repeats > 1 else "")
+        + f", {r.max_new_tokens} new tokens; [95% intervals over prompts]"
+        + ("  [PARTIAL]" if r.partial else ""),
+        f"  {'ar':<13} {b.tokens_per_s:6.1f} tok/s  TPOT {number(b, 'tpot_ms', '{:.1f}')} ms  TTFT {b.ttft_ms:.0f} ms",
     ]
-    for label, m in r["methods"].items():
+    for label, m in r.methods.items():
         lines.append(
-            f"  {label:<13} {m['tokens_per_s']:6.1f} tok/s  TPOT {m['tpot_ms']:5.1f} ms  speedup {speedup_cell(m)}"
-            f"  tau {ci(m['mean_acceptance_length'], iv(m, 'mean_acceptance_length'))}"
+            f"  {label:<13} {m.tokens_per_s:6.1f} tok/s  TPOT {m.tpot_ms:5.1f} ms  speedup {speedup_cell(m)}"
+            f"  tau {number(m, 'mean_acceptance_length')}"
         )
-    lossless, cache = r["lossless"], r["prefix_cache"]
-    check = f"lossless: {lossless['identical']}/{lossless['checked']} identical" if r["temperature"] == 0 else ""
-    if r["temperature"] > 0:
+    lossless, cache = r.lossless, r.prefix_cache
+    check = f"lossless: {lossless.identical}/{lossless.checked} identical"
+    if r.temperature > 0:
         check = "distribution check: " + ", ".join(
-            f"{label} p={m['distribution_check']['p_value']}" for label, m in r["methods"].items()
+            f"{label} p={m.distribution_check.p_value}" for label, m in r.methods.items()
         )
-    lines.append(f"  {check}; prefix cache hit {cache['hit_tokens']}/{cache['queried_tokens']} tokens")
+    lines.append(f"  {check}; prefix cache hit {cache.hit_tokens}/{cache.queried_tokens} tokens")
     lines += noise_lines(r)
-    if "study" in r:
-        lines.append(f"  prefix cache x {r['study']['method']}: {r['study']['finding']}")
+    if r.study:
+        lines.append(f"  prefix cache x {r.study.method}: {r.study.finding}")
     print("\n".join(lines))
 
 
-def noise_lines(r: dict) -> list[str]:
+def noise_lines(r: RunResult) -> list[str]:
     out = []
-    if r.get("noise", {}).get("noisy"):
-        repeat_spread = r["noise"]["repeat_spread"]
-        out.append(f"  NOISY: plain decoding of the same prompt varied {repeat_spread['median']:.0%} between repeats")
+    if r.noise.noisy:
+        out.append(
+            f"  NOISY: plain decoding of the same prompt varied {r.noise.repeat_spread.median:.0%} between repeats"
+        )
     if warning := busy(r):
         out.append(f"  {warning}")
-    if r.get("skipped", {}).get("turns"):
-        out.append(f"  {r['skipped']['turns']} turn(s) skipped (beyond the context): see the report")
+    if r.skipped.turns:
+        out.append(f"  {r.skipped.turns} turn(s) skipped (beyond the context): see the report")
     return out
 
 
@@ -77,7 +78,7 @@ def _main(cfg: DictConfig) -> None:
     results = evaluate(config)
     print_headline(results)
     print(f"  report: {config.out}/report.md, results: {config.out}/results.json")
-    if results["partial"]:
+    if results.partial:
         sys.exit(130)  # interrupted: the partial report is written, the caller still learns it stopped early
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from draftsmith.serve.engine.metrics import Metrics
 
+from .results import CategoryResult, Compared, Lossless, RepeatSpread, Summary
 from .stats import Bootstrap, intervals, significant, speedup_interval, spread
 
 
@@ -57,21 +58,21 @@ def speedup(m: Metrics, base: Metrics) -> float:
     return m.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
 
 
-def summary(name: str, records: list[Record], boot: Bootstrap, positions: int = 0) -> dict:
-    """method_summary with an `intervals` dict beside it (empty with fewer than two prompts)."""
-    return {**method_summary(name, pool(records)), "intervals": intervals(boot, records, positions)}
+def summary(name: str, records: list[Record], boot: Bootstrap, positions: int = 0) -> Summary:
+    """method_summary with its intervals (none with fewer than two prompts)."""
+    return Summary(**method_summary(name, pool(records)), intervals=intervals(boot, records, positions))
 
 
-def compared(name: str, records: list[Record], base: list[Record], seed: int = 0, positions: int = 0) -> dict:
+def compared(name: str, records: list[Record], base: list[Record], seed: int = 0, positions: int = 0) -> Compared:
     """A method's summary with its speedup over plain decoding on the same turns (a turn one of them skipped
     counts for neither), each with its interval; `significant`: the speedup's interval excludes 1.0."""
     records, base = paired(records, base)
     boot = Bootstrap.over([r.id for r in base + records], seed)
     out = summary(name, records, boot, positions)
-    out["speedup"] = speedup(pool(records), pool(base))
-    out["intervals"]["speedup"] = speedup_interval(boot, records, base)
-    out["significant"] = significant(out["intervals"]["speedup"])
-    return out
+    out.intervals["speedup"] = speedup_interval(boot, records, base)
+    return Compared(
+        **vars(out), speedup=speedup(pool(records), pool(base)), significant=significant(out.intervals["speedup"])
+    )
 
 
 def paired(records: list[Record], base: list[Record]) -> tuple[list[Record], list[Record]]:
@@ -88,17 +89,13 @@ def of(records: list[Record], method: str, **where) -> list[Record]:
     return [r for r in records if r.method == method and all(getattr(r, k) == v for k, v in where.items())]
 
 
-def lossless(base: list[Record], records: list[Record], greedy: bool) -> dict:
+def lossless(base: list[Record], records: list[Record], greedy: bool) -> Lossless:
     """Greedy outputs compared token for token with plain decoding's, turn by turn."""
     if not greedy:
-        return {"checked": 0, "identical": 0, "note": "sampling: equality not expected (see distribution_check)"}
+        return Lossless(0, 0, "sampling: equality not expected (see distribution_check)")
     ar = {(r.id, r.turn, r.repeat): r.output_ids for r in base}
     pairs = [(ar[(r.id, r.turn, r.repeat)], r.output_ids) for r in records if (r.id, r.turn, r.repeat) in ar]
-    return {
-        "checked": len(pairs),
-        "identical": sum(a == b for a, b in pairs),
-        "note": "greedy: token-for-token vs plain decoding",
-    }
+    return Lossless(len(pairs), sum(a == b for a, b in pairs), "greedy: token-for-token vs plain decoding")
 
 
 def speedup_per_repeat(records: list[Record], base: list[Record], repeats: int) -> list[float]:
@@ -109,20 +106,20 @@ def speedup_per_repeat(records: list[Record], base: list[Record], repeats: int) 
     ]
 
 
-def by_category(records: list[Record], labels: list[str], seed: int = 0) -> dict:
+def by_category(records: list[Record], labels: list[str], seed: int = 0) -> dict[str, CategoryResult]:
     out = {}
     for cat in sorted({r.category for r in records}):
         rows = [r for r in records if r.category == cat]
         base = of(rows, "ar")
-        out[cat] = {
-            "prompts": len({r.id for r in rows}),
-            "baseline": summary("ar", base, Bootstrap.over([r.id for r in base], seed)),
-            "methods": {label: compared(label, of(rows, label), base, seed) for label in labels},
-        }
+        out[cat] = CategoryResult(
+            prompts=len({r.id for r in rows}),
+            baseline=summary("ar", base, Bootstrap.over([r.id for r in base], seed)),
+            methods={label: compared(label, of(rows, label), base, seed) for label in labels},
+        )
     return out
 
 
-def repeat_spread(records: list[Record]) -> dict | None:
+def repeat_spread(records: list[Record]) -> RepeatSpread | None:
     """How much the time per new token of the same prompt varied between repeats: with identical work (greedy)
     this is the machine's own noise. None with a single repeat."""
     times: dict[str, dict[int, list[Metrics]]] = {}
@@ -136,7 +133,7 @@ def repeat_spread(records: list[Record]) -> dict | None:
     if not per_token:
         return None
     spreads = sorted(spread(t) for t in per_token)
-    return {"prompts": len(spreads), "median": spreads[len(spreads) // 2], "max": spreads[-1]}
+    return RepeatSpread(prompts=len(spreads), median=spreads[len(spreads) // 2], max=spreads[-1])
 
 
 SHORT = ("tokens_per_s", "ttft_ms", "tpot_ms", "new_tokens", "mean_acceptance_length")
@@ -152,7 +149,8 @@ def by_prompt(records: list[Record], labels: list[str], greedy: bool) -> list[di
         for label in labels:
             s = compared(label, of(mine, label), base)
             check = lossless(base, of(mine, label), greedy)
-            methods[label] = {k: s[k] for k in (*SHORT, "speedup")} | {k: check[k] for k in ("identical", "checked")}
+            methods[label] = {k: getattr(s, k) for k in (*SHORT, "speedup")}
+            methods[label] |= {"identical": check.identical, "checked": check.checked}
         ar = method_summary("ar", pool(base))
         rows.append({"id": pid, "category": mine[0].category, "ar": {k: ar[k] for k in SHORT}, "methods": methods})
     return rows

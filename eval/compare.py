@@ -10,12 +10,15 @@ import itertools
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .journal import RECORDS
-from .machine import SAME_SETTINGS, describe, machine_key
+from .machine import describe, machine_key
 from .plots import category_plot, params_plot
 from .report import ci, table
+from .results import Compared, Environment, MethodResult, RunResult, load_results, to_json
 
 USAGE = "usage: draftsmith-compare EVAL1 EVAL2 ... out=REPORT   (each EVAL: a draftsmith-eval out folder)"
 
@@ -71,81 +74,98 @@ def labels_for(evals: list[Path]) -> list[str]:
     return names if len(set(names)) == len(names) else [f"{p.parent.name}/{p.name}" for p in evals]
 
 
-def load_rows(evals: list[Path]) -> list[dict]:
+@dataclass
+class Row:
+    """One method of one eval, as compared (compare.json holds a list of them)."""
+
+    label: str  # run:method
+    eval: str
+    target: str
+    suite: str
+    drafter: str | None
+    drafter_params: int | None
+    draft_shape: str
+    speedup: float
+    mean_acceptance_length: float
+    intervals: dict[str, Any]  # speedup, mean_acceptance_length
+    significant: bool | None
+    environment: Environment
+    tokens_per_s: float
+    lossless: str
+    partial: bool
+    settings: dict[str, Any]  # RunResult.settings(): a difference is warned about
+    by_category: dict[str, Compared]
+
+
+def load_rows(evals: list[Path]) -> list[Row]:
     rows = []
     for folder, name in zip(evals, labels_for(evals), strict=True):
-        try:
-            r = json.loads((folder / "results.json").read_text())
-            methods = r["methods"] if "methods" in r else {r["spec"]["method"]: r["spec"]}  # issue 2's single form
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{folder}/results.json is not a draftsmith-eval result ({e})") from e
-        for label, m in methods.items():
+        r = load_results(folder / "results.json")
+        for label, m in r.methods.items():
             rows.append(row(folder, f"{name}:{label}", r, m))
     return rows
 
 
-def row(folder: Path, label: str, r: dict, m: dict) -> dict:
-    return {
-        "label": label,
-        "eval": str(folder),
-        "target": r["target"],
-        "suite": r.get("suite") or r.get("prompts_file"),
-        "drafter": (m.get("config") or {}).get("drafter"),
-        "drafter_params": m.get("drafter_params"),
-        "speedup": m["speedup"],
-        "mean_acceptance_length": m["mean_acceptance_length"],
-        "intervals": {k: (m.get("intervals") or {}).get(k) for k in ("speedup", "mean_acceptance_length")},
-        "significant": m.get("significant"),
-        "environment": r.get("environment") or {},
-        "tokens_per_s": m["tokens_per_s"],
-        "lossless": f"{m['lossless']['identical']}/{m['lossless']['checked']}" if "lossless" in m else "",
-        "partial": r.get("partial", False),
-        "settings": {k: r.get(k) for k in SAME_SETTINGS} | {"suite": r.get("suite") or r.get("prompts_file")},
-        "by_category": {c: v["methods"][m["method"]] for c, v in r.get("by_category", {}).items()},
-    }
+def row(folder: Path, label: str, r: RunResult, m: MethodResult) -> Row:
+    return Row(
+        label=label,
+        eval=str(folder),
+        target=r.target,
+        suite=r.source,
+        drafter=m.config.get("drafter"),
+        drafter_params=m.drafter_params,
+        draft_shape=m.draft_shape(),
+        speedup=m.speedup,
+        mean_acceptance_length=m.mean_acceptance_length,
+        intervals={k: m.interval(k) for k in ("speedup", "mean_acceptance_length")},
+        significant=m.significant,
+        environment=r.environment,
+        tokens_per_s=m.tokens_per_s,
+        lossless=f"{m.lossless.identical}/{m.lossless.checked}" if r.temperature == 0 else "sampled",
+        partial=r.partial,
+        settings=r.settings(),
+        by_category={c: v.methods[m.method] for c, v in r.by_category.items()},
+    )
 
 
-def render(rows: list[dict], plots: list[Path], warnings: list[str]) -> str:
+def render(rows: list[Row], plots: list[Path], warnings: list[str]) -> str:
     params = lambda n: "-" if n is None else "0" if n == 0 else f"{n / 1e6:.2f}M"  # noqa: E731
     table_rows = [
         [
-            r["label"] + (" (partial)" if r["partial"] else ""),
-            r["suite"],
-            params(r["drafter_params"]),
-            ci(r["speedup"], r["intervals"]["speedup"], unit="x") + (" (n.s.)" if r["significant"] is False else ""),
-            ci(r["mean_acceptance_length"], r["intervals"]["mean_acceptance_length"]),
-            f"{r['tokens_per_s']:.1f}",
-            r["lossless"],
+            r.label + (" (partial)" if r.partial else ""),
+            r.suite,
+            params(r.drafter_params),
+            r.draft_shape,
+            ci(r.speedup, r.intervals["speedup"], unit="x") + (" (n.s.)" if r.significant is False else ""),
+            ci(r.mean_acceptance_length, r.intervals["mean_acceptance_length"]),
+            f"{r.tokens_per_s:.1f}",
+            r.lossless,
         ]
         for r in rows
     ]
-    header = ["run:method", "suite", "drafter params", "speedup [95%]", "τ [95%]", "tokens/s", "lossless"]
-    parts = ["# Comparison of " + ", ".join(sorted({r["eval"] for r in rows})), table(header, table_rows)]
+    header = ["run:method", "suite", "drafter params", "draft", "speedup [95%]", "τ [95%]", "tokens/s", "lossless"]
+    parts = ["# Comparison of " + ", ".join(sorted({r.eval for r in rows})), table(header, table_rows)]
     parts.append("n.s.: the speedup's interval holds 1.00x. " + machines_note(rows))
     parts += [f"**Warning:** {w}" for w in warnings]
-    targets = sorted({r["target"] for r in rows})
+    targets = sorted({r.target for r in rows})
     if len(targets) > 1:
         parts.append(f"**Note:** these evals ran on different targets ({', '.join(targets)}); compare with care.")
     parts.append("## Differences between runs\n\n" + differences(rows))
     cats = common_categories(rows)
     if cats:
-        cat_rows = [
-            [r["label"]]
-            + [ci(m["speedup"], (m.get("intervals") or {}).get("speedup"), unit="x") for m in cols(r, cats)]
-            for r in rows
-        ]
+        cat_rows = [[r.label] + [ci(m.speedup, m.interval("speedup"), unit="x") for m in cols(r, cats)] for r in rows]
         parts.append("## Speedup by category\n\n" + table(["run:method", *cats], cat_rows))
     parts.append("## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots))
     return "\n\n".join(parts) + "\n"
 
 
-def cols(row: dict, cats: list[str]) -> list[dict]:
-    return [row["by_category"][c] for c in cats]
+def cols(row: Row, cats: list[str]) -> list[Compared]:
+    return [row.by_category[c] for c in cats]
 
 
-def machines_note(rows: list[dict]) -> str:
+def machines_note(rows: list[Row]) -> str:
     """A warning when the evals ran on different machines: speed is comparable only within one."""
-    machines = {machine_key(r["environment"]): describe(r["environment"]) for r in rows if r["environment"]}
+    machines = {machine_key(r.environment): describe(r.environment) for r in rows}
     if len(machines) <= 1:
         return f"All runs on one machine: {next(iter(machines.values()), 'unknown')}."
     return (
@@ -155,9 +175,10 @@ def machines_note(rows: list[dict]) -> str:
     )
 
 
-def settings_note(rows: list[dict]) -> str | None:
-    """A warning when the runs differ in a setting that changes speed or outputs (dtype, prompts, lengths)."""
-    differ = {k: sorted({str(r["settings"].get(k)) for r in rows}) for k in SAME_SETTINGS}
+def settings_note(rows: list[Row]) -> str | None:
+    """A warning when the runs differ in a setting that changes speed or outputs (dtype, prompts, lengths, sampling,
+    the prefix cache, CUDA graphs: RunResult.settings)."""
+    differ = {k: sorted({str(r.settings[k]) for r in rows}) for k in rows[0].settings}
     differ = {k: v for k, v in differ.items() if len(v) > 1}
     if not differ:
         return None
@@ -170,25 +191,25 @@ def log_se(iv: list[float] | None) -> float | None:
     return None if not iv or iv[0] <= 0 else (math.log(iv[1]) - math.log(iv[0])) / (2 * 1.96)
 
 
-def differences(rows: list[dict]) -> str:
+def differences(rows: list[Row]) -> str:
     """Each pair of runs on the same suite: is their speedup difference significant (z-test on log speedup, the
     standard errors read off each run's interval; runs on different prompts are independent samples)?"""
     out = []
     for a, b in itertools.combinations(rows, 2):
-        if a["suite"] != b["suite"]:
+        if a.suite != b.suite:
             continue
-        se_a, se_b = log_se(a["intervals"]["speedup"]), log_se(b["intervals"]["speedup"])
-        if se_a is None or se_b is None or a["speedup"] <= 0 or b["speedup"] <= 0:
+        se_a, se_b = log_se(a.intervals["speedup"]), log_se(b.intervals["speedup"])
+        if se_a is None or se_b is None or a.speedup <= 0 or b.speedup <= 0:
             verdict = "no intervals"
         else:
-            gap, se = abs(math.log(a["speedup"] / b["speedup"])), math.hypot(se_a, se_b)
+            gap, se = abs(math.log(a.speedup / b.speedup)), math.hypot(se_a, se_b)
             verdict = "significant" if (gap > 1.96 * se if se else gap > 0) else "not significant"
-        out.append([a["label"], b["label"], f"{a['speedup']:.2f}x vs {b['speedup']:.2f}x", verdict])
+        out.append([a.label, b.label, f"{a.speedup:.2f}x vs {b.speedup:.2f}x", verdict])
     return table(["run:method", "run:method", "speedup", "difference"], out) if out else "(one run per suite)"
 
 
-def common_categories(rows: list[dict]) -> list[str]:
-    return [c for c in rows[0]["by_category"] if all(c in r["by_category"] for r in rows)]
+def common_categories(rows: list[Row]) -> list[str]:
+    return [c for c in rows[0].by_category if all(c in r.by_category for r in rows)]
 
 
 def compare(folders: list[str], out: Path) -> tuple[Path, list[str]]:
@@ -199,13 +220,13 @@ def compare(folders: list[str], out: Path) -> tuple[Path, list[str]]:
     warnings = unfinished_notes(unfinished) + [n for n in [settings_note(rows)] if n]
     out.mkdir(parents=True, exist_ok=True)
     cats = common_categories(rows)
-    by_cat = {c: {"methods": {r["label"]: r["by_category"][c] for r in rows}} for c in cats}
+    by_cat = {c: {r.label: r.by_category[c] for r in rows} for c in cats}
     plots = [
         params_plot(rows, out / "speedup_vs_params.png"),
         category_plot(by_cat, out / "speedup_by_category.png") if cats else None,
     ]
     plots = [p for p in plots if p is not None]
-    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (out / "compare.json").write_text(json.dumps(to_json(rows), indent=2) + "\n")
     path = out / "report.md"
     path.write_text(render(rows, plots, warnings))
     return path, warnings

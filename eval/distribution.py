@@ -19,6 +19,7 @@ import itertools
 import numpy as np
 
 from .aggregate import Record
+from .results import DistributionCheck
 
 TEST = "paired permutation test of the TV distance between pooled output-token histograms (plain vs method)"
 MIN_COUNT = 5
@@ -59,30 +60,32 @@ def swaps(units: int, permutations: int, seed: int) -> tuple[np.ndarray, bool]:
     return np.random.default_rng(seed).integers(0, 2, (permutations, units)).astype(float), False
 
 
-def distribution_check(base: list[Record], records: list[Record], permutations: int = 1000, seed: int = 0) -> dict:
+def distribution_check(
+    base: list[Record], records: list[Record], permutations: int = 1000, seed: int = 0
+) -> DistributionCheck:
     a, b = histograms(base, records)
     units = a.shape[0]
     if units == 0 or a.sum() == 0 or b.sum() == 0:
-        return {"test": TEST, "units": units, "tv_distance": None, "p_value": None, "note": "no outputs to compare"}
+        return DistributionCheck(TEST, units, note="no outputs to compare")
     if a.shape[1] == 1:  # only the rare bin: TV is 0 and p is 1 whatever the sampler does
-        return {"test": TEST, "units": units, "tv_distance": None, "p_value": None, "note": TOO_FEW}
+        return DistributionCheck(TEST, units, note=TOO_FEW)
     observed = float(tv(a.sum(0), b.sum(0)))
     s, exact = swaps(units, permutations, seed)
     diff = b - a
     null = tv(a.sum(0) + s @ diff, b.sum(0) - s @ diff)
     hits = int((null >= observed - 1e-12).sum())
     p = hits / len(s) if exact else (hits + 1) / (len(s) + 1)
-    return {
-        "test": TEST,
-        "units": units,
-        "permutations": len(s),
-        "exact": exact,
-        "tv_distance": observed,
-        "p_value": p,
-        "mean_new_tokens": {"ar": mean_len(base), "method": mean_len(records)},
-        "note": "H0: same output distribution. p < 0.01 flags a sampling bug; a large p is no proof "
+    return DistributionCheck(
+        test=TEST,
+        units=units,
+        permutations=len(s),
+        exact=exact,
+        tv_distance=observed,
+        p_value=p,
+        mean_new_tokens={"ar": mean_len(base), "method": mean_len(records)},
+        note="H0: same output distribution. p < 0.01 flags a sampling bug; a large p is no proof "
         "(power grows with prompts x repeats)",
-    }
+    )
 
 
 def mean_len(records: list[Record]) -> float:

@@ -13,6 +13,7 @@ from draftsmith.heads.files import write_text_atomic
 from draftsmith.serve.engine.metrics import Metrics
 
 from .aggregate import Record
+from .results import SkippedTurn as Skip  # results.json's skipped turns are the journal's
 
 RECORDS, RUN = "records.jsonl", "run.json"
 # what a finished run writes next to its records (runner.py, report.py, plots.py): a fresh run removes them first,
@@ -26,18 +27,6 @@ OUTPUTS = (
     "speedup_by_category.png",
     "study.png",
 )
-
-
-@dataclass
-class Skip:
-    """A turn not answered, and why (a later turn that would exceed the context)."""
-
-    id: str
-    turn: int
-    repeat: int
-    method: str
-    prefix_cache: bool
-    reason: str
 
 
 @dataclass

@@ -10,25 +10,26 @@ from pathlib import Path
 
 import torch
 
+from .results import Environment
+
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # CPU features that change matmul speed
 SAME_MACHINE = ("cpu", "cpu_flags", "gpu", "threads")  # what must match for two results to be compared
-# results.json keys that change speed or outputs: runs differing in one are compared with a warning
-SAME_SETTINGS = ("device", "dtype", "suite", "prompts", "prompts_sha256", "max_new_tokens", "temperature")
 
 
-def environment(device: torch.device, dtype: torch.dtype) -> dict:
-    return {
-        "device": f"{device.type}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_name()}",
-        "cpu": cpu_name(),
-        "cpu_flags": cpu_flags(),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "threads": torch.get_num_threads(),
-        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # usable
-        "commit": git_commit(),
-    }
+def environment(device: torch.device, dtype: torch.dtype) -> Environment:
+    """This machine (the load averages are the runner's to add)."""
+    return Environment(
+        device=f"{device.type}: {torch.cuda.get_device_name(device) if device.type == 'cuda' else cpu_name()}",
+        cpu=cpu_name(),
+        cpu_flags=cpu_flags(),
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        dtype=str(dtype).removeprefix("torch."),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        threads=torch.get_num_threads(),
+        cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # usable
+        commit=git_commit(),
+    )
 
 
 def cpuinfo() -> dict[str, str]:
@@ -78,12 +79,12 @@ def git_commit() -> str:
     return run.stdout.strip() if run.returncode == 0 else ""
 
 
-def machine_key(env: dict) -> tuple:
-    return tuple(str(env.get(k)) for k in SAME_MACHINE)
+def machine_key(env: Environment) -> tuple:
+    return tuple(str(getattr(env, k)) for k in SAME_MACHINE)
 
 
-def describe(env: dict) -> str:
+def describe(env: Environment) -> str:
     """'AMD EPYC (avx2, avx512f, avx512_bf16), 2 threads' or with the GPU."""
-    flags = ", ".join(env.get("cpu_flags") or []) or "no AVX2"
-    gpu = f", GPU {env['gpu']}" if env.get("gpu") else ""
-    return f"{env.get('cpu', '?')} ({flags}){gpu}, {env.get('threads', '?')} threads"
+    flags = ", ".join(env.cpu_flags) or "no AVX2"
+    gpu = f", GPU {env.gpu}" if env.gpu else ""
+    return f"{env.cpu} ({flags}){gpu}, {env.threads} threads"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .machine import describe
 from .plots import write_plots
+from .results import Compared, Effect, MethodResult, RunResult, StudyResult, Summary, load_results
 from .stats import position_intervals
 
 
@@ -23,32 +23,32 @@ def ci(value: float | None, iv: list[float] | None, fmt: str = "{:.2f}", unit: s
     return text if not iv else f"{text} [{fmt.format(iv[0])}, {fmt.format(iv[1])}]"
 
 
-def speedup_cell(m: dict) -> str:
-    iv = m.get("intervals", {}).get("speedup")
-    flag = " (not significant)" if m.get("significant") is False else ""
-    return ci(m["speedup"], iv, unit="x") + flag
+def speedup_cell(m: Compared) -> str:
+    flag = " (not significant)" if m.significant is False else ""
+    return ci(m.speedup, m.interval("speedup"), unit="x") + flag
 
 
-def iv(m: dict, key: str) -> list[float] | None:
-    return m.get("intervals", {}).get(key)
+def number(s: Summary, key: str, fmt: str = "{:.2f}") -> str:
+    """A summary's number with its interval: number(m, "tpot_ms", "{:.1f}")."""
+    return ci(getattr(s, key), s.interval(key), fmt)
 
 
-def overall(r: dict) -> str:
-    b = r["baseline"]
+def overall(r: RunResult) -> str:
+    b = r.baseline
     rows = [
-        ["ar", ci(b["tokens_per_s"], iv(b, "tokens_per_s"), "{:.1f}"), "1.00x", "-", "-"]
-        + [ci(b["ttft_ms"], iv(b, "ttft_ms"), "{:.0f}"), ci(b["tpot_ms"], iv(b, "tpot_ms"), "{:.1f}"), "-"]
+        ["ar", number(b, "tokens_per_s", "{:.1f}"), "1.00x", "-", "-"]
+        + [number(b, "ttft_ms", "{:.0f}"), number(b, "tpot_ms", "{:.1f}"), "-"]
     ]
-    for label, m in r["methods"].items():
+    for label, m in r.methods.items():
         rows.append(
             [
                 label,
-                ci(m["tokens_per_s"], iv(m, "tokens_per_s"), "{:.1f}"),
+                number(m, "tokens_per_s", "{:.1f}"),
                 speedup_cell(m),
-                ci(m["mean_acceptance_length"], iv(m, "mean_acceptance_length")),
-                f"{m['draft_acceptance_rate']:.2f}",
-                ci(m["ttft_ms"], iv(m, "ttft_ms"), "{:.0f}"),
-                ci(m["tpot_ms"], iv(m, "tpot_ms"), "{:.1f}"),
+                number(m, "mean_acceptance_length"),
+                f"{m.draft_acceptance_rate:.2f}",
+                number(m, "ttft_ms", "{:.0f}"),
+                number(m, "tpot_ms", "{:.1f}"),
                 lossless_cell(m),
             ]
         )
@@ -56,50 +56,50 @@ def overall(r: dict) -> str:
     return table(header, rows)
 
 
-def intervals_line(r: dict) -> str:
+def intervals_line(r: RunResult) -> str:
     return (
-        f"Brackets: 95% intervals, a percentile bootstrap over the {r['prompts']} prompts (all turns and repeats of a "
+        f"Brackets: 95% intervals, a percentile bootstrap over the {r.prompts} prompts (all turns and repeats of a "
         "prompt resampled together; speedup paired with plain decoding on the same prompts). A speedup whose "
         "interval holds 1.00x is marked not significant. With few prompts the intervals are optimistic."
     )
 
 
-def lossless_cell(m: dict) -> str:
-    if "distribution_check" in m:
-        d = m["distribution_check"]
-        return f"n/a ({d['note']})" if d["p_value"] is None else f"TV {d['tv_distance']:.3f}, p={d['p_value']:.2f}"
-    return f"{m['lossless']['identical']}/{m['lossless']['checked']}"
+def lossless_cell(m: MethodResult) -> str:
+    if m.distribution_check is not None:
+        d = m.distribution_check
+        return f"n/a ({d.note})" if d.p_value is None else f"TV {d.tv_distance:.3f}, p={d.p_value:.2f}"
+    return f"{m.lossless.identical}/{m.lossless.checked}"
 
 
-def category_table(r: dict, key: str, fmt: str) -> str:
-    cats = list(r["by_category"])
+def category_table(r: RunResult, key: str, fmt: str) -> str:
+    cats = list(r.by_category)
 
-    def cell(m: dict) -> str:
-        return speedup_cell(m) if key == "speedup" else ci(m[key], iv(m, key), fmt)
+    def cell(m: Compared) -> str:
+        return speedup_cell(m) if key == "speedup" else number(m, key, fmt)
 
     rows = [
-        [label] + [cell(r["by_category"][c]["methods"][label]) for c in cats] + [cell(m)]
-        for label, m in r["methods"].items()
+        [label] + [cell(r.by_category[c].methods[label]) for c in cats] + [cell(m)] for label, m in r.methods.items()
     ]
     return table(["method", *cats, "all"], rows)
 
 
-def acceptance(r: dict) -> str:
-    depth = max((len(m["acceptance_rate_per_position"]) for m in r["methods"].values()), default=0)
+def acceptance(r: RunResult) -> str:
+    depth = max((len(m.acceptance_rate_per_position) for m in r.methods.values()), default=0)
     rows = []
-    for label, m in r["methods"].items():
-        rates = m["acceptance_rate_per_position"]
+    for label, m in r.methods.items():
+        rates = m.acceptance_rate_per_position
         cells = [ci(x, i) for x, i in zip(rates, position_intervals(m), strict=True)]
         rows.append([label, *cells] + ["-"] * (depth - len(rates)))
     return table(["method", *(str(i) for i in range(1, depth + 1))], rows) if depth else "(no drafts)"
 
 
-def lossless_line(r: dict) -> str:
-    if r["temperature"] > 0:
-        parts = [f"{label}: {lossless_cell(m)}" for label, m in r["methods"].items()]
-        test = next(iter(r["methods"].values()))["distribution_check"]["test"]
-        return f"Sampling at T={r['temperature']}: {test}; " + "; ".join(parts) + ". A small p flags a sampling bug."
-    same, checked = r["lossless"]["identical"], r["lossless"]["checked"]
+def lossless_line(r: RunResult) -> str:
+    if r.temperature > 0:
+        parts = [f"{label}: {lossless_cell(m)}" for label, m in r.methods.items()]
+        test = r.spec.distribution_check.test
+        sampling = f"T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}"
+        return f"Sampling at {sampling}: {test}; " + "; ".join(parts) + ". A small p flags a sampling bug."
+    same, checked = r.lossless.identical, r.lossless.checked
     verdict = "lossless" if same == checked else "NOT lossless: outputs differ from plain decoding"
     return f"Greedy: {same}/{checked} turns identical to plain decoding ({verdict})."
 
@@ -114,33 +114,37 @@ EFFECTS = {
 }
 
 
-def study(s: dict) -> str:
+def effect_cell(e: Effect) -> str:
+    return ci(e.ratio, e.interval, unit="x")
+
+
+def study(s: StudyResult) -> str:
     rows = [
         [
-            "on" if c["prefix_cache"] else "off",
-            c["speculation"] or "plain",
-            ci(c["ttft_ms"], iv(c, "ttft_ms"), "{:.0f}"),
-            ci(c["tpot_ms"], iv(c, "tpot_ms"), "{:.1f}"),
-            ci(c["total_ms"], iv(c, "total_ms"), "{:.0f}"),
-            f"{c['prefix_cache_hit_rate']:.0%}",
+            "on" if c.prefix_cache else "off",
+            c.speculation or "plain",
+            ci(c.ttft_ms, c.intervals.get("ttft_ms"), "{:.0f}"),
+            ci(c.tpot_ms, c.intervals.get("tpot_ms"), "{:.1f}"),
+            ci(c.total_ms, c.intervals.get("total_ms"), "{:.0f}"),
+            f"{c.prefix_cache_hit_rate:.0%}",
         ]
-        for c in s["cells"]
+        for c in s.cells
     ]
     text = table(["prefix cache", "speculation", "TTFT ms", "TPOT ms", "total ms", "cache hit"], rows)
-    effects = [[EFFECTS[k], ci(e["ratio"], e["interval"], unit="x")] for k, e in s.get("effects", {}).items()]
+    effects = [[EFFECTS[k], effect_cell(e)] for k, e in s.effects.items()]
     if effects:
         text += "\n\n" + table(["ratio", "value [95% interval]"], effects)
-    same = s["identical"]
-    check = f"\n\nOutputs identical to the plain uncached cell: {same['identical']}/{same['checked']}." if same else ""
-    return f"{text}\n\n**Finding:** {s['finding']}{check}"
+    same = s.identical
+    check = f"\n\nOutputs identical to the plain uncached cell: {same.identical}/{same.checked}." if same else ""
+    return f"{text}\n\n**Finding:** {s.finding}{check}"
 
 
-def busy(r: dict) -> str | None:
+def busy(r: RunResult) -> str | None:
     """A warning when other processes competed for the CPU: the run's own threads load it to about the CPU count,
     so a 1-minute load average past 1.5x the CPUs means others. Interleaving keeps a steady competitor out of the
     control, not out of the ratios: a speculative step (more rows, a drafter) slows differently from a plain one."""
-    env = r.get("environment") or {}
-    cpus, loads = env.get("cpu_count"), [x[0] for x in (env.get("load_before"), env.get("load_after")) if x]
+    env = r.environment
+    cpus, loads = env.cpu_count, [x[0] for x in (env.load_before, env.load_after) if x]
     if not cpus or not loads or max(loads) <= 1.5 * cpus:
         return None
     return (
@@ -149,55 +153,61 @@ def busy(r: dict) -> str | None:
     )
 
 
-def noise_text(r: dict) -> str:
+def noise_text(r: RunResult) -> str:
     """The run's own noise controls, in words."""
-    env, lines = r["environment"], []
-    repeat_spread = (r.get("noise") or {}).get("repeat_spread")
-    if repeat_spread:
-        verdict = "the machine was noisy: compare with care" if r["noise"]["noisy"] else "steady"
+    env, lines = r.environment, []
+    spread = r.noise.repeat_spread
+    if spread:
+        verdict = "the machine was noisy: compare with care" if r.noise.noisy else "steady"
         lines.append(
-            f"Plain decoding's time per token for the same prompt varied by a median {repeat_spread['median']:.1%} "
-            f"(max {repeat_spread['max']:.1%}) between repeats over {repeat_spread['prompts']} prompts: {verdict}."
+            f"Plain decoding's time per token for the same prompt varied by a median {spread.median:.1%} "
+            f"(max {spread.max:.1%}) between repeats over {spread.prompts} prompts: {verdict}."
         )
     else:
         lines.append("One repeat: no repeat-to-repeat control (use repeats=2 or more).")
-    before, after = env.get("load_before"), env.get("load_after")
+    before, after = env.load_before, env.load_after
     if before and after:
-        lines.append(
-            f"Load average (1 min) {before[0]:.2f} before and {after[0]:.2f} after, on {env.get('cpu_count')} CPUs."
-        )
+        lines.append(f"Load average (1 min) {before[0]:.2f} before and {after[0]:.2f} after, on {env.cpu_count} CPUs.")
     if warning := busy(r):
         lines.append(warning + ".")
-    if "study" in r and r["study"].get("control", {}).get("noisy"):
+    if r.study and r.study.control.noisy:
         lines.append("The 2x2 study's control failed: its finding is withheld.")
-    if "study" in r and r["study"].get("control", {}).get("undefined"):
+    if r.study and r.study.control.undefined:
         lines.append("The 2x2 study's control is undefined (no decode steps): its finding is withheld.")
     return " ".join(lines)
 
 
-def skipped(r: dict) -> str:
-    s = r.get("skipped") or {"turns": 0, "list": []}
-    if not s["turns"]:
+def skipped(r: RunResult) -> str:
+    s = r.skipped
+    if not s.turns:
         return "No turn was skipped."
-    rows = [[x["id"], x["turn"] + 1, x["method"], x["reason"]] for x in s["list"]]
-    head = f"{s['turns']} turn(s) skipped, not counted anywhere above:\n\n"
+    rows = [[x.id, x.turn + 1, x.method, x.reason] for x in s.list]
+    head = f"{s.turns} turn(s) skipped, not counted anywhere above:\n\n"
     return head + table(["prompt", "turn", "method", "why"], rows)
 
 
-def environment_table(r: dict) -> str:
-    env = r["environment"]
+def environment_table(r: RunResult) -> str:
+    env = r.environment
     keys = ("device", "cpu_flags", "gpu", "dtype", "torch", "python", "threads", "cpu_count", "commit")
-    rows = [["machine", describe(env)]] + [[k, env.get(k, "")] for k in keys]
+    rows = [["machine", describe(env)]] + [[k, getattr(env, k)] for k in keys]
     return table(["", ""], rows)
 
 
-def render(r: dict, plots: list[Path]) -> str:
-    source = f"suite {r['suite']}" if r["suite"] else f"prompts {r['prompts_file']}"
-    partial = "\n\n**PARTIAL: interrupted; counts only the prompts every method finished.**" if r["partial"] else ""
+def settings_line(r: RunResult) -> str:
+    sampling = "greedy" if r.temperature == 0 else f"temperature {r.temperature}, top_p {r.top_p}, top_k {r.top_k}"
+    return (
+        f"Target {r.target}, {r.prompts} prompts x {r.repeats} repeat(s), {r.max_new_tokens} new tokens, "
+        f"{sampling}, seed {r.config.seed}, prefix cache {'on' if r.prefix_cache.enabled else 'off'}, "
+        f"cuda_graphs {r.config.cuda_graphs}, max_seq_len {r.config.max_seq_len}."
+    )
+
+
+def render(r: RunResult, plots: list[Path]) -> str:
+    source = f"suite {r.suite}" if r.suite else f"prompts {r.prompts_file}"
+    partial = "\n\n**PARTIAL: interrupted; counts only the prompts every method finished.**" if r.partial else ""
     parts = [
-        f"# Eval: {', '.join(r['methods'])} vs plain decoding on {source}{partial}",
-        f"Target {r['target']}, {r['prompts']} prompts x {r['repeats']} repeat(s), {r['max_new_tokens']} new tokens, "
-        f"temperature {r['temperature']}, prefix cache {'on' if r['prefix_cache']['enabled'] else 'off'}.",
+        f"# Eval: {', '.join(r.methods)} vs plain decoding on {source}{partial}",
+        settings_line(r),
         "## Overall\n\n" + overall(r),
         intervals_line(r),
         lossless_line(r),
@@ -205,8 +215,8 @@ def render(r: dict, plots: list[Path]) -> str:
         "## τ by category\n\n" + category_table(r, "mean_acceptance_length", "{:.2f}"),
         "## Per-position acceptance\n\n" + acceptance(r),
     ]
-    if "study" in r:
-        parts.append("## Prefix cache x speculation\n\n" + study(r["study"]))
+    if r.study:
+        parts.append("## Prefix cache x speculation\n\n" + study(r.study))
     parts.append("## Noise\n\n" + noise_text(r))
     parts.append("## Skipped turns\n\n" + skipped(r))
     parts.append("## Plots\n\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots))
@@ -214,10 +224,10 @@ def render(r: dict, plots: list[Path]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def write_report(out: str | Path, results: dict | None = None) -> Path:
+def write_report(out: str | Path, results: RunResult | None = None) -> Path:
     """DIR/report.md and its PNGs, from `results` or from DIR/results.json."""
     out = Path(out)
-    results = results or json.loads((out / "results.json").read_text())
+    results = results or load_results(out / "results.json")
     plots = write_plots(results, out)
     path = out / "report.md"
     path.write_text(render(results, plots))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -37,6 +37,17 @@ from .journal import Journal, Skip, Unit
 from .machine import environment, load_average
 from .methods import drafter_identity, drafter_params, resolve_methods
 from .prompts import Prompt, load_prompts, prompts_hash
+from .results import (
+    SCHEMA_VERSION,
+    Lossless,
+    MethodResult,
+    Noise,
+    PrefixCacheUse,
+    RunConfig,
+    RunResult,
+    Skipped,
+    dump,
+)
 from .stats import Bootstrap
 from .study import STUDIES, study_arms, study_cells
 from .suites import SUITES, SuiteConfig, load_suite
@@ -71,7 +82,7 @@ class EvalConfig:
 NOISY_SPREAD = 0.10  # plain decoding's time per token of the same prompt varying more than this between repeats
 
 
-def run_eval(cfg: EvalConfig) -> dict:
+def run_eval(cfg: EvalConfig) -> RunResult:
     """Everything a user can get wrong is checked before any prompt runs; each finished prompt is on disk."""
     check_settings(cfg)
     SamplingParams(cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed)  # validates them
@@ -92,9 +103,8 @@ def run_eval(cfg: EvalConfig) -> dict:
     records = [r for u in journal.units for r in u.records]
     skipped = [s for u in journal.units for s in u.skipped]
     engine = engines[("ar", cfg.prefix_cache)]
-    results = summarize(cfg, target.target_id, engine, methods, records, skipped, partial)
-    results["prompts_sha256"] = run_settings["prompts_sha256"]
-    results["environment"] |= {"load_before": load_before, "load_after": load_average()}
+    results = summarize(cfg, target.target_id, engine, methods, records, skipped, partial, run_settings)
+    results.environment = replace(results.environment, load_before=load_before, load_after=load_average())
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     write_outputs(Path(cfg.out), main, by_prompt(main, list(methods), cfg.temperature == 0), results)
     return results
@@ -241,22 +251,23 @@ def start_cold(engine: Engine) -> None:
         engine.proposer.forget()
 
 
-def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig) -> dict:
+def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig) -> MethodResult:
     base, mine = of(main, "ar"), of(main, label)
     greedy = cfg.temperature == 0
     out = compared(label, mine, base, cfg.seed, positions=spec.num_tokens)
-    rates = out["acceptance_rate_per_position"]
-    if out["drafts"]:  # depths never accepted still count: their rate is 0
-        out["acceptance_rate_per_position"] = rates + [0.0] * (spec.num_tokens - len(rates))
-    out["speedup_per_repeat"] = speedup_per_repeat(mine, base, cfg.repeats)
-    # each repeat starts cold, so these differ only where drafting depends on sampling or timing
-    out["tau_per_repeat"] = [pool(of(mine, label, repeat=i)).mean_acceptance_length for i in range(cfg.repeats)]
-    out["lossless"] = lossless(base, mine, greedy)
-    if not greedy:
-        out["distribution_check"] = distribution_check(base, mine, seed=cfg.seed)
-    out["drafter_params"] = drafter_params(spec)
-    out["config"] = asdict(spec)
-    return out
+    rates = out.acceptance_rate_per_position
+    if out.drafts:  # depths never accepted still count: their rate is 0
+        out.acceptance_rate_per_position = rates + [0.0] * (spec.num_tokens - len(rates))
+    return MethodResult(
+        **vars(out),
+        speedup_per_repeat=speedup_per_repeat(mine, base, cfg.repeats),
+        # each repeat starts cold, so these differ only where drafting depends on sampling or timing
+        tau_per_repeat=[pool(of(mine, label, repeat=i)).mean_acceptance_length for i in range(cfg.repeats)],
+        lossless=lossless(base, mine, greedy),
+        distribution_check=None if greedy else distribution_check(base, mine, seed=cfg.seed),
+        drafter_params=drafter_params(spec),
+        config=asdict(spec),
+    )
 
 
 def summarize(
@@ -267,65 +278,69 @@ def summarize(
     records: list[Record],
     skipped: list[Skip],
     partial: bool,
-) -> dict:
+    run_settings: dict,
+) -> RunResult:
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     base = of(main, "ar")
     rows = {label: method_result(label, spec, main, cfg) for label, spec in methods.items()}
-    checks = [row["lossless"] for row in rows.values()]
+    checks = [row.lossless for row in rows.values()]
     every = [r.metrics for r in main]
-    results = {
-        "target": target_id,
-        "device": str(engine.model.device),
-        "dtype": str(engine.model.dtype).removeprefix("torch."),
-        "prompts": len({r.id for r in main}),
-        "max_new_tokens": cfg.max_new_tokens,
-        "temperature": cfg.temperature,
-        "suite": cfg.suite.name if cfg.suite else None,
-        "prompts_file": cfg.prompts,
-        "repeats": cfg.repeats,
-        "partial": partial,
-        "baseline": summary("ar", base, Bootstrap.over([r.id for r in base], cfg.seed)),
-        "spec": rows[next(iter(rows))],  # the first method, as issue 2's schema has it
-        "methods": rows,
-        "lossless": {
-            "checked": sum(c["checked"] for c in checks),
-            "identical": sum(c["identical"] for c in checks),
-            "note": checks[0]["note"],
-        },
-        "prefix_cache": {
-            "enabled": cfg.prefix_cache,
-            "queried_tokens": sum(m.prefix_queried_tokens for m in every),
-            "hit_tokens": sum(m.prefix_hit_tokens for m in every),
-        },
-        "by_category": by_category(main, list(methods), cfg.seed),
-        "noise": noise(base),
-        "skipped": {"turns": len(skipped), "list": [asdict(s) for s in skipped]},
-        "config": {
-            "spec": asdict(cfg.spec),
-            "max_seq_len": cfg.max_seq_len,
-            "cuda_graphs": cfg.cuda_graphs,
-            "seed": cfg.seed,
-            "warmup": cfg.warmup,
-        },
-        "environment": environment(engine.model.device, engine.model.dtype),
-    }
-    if cfg.study:
-        results["study"] = study_cells(records, next(iter(methods)), cfg.temperature == 0, cfg.seed)
-    return results
+    return RunResult(
+        schema_version=SCHEMA_VERSION,
+        target=target_id,
+        device=str(engine.model.device),
+        dtype=str(engine.model.dtype).removeprefix("torch."),
+        prompts=len({r.id for r in main}),
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        suite=cfg.suite.name if cfg.suite else None,
+        prompts_file=cfg.prompts,
+        repeats=cfg.repeats,
+        partial=partial,
+        baseline=summary("ar", base, Bootstrap.over([r.id for r in base], cfg.seed)),
+        spec=rows[next(iter(rows))],  # the first method, as issue 2's schema has it
+        methods=rows,
+        lossless=Lossless(
+            checked=sum(c.checked for c in checks),
+            identical=sum(c.identical for c in checks),
+            note=checks[0].note,
+        ),
+        prefix_cache=PrefixCacheUse(
+            enabled=cfg.prefix_cache,
+            queried_tokens=sum(m.prefix_queried_tokens for m in every),
+            hit_tokens=sum(m.prefix_hit_tokens for m in every),
+        ),
+        by_category=by_category(main, list(methods), cfg.seed),
+        noise=noise(base),
+        skipped=Skipped(turns=len(skipped), list=list(skipped)),
+        config=RunConfig(
+            spec=asdict(cfg.spec),
+            max_seq_len=cfg.max_seq_len,
+            cuda_graphs=cfg.cuda_graphs,
+            seed=cfg.seed,
+            warmup=cfg.warmup,
+        ),
+        environment=environment(engine.model.device, engine.model.dtype),
+        study=study_cells(records, next(iter(methods)), cfg.temperature == 0, cfg.seed) if cfg.study else None,
+        prompts_sha256=run_settings["prompts_sha256"],
+    )
 
 
-def noise(base: list[Record]) -> dict:
+def noise(base: list[Record]) -> Noise:
     """The control every eval carries: how much plain decoding of the same prompt varied between repeats."""
-    summary = repeat_spread(base)
-    noisy = summary is not None and summary["median"] > NOISY_SPREAD
-    return {"repeat_spread": summary, "noisy": noisy, "threshold": NOISY_SPREAD}
+    spread = repeat_spread(base)
+    return Noise(
+        repeat_spread=spread, noisy=spread is not None and spread.median > NOISY_SPREAD, threshold=NOISY_SPREAD
+    )
 
 
-def write_outputs(out: Path, records: list[Record], prompts: list[dict], results: dict) -> None:
+def write_outputs(out: Path, records: list[Record], prompts: list[dict], results: RunResult) -> None:
     """outputs.jsonl, per_prompt.jsonl and (last) results.json, each written to a temp file and renamed."""
     out.mkdir(parents=True, exist_ok=True)
     keys = ("id", "turn", "method", "output_ids", "text", "repeat")
     lines = (json.dumps({k: getattr(r, k) for k in keys}) + "\n" for r in records)
     write_text_atomic(out / "outputs.jsonl", "".join(lines))
     write_text_atomic(out / "per_prompt.jsonl", "".join(json.dumps(p) + "\n" for p in prompts))
-    write_text_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
+    write_text_atomic(out / "results.json", dump(results))

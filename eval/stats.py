@@ -101,11 +101,11 @@ def intervals(boot: Bootstrap, records: list, positions: int = 0) -> dict[str, I
     return out
 
 
-def position_intervals(method: dict) -> list:
-    """A method result's per-position acceptance intervals, one per reported rate (None where it has none: a
-    lookup paired with a head drafts deeper than the head's depth the intervals were taken over)."""
-    rates = method["acceptance_rate_per_position"]
-    ivs = method.get("intervals", {}).get("acceptance_rate_per_position") or []
+def position_intervals(method) -> list:
+    """A method result's (results.Summary) per-position acceptance intervals, one per reported rate (None where it
+    has none: a lookup paired with a head drafts deeper than the head's depth the intervals were taken over)."""
+    rates = method.acceptance_rate_per_position
+    ivs = method.interval("acceptance_rate_per_position") or []
     return (list(ivs) + [None] * len(rates))[: len(rates)]
 
 

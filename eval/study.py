@@ -11,11 +11,11 @@ decode step costs, so when their TPOTs differ significantly the machine was too 
 from __future__ import annotations
 
 from .aggregate import Record, of, summary
-from .stats import Bootstrap, Interval, interval, ratio, significant, summary_samples
+from .results import Control, Effect, Identical, StudyCell, StudyResult
+from .stats import Bootstrap, interval, ratio, significant, summary_samples
 
 STUDIES = ("prefix_x_spec",)
 CONTROL_TOLERANCE = 0.03  # a control TPOT ratio within 3% of 1.0 passes even when its interval excludes 1.0
-CELL_KEYS = ("ttft_ms", "tpot_ms", "total_ms", "tokens_per_s", "new_tokens", "requests", "prefix_cache_hit_rate")
 
 
 def study_arms(method: str) -> list[tuple[str, bool]]:
@@ -23,25 +23,25 @@ def study_arms(method: str) -> list[tuple[str, bool]]:
     return [("ar", False), ("ar", True), (method, False), (method, True)]
 
 
-def study_cells(records: list[Record], method: str, greedy: bool, seed: int = 0) -> dict:
+def study_cells(records: list[Record], method: str, greedy: bool, seed: int = 0) -> StudyResult:
     boot = Bootstrap.over([r.id for r in records], seed)
     groups = [of(records, name, prefix_cache=cache) for name, cache in study_arms(method)]
     cells = [cell(name, cache, rows, boot) for (name, cache), rows in zip(study_arms(method), groups, strict=True)]
     fx = effects(cells, [summary_samples(boot.sums(rows)) for rows in groups] if boot.enough else None)
     noisy = control_failed(fx["control"])
-    undefined = NO_DECODE if any(c["tpot_ms"] is None for c in cells) else None
-    return {
-        "study": "prefix_x_spec",
-        "method": method,
-        "cells": cells,
-        "effects": fx,
-        "control": {**fx["control"], "noisy": noisy, "undefined": undefined},
-        "identical": identical(records, method) if greedy else None,
-        "finding": f"Finding withheld: {undefined}" if undefined else study_finding(cells, fx, method, noisy),
-    }
+    undefined = NO_DECODE if any(c.tpot_ms is None for c in cells) else None
+    return StudyResult(
+        study="prefix_x_spec",
+        method=method,
+        cells=cells,
+        effects=fx,
+        control=Control(fx["control"].ratio, fx["control"].interval, noisy=noisy, undefined=undefined),
+        identical=identical(records, method) if greedy else None,
+        finding=f"Finding withheld: {undefined}" if undefined else study_finding(cells, fx, method, noisy),
+    )
 
 
-def study_finding(cells: list[dict], fx: dict[str, dict], method: str, noisy: bool) -> str:
+def study_finding(cells: list[StudyCell], fx: dict[str, Effect], method: str, noisy: bool) -> str:
     return withheld(cells, fx["control"]) if noisy else finding(fx, method)
 
 
@@ -51,14 +51,22 @@ NO_DECODE = (
 )
 
 
-def cell(name: str, cache: bool, rows: list[Record], boot: Bootstrap) -> dict:
+def cell(name: str, cache: bool, rows: list[Record], boot: Bootstrap) -> StudyCell:
     s = summary(name, rows, boot)
-    if s["new_tokens"] <= s["requests"]:  # no token after the first: time per output token is 0/0
-        s["tpot_ms"] = None
-    iv = {k: v for k, v in s["intervals"].items() if k in ("ttft_ms", "tpot_ms", "total_ms", "tokens_per_s")}
-    return {"prefix_cache": cache, "speculation": name if name != "ar" else None, **{k: s[k] for k in CELL_KEYS}} | {
-        "intervals": iv
-    }
+    iv = {k: v for k, v in s.intervals.items() if k in ("ttft_ms", "tpot_ms", "total_ms", "tokens_per_s")}
+    return StudyCell(
+        prefix_cache=cache,
+        speculation=name if name != "ar" else None,
+        ttft_ms=s.ttft_ms,
+        # no token after the first: time per output token is 0/0
+        tpot_ms=None if s.new_tokens <= s.requests else s.tpot_ms,
+        total_ms=s.total_ms,
+        tokens_per_s=s.tokens_per_s,
+        new_tokens=s.new_tokens,
+        requests=s.requests,
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        intervals=iv,
+    )
 
 
 RATIOS = {  # name: (key, numerator cell, denominator cell); cells: plain, cached, spec, both
@@ -70,7 +78,7 @@ RATIOS = {  # name: (key, numerator cell, denominator cell); cells: plain, cache
 }
 
 
-def effects(cells: list[dict], samples: list[dict] | None) -> dict[str, dict]:
+def effects(cells: list[StudyCell], samples: list[dict] | None) -> dict[str, Effect]:
     """Each ratio the finding states, with its paired interval. control: plain TPOT with the cache over without
     (should be 1.0); prefill: the cache's TTFT cut; decode_cold/decode_hit: speculation's TPOT cut without and
     with the cache; stacking: decode_cold over decode_hit (1.0: the wins stack); total: plain uncached total
@@ -78,14 +86,14 @@ def effects(cells: list[dict], samples: list[dict] | None) -> dict[str, dict]:
     out, draws = {}, {}
     for name, (k, a, b) in RATIOS.items():
         draws[name] = ratio(samples[a][k], samples[b][k]) if samples else None
-        out[name] = effect(safe_ratio(cells[a][k], cells[b][k]), draws[name])
+        out[name] = effect(safe_ratio(getattr(cells[a], k), getattr(cells[b], k)), draws[name])
     stack = ratio(draws["decode_cold"], draws["decode_hit"]) if samples else None
-    out["stacking"] = effect(safe_ratio(out["decode_cold"]["ratio"], out["decode_hit"]["ratio"]), stack)
+    out["stacking"] = effect(safe_ratio(out["decode_cold"].ratio, out["decode_hit"].ratio), stack)
     return out
 
 
-def effect(point: float | None, draws) -> dict:
-    return {"ratio": point, "interval": interval(draws) if draws is not None else None}
+def effect(point: float | None, draws) -> Effect:
+    return Effect(ratio=point, interval=interval(draws) if draws is not None else None)
 
 
 def safe_ratio(a: float | None, b: float | None) -> float | None:
@@ -93,33 +101,31 @@ def safe_ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def control_failed(control: dict) -> bool:
+def control_failed(control: Effect) -> bool:
     """Plain TPOT with and without the cache differ significantly, and by more than CONTROL_TOLERANCE."""
     return (
-        control["ratio"] is not None
-        and bool(significant(control["interval"]))
-        and abs(control["ratio"] - 1) > CONTROL_TOLERANCE
+        control.ratio is not None and bool(significant(control.interval)) and abs(control.ratio - 1) > CONTROL_TOLERANCE
     )
 
 
-def identical(records: list[Record], method: str) -> dict:
+def identical(records: list[Record], method: str) -> Identical:
     """Greedy outputs of every cell vs the plain, uncached cell: neither the cache nor speculation may change them."""
     ref = {(r.id, r.turn, r.repeat): r.output_ids for r in of(records, "ar", prefix_cache=False)}
     rest = [r for name, cache in study_arms(method)[1:] for r in of(records, name, prefix_cache=cache)]
     pairs = [(ref[(r.id, r.turn, r.repeat)], r.output_ids) for r in rest if (r.id, r.turn, r.repeat) in ref]
-    return {"checked": len(pairs), "identical": sum(a == b for a, b in pairs)}
+    return Identical(checked=len(pairs), identical=sum(a == b for a, b in pairs))
 
 
-def fmt(e: dict) -> str:
+def fmt(e: Effect) -> str:
     """1.23x [1.10, 1.31]"""
-    iv: Interval = e["interval"]
-    if e["ratio"] is None:
+    iv = e.interval
+    if e.ratio is None:
         return "undefined"
-    return f"{e['ratio']:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
+    return f"{e.ratio:.2f}x" + (f" [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else "")
 
 
-def withheld(cells: list[dict], control: dict) -> str:
-    plain, cached = cells[0]["tpot_ms"], cells[1]["tpot_ms"]
+def withheld(cells: list[StudyCell], control: Effect) -> str:
+    plain, cached = cells[0].tpot_ms, cells[1].tpot_ms
     return (
         f"Finding withheld: the machine was too noisy for this study. Plain decoding's TPOT was {plain:.1f} ms "
         f"without the prefix cache and {cached:.1f} ms with it ({fmt(control)}), though the cache cannot change "
@@ -127,10 +133,10 @@ def withheld(cells: list[dict], control: dict) -> str:
     )
 
 
-def cut(e: dict, what: str, name: str) -> str:
+def cut(e: Effect, what: str, name: str) -> str:
     """'X cut TPOT 1.20x [...]', or says it did not, from the interval (the point estimate alone when None).
     e's ratio is the time without X over the time with it."""
-    low, high = e["interval"] or [e["ratio"], e["ratio"]]
+    low, high = e.interval or [e.ratio, e.ratio]
     if low > 1:
         return f"{name} cut {what} {fmt(e)}"
     if high < 1:
@@ -138,11 +144,11 @@ def cut(e: dict, what: str, name: str) -> str:
     return f"{name} did not significantly change {what} ({fmt(e)})"
 
 
-def finding(fx: dict[str, dict], method: str) -> str:
+def finding(fx: dict[str, Effect], method: str) -> str:
     """One sentence from the ratios and their intervals: what the cache saves, what speculation saves, and
     whether they stack."""
     stack = fx["stacking"]
-    differs = significant(stack["interval"]) if stack["interval"] else abs(stack["ratio"] - 1) > 0.15
+    differs = significant(stack.interval) if stack.interval else abs(stack.ratio - 1) > 0.15
     stacks = (
         "the relative decode effect differs with and without a cache hit"
         if differs

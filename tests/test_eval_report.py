@@ -3,11 +3,13 @@ over a hydra sweep, W&B logging (offline), and the bad inputs of compare."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -94,11 +96,11 @@ def test_compare_merges_folders_into_one_report(evaluated, tmp_path):
     path, warnings = compare([str(first), str(second)], tmp_path / "cmp")
     text = path.read_text()
     assert warnings == [] and "**Warning:**" not in text
-    assert "| small:layerskip | rag | 1.00M | 1.20x [1.15, 1.25] |" in text
-    assert "| large:layerskip | rag | 4.00M | 1.10x [1.05, 1.15] |" in text
+    assert "| small:layerskip | rag | 1.00M | num_tokens 3 | 1.20x [1.15, 1.25] |" in text
+    assert "| large:layerskip | rag | 4.00M | num_tokens 3 | 1.10x [1.05, 1.15] |" in text
     assert "| small:layerskip | large:layerskip | 1.20x vs 1.10x | significant |" in text
     assert "All runs on one machine" in text
-    assert "| small:ngram | rag | 0 |" in text and "## Speedup by category" in text
+    assert "| small:ngram | rag | 0 | num_tokens 5 |" in text and "## Speedup by category" in text
     assert (tmp_path / "cmp" / "speedup_vs_params.png").read_bytes()[:4] == PNG
     rows = json.loads((tmp_path / "cmp" / "compare.json").read_text())
     assert len(rows) == 4 and {r["label"] for r in rows} >= {"small:ngram", "large:layerskip"}
@@ -122,6 +124,27 @@ def test_compare_warns_when_runs_differ_in_dtype_or_prompts(evaluated, tmp_path)
     assert "differ in settings that change speed or outputs" in warnings[0]
     assert "dtype: " in warnings[0] and "float16" in warnings[0] and "prompts_sha256: " in warnings[0]
     assert "max_new_tokens" not in warnings[0]
+
+
+def test_compare_warns_when_runs_differ_in_any_setting_that_changes_speed_or_outputs(evaluated, tmp_path):
+    """Two sampled runs differing only in prefix_cache, top_k or top_p were compared without a word (top_k and top_p
+    were not even in results.json): every setting that changes speed or outputs is recorded and compared."""
+    out, _ = evaluated
+    results = json.loads((out / "results.json").read_text())
+    assert (results["top_p"], results["top_k"]) == (1.0, 0)
+    first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
+    second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18, top_k=20, top_p=0.9)
+    r = json.loads((second / "results.json").read_text())
+    r["prefix_cache"]["enabled"] = False
+    r["config"] |= {"seed": 7, "cuda_graphs": "off", "max_seq_len": 512, "warmup": 0}
+    (second / "results.json").write_text(json.dumps(r))
+    warnings = compare([str(first), str(second)], tmp_path / "cmp")[1]
+    assert len(warnings) == 1
+    for named in ("prefix_cache: False, True", "top_k: 0, 20", "top_p: 0.9, 1.0", "seed: 0, 7"):
+        assert named in warnings[0], (named, warnings[0])
+    for named in ("cuda_graphs: auto, off", "max_seq_len: 4096, 512", "warmup: 0, 1"):
+        assert named in warnings[0], (named, warnings[0])
+    assert "max_new_tokens" not in warnings[0] and "temperature" not in warnings[0]
 
 
 def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):
@@ -172,6 +195,11 @@ def test_compare_refuses_bad_input_and_writes_nothing(evaluated, tmp_path, capsy
     bad.mkdir()
     (bad / "results.json").write_text("{not json")
     with pytest.raises(ValueError, match="is not a draftsmith-eval result"):
+        compare([str(out), str(bad)], report)
+    old = json.loads((out / "results.json").read_text())
+    del old["schema_version"]  # a results.json from before schema versions
+    (bad / "results.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match=f"{bad / 'results.json'} has results schema version none.*re-run the eval"):
         compare([str(out), str(bad)], report)
     with pytest.raises(ValueError, match="give one out=REPORT"):
         parse_args([str(out)])
@@ -226,12 +254,12 @@ def test_a_method_drafting_deeper_than_its_intervals_still_reports_and_plots(eva
     """A head paired with a lookup (eagle3_ngram at depth 1) reports acceptance at the lookup's deeper positions,
     which its per-position intervals (taken over the head's depth) do not cover: each shows without an interval."""
     _, results = evaluated
-    results = json.loads(json.dumps(results))
-    m = results["methods"]["ngram"]
-    m["acceptance_rate_per_position"] = [0.5, 0.25, 0.125]
-    m["intervals"]["acceptance_rate_per_position"] = [[0.4, 0.6]]
+    results = copy.deepcopy(results)
+    m = results.methods["ngram"]
+    m.acceptance_rate_per_position = [0.5, 0.25, 0.125]
+    m.intervals["acceptance_rate_per_position"] = [[0.4, 0.6]]
     text = write_report(tmp_path, results).read_text()
-    row = next(line for line in text.splitlines() if line.startswith("| ngram | 0.50"))
+    row = next(line for line in text.splitlines() if line.startswith("| ngram | 0.50 [0.40, 0.60] |"))
     assert row.count("|") == 5 and "0.25" in row and "0.12" in row
     assert (tmp_path / "acceptance.png").read_bytes()[:4] == PNG
 
@@ -240,9 +268,9 @@ def test_a_busy_machine_is_named_in_the_report_and_the_headline(evaluated, tmp_p
     """Interleaving cancels a steady competitor in the control, but not its effect on the ratios themselves (beside
     a CPU hog the rag study's eagle3 ran 0.69x where it ran 0.94x idle): a load above 1.5x the CPUs is said."""
     out, results = evaluated
-    env = results["environment"] | {"cpu_count": 2}
-    busy = results | {"environment": env | {"load_before": [1.5, 1.0, 1.0], "load_after": [4.1, 3.0, 2.0]}}
-    idle = results | {"environment": env | {"load_before": [0.9, 1.0, 1.0], "load_after": [2.1, 1.5, 1.0]}}
+    env = replace(results.environment, cpu_count=2)
+    busy = replace(results, environment=replace(env, load_before=[1.5, 1.0, 1.0], load_after=[4.1, 3.0, 2.0]))
+    idle = replace(results, environment=replace(env, load_before=[0.9, 1.0, 1.0], load_after=[2.1, 1.5, 1.0]))
     (tmp_path / "idle").mkdir(), (tmp_path / "busy").mkdir()
     assert "BUSY" not in write_report(tmp_path / "idle", idle).read_text()
     print_headline(idle)
@@ -251,5 +279,6 @@ def test_a_busy_machine_is_named_in_the_report_and_the_headline(evaluated, tmp_p
     assert "BUSY: load average 4.10 on 2 CPUs" in text
     print_headline(busy)
     assert "BUSY: load average 4.10 on 2 CPUs" in capsys.readouterr().out
-    print_headline(results | {"environment": None})  # an older results.json: no load, no warning, no crash
+    unknown = replace(results, environment=replace(env, load_before=None, load_after=None))  # getloadavg failed
+    print_headline(unknown)
     assert "BUSY" not in capsys.readouterr().out

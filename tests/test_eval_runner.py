@@ -19,6 +19,7 @@ from draftsmith.eval.journal import unfinished
 from draftsmith.eval.methods import drafter_params, resolve_methods
 from draftsmith.eval.prompts import Prompt
 from draftsmith.eval.report import study, write_report
+from draftsmith.eval.results import Effect, Identical, Lossless, dump, load_results, to_json
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter import Recipe, save_drafter
@@ -69,26 +70,68 @@ def two_methods(tiny_target, prompts_file, tmp_path_factory):
 
 def test_several_methods_and_repeats_keep_issue2_schema_and_add_methods(two_methods):
     out, r = two_methods
+    written = json.loads((out / "results.json").read_text())
     for key in ("target", "device", "dtype", "prompts", "max_new_tokens", "temperature", "baseline", "spec"):
-        assert key in r
-    assert r["prompts"] == 3 and r["repeats"] == 2 and r["partial"] is False
-    assert list(r["methods"]) == ["ngram", "layerskip"] and r["spec"] == r["methods"]["ngram"]
-    for m in r["methods"].values():
-        assert all(k in m for k in ISSUE2_SPEC_KEYS) and len(m["speedup_per_repeat"]) == 2
-        assert m["lossless"]["checked"] == 8 == m["lossless"]["identical"]  # 4 turns x 2 repeats
-    assert r["lossless"]["checked"] == 16 == r["lossless"]["identical"]
-    assert r["methods"]["ngram"]["drafter_params"] == 0 and r["methods"]["layerskip"]["drafter_params"] is None
-    assert r["prefix_cache"]["hit_tokens"] > 0  # turn 2 of "a" reuses turn 1
-    assert json.loads((out / "results.json").read_text()) == r
+        assert key in written
+    assert r.prompts == 3 and r.repeats == 2 and r.partial is False
+    assert list(r.methods) == ["ngram", "layerskip"] and r.spec == r.methods["ngram"]
+    for label, m in r.methods.items():
+        assert all(k in written["methods"][label] for k in ISSUE2_SPEC_KEYS) and len(m.speedup_per_repeat) == 2
+        assert m.lossless.checked == 8 == m.lossless.identical  # 4 turns x 2 repeats
+    assert r.lossless.checked == 16 == r.lossless.identical
+    assert r.methods["ngram"].drafter_params == 0 and r.methods["layerskip"].drafter_params is None
+    assert r.prefix_cache.hit_tokens > 0  # turn 2 of "a" reuses turn 1
+    assert written == to_json(r)
+
+
+def test_results_json_round_trips_through_the_types(two_methods):
+    """load -> types -> dump gives the file back byte for byte; one schema_version field."""
+    out, r = two_methods
+    text = (out / "results.json").read_text()
+    loaded = load_results(out / "results.json")
+    assert loaded == r and dump(loaded) == text
+    assert json.loads(text)["schema_version"] == 1 and text.count('"schema_version"') == 1
+
+
+@pytest.mark.parametrize(
+    "edit, found",
+    [
+        (lambda r: r.pop("schema_version"), "none"),  # before schema versions: e.g. issue 2's single-method form
+        (lambda r: r.update(schema_version=0), "0"),
+        (lambda r: r.update(schema_version=99), "99"),
+    ],
+)
+def test_a_results_json_of_another_schema_version_is_refused_with_the_fix(two_methods, tmp_path, edit, found):
+    out, _ = two_methods
+    r = json.loads((out / "results.json").read_text())
+    edit(r)
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(r))
+    with pytest.raises(ValueError) as e:
+        load_results(path)
+    assert (
+        str(path) in str(e.value) and f"schema version {found}," in str(e.value) and "re-run the eval" in str(e.value)
+    )
+
+
+def test_a_results_json_missing_a_field_names_it(two_methods, tmp_path):
+    out, _ = two_methods
+    r = json.loads((out / "results.json").read_text())
+    del r["methods"]["ngram"]["lossless"]
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    with pytest.raises(
+        ValueError, match=r"results.json is not a draftsmith-eval result .*methods.ngram: missing lossless"
+    ):
+        load_results(tmp_path)
 
 
 def test_results_are_grouped_by_category_and_prompt(two_methods):
     out, r = two_methods
-    cats = r["by_category"]
-    assert {c: v["prompts"] for c, v in cats.items()} == {"code": 2, "writing": 1}
-    for label, m in r["methods"].items():
-        assert sum(cats[c]["methods"][label]["new_tokens"] for c in cats) == m["new_tokens"]
-        assert all(cats[c]["methods"][label]["speedup"] > 0 for c in cats)
+    cats = r.by_category
+    assert {c: v.prompts for c, v in cats.items()} == {"code": 2, "writing": 1}
+    for label, m in r.methods.items():
+        assert sum(cats[c].methods[label].new_tokens for c in cats) == m.new_tokens
+        assert all(cats[c].methods[label].speedup > 0 for c in cats)
     rows = [json.loads(x) for x in (out / "per_prompt.jsonl").read_text().splitlines()]
     assert [x["id"] for x in rows] == ["a", "b", "c"] and rows[0]["methods"]["ngram"]["checked"] == 4
     outputs = [json.loads(x) for x in (out / "outputs.jsonl").read_text().splitlines()]
@@ -98,9 +141,9 @@ def test_results_are_grouped_by_category_and_prompt(two_methods):
 
 def test_per_position_acceptance_spans_the_draft_length(two_methods):
     _, r = two_methods
-    for label, m in r["methods"].items():
-        if m["drafts"]:
-            assert len(m["acceptance_rate_per_position"]) == m["config"]["num_tokens"], label
+    for label, m in r.methods.items():
+        if m.drafts:
+            assert len(m.acceptance_rate_per_position) == m.config["num_tokens"], label
 
 
 class Recorder:
@@ -140,9 +183,9 @@ def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, 
     target = load_target(TargetConfig(path=str(tiny_target)))
     folder = save_eagle3(target, tmp_path / "head", DraftShape(num_tokens=1, topk=3, total_tokens=0))
     overrides = ["spec=eagle3", f"spec.drafter={folder}", "limit=1", "warmup=0", "max_new_tokens=4"]
-    m = run_eval(config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides))["methods"]["eagle3"]
-    assert (m["config"]["num_tokens"], m["config"]["tree"]) == (1, {"topk": 3, "total_tokens": 0})
-    assert len(m["acceptance_rate_per_position"]) == 1 and m["lossless"]["identical"] == m["lossless"]["checked"]
+    m = run_eval(config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides)).methods["eagle3"]
+    assert (m.config["num_tokens"], m.config["tree"]) == (1, {"topk": 3, "total_tokens": 0})
+    assert len(m.acceptance_rate_per_position) == 1 and m.lossless.identical == m.lossless.checked
 
 
 def test_multi_turn_feeds_the_models_own_answer_back(tiny_target):
@@ -167,16 +210,16 @@ def test_tau_and_speedup_are_pooled_not_means_of_means():
     recs = [record("s", "a", 1, 4, 10, 1.0), record("s", "b", 3, 0, 30, 1.0)]
     base = [record("ar", "a", 0, 0, 10, 2.0), record("ar", "b", 0, 0, 30, 2.0)]
     s = compared("s", recs, base)
-    assert s["mean_acceptance_length"] == 2.0  # 1 + 4 / 4, not the mean of 5 and 1
-    assert s["speedup"] == 2.0 and pool(recs).tokens_per_s == 20.0
+    assert s.mean_acceptance_length == 2.0  # 1 + 4 / 4, not the mean of 5 and 1
+    assert s.speedup == 2.0 and pool(recs).tokens_per_s == 20.0
     cats = by_category(recs + base, ["s"])
-    assert cats["a"]["methods"]["s"]["mean_acceptance_length"] == 5.0 and cats["b"]["prompts"] == 1
+    assert cats["a"].methods["s"].mean_acceptance_length == 5.0 and cats["b"].prompts == 1
 
 
 def fx(
     prefill=(5.0, 4.0, 6.0), cold=(2.0, 1.8, 2.2), hit=(2.0, 1.8, 2.2), stack=(1.0, 0.9, 1.1), total=(2.5, 2.2, 2.8)
 ):
-    e = lambda t: {"ratio": t[0], "interval": list(t[1:])}
+    e = lambda t: Effect(ratio=t[0], interval=list(t[1:]))
     return {
         "prefill": e(prefill),
         "decode_cold": e(cold),
@@ -208,12 +251,10 @@ def test_study_without_decode_steps_withholds_its_finding():
         for name, cache in study_arms("ngram")
     ]
     s = study_cells(rows, "ngram", greedy=True)
-    assert all(c["tpot_ms"] is None for c in s["cells"])
-    assert s["control"]["ratio"] is None and "undefined" in s["control"]["undefined"]
-    assert (
-        s["finding"].startswith("Finding withheld") and "max_new_tokens" in s["finding"] and "0.00x" not in s["finding"]
-    )
-    assert s["effects"]["prefill"]["ratio"] == 1.0  # TTFT is still defined
+    assert all(c.tpot_ms is None for c in s.cells)
+    assert s.control.ratio is None and "undefined" in s.control.undefined
+    assert s.finding.startswith("Finding withheld") and "max_new_tokens" in s.finding and "0.00x" not in s.finding
+    assert s.effects["prefill"].ratio == 1.0  # TTFT is still defined
     text = study(s)
     assert "undefined" in text and "0.00x" not in text
 
@@ -224,21 +265,22 @@ def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
     out = tmp_path / "ev"
     overrides = ["spec=ngram", "suite=rag", f"suite.document={doc}", "limit=2", "study=prefix_x_spec"]
     r = run_eval(config(tiny_target, out, *overrides, "max_new_tokens=4"))
-    s = r["study"]
-    assert [(c["prefix_cache"], c["speculation"]) for c in s["cells"]] == [
+    s = r.study
+    assert [(c.prefix_cache, c.speculation) for c in s.cells] == [
         (False, None),
         (True, None),
         (False, "ngram"),
         (True, "ngram"),
     ]
-    hits = [c["prefix_cache_hit_rate"] for c in s["cells"]]
+    hits = [c.prefix_cache_hit_rate for c in s.cells]
     assert hits[0] == hits[2] == 0 and hits[1] > 0.3 and hits[3] > 0.3  # question 2 reuses the document
-    assert s["identical"] == {"checked": 6, "identical": 6}
-    assert set(s["effects"]) == {"control", "prefill", "decode_cold", "decode_hit", "stacking", "total"}
+    assert s.identical == Identical(checked=6, identical=6)
+    assert set(s.effects) == {"control", "prefill", "decode_cold", "decode_hit", "stacking", "total"}
     # a loaded machine may withhold the finding (the control); either way the sentence says which
-    assert s["finding"].startswith("Finding withheld") == s["control"]["noisy"]
-    assert ("TTFT" in s["finding"]) != s["control"]["noisy"]
-    assert r["lossless"]["checked"] == 2 and r["prompts"] == 2  # the main results: the cached cells
+    assert s.finding.startswith("Finding withheld") == s.control.noisy
+    assert ("TTFT" in s.finding) != s.control.noisy
+    assert r.lossless.checked == 2 and r.prompts == 2  # the main results: the cached cells
+    assert load_results(out) == r  # the study round-trips too
 
 
 def test_distribution_check_with_only_rare_tokens_reports_too_few_samples():
@@ -247,9 +289,9 @@ def test_distribution_check_with_only_rare_tokens_reports_too_few_samples():
     base = [sampled("ar", 0, [1, 2]), sampled("ar", 1, [3, 4])]
     mine = [sampled("s", 0, [5, 6]), sampled("s", 1, [7, 8])]
     d = distribution_check(base, mine)
-    assert d["p_value"] is None and d["tv_distance"] is None and d["note"].startswith("too few samples")
+    assert d.p_value is None and d.tv_distance is None and d.note.startswith("too few samples")
     many = distribution_check([sampled("ar", 0, [1] * 5)], [sampled("s", 0, [1] * 4 + [2])])
-    assert many["p_value"] is not None and many["tv_distance"] > 0
+    assert many.p_value is not None and many.tv_distance > 0
 
 
 def test_sampling_replaces_equality_with_a_distribution_check(tiny_target, prompts_file, tmp_path):
@@ -257,9 +299,10 @@ def test_sampling_replaces_equality_with_a_distribution_check(tiny_target, promp
     # would be common enough to compare (the check then says too few samples)
     overrides = [f"prompts={prompts_file}", "temperature=1", "top_k=2", "repeats=2", "max_new_tokens=8", "limit=2"]
     r = run_eval(config(tiny_target, tmp_path / "ev", *overrides))
-    d = r["methods"]["ngram"]["distribution_check"]
-    assert r["lossless"]["checked"] == 0 and d["units"] == 4 and 0 <= d["p_value"] <= 1
-    assert "permutation" in d["test"] and d["tv_distance"] is not None
+    d = r.methods["ngram"].distribution_check
+    assert r.lossless.checked == 0 and d.units == 4 and 0 <= d.p_value <= 1
+    assert "permutation" in d.test and d.tv_distance is not None
+    assert (r.temperature, r.top_k, r.top_p) == (1.0, 2, 1.0) and load_results(tmp_path / "ev") == r
 
 
 def test_ctrl_c_leaves_a_partial_result_of_finished_prompts(tiny_target, prompts_file, tmp_path, monkeypatch):
@@ -273,7 +316,7 @@ def test_ctrl_c_leaves_a_partial_result_of_finished_prompts(tiny_target, prompts
     monkeypatch.setattr(runner, "answer", interrupted)
     out = tmp_path / "ev"
     r = run_eval(config(tiny_target, out, f"prompts={prompts_file}", "max_new_tokens=4"))
-    assert r["partial"] is True and r["prompts"] == 1 and r["lossless"]["checked"] == 2
+    assert r.partial is True and r.prompts == 1 and r.lossless.checked == 2
     assert json.loads((out / "results.json").read_text())["partial"] is True
 
 
@@ -341,8 +384,8 @@ def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, pro
     # a and b are answered again, unrecorded (so the engines' state is an uninterrupted run's); their records
     # come from disk
     assert set(asked) == {"a", "b", "c"}
-    assert r["prompts"] == 3 and r["partial"] is False
-    assert r["methods"]["ngram"]["lossless"] == {"checked": 4, "identical": 4, "note": r["lossless"]["note"]}
+    assert r.prompts == 3 and r.partial is False
+    assert r.methods["ngram"].lossless == Lossless(checked=4, identical=4, note=r.lossless.note)
     assert (out / "records.jsonl").read_text().splitlines()[:2] == lines
     assert len((out / "records.jsonl").read_text().splitlines()) == 3
 
@@ -408,9 +451,9 @@ def test_a_later_turn_beyond_the_context_is_skipped_and_counted(tiny_target, tmp
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "ev"
     r = run_eval(config(tiny_target, out, f"prompts={path}", "max_new_tokens=4", "max_seq_len=200"))
-    skipped = r["skipped"]
-    assert skipped["turns"] == 4  # plain decoding and ngram each skipped turn 2 of "long", and turn 3 after it
-    got = {(s["id"], s["turn"], s["method"]): s["reason"] for s in skipped["list"]}
+    skipped = r.skipped
+    assert skipped.turns == 4  # plain decoding and ngram each skipped turn 2 of "long", and turn 3 after it
+    got = {(s.id, s.turn, s.method): s.reason for s in skipped.list}
     assert set(got) == {("long", t, m) for t in (1, 2) for m in ("ar", "ngram")}
     assert "exceeds the context" in got[("long", 1, "ar")] and "follows turn 2" in got[("long", 2, "ngram")]
-    assert r["lossless"]["checked"] == 2  # the turns that ran: long's first, and the raw prompt
+    assert r.lossless.checked == 2  # the turns that ran: long's first, and the raw prompt

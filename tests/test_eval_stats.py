@@ -7,6 +7,7 @@ import pytest
 
 from draftsmith.eval.aggregate import Record, compared, repeat_spread
 from draftsmith.eval.machine import SPEED_FLAGS, cpu_flags, describe, environment
+from draftsmith.eval.results import RepeatSpread
 from draftsmith.eval.stats import Bootstrap, intervals, significant
 from draftsmith.eval.study import study_cells
 from draftsmith.serve.engine.metrics import Metrics
@@ -25,10 +26,10 @@ def test_paired_speedup_interval_is_tight_when_prompts_differ_but_the_ratio_does
     base = [rec(f"p{i}", "ar", 1.0 + 2 * i, tokens=10 + i) for i in range(10)]
     fast = [rec(f"p{i}", "m", (1.0 + 2 * i) / 2, tokens=10 + i) for i in range(10)]
     out = compared("m", fast, base, seed=1)
-    assert out["speedup"] == pytest.approx(2.0)
-    low, high = out["intervals"]["speedup"]
-    assert low == pytest.approx(2.0) and high == pytest.approx(2.0) and out["significant"] is True
-    tps = out["intervals"]["tokens_per_s"]
+    assert out.speedup == pytest.approx(2.0)
+    low, high = out.intervals["speedup"]
+    assert low == pytest.approx(2.0) and high == pytest.approx(2.0) and out.significant is True
+    tps = out.intervals["tokens_per_s"]
     assert tps[1] / tps[0] > 1.5  # the unpaired number does carry the prompt-to-prompt spread
 
 
@@ -37,9 +38,9 @@ def test_a_noisy_speedup_around_one_is_not_significant():
     base = [rec(f"p{i}", "ar", 1.0) for i in range(8)]
     mine = [rec(f"p{i}", "m", t) for i, t in enumerate(times)]
     out = compared("m", mine, base, seed=0)
-    low, high = out["intervals"]["speedup"]
-    assert low < 1.0 < high and out["significant"] is False
-    assert low <= out["speedup"] <= high
+    low, high = out.intervals["speedup"]
+    assert low < 1.0 < high and out.significant is False
+    assert low <= out.speedup <= high
 
 
 def test_intervals_need_two_prompts_and_bracket_the_pooled_tau():
@@ -70,27 +71,27 @@ def study_records(plain_cached_tpot: float, n: int = 6, jitter: float = 0.02) ->
 
 def test_the_study_states_its_finding_when_the_control_holds():
     s = study_cells(study_records(0.050), "m", greedy=True)
-    assert s["control"]["noisy"] is False and s["control"]["ratio"] == pytest.approx(1.0)
-    assert s["finding"].startswith("The prefix cache cut TTFT") and "m cut TPOT 1.25x" in s["finding"]
-    assert "does not differ significantly" in s["finding"]
-    assert all(c["intervals"]["tpot_ms"] for c in s["cells"])
+    assert s.control.noisy is False and s.control.ratio == pytest.approx(1.0)
+    assert s.finding.startswith("The prefix cache cut TTFT") and "m cut TPOT 1.25x" in s.finding
+    assert "does not differ significantly" in s.finding
+    assert all(c.intervals["tpot_ms"] for c in s.cells)
 
 
 def test_the_study_withholds_its_finding_when_plain_decoding_tpot_moves_with_the_cache():
     """The issue's case: plain TPOT 65 ms without the cache and 152 ms with it cannot be the cache's doing."""
     s = study_cells(study_records(0.050 * 152 / 65), "m", greedy=True)
-    assert s["control"]["noisy"] is True and s["control"]["interval"][0] > 1.5
-    assert s["finding"].startswith("Finding withheld: the machine was too noisy")
-    assert "cut TPOT" not in s["finding"]
+    assert s.control.noisy is True and s.control.interval[0] > 1.5
+    assert s.finding.startswith("Finding withheld: the machine was too noisy")
+    assert "cut TPOT" not in s.finding
 
 
 def test_repeat_spread_measures_how_much_the_same_prompt_varied():
     same = [rec("a", "ar", 1.0, repeat=r) for r in range(3)] + [rec("b", "ar", 2.0, repeat=r) for r in range(3)]
     for r, t in zip(same, [1.0, 1.0, 1.0, 2.0, 2.0, 2.0], strict=True):
         r.metrics.total_s = t
-    assert repeat_spread(same) == {"prompts": 2, "median": 0.0, "max": 0.0}
+    assert repeat_spread(same) == RepeatSpread(prompts=2, median=0.0, max=0.0)
     same[1].metrics.total_s = 1.5  # prompt a: 1.0, 1.5, 1.0 -> (1.5 - 1.0) / 1.0
-    assert repeat_spread(same)["max"] == pytest.approx(0.5)
+    assert repeat_spread(same).max == pytest.approx(0.5)
     assert repeat_spread([rec("a", "ar", 1.0)]) is None  # one repeat: nothing to compare
 
 
@@ -98,6 +99,6 @@ def test_environment_names_the_cpu_its_speed_flags_and_threads():
     import torch
 
     env = environment(torch.device("cpu"), torch.float32)
-    assert set(env["cpu_flags"]) <= set(SPEED_FLAGS) and env["cpu_flags"] == cpu_flags()
-    assert env["threads"] == torch.get_num_threads() and env["gpu"] is None and env["cpu"]
-    assert f"{env['threads']} threads" in describe(env)
+    assert set(env.cpu_flags) <= set(SPEED_FLAGS) and env.cpu_flags == cpu_flags()
+    assert env.threads == torch.get_num_threads() and env.gpu is None and env.cpu
+    assert f"{env.threads} threads" in describe(env)

@@ -415,9 +415,9 @@ def test_eval_forgets_the_warm_up_and_earlier_repeats(smollm2_dir, tmp_path):
     for warmup in (1, 0):
         args = [f"prompts={tmp_path / 'p.jsonl'}", "spec=suffix", "repeats=2", "max_new_tokens=12", f"warmup={warmup}"]
         r = run_eval(config(tiny, tmp_path / f"out{warmup}", *args))
-        m = r["methods"]["suffix"]
-        assert m["lossless"]["identical"] == m["lossless"]["checked"] == 4 and m["drafter_params"] == 0
-        taus.append(m["tau_per_repeat"])
+        m = r.methods["suffix"]
+        assert m.lossless.identical == m.lossless.checked == 4 and m.drafter_params == 0
+        taus.append(m.tau_per_repeat)
     assert taus[0] == taus[1] and taus[0][1] == taus[0][0], taus
 
 
@@ -435,6 +435,6 @@ def test_a_resumed_eval_counts_what_an_uninterrupted_one_counts(smollm2_dir, tmp
     (cut / "records.jsonl").write_text("".join(lines[:2]))  # a kill after the second prompt
     (cut / "results.json").unlink()
     resumed = run_eval(config(tiny, cut, *args, "resume=true"))
-    a, b = whole["methods"]["suffix"], resumed["methods"]["suffix"]
-    assert (a["mean_acceptance_length"], a["drafts"]) == (b["mean_acceptance_length"], b["drafts"])
-    assert whole["prefix_cache"]["hit_tokens"] == resumed["prefix_cache"]["hit_tokens"]
+    a, b = whole.methods["suffix"], resumed.methods["suffix"]
+    assert (a.mean_acceptance_length, a.drafts) == (b.mean_acceptance_length, b.drafts)
+    assert whole.prefix_cache.hit_tokens == resumed.prefix_cache.hit_tokens
