@@ -2,6 +2,6 @@
 from . import draft_model, eagle, eagle3, medusa, training_free  # noqa: F401
 
 # isort: off
-# issue 17's kinds after the others: registration order is the order spec lists and messages name kinds in
+# the block drafters after the others: registration order is the order spec lists and messages name kinds in
 from . import dflash, peagle  # noqa: F401
 # isort: on

@@ -69,7 +69,7 @@ DRAFT_MODEL_HF = ex.Format(
     sglang="STANDALONE",
     hf=True,
 )
-# vLLM's DFlashDraftModel (dflash_config, non-causal block): issue 17, serve/export_dflash.py
+# vLLM's DFlashDraftModel (dflash_config, non-causal block): serve/export_dflash.py
 DFLASH_VLLM = ex.Format(
     export=dfl.dflash_vllm,
     shapes=dfl.dflash_shapes,
@@ -88,7 +88,7 @@ SPECULATORS = ex.Format(
     vllm="eagle3",
     vllm_alone=True,
 )
-# issue 17: P-EAGLE in speculators' `peagle` layout, which vLLM loads as eagle3 drafting all tokens in one forward
+# P-EAGLE in speculators' `peagle` layout, which vLLM loads as eagle3 drafting all tokens in one forward
 PEAGLE_VLLM = ex.Format(
     export=pe.peagle_speculators,
     shapes=pe.peagle_shapes,
