@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark draftsmith's engine on the real SmolLM2-135M target: ratios measured side by side in one run.
 
-Batch 1, greedy. Sections (issue 2's acceptance figures):
+Batch 1, greedy. Sections:
   1. plain decoding, our runner vs HF transformers `generate` (fp32 / bf16) on MT-bench chat prompts
   2. n-gram and suffix speculation vs plain decoding on copy-heavy prompts (edit code, answer from a document)
   3. prefix cache: TTFT with a ~1000-token shared document, cold vs warm

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for a session lent the nvidia-h200 machine (issue 18): the CUDA tests, then
+# The GPU check, for a session lent the nvidia-h200 machine: the CUDA tests, then
 # scripts/gpu_bench.py on random-weight SmolLM2-135M (bf16, fp32) and Llama-3.1-8B (bf16) shapes.
 # Runs on the machine as it is: its python3 (3.12, torch 2.11 CUDA, transformers 5.17), no registry, no
 # install of draftsmith (a shim package of symlinks to this checkout), the missing pure-Python wheels
