@@ -217,8 +217,8 @@ def test_all_checkpoints_corrupt_or_other_settings_are_clear_errors(target, data
 
 
 def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(target, data, tmp_path, monkeypatch):
-    """Not "corrupt" with advice to delete good checkpoints; betas count, and checkpoints written before they were
-    fingerprinted still resume."""
+    """Not "corrupt" with advice to delete good checkpoints; betas count, and a fingerprint lacking a setting is
+    another setting; with the fingerprint it was written with, the checkpoint resumes."""
     cfg = config(tmp_path, target, data, max_steps=4)
     with monkeypatch.context() as mp:
         kill_after(mp, 2)
@@ -238,7 +238,8 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
     assert {p: p.stat().st_mtime_ns for p in ck.rglob("*")} == before
 
     trainer_json = ck / "trainer.json"
-    meta = json.loads(trainer_json.read_text())
+    written = trainer_json.read_text()
+    meta = json.loads(written)
     head = {k: v for k, v in asdict(resized.head).items() if k != "draft"}  # the fingerprint leaves the shape out
     same_head = {**meta, "fingerprint": {**meta["fingerprint"], "head": json.loads(json.dumps(head))}}
     trainer_json.write_text(json.dumps(same_head))  # same settings, yet weights of another shape: other code
@@ -246,9 +247,12 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
         train(resized)
     assert "corrupt" not in str(e.value) and "Delete" not in str(e.value)
 
-    del meta["fingerprint"]["betas"]  # as written before betas were fingerprinted: still resumes
+    del meta["fingerprint"]["betas"]  # a fingerprint without betas: refused, not taken as today's
     trainer_json.write_text(json.dumps(meta))
     cfg.resume = True
+    with pytest.raises(ValueError, match=r"made with other settings \(betas: None then, \[0.9, 0.95\] now"):
+        train(cfg)
+    trainer_json.write_text(written)
     train(cfg)
     assert json.loads((tmp_path / "final" / "config.json").read_text())["recipe"]["steps"] == 4
 

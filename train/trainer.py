@@ -264,11 +264,9 @@ def make_hook(cfg: RunConfig, target: Loaded, head_cfg, say):
 
 def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int, zero: int | None = None) -> dict:
     """What must not change between a checkpoint and its resume (it fixes the data order and schedule; under
-    DeepSpeed the ZeRO stage fixes how the optimizer state was saved). The key is added only under DeepSpeed, so
-    earlier checkpoints keep their fingerprint; head.draft (what the drafter is recorded for) is left out."""
+    DeepSpeed the ZeRO stage fixes how the optimizer state was saved, None without it); head.draft (what the
+    drafter is recorded for) is left out."""
     tc = cfg.train
-    optional = {} if zero is None else {"deepspeed_zero_stage": zero}  # keys set only where they apply, so
-    optional |= {} if tc.loss_on == "answers" else {"loss_on": tc.loss_on}  # earlier checkpoints keep theirs
     head = {k: v for k, v in asdict(cfg.head).items() if k != "draft"}
     return json.loads(
         json.dumps(
@@ -281,7 +279,8 @@ def make_fingerprint(cfg: RunConfig, target: Loaded, world: int, examples: int, 
                 "processes": world,
                 **{k: getattr(tc, k) for k in ("epochs", "max_steps", "batch_size", "grad_accum", "seed")},
                 **{k: getattr(tc, k) for k in ("lr", "betas", "warmup_steps", "min_lr_ratio", "weight_decay")},
-                **optional,
+                "loss_on": tc.loss_on,
+                "deepspeed_zero_stage": zero,
             }
         )
     )
