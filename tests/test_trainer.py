@@ -410,7 +410,7 @@ def test_auto_precision_is_bf16_only_where_the_device_runs_it_natively():
     with initialize_config_module("draftsmith.conf", version_base=None):
         for preset in ("quick", "full"):
             composed = compose("train", overrides=["out=x", f"train={preset}"])
-            assert composed.train.mixed_precision == "auto" and composed.target.dtype == "fast"
+            assert composed.train.mixed_precision == "auto" and composed.target.dtype == "auto"
 
 
 def test_a_misspelt_loss_option_is_refused_before_any_work(target, data, tmp_path):
