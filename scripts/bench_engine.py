@@ -19,8 +19,8 @@ Variants run interleaved prompt by prompt (A, B, ..., then B, A, ... on the next
 warm-up; a variant's time on a prompt is the median over repeats, its tokens/s is the sum of new
 tokens over the sum of those medians. Tokens/s counts the whole request (prefill included).
 
-    python scripts/bench_engine.py            # ~10 minutes on 2 CPU cores
-    python scripts/bench_engine.py --quick    # ~2 minutes
+    python scripts/bench_engine.py            # every section (run times: docs/benchmarks.md)
+    python scripts/bench_engine.py --quick    # fewer prompts and tokens
     python scripts/bench_engine.py --sections vllm --peer-prompts 20 [--eagle3 HEAD]   # the vLLM peer table
 """
 

@@ -134,8 +134,8 @@ def pick_device(name: str = "auto") -> str:
 
 def native_bf16(device: str) -> bool:
     """Does the device run bf16 matmuls natively? CUDA with bf16 support, or a CPU whose oneDNN has bf16 kernels
-    (AVX512-BF16, AMX, AVX-NE-CONVERT). Elsewhere bf16 is emulated: on an AVX2-only AMD EPYC a bf16 matmul ran
-    ~70x slower than the same fp32 one (1.8 vs 130 GFLOP/s, 2 threads)."""
+    (AVX512-BF16, AMX, AVX-NE-CONVERT). Elsewhere bf16 is emulated and far slower than fp32
+    (docs/benchmarks.md, Figures behind design choices)."""
     if str(device).startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return can_pack(torch.empty(0, dtype=torch.bfloat16))  # the one place that asks oneDNN

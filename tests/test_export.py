@@ -56,7 +56,7 @@ def layer_shapes(p: str, in_dim: int, bias: bool = False) -> dict:
     return s
 
 
-# the table, spelled out for the tiny sizes
+# the keys and shapes engines load, spelled out for the tiny sizes
 EAGLE3_KEYS = {
     "fc.weight": (H, 3 * H),
     **layer_shapes("midlayer", 2 * H),

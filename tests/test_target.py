@@ -114,7 +114,7 @@ def test_dtype_and_device_helpers() -> None:
 
 
 def test_the_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_kernels() -> None:
-    """On an AVX2-only CPU oneDNN has no bf16 kernels (bf16 is emulated, ~70x slower): auto must mean fp32
+    """On an AVX2-only CPU oneDNN has no bf16 kernels (bf16 is emulated, far slower): auto must mean fp32
     there; with the kernels, bf16 (the runner is bit-exact across row counts there, tests/test_batch_invariance.py)."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)

@@ -403,7 +403,7 @@ def test_every_head_group_trains_through_the_trainer(kind, precision, target, da
 
 
 def test_auto_precision_is_bf16_only_where_the_device_runs_it_natively():
-    """train=quick and train=full say mixed_precision=auto: bf16 autocast on an AVX2-only CPU is ~70x slower."""
+    """train=quick and train=full say mixed_precision=auto: bf16 autocast on an AVX2-only CPU is far slower."""
     native = native_bf16("cuda" if torch.cuda.is_available() else "cpu")
     assert trainer_mod.resolve_precision("auto") == ("bf16" if native else "no")
     assert [trainer_mod.resolve_precision(p) for p in (None, "no", "bf16", "fp16")] == [None, "no", "bf16", "fp16"]
