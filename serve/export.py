@@ -29,6 +29,7 @@ from draftsmith.heads.drafter import (
     own_state,
     read_meta,
 )
+from draftsmith.heads.eagle3 import DRAFT_VOCAB
 from draftsmith.heads.files import move_into_place, temp_folder_beside
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
@@ -170,11 +171,12 @@ def eagle_sglang(src: Source) -> Export:
 
 
 def token_map(src: Source) -> Tensor | None:
-    """The ids an SGLang EAGLE export's token map keeps: the training answers' most frequent quarter."""
+    """The ids an SGLang EAGLE export's token map keeps: the training answers' most frequent quarter, at least the
+    default draft vocabulary."""
     if src.token_counts is None:
         return None
     v = src.head.config.vocab_size
-    return frequent_ids(src.token_counts, min(v, max(8192, v // 4)))
+    return frequent_ids(src.token_counts, min(v, max(DRAFT_VOCAB, v // 4)))
 
 
 def medusa_vllm(src: Source) -> Export:

@@ -37,7 +37,7 @@ class HeadConfig:
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
-    draft_vocab_size: int | None = None  # eagle3
+    draft_vocab_size: int | None = None  # eagle3, peagle, dflash (null = heads/eagle3.py DRAFT_VOCAB, capped)
     target_layers: list[int] | None = None  # eagle3: target layers fused by fc (null = 2, L/2, L-3)
     init: str | None = None  # draft_model: target | scratch
     args: dict[str, Any] = field(default_factory=dict)
