@@ -49,6 +49,10 @@ class HeadConfig:
     def kwargs(self) -> dict[str, Any]:
         return {**self.args, **{k: getattr(self, k) for k in SIZE_FIELDS if getattr(self, k) is not None}}
 
+    def loss_options(self) -> dict[str, Any]:
+        """What the loss is called with: `loss` less its null keys (null = the loss function's default)."""
+        return {k: v for k, v in self.loss.items() if v is not None}
+
 
 def trained_kind(kind: str) -> Kind:
     """The registered kind a head is trained for (heads/kinds.py)."""

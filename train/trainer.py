@@ -133,7 +133,7 @@ def setup(cfg: RunConfig) -> Loop:
         raise ValueError(f"{out} already holds checkpoints: pass resume=true to continue, or pick another out")
     set_seed(tc.seed)
     loss_fn = loss_for(cfg.head.kind)
-    check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
+    check_loss_options(loss_fn, cfg.head.loss_options(), cfg.head.kind)  # before any data or features are made
     target = load_for_accelerator(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
     layers = trained_kind(cfg.head.kind).target_layers(head_cfg)
@@ -148,7 +148,7 @@ def setup(cfg: RunConfig) -> Loop:
     if acc.distributed_type == DistributedType.DEEPSPEED:
         keep_borrowed_out(head)
         fill_deepspeed_config(acc.state.deepspeed_plugin.deepspeed_config, tc)
-    model = LossModule(head, loss_fn, dict(cfg.head.loss))
+    model = LossModule(head, loss_fn, cfg.head.loss_options())
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc, plan.total_steps))
