@@ -1,5 +1,6 @@
-"""Which machine a result came from: the same fp32 decode ran 22 tok/s on one 2-core EPYC and 44 on another, so a
-figure is only comparable with figures from the same CPU model, instruction sets, threads and load."""
+"""Which machine a result came from: the same fp32 decode runs at very different speeds on two 2-core EPYCs
+(docs/benchmarks.md), so a figure is only comparable with figures from the same CPU model, instruction sets, threads
+and load."""
 
 from __future__ import annotations
 

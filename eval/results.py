@@ -243,7 +243,7 @@ class RunResult:
     repeats: int
     partial: bool  # interrupted: counts only the prompts every method finished
     baseline: Summary
-    spec: MethodResult  # the first method (issue 2's schema)
+    spec: MethodResult  # the first method's entry, kept at the top level
     methods: dict[str, MethodResult]
     lossless: Lossless
     prefix_cache: PrefixCacheUse

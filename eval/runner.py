@@ -300,7 +300,7 @@ def summarize(
         repeats=cfg.repeats,
         partial=partial,
         baseline=summary("ar", base, Bootstrap.over([r.id for r in base], cfg.seed)),
-        spec=rows[next(iter(rows))],  # the first method, as issue 2's schema has it
+        spec=rows[next(iter(rows))],  # the first method's entry, kept at the top level
         methods=rows,
         lossless=Lossless(
             checked=sum(c.checked for c in checks),

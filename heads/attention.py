@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCK = 64  # positions per key block (vs 32: a 2500-token prefill 30% faster, decode the same)
+BLOCK = 64  # positions per key block: faster long prefills than 32, the same decode (docs/benchmarks.md)
 MIN_ROWS = 4  # MKL's fp32 GEMM gives other bits below 4 rows
-CHUNK = 32  # query rows per pass: its per-block partial sums stay in cache (1000-token prefill: 256 -> 32 cut ~25%)
+CHUNK = 32  # query rows per pass: its per-block partial sums stay in cache (a long prefill gains; see BLOCK)
 
 
 @dataclass

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftsmith.heads.draft_vocab import DraftVocabHead
+from draftsmith.heads.eagle3 import DRAFT_VOCAB
 from draftsmith.heads.head_base import EagleConfig, borrow, default_target_layers
 
 from .kinds import DraftShape, Kind
@@ -37,7 +38,7 @@ class DFlashConfig(EagleConfig):
     num_layers: int = 1  # draft decoder layers, 1..4 (head.num_layers sweeps draft size)
     block_size: int = 4  # slots per forward: the last accepted token + block_size - 1 mask slots (the drafts)
     mask_token_id: int = 0  # the mask slots' token, a target id (default: the target's first EOS id)
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int = DRAFT_VOCAB
 
     def __post_init__(self) -> None:
         self.target_layers = tuple(self.target_layers)  # a list after a JSON round trip
@@ -66,7 +67,7 @@ class DFlashConfig(EagleConfig):
         check_layers(layers, n, "the target")
         if overrides.get("mask_token_id") is None:
             overrides["mask_token_id"] = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
-        overrides.setdefault("draft_vocab_size", min(8192, cfg.vocab_size))
+        overrides.setdefault("draft_vocab_size", min(DRAFT_VOCAB, cfg.vocab_size))
         return super().from_target(cfg, target_layers=layers, **overrides)
 
     def layer_config(self) -> ModelConfig:

@@ -177,7 +177,7 @@ def load_token_counts(folder: Path, vocab_size: int) -> torch.Tensor:
     path = Path(folder) / TOKEN_COUNTS
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} is missing: drafter {folder} holds no token counts (trained before draftsmith wrote them); "
+            f"{path} is missing: drafter {folder} holds no token counts (it was saved without them); "
             "retrain it, or draft over the full vocabulary (spec.draft_vocab=0)"
         )
     try:

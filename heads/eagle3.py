@@ -21,11 +21,13 @@ from .kinds import DraftShape, Kind
 from .kv_cache import KVCache
 from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 
+DRAFT_VOCAB = 8192  # the default draft vocabulary: the training answers' most frequent tokens (at most the target's)
+
 
 @dataclass
 class Eagle3Config(EagleConfig):
     target_layers: tuple[int, ...] = (2, 16, 29)  # inputs of these target layers (L = the last layer's output)
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int = DRAFT_VOCAB
     init: str = "scratch"  # target: norm and lm_head start as the target's final norm and lm_head rows
     norm_before_fc: bool = False  # an RMSNorm (input_norm) over the concatenated target features before fc
     norm_output: bool = False  # EAGLE-3.1: the next depth reads norm(output), what the lm_head reads, not output
@@ -46,7 +48,7 @@ class Eagle3Config(EagleConfig):
         layers = tuple(overrides.pop("target_layers", None) or default_target_layers(n))
         if layers[-1] > n:
             raise ValueError(f"target_layers {layers} exceed the target's {n} layers")
-        overrides.setdefault("draft_vocab_size", min(8192, cfg.vocab_size))
+        overrides.setdefault("draft_vocab_size", min(DRAFT_VOCAB, cfg.vocab_size))
         return super().from_target(cfg, target_layers=layers, **overrides)
 
 

@@ -147,11 +147,12 @@ def refs(kind: Kind) -> list[str]:
 
 
 def folder_shape(meta: dict) -> DraftShape:
-    """The draft a drafter folder was made for (config.json "draft"), unset fields from its kind's default
-    (folders written before drafters recorded their shape have none), the depth capped where the kind's config
-    bounds it."""
+    """The draft a drafter folder was made for (config.json "draft"), unset fields from its kind's default, the
+    depth capped where the kind's config bounds it."""
     kind = get(meta["kind"])
-    saved = meta.get("draft") or {}
+    if "draft" not in meta:
+        raise ValueError('config.json records no draft shape ("draft"): re-save the drafter with draftsmith-train')
+    saved = meta["draft"]
     names = {f.name for f in fields(DraftShape)}
     if not isinstance(saved, dict) or not set(saved) <= names:
         raise ValueError(f"config.json's draft {saved!r} takes only {', '.join(sorted(names))}: re-save the drafter")

@@ -33,8 +33,9 @@ ROWS_HINT = 16  # oneDNN picks the weight layout for this many rows; any number 
 # kernel than 2 or more rows (SmolLM2's down_proj: 5 of 120 rows differ), and every count from 2 up agrees. On AMX
 # its brgemm blocks K by the row count: 2 to 32 rows agree with each other, and larger counts differ among
 # themselves (1-40 of 64 rows, by shape). So a half-precision GEMM runs 2 to MAX_ROWS rows: a single row as two,
-# a prefill in pieces of MAX_ROWS. bf16 costs about the same for 2 rows as for 1; the pieces cost an AMX prefill's
-# linears ~4x (still ~2x faster than fp32's; docs/benchmarks.md). fp16 (AVX512-FP16, AMX) is cut the same way.
+# a prefill in pieces of MAX_ROWS. bf16 costs about the same for 2 rows as for 1; the pieces slow an AMX prefill's
+# linears down, yet leave them faster than fp32's (docs/benchmarks.md, AMX needs pieces of 32 rows). fp16
+# (AVX512-FP16, AMX) is cut the same way.
 # Under 32 input features AMX rounds 3+ rows differently again (toy models only; real targets are far wider).
 MAX_ROWS = 32
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark draftsmith's engine on the real SmolLM2-135M target: ratios measured side by side in one run.
 
-Batch 1, greedy. Sections (issue 2's acceptance figures):
+Batch 1, greedy. Sections:
   1. plain decoding, our runner vs HF transformers `generate` (fp32 / bf16) on MT-bench chat prompts
   2. n-gram and suffix speculation vs plain decoding on copy-heavy prompts (edit code, answer from a document)
   3. prefix cache: TTFT with a ~1000-token shared document, cold vs warm
@@ -19,8 +19,8 @@ Variants run interleaved prompt by prompt (A, B, ..., then B, A, ... on the next
 warm-up; a variant's time on a prompt is the median over repeats, its tokens/s is the sum of new
 tokens over the sum of those medians. Tokens/s counts the whole request (prefill included).
 
-    python scripts/bench_engine.py            # ~10 minutes on 2 CPU cores
-    python scripts/bench_engine.py --quick    # ~2 minutes
+    python scripts/bench_engine.py            # every section (run times: docs/benchmarks.md)
+    python scripts/bench_engine.py --quick    # fewer prompts and tokens
     python scripts/bench_engine.py --sections vllm --peer-prompts 20 [--eagle3 HEAD]   # the vLLM peer table
 """
 

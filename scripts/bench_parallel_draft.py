@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What a parallel drafter's draft of K tokens (P-EAGLE or DFlash: one forward) costs against one EAGLE-3 level.
 
-Random heads of the target's real shapes (SmolLM2-135M: hidden 576, three target layers, draft vocabulary 8192,
+Random heads of the target's real shapes (SmolLM2-135M: hidden 576, three target layers, the default draft vocabulary,
 one decoder layer), packed as serve/build.py packs a loaded drafter, a context of --context tokens in the
 drafter's cache, --accepted real pairs entering per step (tau - 1 accepted + the bonus). Per step, interleaved
 over --repeats rounds (median, with the quartiles):
@@ -52,15 +52,15 @@ def ready(head: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 def parallel(kind: str, target, k: int, dtype: torch.dtype):
     c = target.config
     if kind == "peagle":
-        head = PEagleHead(PEagleConfig.from_target(c, draft_vocab_size=8192, num_depths=k), target)
+        head = PEagleHead(PEagleConfig.from_target(c, num_depths=k), target)
         return PEagleProposer(ready(head, dtype), k, CHAIN)
-    head = DFlashHead(DFlashConfig.from_target(c, draft_vocab_size=8192, block_size=k + 1), target)
+    head = DFlashHead(DFlashConfig.from_target(c, block_size=k + 1), target)
     return DFlashProposer(ready(head, dtype), k, CHAIN)
 
 
 def proposers(kind: str, target, ks: list[int], dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    e3 = ready(Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab_size=8192), target), dtype)
+    e3 = ready(Eagle3Head(Eagle3Config.from_target(target.config), target), dtype)
     ps = {"eagle3 level": EagleProposer(e3, "eagle3", 1, CHAIN)}
     for k in ks:
         if k > 1:  # a chain of 1 is the level

@@ -13,8 +13,8 @@ Random weights make acceptance meaningless: only costs are measured. `--device c
 the small shape in fp32 with fewer tokens (the rehearsal). JSON and Markdown go to --out (default $OUT, else
 runs/gpu_check), rewritten after every section, so a run cut short keeps what it measured.
 
-    python scripts/gpu_bench.py                    # CUDA: ~4 minutes on an H200
-    python scripts/gpu_bench.py --device cpu       # the rehearsal: a few minutes on 2 CPU cores
+    python scripts/gpu_bench.py                    # CUDA (run times: docs/benchmarks.md, Figures behind design choices)
+    python scripts/gpu_bench.py --device cpu       # the rehearsal
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check, for a session lent the nvidia-h200 machine (issue 18): the CUDA tests, then
+# The GPU check, for a session lent the nvidia-h200 machine: the CUDA tests, then
 # scripts/gpu_bench.py on random-weight SmolLM2-135M (bf16, fp32) and Llama-3.1-8B (bf16) shapes.
 # Runs on the machine as it is: its python3 (3.12, torch 2.11 CUDA, transformers 5.17), no registry, no
 # install of draftsmith (a shim package of symlinks to this checkout), the missing pure-Python wheels
-# carried in .whl/. Under 8 minutes on an H200: setup and imports ~20 s, the tests at most 120 s, the
-# benchmark at most 300 s (it starts no section past 230 s and writes its files after every section).
+# carried in .whl/. Budgets: the tests at most 120 s, the benchmark at most 300 s (it starts no section past
+# 230 s and writes its files after every section); how long a whole check takes: docs/benchmarks.md, Figures behind design choices.
 #
 # Once, here, before the call:   bash scripts/gpu_wheels.sh        # fills .whl/ (~0.5 MB, ignored)
 # Then ONE device call (the device tool sets $OUT; everything comes back from there):
@@ -16,7 +16,7 @@
 #     --extra-index-url file:///opt/pypi-more/simple --find-links /opt/wheels torch==2.13.0 transformers==5.17.0 \
 #     huggingface-hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 accelerate==1.15.0 sentencepiece==0.2.2 \
 #     matplotlib numpy pyyaml tqdm pytest requests jinja2
-#   PIP_NO_INDEX=1 PATH=/tmp/rehearse/bin:$PATH bash scripts/gpu_check.sh --device cpu   # 15 min on 2 busy cores
+#   PIP_NO_INDEX=1 PATH=/tmp/rehearse/bin:$PATH bash scripts/gpu_check.sh --device cpu
 # Exit status: 0 when every stage passed, else the number of failed stages (each named at the end).
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Drafter kinds trained for the same wall-clock budget, then evaluated side by side (issue 17's comparison).
+"""Drafter kinds trained for the same wall-clock budget, then evaluated side by side.
 
 Each arm is `draftsmith-train` on the same data and recipe (train=quick: the same examples, batches, optimizer and
 feature cache), only the head differs. A short probe run measures the arm's seconds per optimizer step on this

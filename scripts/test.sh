@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): lint, then the whole suite on CPU, offline.
 # The real-SmolLM2 lossless module runs in a process of its own: after the rest of the suite in the
-# same process its decode steps ran ~3.5x slower (cause not found yet; alone it takes ~4 minutes).
+# same process its decode steps run several times slower (docs/benchmarks.md, Figures behind design choices).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # DRAFTSMITH_REQUIRE_VLLM: setup installs vLLM, so its tests must run, not skip

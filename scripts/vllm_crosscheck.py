@@ -234,7 +234,7 @@ def generate_all(engine, prompts: list[list[int]], max_new: int) -> tuple[list, 
     return outputs, total
 
 
-FRESH = ("eagle3", "eagle", "medusa", "draft_model", "dflash", "peagle")  # dflash, peagle: issue 17 (--kinds)
+FRESH = ("eagle3", "eagle", "medusa", "draft_model", "dflash", "peagle")  # --kinds picks among them
 
 
 def fresh_drafters(target, folder: Path) -> dict[str, Path]:

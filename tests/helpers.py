@@ -23,8 +23,8 @@ TINY = dict(
     tie_word_embeddings=False,
 )
 
-# The keys issue 2 fixed for results.json's "spec" (and each entry of "methods").
-ISSUE2_SPEC_KEYS = (
+# The keys results.json's "spec" (and each entry of "methods") always holds.
+SPEC_KEYS = (
     "method",
     "tokens_per_s",
     "speedup",

@@ -14,7 +14,7 @@ from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.serve.__main__ import GenerateConfig
 from draftsmith.serve.__main__ import run as generate
 from draftsmith.serve.shared.cli import typed
-from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
+from helpers import SPEC_KEYS, build_tiny_chat_target
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}
 
@@ -73,7 +73,7 @@ def test_eval_writes_results_and_outputs(tiny_target, tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert res["prompts"] == 2 and res["max_new_tokens"] == 8 and res["temperature"] == 0.0
     assert res["baseline"]["method"] == "ar" and res["spec"]["method"] == "ngram"
-    for key in ISSUE2_SPEC_KEYS:
+    for key in SPEC_KEYS:
         assert key in res["spec"]
     assert res["lossless"] == {**res["lossless"], "checked": 3, "identical": 3}
     assert res["prefix_cache"]["queried_tokens"] > 0 and res["prefix_cache"]["hit_tokens"] > 0  # turn 2 reuses turn 1

@@ -1,4 +1,4 @@
-"""DFlash (issue 17) on tiny random Llama targets (fp32, CPU): the head (config checks, training's anchored blocks
+"""DFlash on tiny random Llama targets (fp32, CPU): the head (config checks, training's anchored blocks
 equal drafting's, save/load with vLLM's names), its loss (which inputs count, training), the one-forward proposer
 in the engine (greedy output identical to plain decoding for chains and trees, prefix-cache hits equal cold
 prefills, drafts cut at the request's end, seeded and distribution-exact sampling), building it from the spec

@@ -546,7 +546,7 @@ def test_sampling_is_deterministic_given_a_seed(kind, topk, total, target, train
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
-    """Issue 15: a sampled chain (topk 1) and a top-k tree at T > 0 on the model's device, with the request's
+    """A sampled chain (topk 1) and a top-k tree at T > 0 on the model's device, with the request's
     generator there: seeded runs repeat, and drafts were verified."""
     tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
     for topk in (1, 2):

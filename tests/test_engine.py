@@ -234,8 +234,9 @@ def test_max_new_tokens_is_exact(name, target, other, noisy, plain):
 
 
 def test_tau_counts_only_tokens_kept_within_max_new_tokens(target, plain):
-    """Issue 15: the target drafting for itself, k=4, max_new_tokens=2 reported tau 5.00 for 2 tokens. One token
-    may still be emitted after the prefill's: the draft is one token deep, kept, and the bonus token is cut."""
+    """The target drafting for itself, k=4, max_new_tokens=2: tau counts the tokens kept, not the 5 accepted
+    past the budget. One token may still be emitted after the prefill's: the draft is one token deep, kept, and the
+    bonus token is cut."""
     p = PROMPTS[0]
     engine = Engine(target, DraftModelProposer(target, DraftChainConfig(4)), max_seq_len=MAX_SEQ)
     out = engine.generate(p, 2, GREEDY)
@@ -319,8 +320,8 @@ def test_tree_nodes_past_an_accepted_eos_are_not_counted(target, plain):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_draft_model_with_a_shorter_context_than_the_target(device, tiny_llama_dir):
-    """Issue 15: a draft LM whose max_position_embeddings (16) is below the target's (256) crashed past position 16
-    (IndexError in its rope table). Its table is extended when the engine is built. The draft here is the target's
+    """A draft LM whose max_position_embeddings (16) is below the target's (256) would index past its rope table
+    after position 16, so its table is extended when the engine is built. The draft here is the target's
     own weights, so with a correct table every draft is accepted."""
     tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
     short = load_model(tiny_llama_dir("llama", max_position_embeddings=16), torch.float32, device)
@@ -425,8 +426,8 @@ def test_sampling_is_deterministic_given_a_seed(target, noisy):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
-    """Issue 15: the request's generator lives on the model's device, so every draw of a T > 0 step (the draft's,
-    verification's, the bonus token's) must be made there; on a GPU, every sampled draft used to fail."""
+    """The request's generator lives on the model's device, so every draw of a T > 0 step (the draft's,
+    verification's, the bonus token's) must be made there: a draw elsewhere fails every sampled draft on a GPU."""
     tgt, drafter = load_model(tiny_llama_dir("llama"), torch.float32, device), load_noisy(tiny_llama_dir, device)
     engine = Engine(tgt, DraftModelProposer(drafter, DraftChainConfig(3)), max_seq_len=MAX_SEQ)
     runs = [engine.generate(PROMPTS[3], 20, SamplingParams(temperature=1.0, seed=s)) for s in (3, 3, 4)]

@@ -1,4 +1,4 @@
-"""The eval runner on a tiny random chat target: several methods and repeats, the results schema (issue 2's keys
+"""The eval runner on a tiny random chat target: several methods and repeats, the results schema (the spec keys
 plus `methods` and `by_category`), multi-turn feeding, the 2x2 prefix-cache study, sampling, Ctrl-C, bad input."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_targ
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.head import HeadConfig, build_head
-from helpers import ISSUE2_SPEC_KEYS, build_tiny_chat_target
+from helpers import SPEC_KEYS, build_tiny_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -68,7 +68,7 @@ def two_methods(tiny_target, prompts_file, tmp_path_factory):
     return out, run_eval(config(tiny_target, out, f"prompts={prompts_file}", *overrides))
 
 
-def test_several_methods_and_repeats_keep_issue2_schema_and_add_methods(two_methods):
+def test_several_methods_and_repeats_keep_the_spec_keys_and_add_methods(two_methods):
     out, r = two_methods
     written = json.loads((out / "results.json").read_text())
     for key in ("target", "device", "dtype", "prompts", "max_new_tokens", "temperature", "baseline", "spec"):
@@ -76,7 +76,7 @@ def test_several_methods_and_repeats_keep_issue2_schema_and_add_methods(two_meth
     assert r.prompts == 3 and r.repeats == 2 and r.partial is False
     assert list(r.methods) == ["ngram", "layerskip"] and r.spec == r.methods["ngram"]
     for label, m in r.methods.items():
-        assert all(k in written["methods"][label] for k in ISSUE2_SPEC_KEYS) and len(m.speedup_per_repeat) == 2
+        assert all(k in written["methods"][label] for k in SPEC_KEYS) and len(m.speedup_per_repeat) == 2
         assert m.lossless.checked == 8 == m.lossless.identical  # 4 turns x 2 repeats
     assert r.lossless.checked == 16 == r.lossless.identical
     assert r.methods["ngram"].drafter_params == 0 and r.methods["layerskip"].drafter_params is None
@@ -96,7 +96,7 @@ def test_results_json_round_trips_through_the_types(two_methods):
 @pytest.mark.parametrize(
     "edit, found",
     [
-        (lambda r: r.pop("schema_version"), "none"),  # before schema versions: e.g. issue 2's single-method form
+        (lambda r: r.pop("schema_version"), "none"),  # written before schema versions
         (lambda r: r.update(schema_version=0), "0"),
         (lambda r: r.update(schema_version=99), "99"),
     ],
@@ -178,8 +178,8 @@ def test_drafter_params_counts_the_heads_parameters_not_its_vocabulary_maps_or_t
 
 
 def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, prompts_file, tmp_path):
-    """Issue 16: spec=eagle3 spec.drafter=HEAD drafted the spec's defaults (depth 5, top-4, 12 nodes), not the depth
-    1 x 3 the head was made for; the shape is now the folder's where the spec leaves it unset."""
+    """spec=eagle3 spec.drafter=HEAD drafts in the depth 1 x 3 the head was made for, not the spec's defaults
+    (depth 5, top-4, 12 nodes): the shape is the folder's where the spec leaves it unset."""
     target = load_target(TargetConfig(path=str(tiny_target)))
     folder = save_eagle3(target, tmp_path / "head", DraftShape(num_tokens=1, topk=3, total_tokens=0))
     overrides = ["spec=eagle3", f"spec.drafter={folder}", "limit=1", "warmup=0", "max_new_tokens=4"]

@@ -78,7 +78,7 @@ def test_the_study_states_its_finding_when_the_control_holds():
 
 
 def test_the_study_withholds_its_finding_when_plain_decoding_tpot_moves_with_the_cache():
-    """The issue's case: plain TPOT 65 ms without the cache and 152 ms with it cannot be the cache's doing."""
+    """Plain TPOT 65 ms without the cache and 152 ms with it cannot be the cache's doing."""
     s = study_cells(study_records(0.050 * 152 / 65), "m", greedy=True)
     assert s.control.noisy is True and s.control.interval[0] > 1.5
     assert s.finding.startswith("Finding withheld: the machine was too noisy")

@@ -58,7 +58,7 @@ def layer_shapes(p: str, in_dim: int, bias: bool = False) -> dict:
     return s
 
 
-# the issue's table, spelled out for the tiny sizes
+# the keys and shapes engines load, spelled out for the tiny sizes
 EAGLE3_KEYS = {
     "fc.weight": (H, 3 * H),
     **layer_shapes("midlayer", 2 * H),
@@ -451,7 +451,7 @@ def test_refuses_a_drafter_for_another_target(tiny, tiny_llama_dir, tmp_path):
 
 
 def test_a_copied_target_folder_is_the_same_target(tiny, tmp_path):
-    """Same config.json and weights under another folder name: its drafters fit it (old folders included)."""
+    """Same config.json and weights under another folder name: its drafters fit it."""
     copy = Path(shutil.copytree(tiny[0].path, tmp_path / "copied-elsewhere"))
     tcfg = TargetConfig(path=str(copy))
     assert target_id(tcfg, copy) != target_id(tiny[0], Path(tiny[0].path))  # the readable name differs

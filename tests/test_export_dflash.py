@@ -1,4 +1,4 @@
-"""DFlash export (issue 17) for a tiny random Llama target: vLLM's native `dflash` layout (keys, shapes,
+"""DFlash export for a tiny random Llama target: vLLM's native `dflash` layout (keys, shapes,
 config.json with dflash_config) with and without a draft vocabulary, the model card's vLLM command, and the
 validator catching renamed keys, wrong layer ids, a causal-looking config and small tampering of a bf16 export.
 The run in vLLM itself is scripts/vllm_crosscheck.py (its own environment)."""

@@ -325,7 +325,8 @@ def test_medusa_drafts_never_reach_past_max_new_tokens(target, data, trained):
 
 
 def test_medusa_tree_ranks_past_the_heads_vocabulary_are_refused_at_build(target, data, trained, tmp_path):
-    """Issue 15: a tree rank at or past the drafted vocabulary crashed the first step (topk out of range)."""
+    """A tree rank at or past the drafted vocabulary is refused when the proposer is built: left in, the first
+    step's topk would be out of range."""
     lt, heads = loaded_target(target), trained["medusa"][0]
     with pytest.raises(ValueError, match=r"ranks up to 200, but the heads draft over 128 tokens; set spec.draft_vocab"):
         MedusaProposer(heads, [[0], [200]])

@@ -1,4 +1,4 @@
-"""P-EAGLE (issue 17) on tiny random Llama targets (fp32, CPU): the head (config, COD training forward vs
+"""P-EAGLE on tiny random Llama targets (fp32, CPU): the head (config, COD training forward vs
 drafting with the KV cache, save/load under speculators' names), its loss (COD anchors, shifts, training), the
 proposer in the engine (one head forward per draft, greedy output identical to plain decoding for chains and
 trees, drafts within the budget, prefix-cache hits restoring the drafter's state, seeded and distribution-exact

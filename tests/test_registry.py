@@ -169,20 +169,17 @@ def test_a_draft_deeper_than_the_head_drafts_is_capped_saying_so(kind, drafters)
 
 
 @pytest.mark.parametrize("kind", BUILTIN)
-def test_a_folder_without_a_draft_shape_drafts_the_kinds_default(kind, drafters, tmp_path):
-    """Folders written before drafters recorded their shape; a corrupt shape is named, not guessed around."""
-    old = Path(shutil.copytree(drafters(kind)[1], tmp_path / "old"))
-    meta = json.loads((old / "config.json").read_text())
+def test_a_folder_without_a_draft_shape_or_a_corrupt_one_is_refused(kind, drafters, tmp_path):
+    """Every drafter folder records its shape; a missing or corrupt one is named, not guessed around."""
+    bad = Path(shutil.copytree(drafters(kind)[1], tmp_path / "bad"))
+    meta = json.loads((bad / "config.json").read_text())
     del meta["draft"]
-    (old / "config.json").write_text(json.dumps(meta))
-    spec = resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(old)))
-    default, cap = kinds.get(kind).draft_shape, kinds.get(kind).depth_cap(meta["config"])
-    assert spec.num_tokens == min(default.num_tokens, cap or default.num_tokens)  # medusa: at most its heads
-    got = DraftShape(spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices)
-    assert asdict(got) | {"num_tokens": 0} == asdict(default) | {"num_tokens": 0}
-    (old / "config.json").write_text(json.dumps(meta | {"draft": {"depth": 3}}))
+    (bad / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="config.json records no draft shape"):
+        resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(bad)))
+    (bad / "config.json").write_text(json.dumps(meta | {"draft": {"depth": 3}}))
     with pytest.raises(ValueError, match="config.json's draft .* takes only choices, num_tokens, topk, total_tokens"):
-        resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(old)))
+        resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(bad)))
 
 
 @pytest.fixture(scope="module")

@@ -114,8 +114,8 @@ def test_dtype_and_device_helpers() -> None:
     assert target_mod.pick_device("cpu") == "cpu"
 
 
-def test_auto_and_fast_dtypes_are_bf16_only_where_the_cpu_has_bf16_kernels() -> None:
-    """On an AVX2-only CPU oneDNN has no bf16 kernels (bf16 is emulated, ~70x slower): auto and fast must mean fp32
+def test_the_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_kernels() -> None:
+    """On an AVX2-only CPU oneDNN has no bf16 kernels (bf16 is emulated, far slower): auto must mean fp32
     there; with the kernels, bf16 (the runner is bit-exact across row counts there, tests/test_batch_invariance.py)."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
@@ -123,7 +123,9 @@ def test_auto_and_fast_dtypes_are_bf16_only_where_the_cpu_has_bf16_kernels() -> 
     except RuntimeError:
         kernels = False
     assert target_mod.native_bf16("cpu") == kernels
-    assert torch_dtype("fast", "cpu") == torch_dtype("auto", "cpu") == (torch.bfloat16 if kernels else torch.float32)
+    assert torch_dtype("auto", "cpu") == (torch.bfloat16 if kernels else torch.float32)
+    with pytest.raises(ValueError, match="unknown dtype 'fast'; use auto, float32"):
+        torch_dtype("fast", "cpu")
 
 
 def test_corrupt_safetensors(tiny_llama_dir, tmp_path: Path) -> None:

@@ -220,8 +220,8 @@ def test_all_checkpoints_corrupt_or_other_settings_are_clear_errors(target, data
 
 
 def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(target, data, tmp_path, monkeypatch):
-    """Not "corrupt" with advice to delete good checkpoints; betas count, and checkpoints written before they were
-    fingerprinted still resume."""
+    """Not "corrupt" with advice to delete good checkpoints; betas count, and a fingerprint lacking a setting is
+    another setting; with the fingerprint it was written with, the checkpoint resumes."""
     cfg = config(tmp_path, target, data, max_steps=4)
     with monkeypatch.context() as mp:
         kill_after(mp, 2)
@@ -241,7 +241,8 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
     assert {p: p.stat().st_mtime_ns for p in ck.rglob("*")} == before
 
     trainer_json = ck / "trainer.json"
-    meta = json.loads(trainer_json.read_text())
+    written = trainer_json.read_text()
+    meta = json.loads(written)
     head = {k: v for k, v in asdict(resized.head).items() if k != "draft"}  # the fingerprint leaves the shape out
     same_head = {**meta, "fingerprint": {**meta["fingerprint"], "head": json.loads(json.dumps(head))}}
     trainer_json.write_text(json.dumps(same_head))  # same settings, yet weights of another shape: other code
@@ -249,9 +250,12 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
         train(resized)
     assert "corrupt" not in str(e.value) and "Delete" not in str(e.value)
 
-    del meta["fingerprint"]["betas"]  # as written before betas were fingerprinted: still resumes
+    del meta["fingerprint"]["betas"]  # a fingerprint without betas: refused, not taken as today's
     trainer_json.write_text(json.dumps(meta))
     cfg.resume = True
+    with pytest.raises(ValueError, match=r"made with other settings \(betas: None then, \[0.9, 0.95\] now"):
+        train(cfg)
+    trainer_json.write_text(written)
     train(cfg)
     assert json.loads((tmp_path / "final" / "config.json").read_text())["recipe"]["steps"] == 4
 
@@ -402,14 +406,14 @@ def test_every_head_group_trains_through_the_trainer(kind, precision, target, da
 
 
 def test_auto_precision_is_bf16_only_where_the_device_runs_it_natively():
-    """train=quick and train=full say mixed_precision=auto: bf16 autocast on an AVX2-only CPU is ~70x slower."""
+    """train=quick and train=full say mixed_precision=auto: bf16 autocast on an AVX2-only CPU is far slower."""
     native = native_bf16("cuda" if torch.cuda.is_available() else "cpu")
     assert trainer_mod.resolve_precision("auto") == ("bf16" if native else "no")
     assert [trainer_mod.resolve_precision(p) for p in (None, "no", "bf16", "fp16")] == [None, "no", "bf16", "fp16"]
     with initialize_config_module("draftsmith.conf", version_base=None):
         for preset in ("quick", "full"):
             composed = compose("train", overrides=["out=x", f"train={preset}"])
-            assert composed.train.mixed_precision == "auto" and composed.target.dtype == "fast"
+            assert composed.train.mixed_precision == "auto" and composed.target.dtype == "auto"
 
 
 def test_a_misspelt_loss_option_is_refused_before_any_work(target, data, tmp_path):

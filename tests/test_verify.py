@@ -302,9 +302,9 @@ def test_sampling_is_lossless(kind, n, draft):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["chain", "tree"])
 def test_sampling_draws_on_the_generators_device(kind, device):
-    """Issue 15: the engine's generator lives on the model's device, and verification drew its uniforms on the
-    CPU from it: PyTorch refuses that for a CUDA generator, so every T > 0 draft failed on a GPU. Verifying on
-    the device with a generator there must work and stay lossless."""
+    """The engine's generator lives on the model's device, so verification draws its uniforms there: PyTorch
+    refuses a CPU draw from a CUDA generator, which would fail every T > 0 draft on a GPU. Verifying on the device
+    with a generator there must work and stay lossless."""
     check_lossless(first_two(kind, 6000, seed=4321, device=device))
 
 

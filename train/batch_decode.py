@@ -1,9 +1,9 @@
-"""draftsmith's own batched decoder for regeneration, the fallback when vLLM is missing: many conversations decode
-in lockstep on the engine's runner, reading the weights once per step for all rows (16 rows cost ~2 single-row
-steps on this CPU). Not HF's batched generate: it was slower side by side, and would hold a second copy of the
-target. Each row is prefilled alone as the engine does (a later turn only past the chat's KV so far); a batched
-step's logits differ from batch 1's by float rounding only, so greedy answers are the target's greedy answers up
-to near-ties.
+"""draftsmith's own batched decoder for regeneration, the fallback when vLLM is missing: many conversations decode in
+lockstep on the engine's runner, reading the weights once per step for all rows (a step of many rows costs little
+more than a single-row one: docs/benchmarks.md, Figures behind design choices). Not HF's batched generate: it was
+slower side by side, and would hold a second copy of the target. Each row is prefilled alone as the engine does (a
+later turn only past the chat's KV so far); a batched step's logits differ from batch 1's by float rounding only, so
+greedy answers are the target's greedy answers up to near-ties.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from draftsmith.heads.files import move_into_place
 
 PREFIX = "step-"
 DRAFTER = "drafter"
-LATER_KEYS = {"betas"}  # fingerprint keys added after checkpoints were first written: compared where recorded
 
 
 @dataclass
@@ -114,7 +113,7 @@ def load_latest(
             torch.cuda.set_rng_state(loaded["rng"]["cuda"])
         meta = loaded["meta"]
         log(f"resumed from {folder} at step {meta['step']}")
-        return State(meta["step"], meta["tokens"], meta.get("wandb_id"), loaded["tau"])
+        return State(meta["step"], meta["tokens"], meta["wandb_id"], loaded["tau"])
     if failures:
         raise ValueError(
             "no usable checkpoint: " + "; ".join(failures) + ". Delete them to start over, or restore a good copy"
@@ -131,8 +130,7 @@ def read(folder: Path, head: nn.Module, rank: int, fingerprint: dict) -> dict:
     """Everything a checkpoint holds, checked against the settings, then the head, before anything is applied."""
     meta = json.loads((folder / "trainer.json").read_text())
     check_fingerprint(folder, meta["fingerprint"], fingerprint)  # first: another head size is a settings change
-    weights = folder / DRAFTER / "model.safetensors"
-    state = load_file(str(weights if weights.is_file() else folder / "head.safetensors"))  # older: head.safetensors
+    state = load_file(str(folder / DRAFTER / "model.safetensors"))
     expected = own_shapes(head)
     if state.keys() != expected.keys():
         misfit(folder, f"weights {sorted(state.keys() ^ expected.keys())[:3]} do not match the head's")
@@ -145,8 +143,6 @@ def read(folder: Path, head: nn.Module, rank: int, fingerprint: dict) -> dict:
 
 
 def measured_tau(drafter: Path) -> float | None:
-    if not (drafter / "config.json").is_file():  # older checkpoints: head.safetensors only
-        return None
     return json.loads((drafter / "config.json").read_text())["recipe"]["acceptance"].get("mean_acceptance_length")
 
 
@@ -168,8 +164,7 @@ def own_shapes(head: nn.Module) -> dict[str, torch.Size]:
 
 
 def check_fingerprint(folder: Path, saved: dict, current: dict) -> None:
-    keys = (saved.keys() | current.keys()) - (LATER_KEYS - saved.keys())  # older checkpoints lack LATER_KEYS
-    diff = sorted(k for k in keys if saved.get(k) != current.get(k))
+    diff = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in diff)
         raise Refusal(

@@ -75,8 +75,8 @@ class DataConfig:
 
 
 def data_key(cfg: DataConfig) -> dict:
-    """The settings that decide the examples (feature cache keys, resume fingerprints). The distill block
-    counts only when self_distill is on, so keys made before self-distillation existed still match."""
+    """The settings that decide the examples (feature cache keys, resume fingerprints). self_distill: the distill
+    settings that decide the answers when it is on; null when off, as the others cannot change the examples."""
     key = asdict(cfg)
     distill, on = key.pop("distill"), key.pop("self_distill")
-    return {**key, "self_distill": {k: distill[k] for k in ANSWER_FIELDS}} if on else key
+    return {**key, "self_distill": {k: distill[k] for k in ANSWER_FIELDS} if on else None}

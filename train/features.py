@@ -68,7 +68,7 @@ def cache_key(
     computed_in: str,
     answers: str | None = None,
 ) -> dict:
-    """computed_in: the dtype the target ran in (bf16 features are ~1.7x faster to make on this CPU and round
+    """computed_in: the dtype the target ran in (bf16 features are faster to make where bf16 is native and round
     differently from fp32 ones); dtype: the dtype they are stored in; answers: a digest of the regenerated answers
     (self-distillation), so features of other answers are never reused for them."""
     key = {

@@ -37,7 +37,7 @@ class HeadConfig:
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
-    draft_vocab_size: int | None = None  # eagle3
+    draft_vocab_size: int | None = None  # eagle3, peagle, dflash (null = heads/eagle3.py DRAFT_VOCAB, capped)
     target_layers: list[int] | None = None  # eagle3: target layers fused by fc (null = 2, L/2, L-3)
     init: str | None = None  # draft_model: target | scratch
     args: dict[str, Any] = field(default_factory=dict)
@@ -48,6 +48,10 @@ class HeadConfig:
 
     def kwargs(self) -> dict[str, Any]:
         return {**self.args, **{k: getattr(self, k) for k in SIZE_FIELDS if getattr(self, k) is not None}}
+
+    def loss_options(self) -> dict[str, Any]:
+        """What the loss is called with: `loss` less its null keys (null = the loss function's default)."""
+        return {k: v for k, v in self.loss.items() if v is not None}
 
 
 def trained_kind(kind: str) -> Kind:

@@ -73,7 +73,7 @@ def setup(cfg: RunConfig) -> Loop:
         raise ValueError(f"{out} already holds checkpoints: pass resume=true to continue, or pick another out")
     set_seed(tc.seed)
     loss_fn = loss_for(cfg.head.kind)
-    check_loss_options(loss_fn, dict(cfg.head.loss), cfg.head.kind)  # before any data or features are made
+    check_loss_options(loss_fn, cfg.head.loss_options(), cfg.head.kind)  # before any data or features are made
     target = load_for_accelerator(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
     layers = trained_kind(cfg.head.kind).target_layers(head_cfg)
@@ -88,7 +88,7 @@ def setup(cfg: RunConfig) -> Loop:
     if acc.distributed_type == DistributedType.DEEPSPEED:
         keep_borrowed_out(head)
         fill_deepspeed_config(acc.state.deepspeed_plugin.deepspeed_config, tc)
-    model = LossModule(head, loss_fn, dict(cfg.head.loss))
+    model = LossModule(head, loss_fn, cfg.head.loss_options())
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc, plan.total_steps))
@@ -204,11 +204,9 @@ def make_hook(cfg: RunConfig, target: LoadedTarget, head_cfg, say):
 
 def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples: int, zero: int | None = None) -> dict:
     """What must not change between a checkpoint and its resume (it fixes the data order and schedule; under
-    DeepSpeed the ZeRO stage fixes how the optimizer state was saved). The key is added only under DeepSpeed, so
-    earlier checkpoints keep their fingerprint; head.draft (what the drafter is recorded for) is left out."""
+    DeepSpeed the ZeRO stage fixes how the optimizer state was saved, None without it); head.draft (what the
+    drafter is recorded for) is left out."""
     tc = cfg.train
-    optional = {} if zero is None else {"deepspeed_zero_stage": zero}  # keys set only where they apply, so
-    optional |= {} if tc.loss_on == "answers" else {"loss_on": tc.loss_on}  # earlier checkpoints keep theirs
     head = {k: v for k, v in asdict(cfg.head).items() if k != "draft"}
     return json.loads(
         json.dumps(
@@ -221,7 +219,8 @@ def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples:
                 "processes": world,
                 **{k: getattr(tc, k) for k in ("epochs", "max_steps", "batch_size", "grad_accum", "seed")},
                 **{k: getattr(tc, k) for k in ("lr", "betas", "warmup_steps", "min_lr_ratio", "weight_decay")},
-                **optional,
+                "loss_on": tc.loss_on,
+                "deepspeed_zero_stage": zero,
             }
         )
     )

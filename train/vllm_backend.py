@@ -26,7 +26,7 @@ from draftsmith.serve.models.target import DEFAULT_CACHE, cache_root
 WORKER = Path(__file__).with_name("vllm_worker.py")
 VENV_PYTHON = Path("vllm-venv") / "bin" / "python"
 EXCEPTION = re.compile(r"\b\w+(Error|Exception): ")
-START_TIMEOUT_S = 1800  # a vLLM that has not started in half an hour is hung (it took 60-100 s on a 2-core CPU)
+START_TIMEOUT_S = 1800  # a vLLM that has not started in half an hour is hung (a start takes a small part of it)
 INSTALL_HINT = (
     "install it with `bash scripts/setup.sh` (a venv at ~/.cache/draftsmith/vllm-venv), or set data.distill.vllm_python"
 )

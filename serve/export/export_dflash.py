@@ -1,4 +1,4 @@
-"""DFlash export (issue 17): vLLM's native `dflash` layout, and its validator.
+"""DFlash export: vLLM's native `dflash` layout, and its validator.
 
 Checked against vLLM 0.32's loader, not memory (model_executor/models/qwen3_dflash.py, config/speculative.py,
 transformers_utils/configs/eagle.py, v1/worker/gpu/spec_decode/eagle/eagle3_utils.py):

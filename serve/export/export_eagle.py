@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.drafter import frequent_ids, own_state
+from draftsmith.heads.eagle3 import DRAFT_VOCAB
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
@@ -53,11 +54,12 @@ def eagle_sglang(src: Source) -> Export:
 
 
 def token_map(src: Source) -> Tensor | None:
-    """The ids an SGLang EAGLE export's token map keeps: the training answers' most frequent quarter."""
+    """The ids an SGLang EAGLE export's token map keeps: the training answers' most frequent quarter, at least the
+    default draft vocabulary."""
     if src.token_counts is None:
         return None
     v = src.head.config.vocab_size
-    return frequent_ids(src.token_counts, min(v, max(8192, v // 4)))
+    return frequent_ids(src.token_counts, min(v, max(DRAFT_VOCAB, v // 4)))
 
 
 def eagle_shapes(src: Source, config: dict, fc_bias: bool = False) -> Shapes:

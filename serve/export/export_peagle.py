@@ -1,4 +1,4 @@
-"""P-EAGLE export (issue 17): the speculators `peagle` checkpoint, which vLLM loads as eagle3 with
+"""P-EAGLE export: the speculators `peagle` checkpoint, which vLLM loads as eagle3 with
 `parallel_drafting: true` (transformers_utils/configs/speculators/algos.py: update_peagle maps mask_token_id to
 `pard_token`; models/llama_eagle3.py loads `mask_hidden` into a buffer and runs it through fc for every mask
 slot), its validator's pieces, and the Format that puts them together (PEAGLE_VLLM).

@@ -42,9 +42,9 @@ class TargetConfig:
     path: str | None = None  # a local HF folder, used as is
     gguf: str | None = None  # a GGUF file, converted once into cache_dir
     cache_dir: str | None = None  # null: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith (see cache_root)
-    dtype: str = "auto"  # auto | fast | float32 | bfloat16 | float16 (auto, and its older name fast: bfloat16 where
-    # the device computes it natively, else float32; on CPU the bf16 runner is bit-exact across row counts, so
-    # speculative output still equals plain output token for token)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 where the device computes it natively,
+    # else float32; on CPU the bf16 runner is bit-exact across row counts, so speculative output still equals plain
+    # output token for token)
     device: str = "auto"  # auto: cuda if available, else cpu
 
 
@@ -133,18 +133,18 @@ def pick_device(name: str = "auto") -> str:
 
 def native_bf16(device: str) -> bool:
     """Does the device run bf16 matmuls natively? CUDA with bf16 support, or a CPU whose oneDNN has bf16 kernels
-    (AVX512-BF16, AMX, AVX-NE-CONVERT). Elsewhere bf16 is emulated: on an AVX2-only AMD EPYC a bf16 matmul ran
-    ~70x slower than the same fp32 one (1.8 vs 130 GFLOP/s, 2 threads)."""
+    (AVX512-BF16, AMX, AVX-NE-CONVERT). Elsewhere bf16 is emulated and far slower than fp32
+    (docs/benchmarks.md, Figures behind design choices)."""
     if str(device).startswith("cuda"):
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return can_pack(torch.empty(0, dtype=torch.bfloat16))  # the one place that asks oneDNN
 
 
 def torch_dtype(name: str, device: str) -> torch.dtype:
-    if name in ("auto", "fast"):
+    if name == "auto":
         return torch.bfloat16 if native_bf16(device) else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; use auto, fast, {', '.join(DTYPES)}")
+        raise ValueError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
     if name == "float16" and device == "cpu" and not can_pack(torch.empty(0, dtype=torch.float16)):
         warnings.warn(
             "float16 on this CPU has no oneDNN kernels: its linears are neither fast nor row-invariant, so greedy "
