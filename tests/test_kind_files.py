@@ -66,7 +66,7 @@ def test_a_kind_with_pieces_elsewhere_is_named():
         loss="draftsmith.train.losses:weighted_mean",
         proposer="draftsmith.serve.proposers.propose_eagle:eagle_proposer",
         formats={"vllm": "draftsmith.serve.export.export_medusa:MEDUSA_VLLM"},
-        draft_shape=DraftShape(num_tokens=1),
+        draft_shape=DraftShape(num_tokens=1, topk=1, total_tokens=0),
     )
     found = misplaced(stray)
     assert [line.split(" ")[1] for line in found] == ["loss", "proposer", "format", "no", "no"]
