@@ -46,9 +46,10 @@ def check_drafters(cfg: DictConfig) -> None:
 
 
 def spec_label(spec: SpecConfig) -> str:
-    """spec.name, with the lookup it pairs (serve/proposers/hybrid.py: the proposer's name, e.g. eagle3+suffix)."""
+    """spec.name, with the lookup it pairs (serve/proposers/hybrid.py: the proposer's name, e.g. eagle3_suffix,
+    as conf/methods names it)."""
     lookup = paired_lookup(spec)
-    return f"{spec.name}+{lookup}" if lookup else spec.name
+    return f"{spec.name}_{lookup}" if lookup else spec.name
 
 
 HEAD_BYTES = 1 << 20  # of each weight file: its header and first tensors change when it is retrained

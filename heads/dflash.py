@@ -87,13 +87,13 @@ def check_layers(layers: tuple[int, ...], num_layers: int, what: str) -> None:
 
 
 class DFlashHead(DraftVocabHead):
-    def __init__(self, cfg: DFlashConfig, target: Transformer | None = None) -> None:
+    def __init__(self, cfg: DFlashConfig, model: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        if target is not None:
-            check_layers(cfg.target_layers, target.config.num_hidden_layers, "the target")
-        self.embed_tokens, self.target_lm_head = borrow(target, cfg)
+        if model is not None:
+            check_layers(cfg.target_layers, model.config.num_hidden_layers, "the target")
+        self.embed_tokens, self.target_lm_head = borrow(model, cfg)
         self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer_config()) for _ in range(cfg.num_layers))
@@ -101,9 +101,9 @@ class DFlashHead(DraftVocabHead):
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False).requires_grad_(False)  # target rows, frozen
         self.vocab_buffers()
         self.rope_cache(cfg.max_position_embeddings)
-        if target is not None:
+        if model is not None:
             with torch.no_grad():
-                self.norm.weight.copy_(target.model.norm.weight)
+                self.norm.weight.copy_(model.model.norm.weight)
             self.copy_target_rows()
 
     def target_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:

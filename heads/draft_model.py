@@ -34,38 +34,38 @@ class DraftModelConfig:
         if min(self.num_layers, self.hidden_size, self.intermediate_size) < 0:
             raise ValueError(f"draft_model sizes must be >= 0 (0 = the target's), got {self}")
 
-    def resolve(self, target: ModelConfig) -> ModelConfig:
+    def resolve(self, target_config: ModelConfig) -> ModelConfig:
         """The target's config (vocab, rope, eps, ties) with this config's sizes."""
-        hidden = self.hidden_size or target.hidden_size
-        heads = self.num_attention_heads or target.num_attention_heads
-        same_shape = hidden == target.hidden_size and heads == target.num_attention_heads
+        hidden = self.hidden_size or target_config.hidden_size
+        heads = self.num_attention_heads or target_config.num_attention_heads
+        same_shape = hidden == target_config.hidden_size and heads == target_config.num_attention_heads
         return replace(
-            target,
-            num_hidden_layers=self.num_layers or target.num_hidden_layers,
+            target_config,
+            num_hidden_layers=self.num_layers or target_config.num_hidden_layers,
             hidden_size=hidden,
-            intermediate_size=self.intermediate_size or target.intermediate_size,
+            intermediate_size=self.intermediate_size or target_config.intermediate_size,
             num_attention_heads=heads,
-            num_key_value_heads=self.num_key_value_heads or target.num_key_value_heads,
-            head_dim=target.head_dim if same_shape else hidden // heads,
+            num_key_value_heads=self.num_key_value_heads or target_config.num_key_value_heads,
+            head_dim=target_config.head_dim if same_shape else hidden // heads,
         )
 
 
 class DraftModel(Transformer):
-    def __init__(self, cfg: DraftModelConfig, target: Transformer | None = None) -> None:
+    def __init__(self, cfg: DraftModelConfig, model: Transformer | None = None) -> None:
         if cfg.model is None:
-            if target is None:
+            if model is None:
                 raise ValueError("a new draft_model needs the target (its config fills in the sizes)")
-            cfg.model = asdict(cfg.resolve(target.config))
+            cfg.model = asdict(cfg.resolve(model.config))
         super().__init__(ModelConfig(**cfg.model))
         self.draft_config = cfg
         # a tied lm_head is the embedding: saved once, under model.embed_tokens
         self.shared_prefixes = ("lm_head.",) if self.config.tie_word_embeddings else ()
-        if target is not None:
+        if model is not None:
             # the target's lm_head, for the distillation loss: held outside the module tree, so it is not
             # saved, trained, cast by .to() on the head, nor broadcast by DDP; it follows the target instead
-            object.__setattr__(self, "target_lm_head", target.lm_head)
+            object.__setattr__(self, "target_lm_head", model.lm_head)
             if cfg.init == "target":
-                init_from_target(self, target)
+                init_from_target(self, model)
             else:
                 init_scratch(self)
         self.vocab_ids: torch.Tensor | None = None  # target id of each logit, once restricted
@@ -84,21 +84,21 @@ def init_layers(num_layers: int, num_target_layers: int) -> list[int]:
 
 
 @torch.no_grad()
-def init_from_target(draft: Transformer, target: Transformer) -> None:
+def init_from_target(draft: Transformer, model: Transformer) -> None:
     """Copy what fits: embedding, final norm and lm_head when the hidden size matches; the layers too when
     every layer dimension matches. The rest keeps a from-scratch init."""
-    d, t = draft.config, target.config
+    d, t = draft.config, model.config
     init_scratch(draft)
     if d.hidden_size != t.hidden_size:
         return
-    draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-    draft.model.norm.weight.copy_(target.model.norm.weight)
+    draft.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    draft.model.norm.weight.copy_(model.model.norm.weight)
     if not d.tie_word_embeddings:
-        draft.lm_head.weight.copy_(target.lm_head.weight)
+        draft.lm_head.weight.copy_(model.lm_head.weight)
     dims = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
     if all(getattr(d, k) == getattr(t, k) for k in dims):
         for mine, i in zip(draft.model.layers, init_layers(d.num_hidden_layers, t.num_hidden_layers), strict=True):
-            mine.load_state_dict(target.model.layers[i].state_dict())
+            mine.load_state_dict(model.model.layers[i].state_dict())
 
 
 def init_scratch(model: Transformer, std: float = 0.02) -> None:
@@ -111,7 +111,6 @@ def init_scratch(model: Transformer, std: float = 0.02) -> None:
 
 KIND = Kind(
     name="draft_model",
-    spec="draft",
     config=DraftModelConfig,
     module=DraftModel,
     loss="draftsmith.train.loss_draft_model:draft_model_loss",

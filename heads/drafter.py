@@ -50,7 +50,7 @@ def save_drafter(
     head: nn.Module,
     config,
     kind: str,
-    target: TargetInfo,
+    info: TargetInfo,
     recipe: Recipe,
     out: Path,
     token_counts: torch.Tensor | None = None,
@@ -67,15 +67,15 @@ def save_drafter(
         meta = {
             "format_version": FORMAT_VERSION,
             "kind": kind,
-            "target": asdict(target),
+            "target": asdict(info),
             "config": asdict(config),
             "recipe": asdict(recipe),
             "draft": asdict(shape),
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
         state = {k: v.detach().contiguous().cpu() for k, v in (weights or own_state(head)).items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"kind": kind, "target": target.id})
-        (tmp / "README.md").write_text(drafter_card(kind, target, config, recipe, shape))
+        save_file(state, str(tmp / "model.safetensors"), metadata={"kind": kind, "target": info.id})
+        (tmp / "README.md").write_text(drafter_card(kind, info, config, recipe, shape))
         if token_counts is not None:
             save_file({"counts": token_counts.detach().long().cpu().contiguous()}, str(tmp / TOKEN_COUNTS))
         move_into_place(tmp, out)
@@ -116,22 +116,22 @@ def not_a_drafter(folder: Path, config: object) -> str:
     return (
         f"{folder} is no draftsmith drafter folder ({what} names no draftsmith kind): pass the draftsmith drafter "
         "folder it was exported from (of exports, only EAGLE-3 layouts run, with spec=eagle3, and format=hf draft "
-        "models, with spec=draft)"
+        "models, with spec=draft_model)"
     )
 
 
-def check_target(meta: dict, target: TargetInfo, folder: Path) -> None:
+def check_target(meta: dict, info: TargetInfo, folder: Path) -> None:
     """Refuse a drafter trained for another target, naming both."""
     saved = meta["target"]
     for key in ("hidden_size", "vocab_size"):
-        if saved[key] != getattr(target, key):
+        if saved[key] != getattr(info, key):
             raise ValueError(
                 f"drafter {folder} was made for target {saved['id']} with {key}={saved[key]}, but the target "
-                f"{target.id} has {key}={getattr(target, key)}: train a drafter for this target"
+                f"{info.id} has {key}={getattr(info, key)}: train a drafter for this target"
             )
-    if config_hash(saved["id"]) != config_hash(target.id):
+    if config_hash(saved["id"]) != config_hash(info.id):
         raise ValueError(
-            f"drafter {folder} was made for target {saved['id']}, not {target.id} (their config.json differ): "
+            f"drafter {folder} was made for target {saved['id']}, not {info.id} (their config.json differ): "
             "train a drafter for this target"
         )
 
@@ -142,12 +142,12 @@ def config_hash(target_id: str) -> str:
     return target_id.rsplit("@", 1)[-1]
 
 
-def load_drafter(folder: Path, target: TargetInfo, *shared, device="cpu", dtype=torch.float32) -> nn.Module:
+def load_drafter(folder: Path, info: TargetInfo, *shared, device="cpu", dtype=torch.float32) -> nn.Module:
     """Build the module of the folder's kind and load its weights. `shared`: target pieces the kind
     borrows (passed to its constructor after the config), e.g. the target model for EAGLE's lm_head."""
     folder = Path(folder)
     meta = read_meta(folder)
-    check_target(meta, target, folder)
+    check_target(meta, info, folder)
     kind = get(meta["kind"])
     head = kind.module(kind.config(**meta["config"]), *shared)
     weights = folder / "model.safetensors"
@@ -217,7 +217,7 @@ def cast_own(head: nn.Module, dtype: torch.dtype) -> nn.Module:
     return head
 
 
-def drafter_card(kind: str, target: TargetInfo, config, recipe: Recipe, shape: DraftShape) -> str:
+def drafter_card(kind: str, info: TargetInfo, config, recipe: Recipe, shape: DraftShape) -> str:
     acc = recipe.acceptance
     measured = (
         f"Measured: mean acceptance length {acc['mean_acceptance_length']:.2f}"
@@ -229,12 +229,12 @@ def drafter_card(kind: str, target: TargetInfo, config, recipe: Recipe, shape: D
     sizes = ", ".join(f"{k}={v}" for k, v in asdict(config).items())
     return (
         f"# draftsmith {kind} drafter\n\n"
-        f"- target: `{target.id}` (hidden {target.hidden_size}, vocab {target.vocab_size}, "
-        f"{target.num_layers} layers)\n"
+        f"- target: `{info.id}` (hidden {info.hidden_size}, vocab {info.vocab_size}, "
+        f"{info.num_layers} layers)\n"
         f"- drafter: {kind} ({sizes})\n"
         f"- recipe: data {recipe.data or 'n/a'}, {recipe.steps} steps, {recipe.tokens} tokens {recipe.extra or ''}\n\n"
         f"{measured}\n\n"
-        f"Use: `draftsmith-eval spec={get(kind).spec} spec.drafter=THIS_FOLDER ...`. It drafts {shape_text(shape)} "
+        f"Use: `draftsmith-eval spec={get(kind).name} spec.drafter=THIS_FOLDER ...`. It drafts {shape_text(shape)} "
         "(the shape it was made for) unless the spec sets its own (spec.num_tokens=K, ...).\n"
     )
 

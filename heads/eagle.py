@@ -27,10 +27,10 @@ class EagleHead(HeadBase):
     shared_prefixes = ("embed_tokens.", "lm_head.")
     target_layers: tuple[int, ...] = ()  # EAGLE-1 reads the target's final hidden states (ForwardOut.hidden)
 
-    def __init__(self, cfg: EagleConfig, target: Transformer | None = None) -> None:
+    def __init__(self, cfg: EagleConfig, model: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens, self.lm_head = borrow(target, cfg)
+        self.embed_tokens, self.lm_head = borrow(model, cfg)
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(cfg.layer_config(), input_norm=False)])
         self.rope_cache(cfg.max_position_embeddings)

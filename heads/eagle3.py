@@ -76,11 +76,11 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(DraftVocabHead):
-    def __init__(self, cfg: Eagle3Config, target: Transformer | None = None) -> None:
+    def __init__(self, cfg: Eagle3Config, model: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.embed_tokens, self.target_lm_head = borrow(target, cfg)  # target_lm_head: the loss's soft targets
+        self.embed_tokens, self.target_lm_head = borrow(model, cfg)  # target_lm_head: the loss's soft targets
         if cfg.norm_before_fc:
             self.input_norm = RMSNorm(len(cfg.target_layers) * h, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
@@ -89,9 +89,9 @@ class Eagle3Head(DraftVocabHead):
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.vocab_buffers()
         self.rope_cache(cfg.max_position_embeddings)
-        if target is not None and cfg.init == "target":
+        if model is not None and cfg.init == "target":
             with torch.no_grad():
-                self.norm.weight.copy_(target.model.norm.weight)
+                self.norm.weight.copy_(model.model.norm.weight)
 
     @property
     def copies_target_rows(self) -> bool:

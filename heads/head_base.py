@@ -36,15 +36,15 @@ class EagleConfig:
         sizes = {k: v for k, v in asdict(self).items() if k in ModelConfig.__dataclass_fields__}
         return ModelConfig(model_type="llama", num_hidden_layers=1, **sizes)
 
-def borrow(target: Transformer | None, cfg: EagleConfig) -> tuple[nn.Embedding, nn.Linear]:
+def borrow(model: Transformer | None, cfg: EagleConfig) -> tuple[nn.Embedding, nn.Linear]:
     """The target's embedding and lm_head (frozen), or frozen placeholders of their shape."""
-    if target is not None:
-        if (target.config.vocab_size, target.config.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
+    if model is not None:
+        if (model.config.vocab_size, model.config.hidden_size) != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(
-                f"target has vocab {target.config.vocab_size} / hidden {target.config.hidden_size}, "
+                f"target has vocab {model.config.vocab_size} / hidden {model.config.hidden_size}, "
                 f"the head was made for vocab {cfg.vocab_size} / hidden {cfg.hidden_size}"
             )
-        embed, lm_head = target.model.embed_tokens, target.lm_head
+        embed, lm_head = model.model.embed_tokens, model.lm_head
     else:
         embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -35,10 +35,10 @@ class DraftShape:
 @dataclass(frozen=True, kw_only=True)
 class Kind:
     """What the code asks of a drafter kind. A trained kind has a config, a module and a loss; a training-free one
-    (n-gram lookup, layerskip) only a proposer. Register one with register(Kind(...)) in the kind's own file."""
+    (n-gram lookup, layerskip) only a proposer. The built-in kinds are listed in
+    heads/registry.py; one from outside the package calls register(Kind(...)) when its module is imported."""
 
-    name: str  # the drafter folder's "kind", head.kind in training
-    spec: str = ""  # spec=NAME in generate and eval ("" = the name)
+    name: str  # the drafter folder's "kind", head=NAME in training, spec=NAME in generate and eval
     config: type | None = None  # the config dataclass, saved in the folder's config.json (None: training-free)
     module: type[nn.Module] | None = None  # built as module(config, target model); loaded the same way
     features: tuple[str, ...] = ("hidden",)  # what training reads from the target: hidden (last layer, normed),
@@ -55,8 +55,6 @@ class Kind:
     parameters: int | None = None  # training-free kinds: parameters an eval reports (0: a lookup; None: not counted)
 
     def __post_init__(self) -> None:
-        if not self.spec:
-            object.__setattr__(self, "spec", self.name)
         shape = self.draft_shape
         if None in (shape.num_tokens, shape.topk, shape.total_tokens):
             raise ValueError(f"kind {self.name}: its draft_shape must set num_tokens, topk and total_tokens")
@@ -103,9 +101,6 @@ def register(kind: Kind) -> Kind:
     old = KINDS.get(kind.name)
     if old is not None and old != kind:
         raise ValueError(f"drafter kind {kind.name!r} is registered twice, differently")
-    clash = [k.name for k in KINDS.values() if k.spec == kind.spec and k.name != kind.name]
-    if clash:
-        raise ValueError(f"kind {kind.name!r} takes spec={kind.spec}, which kind {clash[0]!r} has")
     KINDS[kind.name] = kind
     return kind
 
@@ -122,12 +117,12 @@ def trained() -> list[Kind]:
 
 def specs() -> tuple[str, ...]:
     """What spec= takes: plain decoding (ar) and every kind the engine can draft with."""
-    return ("ar", *(k.spec for k in KINDS.values() if k.proposer))
+    return ("ar", *(k.name for k in KINDS.values() if k.proposer))
 
 
 def by_spec(spec: str) -> Kind:
     for k in KINDS.values():
-        if k.spec == spec and k.proposer:
+        if k.name == spec and k.proposer:
             return k
     raise ValueError(f"unknown spec {spec!r}; choose one of {', '.join(specs())}")
 

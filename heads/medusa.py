@@ -59,19 +59,19 @@ class ResBlocks(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, cfg: MedusaConfig, target: Transformer | None = None) -> None:
+    def __init__(self, cfg: MedusaConfig, model: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
         h, v = cfg.hidden_size, cfg.vocab_size
         self.blocks = nn.ModuleList(ResBlocks(h, cfg.num_layers) for _ in range(cfg.num_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(h, v, bias=False) for _ in range(cfg.num_heads))
         self.vocab_ids: Tensor | None = None  # target id of each logit, once restricted
-        if target is not None:
-            self.init_from(target)
+        if model is not None:
+            self.init_from(model)
 
     @torch.no_grad()
-    def init_from(self, target: Transformer) -> None:
-        w = target.lm_head.weight
+    def init_from(self, model: Transformer) -> None:
+        w = model.lm_head.weight
         if tuple(w.shape) != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(
                 f"medusa config (vocab {self.config.vocab_size}, hidden {self.config.hidden_size}) does not fit "

@@ -54,8 +54,8 @@ class PEagleConfig(Eagle3Config):
 
 
 class PEagleHead(Eagle3Head):
-    def __init__(self, cfg: PEagleConfig, target: Transformer | None = None) -> None:
-        super().__init__(cfg, target)
+    def __init__(self, cfg: PEagleConfig, model: Transformer | None = None) -> None:
+        super().__init__(cfg, model)
         first = self.midlayer  # EAGLE-3's layer becomes layers[0], the name speculators and vLLM give it
         del self.midlayer
         rest = [DecoderLayer(cfg.layer_config()) for _ in range(cfg.num_layers - 1)]

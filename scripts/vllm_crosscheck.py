@@ -191,7 +191,7 @@ def chain_spec(kind: str, drafter: Path, k: int):
     from draftsmith.serve.spec import SpecConfig
 
     chain = [[0] * d for d in range(1, k + 1)]
-    return SpecConfig(get(kind).spec, k, drafter=str(drafter), tree=TreeConfig(1, 0), choices=chain)
+    return SpecConfig(get(kind).name, k, drafter=str(drafter), tree=TreeConfig(1, 0), choices=chain)
 
 
 def vllm_format(kind: str, name: str | None = None) -> tuple[str, str, dict]:

@@ -23,14 +23,14 @@ def target_info(target: LoadedTarget) -> TargetInfo:
     return TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
 
 
-def draft_dtype(spec: SpecConfig, target: Transformer) -> torch.dtype:
+def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
     """auto: bf16 for an fp32 target on a CPU with bf16 kernels (a draft step costs ~half; drafts are only
     proposals, the fp32 target still decides every token), else the target's dtype."""
     if spec.draft_dtype != "auto":
-        return torch_dtype(spec.draft_dtype, str(target.device))
-    if target.dtype == torch.float32 and can_pack(target.lm_head.weight.new_empty(0, dtype=torch.bfloat16)):
+        return torch_dtype(spec.draft_dtype, str(model.device))
+    if model.dtype == torch.float32 and can_pack(model.lm_head.weight.new_empty(0, dtype=torch.bfloat16)):
         return torch.bfloat16
-    return target.dtype
+    return model.dtype
 
 
 def load_draft_lm(
@@ -41,7 +41,7 @@ def load_draft_lm(
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
     if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/export/foreign.py)
-        return load_trained(folder, target, "draft", dtype=dtype, draft_vocab=draft_vocab)
+        return load_trained(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)
     archs = hf.get("architectures") or []
     if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export
         raise ValueError(not_a_drafter(folder, hf))
@@ -83,7 +83,7 @@ def load_trained(
         read_foreign(folder, fmt)  # a speculators type other than eagle3 is refused as such, whatever the spec
     found = FOREIGN_KIND if fmt else read_meta(folder)["kind"]
     if found != kind:
-        what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).spec}" if fmt else f"a {found} drafter"
+        what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).name}" if fmt else f"a {found} drafter"
         raise ValueError(f"spec.drafter={folder} is {what}; spec={spec_name} needs a {kind} drafter")
     m = target.model
     if fmt:  # no draftsmith target id: checked against the target by what the folder records

@@ -77,12 +77,12 @@ class SpecConfig:
 
 def needs_drafter(name: str) -> str:
     """What spec.drafter must be for spec=name; "" when that spec takes none."""
-    return next((k.drafter_help() for k in KINDS.values() if k.spec == name and k.proposer), "")
+    return next((k.drafter_help() for k in KINDS.values() if k.name == name and k.proposer), "")
 
 
 def vocab_specs() -> list[str]:
     """Specs whose drafter can narrow its logits at serve time (its module has restrict_vocab)."""
-    return [k.spec for k in KINDS.values() if k.proposer and hasattr(k.module, "restrict_vocab")]
+    return [k.name for k in KINDS.values() if k.proposer and hasattr(k.module, "restrict_vocab")]
 
 
 def draft_vocab_refusal(name: str) -> str:

@@ -20,7 +20,7 @@ def test_drafter_with_another_vocab_size_is_refused(tiny, tmp_path):
     target = load_target(TargetConfig(path=str(tiny)))
     other = build_tiny(tmp_path / "d", "llama", vocab_size=1000)
     with pytest.raises(ValueError, match=r"vocab_size 1000 but target .*49152"):
-        build_engine(target, SpecConfig("draft", drafter=str(other)), False, 256)
+        build_engine(target, SpecConfig("draft_model", drafter=str(other)), False, 256)
 
 
 def test_drafter_with_another_tokenizer_is_refused(tiny, smollm2_dir, tmp_path):
@@ -29,7 +29,7 @@ def test_drafter_with_another_tokenizer_is_refused(tiny, smollm2_dir, tmp_path):
     vocab = (other / "tokenizer.json").read_text().replace('"<|im_start|>"', '"<|im_begin|>"')
     (other / "tokenizer.json").write_text(vocab)
     with pytest.raises(ValueError, match="different tokenizer"):
-        build_engine(target, SpecConfig("draft", drafter=str(other)), False, 256)
+        build_engine(target, SpecConfig("draft_model", drafter=str(other)), False, 256)
 
 
 def test_drafter_without_tokenizer_or_folder_is_refused(tiny, tmp_path):
@@ -39,20 +39,20 @@ def test_drafter_without_tokenizer_or_folder_is_refused(tiny, tmp_path):
     for f in bare.glob("tokenizer*"):
         f.unlink()
     with pytest.raises(FileNotFoundError, match="no tokenizer"):
-        build_engine(target, SpecConfig("draft", drafter=str(bare)), False, 256)
+        build_engine(target, SpecConfig("draft_model", drafter=str(bare)), False, 256)
     with pytest.raises(FileNotFoundError, match="not a folder"):
-        build_engine(target, SpecConfig("draft", drafter=str(tmp_path / "nope")), False, 256)
+        build_engine(target, SpecConfig("draft_model", drafter=str(tmp_path / "nope")), False, 256)
 
 
 def test_matching_drafter_builds_and_eos_comes_from_config_and_tokenizer(tiny, smollm2_dir, tmp_path):
     target = load_target(TargetConfig(path=str(tiny)))
     draft = build_tiny_chat_target(tmp_path / "d", smollm2_dir, seed=2, num_hidden_layers=1)
-    engine = build_engine(target, SpecConfig("draft", 3, drafter=str(draft)), True, 256)
+    engine = build_engine(target, SpecConfig("draft_model", 3, drafter=str(draft)), True, 256)
     assert engine.proposer.model.config.num_hidden_layers == 1
     assert eos_ids(target) == (target.tokenizer.eos_token_id,)
 
 
-@pytest.mark.parametrize("spec", ["draft", "eagle3", "medusa"])
+@pytest.mark.parametrize("spec", ["draft_model", "eagle3", "medusa"])
 @pytest.mark.parametrize(
     "config,message",
     [

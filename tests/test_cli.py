@@ -163,7 +163,7 @@ def test_eval_needs_one_prompt_source(tmp_path):
         (["temperature=nan"], ValueError, "temperature must be >= 0"),
         (["max_new_tokens=0"], ValueError, "max_new_tokens must be > 0"),
         (["target.name=llama-9000", "target.path=null"], ValueError, "unknown target"),
-        (["spec=draft"], ValueError, "spec=draft needs spec.drafter=DIR"),
+        (["spec=draft_model"], ValueError, "spec=draft_model needs spec.drafter=DIR"),
         (["spec=ar", "spec.name=medusa9"], ValueError, "unknown spec 'medusa9'"),
     ],
 )

@@ -419,7 +419,7 @@ HYBRIDS = [("eagle3", 2, 6, "merge"), ("eagle", 1, 0, "merge"), ("eagle3", 2, 6,
 def test_hybrid_with_ngram_is_lossless_and_takes_lookup_paths(kind, topk, total, policy, target, plain, trained):
     drafter = EagleProposer(trained[kind], kind, 3, TreeConfig(topk, total))
     proposer = HybridProposer(drafter, NgramProposer(NgramConfig(5, 1, 3)), policy)
-    assert proposer.name == f"{kind}+ngram" and proposer.max_tree_size == drafter.max_tree_size + 5
+    assert proposer.name == f"{kind}_ngram" and proposer.max_tree_size == drafter.max_tree_size + 5
     own, lookup = [], []  # per step: the drafter's own node count (0: it did not draft); a lookup node accepted?
     propose, hybrid_propose, accept = drafter.propose, proposer.propose, proposer.accept
     drafter.propose = lambda tokens, sp, budget: own.append(len(t := propose(tokens, sp, budget))) or t
@@ -634,7 +634,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
         make_proposer(SpecConfig("eagle", drafter=str(folders["eagle"])), LoadedTarget(target, None, "other@1"))
     hybrid = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"]), ngram_tokens=4), loaded)
     assert isinstance(hybrid, HybridProposer) and hybrid.max_tree_size == 3 + 4
-    assert spec_label(SpecConfig("eagle", drafter="x", ngram_tokens=4)) == "eagle+ngram"
+    assert spec_label(SpecConfig("eagle", drafter="x", ngram_tokens=4)) == "eagle_ngram"
     counts = torch.arange(target.config.vocab_size) % 7
     head = make_head("eagle", target)
     counted = save_drafter(head, head.config, "eagle", tiny_info(target), Recipe(), tmp_path / "c", counts)
@@ -646,7 +646,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     with pytest.raises(ValueError, match="token_counts.safetensors is corrupt"):
         make_proposer(SpecConfig("eagle", 3, drafter=str(counted), draft_vocab=10), loaded)
     with pytest.raises(
-        ValueError, match="applies to spec=draft, eagle and medusa, not eagle3. an eagle3 head has its own"
+        ValueError, match="applies to spec=draft_model, eagle and medusa, not eagle3. an eagle3 head has its own"
     ):
         SpecConfig("eagle3", drafter="x", draft_vocab=8)
     with pytest.raises(ValueError, match="spec.draft_vocab must be >= 0"):

@@ -51,8 +51,8 @@ def misplaced(kind: Kind) -> list[str]:
     if kind.config is not None and not (CONF / "head" / f"{kind.name}.yaml").is_file():
         bad.append(f"{kind.name}: no conf/head/{kind.name}.yaml")
     for group in ("spec", "methods"):
-        if kind.proposer and not (CONF / group / f"{kind.spec}.yaml").is_file():
-            bad.append(f"{kind.name}: no conf/{group}/{kind.spec}.yaml")
+        if kind.proposer and not (CONF / group / f"{kind.name}.yaml").is_file():
+            bad.append(f"{kind.name}: no conf/{group}/{kind.name}.yaml")
     return bad
 
 

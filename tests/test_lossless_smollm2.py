@@ -54,7 +54,7 @@ def random_eagle3(target: LoadedTarget) -> Engine:
     return Engine(model, proposer, PrefixCache(), eos_ids=eos_ids(target), max_seq_len=1024, salt="random-eagle3")
 
 
-@pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip", "draft", "eagle3-random"])
+@pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip", "draft_model", "eagle3-random"])
 def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain, draft_dir):
     if spec == "eagle3-random":
         engine = random_eagle3(target)
@@ -63,7 +63,7 @@ def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain
             "ngram": SpecConfig("ngram", 5),
             "suffix": SpecConfig("suffix", 24),
             "layerskip": SpecConfig("layerskip", 2, layers=4),
-            "draft": SpecConfig("draft", 3, drafter=str(draft_dir)),
+            "draft_model": SpecConfig("draft_model", 3, drafter=str(draft_dir)),
         }[spec]
         engine = build_engine(target, cfg, prefix_cache=True, max_seq_len=1024)
     accepted = drafted = 0

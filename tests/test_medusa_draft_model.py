@@ -237,7 +237,7 @@ def loaded_target(target) -> LoadedTarget:
     return LoadedTarget(target, None, INFO.id)  # the draftsmith-folder paths never read the tokenizer
 
 
-@pytest.mark.parametrize("spec", ["medusa", "draft"])
+@pytest.mark.parametrize("spec", ["medusa", "draft_model"])
 def test_engine_greedy_is_lossless_from_saved_folders(spec, target, data, trained):
     kind = "medusa" if spec == "medusa" else "draft_model"
     proposer = make_proposer(SpecConfig(spec, 3, drafter=str(trained[kind][1])), loaded_target(target))
@@ -259,7 +259,7 @@ def test_engine_greedy_is_lossless_from_saved_folders(spec, target, data, traine
 def test_medusa_with_ngram_lookup_is_lossless(policy, target, data, trained):
     spec = SpecConfig("medusa", 3, drafter=str(trained["medusa"][1]), ngram_tokens=4, ngram_policy=policy)
     proposer = make_proposer(spec, loaded_target(target))
-    assert isinstance(proposer, HybridProposer) and proposer.name == "medusa+ngram"
+    assert isinstance(proposer, HybridProposer) and proposer.name == "medusa_ngram"
     prompts = [p + p for p in data[0][:2]] + [list(range(40, 49)) * 2]  # repeated: the lookup finds matches
     engine = Engine(target, proposer, prefix_cache=PrefixCache(block_size=4), max_seq_len=96)
     for p, ref in zip(prompts, plain_outputs(target, prompts, 24), strict=True):
@@ -267,7 +267,7 @@ def test_medusa_with_ngram_lookup_is_lossless(policy, target, data, trained):
     assert proposer.merged > 0
 
 
-@pytest.mark.parametrize("spec", ["medusa", "draft"])
+@pytest.mark.parametrize("spec", ["medusa", "draft_model"])
 def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data, trained, tmp_path, tiny_llama_dir):
     kind = "medusa" if spec == "medusa" else "draft_model"
     module, batch = trained[kind][0], data[1]
@@ -293,7 +293,7 @@ def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data
     assert accepted > 0 and torch.isin(torch.cat([t.tokens for t in drafted]), ids).all()
     with pytest.raises(FileNotFoundError, match="holds no token counts"):
         make_proposer(SpecConfig(spec, 3, drafter=str(trained[kind][1]), draft_vocab=16), loaded_target(target))
-    if spec == "draft":  # a plain HF draft LM has no training answers to count
+    if spec == "draft_model":  # a plain HF draft LM has no training answers to count
         with pytest.raises(ValueError, match="is a plain HF model: set spec.draft_vocab=0"):
             make_proposer(
                 SpecConfig(spec, 3, drafter=str(tiny_llama_dir("llama")), draft_vocab=16), loaded_target(target)
@@ -342,8 +342,8 @@ def test_medusa_tree_ranks_past_the_heads_vocabulary_are_refused_at_build(target
 
 def test_wrong_kind_or_target_is_refused_by_the_engine_builder(target, trained):
     lt = loaded_target(target)
-    with pytest.raises(ValueError, match="is a medusa drafter; spec=draft needs a draft_model drafter"):
-        make_proposer(SpecConfig("draft", drafter=str(trained["medusa"][1])), lt)
+    with pytest.raises(ValueError, match="is a medusa drafter; spec=draft_model needs a draft_model drafter"):
+        make_proposer(SpecConfig("draft_model", drafter=str(trained["medusa"][1])), lt)
     with pytest.raises(ValueError, match="spec=medusa needs spec.drafter"):
         SpecConfig("medusa")
     with pytest.raises(ValueError, match=r"tiny@0123abcd, not other@00000000"):

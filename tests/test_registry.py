@@ -49,7 +49,7 @@ def test_every_reference_resolves_and_every_kind_has_its_configs():
             assert kinds.resolve(ref) is not None, (kind.name, ref)
         assert all(isinstance(kinds.resolve(ref), Format) for ref in kind.formats.values()), kind.name
         if kind.proposer:  # spec=NAME and methods=[NAME] compose
-            assert all((CONF / group / f"{kind.spec}.yaml").is_file() for group in ("spec", "methods")), kind.name
+            assert all((CONF / group / f"{kind.name}.yaml").is_file() for group in ("spec", "methods")), kind.name
     for name in BUILTIN:
         kind = kinds.get(name)
         assert kind.loss and kind.proposer and kind.formats and (CONF / "head" / f"{name}.yaml").is_file(), name
@@ -59,9 +59,9 @@ def test_every_reference_resolves_and_every_kind_has_its_configs():
 
 def test_specs_and_their_default_shapes_come_from_the_registry():
     served = [k for k in kinds.KINDS.values() if k.proposer]
-    assert kinds.specs() == ("ar", *(k.spec for k in served))
+    assert kinds.specs() == ("ar", *(k.name for k in served))
     for kind in served:
-        spec = resolve_shape(SpecConfig(kind.spec, drafter=str(CONF / "absent") if kind.drafter_help() else None))
+        spec = resolve_shape(SpecConfig(kind.name, drafter=str(CONF / "absent") if kind.drafter_help() else None))
         assert (spec.num_tokens, spec.tree.topk, spec.tree.total_tokens) == (
             kind.draft_shape.num_tokens,
             kind.draft_shape.topk,
@@ -140,7 +140,7 @@ def test_trains_one_step_then_saves_and_loads(kind, tiny, drafters):
 
 @pytest.mark.parametrize("kind", BUILTIN)
 def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, tiny, drafters):
-    target, (_, folder), spec_name = tiny[1], drafters(kind), kinds.get(kind).spec
+    target, (_, folder), spec_name = tiny[1], drafters(kind), kinds.get(kind).name
     spec = resolve_shape(SpecConfig(spec_name, drafter=str(folder)))
     shape = kinds.get(kind).shape(SHAPE)
     assert (spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices) == tuple(asdict(shape).values())
@@ -159,7 +159,7 @@ def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, tiny, draft
 @pytest.mark.parametrize("kind", BUILTIN)
 def test_a_draft_deeper_than_the_head_drafts_is_capped_saying_so(kind, drafters):
     """One rule for every kind: spec.num_tokens past the positions a head drafts is cut to them, with a warning."""
-    folder, spec_name = drafters(kind)[1], kinds.get(kind).spec
+    folder, spec_name = drafters(kind)[1], kinds.get(kind).name
     cap = kinds.get(kind).depth_cap(json.loads((folder / "config.json").read_text())["config"])
     if cap is None:
         assert resolve_shape(SpecConfig(spec_name, 9, drafter=str(folder))).num_tokens == 9
@@ -176,10 +176,10 @@ def test_a_folder_without_a_draft_shape_or_a_corrupt_one_is_refused(kind, drafte
     del meta["draft"]
     (bad / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="config.json records no draft shape"):
-        resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(bad)))
+        resolve_shape(SpecConfig(kinds.get(kind).name, drafter=str(bad)))
     (bad / "config.json").write_text(json.dumps(meta | {"draft": {"depth": 3}}))
     with pytest.raises(ValueError, match="config.json's draft .* takes only choices, num_tokens, topk, total_tokens"):
-        resolve_shape(SpecConfig(kinds.get(kind).spec, drafter=str(bad)))
+        resolve_shape(SpecConfig(kinds.get(kind).name, drafter=str(bad)))
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +198,7 @@ def test_speculative_sampling_keeps_the_target_distribution(kind, small, tmp_pat
     info = TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
     head, config, _ = one_step(kind, target, seed=3)
     folder = save_drafter(head, config, kind, info, Recipe(), tmp_path / kind, draft=SHAPE)
-    proposer = make_proposer(SpecConfig(kinds.get(kind).spec, drafter=str(folder)), target)
+    proposer = make_proposer(SpecConfig(kinds.get(kind).name, drafter=str(folder)), target)
     engine = Engine(target.model, proposer, max_seq_len=16)
     draws, accepted = [], 0
     for i in range(400):
@@ -231,7 +231,7 @@ def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters
         assert f"--speculate {shape.num_tokens}" in card
 
 
-@pytest.mark.parametrize("spec", ["own", "draft"])
+@pytest.mark.parametrize("spec", ["own", "draft_model"])
 @pytest.mark.parametrize("kind,fmt", FORMATS)
 def test_an_export_read_back_drafts_or_is_refused_with_a_fix_that_works(kind, fmt, spec, tiny, drafters, tmp_path):
     """spec.drafter=EXPORT with the kind's spec, and as a draft model: it drafts, or the refusal names the folder
@@ -239,7 +239,7 @@ def test_an_export_read_back_drafts_or_is_refused_with_a_fix_that_works(kind, fm
     _, folder = drafters(kind)
     out = export(folder, fmt, tmp_path / "out", tiny[0], "fp32")
     try:
-        make_proposer(SpecConfig(kinds.get(kind).spec if spec == "own" else spec, drafter=str(out)), tiny[1])
+        make_proposer(SpecConfig(kinds.get(kind).name if spec == "own" else spec, drafter=str(out)), tiny[1])
         return
     except (ValueError, FileNotFoundError) as e:
         message = str(e)

@@ -368,7 +368,7 @@ def test_refuses_an_embedding_that_is_not_the_targets(tiny, tmp_path):
         build_engine(target, chain(folder), False, 256)
 
 
-@pytest.mark.parametrize("spec", ["eagle", "draft"])
+@pytest.mark.parametrize("spec", ["eagle", "draft_model"])
 def test_a_foreign_head_needs_spec_eagle3(tiny, spec):
     _, target, _, folder, _ = tiny
     with pytest.raises(ValueError, match=r"is an EAGLE-3 head \(speculators layout\); use it with spec=eagle3"):

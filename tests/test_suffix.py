@@ -337,7 +337,7 @@ def test_hybrid_with_suffix_is_lossless_and_takes_suffix_paths(policy, tree, tar
     head = EagleProposer(make_head("eagle3", target), "eagle3", 3, TreeConfig(2, 6))
     lookup = SuffixProposer(SuffixConfig(tree=tree), 6, min_score=3 if policy == "prefer" else 0)
     proposer = HybridProposer(head, lookup, policy)
-    assert proposer.name == "eagle3+suffix" and proposer.max_tree_size == 6 + 6
+    assert proposer.name == "eagle3_suffix" and proposer.max_tree_size == 6 + 6
     engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
     for p in PROMPTS[:3] * 2:  # the second pass: suffix drafts from the first answers
         out = engine.generate(p, MAX_NEW, GREEDY)
@@ -365,7 +365,7 @@ def test_spec_configs_build_suffix_proposers(target):
     assert spec_label(spec) == "suffix" and drafter_params(spec) == 0
     methods = OmegaConf.load(f"{conf}/methods/eagle3_suffix.yaml")
     assert methods.eagle3_suffix.suffix_tokens == 24
-    assert spec_label(SpecConfig("eagle3", drafter="x", suffix_tokens=8)) == "eagle3+suffix"
+    assert spec_label(SpecConfig("eagle3", drafter="x", suffix_tokens=8)) == "eagle3_suffix"
     with pytest.raises(Exception, match="bogus"):
         OmegaConf.merge(OmegaConf.structured(SpecConfig), {"suffix": {"bogus": 1}})
 

@@ -59,7 +59,7 @@ def acceptance_hook(
         with tempfile.TemporaryDirectory() as tmp:
             info, folder = target_info(target), Path(tmp) / "drafter"
             folder = save_drafter(head, config, kind, info, Recipe(), folder, weights=weights, draft=draft)
-            engine = build_engine(target, SpecConfig(get(kind).spec, drafter=str(folder)), False, max_len)
+            engine = build_engine(target, SpecConfig(get(kind).name, drafter=str(folder)), False, max_len)
             total = Metrics(requests=0)
             for ids in prompts:
                 total.merge(engine.generate(ids, max_new_tokens, SamplingParams()).metrics)

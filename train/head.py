@@ -70,16 +70,16 @@ def build_head(kind: str, target: LoadedTarget, cfg: HeadConfig) -> tuple[nn.Mod
     return trained_kind(kind).module(config, target.model), config
 
 
-def head_config(kind: str, cfg: HeadConfig, target: ModelConfig):
+def head_config(kind: str, cfg: HeadConfig, target_config: ModelConfig):
     """The kind's config: `from_target(target config, **sizes)` where the class has it, else its constructor
     with the sizes, and its required fields that the target's config has (hidden_size, ...) filled from it."""
     config_cls = trained_kind(kind).config
     kwargs = cfg.kwargs()
     try:
         if hasattr(config_cls, "from_target"):
-            return config_cls.from_target(target, **kwargs)
+            return config_cls.from_target(target_config, **kwargs)
         required = [f.name for f in fields(config_cls) if f.default is MISSING and f.default_factory is MISSING]
-        return config_cls(**{**{k: getattr(target, k) for k in required if hasattr(target, k)}, **kwargs})
+        return config_cls(**{**{k: getattr(target_config, k) for k in required if hasattr(target_config, k)}, **kwargs})
     except TypeError as e:  # a size this kind does not take
         names = [f.name for f in fields(config_cls)]
         raise ValueError(f"head={kind}: {e}; its config takes {', '.join(names)}") from e

@@ -17,11 +17,11 @@ def weighted_mean(x: Tensor, w: Tensor) -> Tensor:
     return (x * w).sum() / w.sum().clamp_min(1e-6)
 
 
-def agreement(logits: Tensor, target: Tensor, w: Tensor) -> float:
+def agreement(logits: Tensor, labels: Tensor, w: Tensor) -> float:
     """Weighted top-1 agreement; target: ids [r] or a distribution [r, vocab]."""
     if not w.numel():
         return 0.0
-    ids = target.argmax(-1) if target.dim() == 2 else target
+    ids = labels.argmax(-1) if labels.dim() == 2 else labels
     return weighted_mean((logits.argmax(-1) == ids).float(), w).item()
 
 

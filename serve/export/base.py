@@ -131,7 +131,7 @@ def llama_head_config(src: Source, arch: str) -> dict:
     return config
 
 
-def load_source(drafter: Path, target: TargetConfig) -> Source:
+def load_source(drafter: Path, target_cfg: TargetConfig) -> Source:
     """The drafter folder and its target, refused (ExportError) when missing, corrupt or mismatched."""
     drafter = Path(drafter).expanduser()
     try:
@@ -139,12 +139,14 @@ def load_source(drafter: Path, target: TargetConfig) -> Source:
     except (FileNotFoundError, ValueError) as e:
         raise ExportError(f"cannot export {drafter}: {e}") from e
     try:
-        target_dir = resolve_target(target)
+        target_dir = resolve_target(target_cfg)
         hf = read_hf_config(target_dir)
     except (FileNotFoundError, ValueError) as e:
         raise ExportError(f"the target: {e}") from e
     try:
-        info = TargetInfo(target_id(target, target_dir), hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"])
+        info = TargetInfo(
+            target_id(target_cfg, target_dir), hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"]
+        )
         check_target(meta, info, drafter)
         head = load_drafter(drafter, info).eval().requires_grad_(False)
         counts = load_token_counts(drafter, info.vocab_size) if (drafter / TOKEN_COUNTS).is_file() else None

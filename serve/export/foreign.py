@@ -163,7 +163,7 @@ def unsupported(path: Path, config: dict, runs: dict) -> None:
         )
 
 
-def foreign_config(f: Foreign, folder: Path, target: ModelConfig) -> Eagle3Config:
+def foreign_config(f: Foreign, folder: Path, target_config: ModelConfig) -> Eagle3Config:
     """The Eagle3Config the folder describes, refused (naming the key) where it is not a one-layer Llama head
     this engine runs or does not fit the target."""
     path = Path(folder) / "config.json"
@@ -173,41 +173,41 @@ def foreign_config(f: Foreign, folder: Path, target: ModelConfig) -> Eagle3Confi
         m = ModelConfig.from_hf(layer)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{path}: the head's layer config does not parse as a Llama config ({e})") from e
-    check_fits(f, m, target, path)
-    n = target.num_hidden_layers
+    check_fits(f, m, target_config, path)
+    n = target_config.num_hidden_layers
     ids = tuple(f.layer_ids) if f.layer_ids else tuple(sorted({min(max(i, 0), n) for i in (2, n // 2, n - 3)}))
     sizes = {k: getattr(m, k) for k in EagleConfig.__dataclass_fields__}
-    sizes["max_position_embeddings"] = max(m.max_position_embeddings, target.max_position_embeddings)
+    sizes["max_position_embeddings"] = max(m.max_position_embeddings, target_config.max_position_embeddings)
     try:
         return Eagle3Config(**sizes, target_layers=ids, draft_vocab_size=f.draft_vocab_size, **f.norms)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from e
 
 
-def check_fits(f: Foreign, m: ModelConfig, target: ModelConfig, path: Path) -> None:
+def check_fits(f: Foreign, m: ModelConfig, target_config: ModelConfig, path: Path) -> None:
     """Sizes and target layers against the target's."""
     off = []
     for name, theirs, ours in (
-        ("hidden_size", m.hidden_size, target.hidden_size),
-        ("target_hidden_size", f.target_hidden_size or m.hidden_size, target.hidden_size),
-        ("vocab_size", m.vocab_size, target.vocab_size),
+        ("hidden_size", m.hidden_size, target_config.hidden_size),
+        ("target_hidden_size", f.target_hidden_size or m.hidden_size, target_config.hidden_size),
+        ("vocab_size", m.vocab_size, target_config.vocab_size),
     ):
         if theirs != ours:
             off.append(f"{name}={theirs} (the target has {ours})")
-    n = target.num_hidden_layers
+    n = target_config.num_hidden_layers
     if f.layer_ids and not all(isinstance(i, int) and 0 <= i <= n for i in f.layer_ids):
         off.append(f"eagle_aux_hidden_state_layer_ids={f.layer_ids} (the target has layers 0..{n})")
     if off:
         raise ValueError(f"{path} was made for another target: {'; '.join(off)}; use a head made for this target")
 
 
-def check_verifier(f: Foreign, target: ModelConfig, target_id: str, path: Path) -> None:
+def check_verifier(f: Foreign, target_config: ModelConfig, target_id: str, path: Path) -> None:
     """A speculators folder names its verifier: it must be the target (its architecture; its config.json, where
     name_or_path is a folder here)."""
     if f.verifier is None:
         return
     name, archs = f.verifier.get("name_or_path"), f.verifier.get("architectures") or []
-    arch = TARGET_ARCHS[target.model_type]
+    arch = TARGET_ARCHS[target_config.model_type]
     if archs and arch not in archs:
         raise ValueError(
             f"{path}: the verifier {name} is a {'/'.join(archs)}, the target {target_id} a {arch}: "
@@ -316,16 +316,16 @@ def same_weights(a: Tensor, b: Tensor) -> bool:
 # ---------------------------------------------------------------- loading
 
 
-def load_foreign(folder: Path, fmt: str, target: Transformer, target_id: str, dtype: torch.dtype) -> Eagle3Head:
+def load_foreign(folder: Path, fmt: str, model: Transformer, target_id: str, dtype: torch.dtype) -> Eagle3Head:
     """An Eagle3Head from a foreign folder, refused (ValueError) unless it fits the target; checked on
     config.json and the safetensors header before any weight is read."""
     folder = Path(folder)
     f = read_foreign(folder, fmt)
-    cfg = foreign_config(f, folder, target.config)
-    check_verifier(f, target.config, target_id, folder / "config.json")
+    cfg = foreign_config(f, folder, model.config)
+    check_verifier(f, model.config, target_id, folder / "config.json")
     check_weights(folder, cfg, PREFIX[fmt])
-    state = head_state(folder, cfg, PREFIX[fmt], target.model.embed_tokens.weight)
-    head = Eagle3Head(cfg, target).to(target.device)
+    state = head_state(folder, cfg, PREFIX[fmt], model.model.embed_tokens.weight)
+    head = Eagle3Head(cfg, model).to(model.device)
     assert state.keys() == own_state(head).keys(), "the checks above admit exactly the head's tensors"
-    head.load_state_dict({k: v.to(target.device) for k, v in state.items()}, strict=False)
+    head.load_state_dict({k: v.to(model.device) for k, v in state.items()}, strict=False)
     return cast_own(head, dtype)

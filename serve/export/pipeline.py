@@ -90,7 +90,12 @@ def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None
 
 
 def export(
-    drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None, dtype: str = "bf16", overwrite: bool = False
+    drafter: Path,
+    fmt: str,
+    out: Path,
+    target_cfg: TargetConfig | None = None,
+    dtype: str = "bf16",
+    overwrite: bool = False,
 ) -> Path:
     """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation."""
     from draftsmith.serve.export.checks import check_export  # which imports this module
@@ -100,7 +105,7 @@ def export(
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     check_format_name(fmt)
     check_out(out, drafter, overwrite)
-    src = load_source(drafter, target or TargetConfig())
+    src = load_source(drafter, target_cfg or TargetConfig())
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
     exp = f.export(src)
@@ -113,11 +118,11 @@ def export(
     return out
 
 
-def validate(drafter: Path, fmt: str, out: Path, target: TargetConfig | None = None) -> None:
+def validate(drafter: Path, fmt: str, out: Path, target_cfg: TargetConfig | None = None) -> None:
     """Validate an existing export at OUT against the drafter it came from (check=true); writes nothing."""
     from draftsmith.serve.export.checks import check_export  # which imports this module
 
-    src = load_source(Path(drafter).expanduser(), target or TargetConfig())
+    src = load_source(Path(drafter).expanduser(), target_cfg or TargetConfig())
     format_for(src.kind, fmt)
     if not Path(out).expanduser().is_dir():
         raise ExportError(f"out={out} is not a folder: nothing to check")

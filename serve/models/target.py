@@ -67,10 +67,10 @@ def cache_root(cache_dir: str | None = None) -> Path:
     return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE") or DEFAULT_CACHE).expanduser()
 
 
-def keyed_cache_path(cache_dir: str | None, group: str, target: str, key: dict, suffix: str = "") -> Path:
+def keyed_cache_path(cache_dir: str | None, group: str, target_id: str, key: dict, suffix: str = "") -> Path:
     """<cache root>/<group>/<target>-<hash of key><suffix>: one entry per target and per setting that changes it."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    name = re.sub(r"[^\w.-]", "_", target)
+    name = re.sub(r"[^\w.-]", "_", target_id)
     return cache_root(cache_dir) / group / f"{name}-{digest}{suffix}"
 
 

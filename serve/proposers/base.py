@@ -32,7 +32,7 @@ class Proposer:
     def reserve(self, max_len: int) -> None:
         """Allocate per-sequence state for sequences up to max_len tokens (called once)."""
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """New sequence. tokens: prompt + first generated token; slots [0, start) were restored
         from the prefix cache; target: the target's outputs for tokens[start:-1]."""
 
@@ -42,7 +42,7 @@ class Proposer:
         (it could never be kept: verify rows, and the drafter's work, would be spent on nothing)."""
         raise NotImplementedError
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         """The target accepted tree nodes `path`; tokens now ends with the next pending token.
         target: the target's outputs for the verified tokens (old pending token, then the path)."""
 

@@ -45,7 +45,7 @@ class HybridProposer(Proposer):
                 f"spec={lookup.name} alone or set spec.{lookup.name}_tokens=0"
             )
         self.drafter, self.lookup, self.policy = drafter, lookup, policy
-        self.name = f"{drafter.name}+{lookup.name}"
+        self.name = f"{drafter.name}_{lookup.name}"  # as its methods/ entry is named, e.g. eagle3_ngram
         self.target_layers = drafter.target_layers
         self.max_tree_size = drafter.max_tree_size + lookup.max_tree_size
         self.merged = 0  # proposals where the lookup found a draft
@@ -65,13 +65,13 @@ class HybridProposer(Proposer):
     def reserve(self, max_len: int) -> None:
         self.drafter.reserve(max_len)
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
-        self.drafter.prefill(tokens, start, target)
-        self.lookup.prefill(tokens, start, target)
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
+        self.drafter.prefill(tokens, start, out)
+        self.lookup.prefill(tokens, start, out)
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
-        self.drafter.accept(tokens, tree, path, target)
-        self.lookup.accept(tokens, tree, path, target)
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
+        self.drafter.accept(tokens, tree, path, out)
+        self.lookup.accept(tokens, tree, path, out)
 
     def forget(self) -> None:
         self.drafter.forget()

@@ -45,17 +45,17 @@ class DFlashProposer(SlotProposer):
         if self.head.cos.shape[0] < room:  # the block reaches block_size - 1 positions past the pending token
             self.head.rope_cache(room)
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """Context slots [0, start) came from the prefix cache; the target's outputs cover tokens [start, n-1)."""
         self.cached = start
-        self.extend(tokens, target)
+        self.extend(tokens, out)
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
-        self.extend(tokens, target)
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
+        self.extend(tokens, out)
 
-    def extend(self, tokens: Tensor, target: ForwardOut) -> None:
+    def extend(self, tokens: Tensor, out: ForwardOut) -> None:
         """The verified tokens' context into slots cached.., then the next block from the pending token (the last)."""
-        context = self.head.target_features(target.hidden, torch.cat(target.aux, dim=-1))
+        context = self.head.target_features(out.hidden, torch.cat(out.aux, dim=-1))
         s, n = self.cached, tokens.numel()
         if s + context.shape[0] != n - 1:
             raise RuntimeError(f"the drafter holds {s} tokens and got {context.shape[0]} more, the engine has {n}")

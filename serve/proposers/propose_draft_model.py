@@ -30,7 +30,7 @@ class DraftChainConfig:
 
 
 class DraftModelProposer(Proposer):
-    name = "draft"
+    name = "draft_model"
 
     def __init__(self, model: Transformer, cfg: DraftChainConfig, generator: torch.Generator | None = None) -> None:
         self.model, self.cfg, self.gen = model, cfg, generator
@@ -51,7 +51,7 @@ class DraftModelProposer(Proposer):
         if self.model.cos.shape[0] < max_len:
             self.model.rope_cache(max_len)
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         self.cached = start
         self.run(tokens[start:-1], logits=False)
 
@@ -72,7 +72,7 @@ class DraftModelProposer(Proposer):
         draft_probs = widen(torch.stack(probs), ids, self.model.config.vocab_size) if probs else None
         return DraftTree.chain(torch.tensor(drafted, device=tokens.device), draft_probs)
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         # slots hold the old pending token, then drafts 1..k-1 of this k-token chain; the accepted prefix is valid
         self.cached += min(len(path), len(tree) - 1)
 
@@ -93,7 +93,7 @@ class DraftModelProposer(Proposer):
 
 
 def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
-    """spec=draft: an HF draft LM, or a draft_model drafter folder."""
+    """spec=draft_model: an HF draft LM, or a draft_model drafter folder."""
     model = load_draft_lm(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
 

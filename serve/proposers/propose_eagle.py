@@ -58,20 +58,20 @@ class EagleProposer(Proposer):
         if self.head.cos.shape[0] < room:  # drafts reach a few positions past the last verified one
             self.head.rope_cache(room)
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
-        self.keep_features(start, target)
+        self.keep_features(start, out)
         self.cached = max(start, 1)
         self.extend(tokens)
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
-        self.keep_features(self.cached - 1, target)
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
+        self.keep_features(self.cached - 1, out)
         self.extend(tokens)  # drafted slots are overwritten with KV from the real features
 
-    def keep_features(self, first: int, target: ForwardOut) -> None:
+    def keep_features(self, first: int, out: ForwardOut) -> None:
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
-        aux = torch.cat(target.aux, dim=-1) if target.aux else None
-        feats = self.head.target_features(target.hidden, aux)
+        aux = torch.cat(out.aux, dim=-1) if out.aux else None
+        feats = self.head.target_features(out.hidden, aux)
         self.store.features[first : first + feats.shape[0]] = feats
 
     def extend(self, tokens: Tensor) -> None:

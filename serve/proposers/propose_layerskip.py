@@ -14,17 +14,17 @@ from draftsmith.serve.spec import SpecConfig
 def layerskip_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftChainConfig(spec.num_tokens))
 
-def layerskip_model(target: Transformer, num_layers: int) -> Transformer:
+def layerskip_model(model: Transformer, num_layers: int) -> Transformer:
     """The target's first num_layers layers + final norm + lm_head, sharing its weights."""
-    total = target.config.num_hidden_layers
+    total = model.config.num_hidden_layers
     if not 1 <= num_layers < total:
         raise ValueError(f"spec.layers must be in [1, {total - 1}] for a {total}-layer target, got {num_layers}")
-    cfg = type(target.config)(**{**vars(target.config), "num_hidden_layers": 0})
+    cfg = type(model.config)(**{**vars(model.config), "num_hidden_layers": 0})
     with torch.device("meta"):
         draft = Transformer(cfg)
     draft.config = type(cfg)(**{**vars(cfg), "num_hidden_layers": num_layers})
-    draft.model.embed_tokens, draft.model.norm = target.model.embed_tokens, target.model.norm
-    draft.model.layers = nn.ModuleList(target.model.layers[:num_layers])
-    draft.lm_head = target.lm_head
-    draft.cos, draft.sin = target.cos, target.sin
+    draft.model.embed_tokens, draft.model.norm = model.model.embed_tokens, model.model.norm
+    draft.model.layers = nn.ModuleList(model.model.layers[:num_layers])
+    draft.lm_head = model.lm_head
+    draft.cos, draft.sin = model.cos, model.sin
     return draft

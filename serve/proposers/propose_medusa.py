@@ -55,11 +55,11 @@ class MedusaProposer(Proposer):
         self.sizes = [sum(len(p) <= d for p in paths) for d in range(self.depth + 1)]  # [d]: nodes of depth <= d
         self.hidden: Tensor | None = None  # the target's final hidden state at the last verified position
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
-        self.hidden = target.hidden[-1]
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
+        self.hidden = out.hidden[-1]
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
-        self.hidden = target.hidden[-1]
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
+        self.hidden = out.hidden[-1]
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         """Top-k tokens of each head: a deterministic choice, so every node counts as one-hot when sampling.

@@ -48,19 +48,19 @@ class PEagleProposer(SlotProposer):
         if self.head.cos.shape[0] < room:  # mask slots reach K-1 positions past the pending token
             self.head.rope_cache(room)
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
-        self.keep_features(start, target)
+        self.keep_features(start, out)
         self.cached = max(start, 1)
         self.draft_forward(tokens)
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
-        self.keep_features(self.cached - 1, target)
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
+        self.keep_features(self.cached - 1, out)
         self.draft_forward(tokens)
 
-    def keep_features(self, first: int, target: ForwardOut) -> None:
+    def keep_features(self, first: int, out: ForwardOut) -> None:
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
-        feats = self.head.target_features(target.hidden, torch.cat(target.aux, dim=-1))
+        feats = self.head.target_features(out.hidden, torch.cat(out.aux, dim=-1))
         self.store.features[first : first + feats.shape[0]] = feats
 
     def draft_forward(self, tokens: Tensor) -> None:
@@ -87,9 +87,9 @@ def peagle_proposer(spec: SpecConfig, target: LoadedTarget) -> PEagleProposer:
     return PEagleProposer(head, spec.num_tokens, spec.tree)
 
 
-def check_target_layers(head: PEagleHead, target: Transformer, folder: str) -> None:
+def check_target_layers(head: PEagleHead, model: Transformer, folder: str) -> None:
     """Refuse a drafter that reads target layers the target does not have (L: the last layer's output)."""
-    n = target.config.num_hidden_layers
+    n = model.config.num_hidden_layers
     if max(head.target_layers) > n:
         raise ValueError(
             f"drafter {folder} reads the inputs of target layers {list(head.target_layers)}, but the target has "

@@ -267,12 +267,12 @@ class SuffixProposer(Proposer):
         self.matches: list[Node] = []  # where the request's latest tokens sit in the global tree
         self.requests = 0
 
-    def prefill(self, tokens: Tensor, start: int, target: ForwardOut) -> None:
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         ids = tokens.tolist()
         self.start(ids[:-1])
         self.learn(ids[-1:])
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], target: ForwardOut) -> None:
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         self.learn(tokens[len(self.local.seqs[0]) :].tolist())
 
     def start(self, prompt: list[int]) -> None:
