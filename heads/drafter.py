@@ -142,7 +142,7 @@ def config_hash(target_id: str) -> str:
     return target_id.rsplit("@", 1)[-1]
 
 
-def load_drafter(folder: Path, info: TargetInfo, *shared, device="cpu", dtype=torch.float32) -> nn.Module:
+def read_drafter(folder: Path, info: TargetInfo, *shared, device="cpu", dtype=torch.float32) -> nn.Module:
     """Build the module of the folder's kind and load its weights. `shared`: target pieces the kind
     borrows (passed to its constructor after the config), e.g. the target model for EAGLE's lm_head."""
     folder = Path(folder)

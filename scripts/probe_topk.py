@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from draftsmith.eval.suites import mt_bench, round_robin  # noqa: E402
 from draftsmith.heads.drafter import read_meta  # noqa: E402
 from draftsmith.serve.build import build_engine  # noqa: E402
-from draftsmith.serve.drafters import load_trained  # noqa: E402
+from draftsmith.serve.drafters import folder_drafter  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.models.target import (  # noqa: E402
     LoadedTarget,
@@ -73,7 +73,7 @@ def probe(folder: Path, target: LoadedTarget, rows: list[dict], memo: dict) -> d
     kind = read_meta(folder)["kind"]
     if kind not in ("eagle", "eagle3"):
         raise ValueError(f"{folder} is a {kind} drafter; the probe reads EAGLE heads (eagle, eagle3)")
-    head = load_trained(folder, target, kind, target.model, dtype=torch.float32)  # eagle, eagle3: spec = kind
+    head = folder_drafter(folder, target, kind, target.model, dtype=torch.float32)  # eagle, eagle3: spec = kind
     layers = tuple(head.target_layers)
     hits, n = torch.zeros(len(KS), dtype=torch.long), 0
     for i, r in enumerate(rows):

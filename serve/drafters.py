@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_drafter, load_token_counts, not_a_drafter, read_meta
+from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, not_a_drafter, read_drafter, read_meta
 from draftsmith.heads.kinds import by_spec, get
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
-from draftsmith.serve.export.foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, load_foreign, read_foreign
+from draftsmith.serve.export.foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, foreign_head, read_foreign
 from draftsmith.serve.models.loader import load_model, read_hf_config
 from draftsmith.serve.models.target import LoadedTarget, load_tokenizer, torch_dtype
 from draftsmith.serve.spec import SpecConfig
@@ -33,15 +34,15 @@ def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
     return model.dtype
 
 
-def load_draft_lm(
+def draft_lm(
     folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0
 ) -> Transformer:
-    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see load_trained."""
+    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
     if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/export/foreign.py)
-        return load_trained(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)
+        return folder_drafter(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)
     archs = hf.get("architectures") or []
     if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export
         raise ValueError(not_a_drafter(folder, hf))
@@ -60,13 +61,16 @@ def load_draft_lm(
     return load_model(folder, dtype or target.model.dtype, str(target.model.device))
 
 
-def spec_head(spec: SpecConfig, target: LoadedTarget, *shared):
-    """The trained drafter spec.drafter names, for spec.name's kind (load_trained), in spec.draft_dtype."""
+def load_drafter(spec: SpecConfig, target: LoadedTarget, *shared) -> nn.Module:
+    """The drafter spec.drafter names, in spec.draft_dtype: a drafter folder of spec.name's kind (folder_drafter;
+    `shared`: the target pieces the kind borrows), or for spec=draft_model also a plain HF draft LM (draft_lm)."""
     dtype = draft_dtype(spec, target.model)
-    return load_trained(Path(spec.drafter), target, spec.name, *shared, dtype=dtype, draft_vocab=spec.draft_vocab)
+    if spec.name == "draft_model":
+        return draft_lm(Path(spec.drafter), target, dtype, spec.draft_vocab)
+    return folder_drafter(Path(spec.drafter), target, spec.name, *shared, dtype=dtype, draft_vocab=spec.draft_vocab)
 
 
-def load_trained(
+def folder_drafter(
     folder: Path,
     target: LoadedTarget,
     spec_name: str,
@@ -75,7 +79,7 @@ def load_trained(
     draft_vocab: int = 0,
 ):
     """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere, serve/export/foreign.py),
-    refused unless it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.load_drafter);
+    refused unless it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.read_drafter);
     dtype: its weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab most
     frequent tokens only."""
     kind, fmt = by_spec(spec_name).name, foreign_format(folder)
@@ -87,9 +91,9 @@ def load_trained(
         raise ValueError(f"spec.drafter={folder} is {what}; spec={spec_name} needs a {kind} drafter")
     m = target.model
     if fmt:  # no draftsmith target id: checked against the target by what the folder records
-        head = load_foreign(folder, fmt, m, target.target_id, dtype or m.dtype)
+        head = foreign_head(folder, fmt, m, target.target_id, dtype or m.dtype)
     else:
-        head = load_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
+        head = read_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
     if draft_vocab:
         head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
     pack_linears(head.eval().requires_grad_(False))

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_prefix, same_kv, spy_budgets
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
-from draftsmith.heads.drafter import Recipe, load_drafter, save_drafter
+from draftsmith.heads.drafter import Recipe, read_drafter, save_drafter
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.build import make_proposer
@@ -152,7 +152,7 @@ def test_save_load_round_trip_with_vllm_names(target, tmp_path):
     folder = save_drafter(head, head.config, "dflash", tiny_info(target), Recipe(data="random"), tmp_path / "d")
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == VLLM_DFLASH_KEYS  # nothing borrowed from the target (embedding, its lm_head)
-    loaded = load_drafter(folder, tiny_info(target), target)
+    loaded = read_drafter(folder, tiny_info(target), target)
     assert loaded.config == head.config and loaded.embed_tokens is target.model.embed_tokens
     assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.lm_head.weight, head.lm_head.weight)
     ids = torch.randint(0, 128, (1, 9))

@@ -16,7 +16,7 @@ from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_pr
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
 from draftsmith.heads.draft_vocab import build_vocab_map
-from draftsmith.heads.drafter import TOKEN_COUNTS, Recipe, frequent_ids, load_drafter, save_drafter
+from draftsmith.heads.drafter import TOKEN_COUNTS, Recipe, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.head_base import EagleConfig
@@ -174,7 +174,7 @@ def test_save_load_round_trip(kind, target, tmp_path):
         assert not any(k.startswith(("embed_tokens", "lm_head", "layers.0.input_layernorm")) for k in keys)
     else:
         assert keys == VLLM_EAGLE3_KEYS  # what vLLM / SGLang load, nothing borrowed from the target
-    loaded = load_drafter(folder, tiny_info(target), target)
+    loaded = read_drafter(folder, tiny_info(target), target)
     assert loaded.config == head.config and isinstance(loaded, KINDS[kind][1])
     ids = torch.randint(0, target.config.vocab_size, (2, 6))
     batch = head_features(target, head, ids, torch.ones(2, 6))
@@ -186,7 +186,7 @@ def test_save_load_round_trip(kind, target, tmp_path):
         assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
         assert loaded.d2t.dtype == torch.long and loaded.t2d.dtype == torch.bool
     assert loaded.embed_tokens is target.model.embed_tokens  # borrowed, not copied
-    bare = load_drafter(folder, tiny_info(target))  # no target: frozen placeholders of the right shape
+    bare = read_drafter(folder, tiny_info(target))  # no target: frozen placeholders of the right shape
     assert bare.embed_tokens.weight.shape == target.model.embed_tokens.weight.shape
 
 
@@ -208,7 +208,7 @@ def test_load_refuses_another_target(kind, target, tmp_path):
     ]
     for other, message in cases:
         with pytest.raises(ValueError, match=message):
-            load_drafter(folder, other, target)
+            read_drafter(folder, other, target)
 
 
 def test_build_vocab_map():

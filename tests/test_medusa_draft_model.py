@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig, init_layers
-from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, load_drafter, save_drafter
+from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.build import make_proposer
@@ -152,15 +152,15 @@ def test_save_load_round_trip_and_wrong_target_refused(target, tiny_llama_dir, t
     tied = load_model(tiny_llama_dir("llama", tie_word_embeddings=True), torch.float32, "cpu")
     for i, (kind, head, cfg, run) in enumerate(heads_and_outputs(target, tied)):
         folder = save_drafter(head, cfg, kind, INFO, Recipe(), tmp_path / f"d{i}")
-        loaded = load_drafter(folder, INFO)  # no target needed: the folder holds everything
+        loaded = read_drafter(folder, INFO)  # no target needed: the folder holds everything
         assert type(loaded) is type(head)
         with torch.no_grad():
             assert torch.equal(run(loaded), run(head)), kind
         other = TargetInfo("other@fedcba98", 64, 128, 3)
         with pytest.raises(ValueError, match=r"tiny@0123abcd.*other@fedcba98"):
-            load_drafter(folder, other)
+            read_drafter(folder, other)
         with pytest.raises(ValueError, match=r"hidden_size=64.*other@fedcba98 has hidden_size=32"):
-            load_drafter(folder, TargetInfo("other@fedcba98", 32, 128, 3))
+            read_drafter(folder, TargetInfo("other@fedcba98", 32, 128, 3))
     assert tied.config.tie_word_embeddings and loaded.lm_head.weight is loaded.model.embed_tokens.weight
 
 

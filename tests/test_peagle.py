@@ -21,7 +21,7 @@ from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_pr
 from test_export import H, V, edit_weights, layer_shapes, save_tiny_tokenizer, tiny  # noqa: F401 (tiny: a fixture)
 from test_trainer import cli_args, data, run  # noqa: F401 (data: a fixture)
 
-from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, save_drafter
+from draftsmith.heads.drafter import Recipe, TargetInfo, read_drafter, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.kv_cache import KVCache
@@ -130,7 +130,7 @@ def test_save_load_round_trip_under_speculators_names(layers, target, tmp_path):
     assert "layers.0.hidden_norm.weight" in keys and "layers.0.self_attn.q_proj.weight" in keys
     assert {k.split(".")[1] for k in keys if k.startswith("layers.")} == {str(i) for i in range(layers)}
     assert not any(k.startswith(("embed_tokens", "target_lm_head", "midlayer")) for k in keys)
-    loaded = load_drafter(folder, tiny_info(target), target)
+    loaded = read_drafter(folder, tiny_info(target), target)
     assert loaded.config == head.config and isinstance(loaded, PEagleHead)
     assert loaded.embed_tokens is target.model.embed_tokens  # borrowed, not copied
     ids = torch.randint(0, target.config.vocab_size, (2, 6))
@@ -148,7 +148,7 @@ def test_a_folder_whose_mask_token_is_not_in_the_targets_vocabulary_is_refused(t
     meta["config"]["mask_token_id"] = target.config.vocab_size + 5
     (folder / "config.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"mask_token_id=133 is not in the target's vocabulary of 128 tokens"):
-        load_drafter(folder, tiny_info(target), target)
+        read_drafter(folder, tiny_info(target), target)
     with pytest.raises(ValueError, match="mask_token_id=133"):
         make_proposer(SpecConfig("peagle", drafter=str(folder)), LoadedTarget(target, None, TARGET_ID))
 

@@ -19,7 +19,7 @@ from test_export import save_tiny_tokenizer
 
 import draftsmith.conf
 from draftsmith.heads import kinds
-from draftsmith.heads.drafter import Recipe, TargetInfo, load_drafter, own_state, save_drafter
+from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, read_drafter, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
@@ -133,7 +133,7 @@ def test_trains_one_step_then_saves_and_loads(kind, tiny, drafters):
     head, folder = drafters(kind)
     meta = json.loads((folder / "config.json").read_text())
     assert meta["kind"] == kind and meta["draft"] == asdict(kinds.get(kind).shape(SHAPE))
-    loaded = load_drafter(folder, tiny[2], target.model)
+    loaded = read_drafter(folder, tiny[2], target.model)
     assert own_state(loaded).keys() == own_state(head).keys()
     assert all(torch.equal(v, own_state(head)[k]) for k, v in own_state(loaded).items())
 

@@ -20,7 +20,7 @@ from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import build_engine, resolve_shape
-from draftsmith.serve.drafters import load_trained
+from draftsmith.serve.drafters import folder_drafter
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.export import foreign, speculators
@@ -219,7 +219,7 @@ def drafted(target, drafter: Path) -> tuple[list, list]:
 
 
 def loaded(target, folder: Path):
-    return load_trained(folder, target, "eagle3", target.model, dtype=torch.float32)
+    return folder_drafter(folder, target, "eagle3", target.model, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("which", [3, 4], ids=["speculators", "format=vllm"])

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
 from draftsmith.heads import kinds
-from draftsmith.heads.drafter import load_drafter, load_token_counts
+from draftsmith.heads.drafter import load_token_counts, read_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import resolve_shape
@@ -142,7 +142,7 @@ def test_loss_decreases_and_the_final_drafter_loads(uninterrupted, target):
     assert {"step", "loss", "lr", "tokens_per_s", "grad_norm", "masked", "time"} <= line.keys()
     assert line["tokens_per_s"] > 0
     loaded = load_target(TargetConfig(path=str(target)))
-    head = load_drafter(out / "final", target_info(loaded), loaded.model)
+    head = read_drafter(out / "final", target_info(loaded), loaded.model)
     assert torch.equal(head.proj.weight, weights(out)["proj.weight"])
     meta = json.loads((out / "final" / "config.json").read_text())
     assert meta["kind"] == standin_head.KIND and meta["recipe"]["steps"] == 10 and meta["recipe"]["tokens"] > 0
@@ -151,7 +151,7 @@ def test_loss_decreases_and_the_final_drafter_loads(uninterrupted, target):
     assert counts[anything] >= 40 and counts[what] == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000008", "step-0000010"]
     mid_folder = out / "checkpoints" / "step-0000008" / "drafter"
-    mid = load_drafter(mid_folder, target_info(loaded), loaded.model)
+    mid = read_drafter(mid_folder, target_info(loaded), loaded.model)
     assert json.loads((mid_folder / "config.json").read_text())["recipe"]["steps"] == 8
     assert not torch.equal(mid.proj.weight, head.proj.weight)  # a drafter as it stood at step 8
 

@@ -74,7 +74,7 @@ def setup(cfg: RunConfig) -> Loop:
     set_seed(tc.seed)
     loss_fn = loss_for(cfg.head.kind)
     check_loss_options(loss_fn, cfg.head.loss_options(), cfg.head.kind)  # before any data or features are made
-    target = load_for_accelerator(cfg.target, acc)
+    target = target_on_device(cfg.target, acc)
     head, head_cfg = build_head(cfg.head.kind, target, cfg.head)
     layers = trained_kind(cfg.head.kind).target_layers(head_cfg)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
@@ -165,7 +165,7 @@ def resolve_precision(name: str | None) -> str | None:
     return "bf16" if native_bf16(pick_device("auto")) else "no"
 
 
-def load_for_accelerator(cfg: TargetConfig, acc: Accelerator) -> LoadedTarget:
+def target_on_device(cfg: TargetConfig, acc: Accelerator) -> LoadedTarget:
     if cfg.device == "auto":  # each process uses the device accelerate gave it
         cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
     return load_target(cfg)

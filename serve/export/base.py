@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.drafter import TOKEN_COUNTS, TargetInfo, check_target, load_drafter, load_token_counts, read_meta
+from draftsmith.heads.drafter import TOKEN_COUNTS, TargetInfo, check_target, load_token_counts, read_drafter, read_meta
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 from draftsmith.serve.models.loader import read_hf_config
@@ -131,7 +131,7 @@ def llama_head_config(src: Source, arch: str) -> dict:
     return config
 
 
-def load_source(drafter: Path, target_cfg: TargetConfig) -> Source:
+def read_source(drafter: Path, target_cfg: TargetConfig) -> Source:
     """The drafter folder and its target, refused (ExportError) when missing, corrupt or mismatched."""
     drafter = Path(drafter).expanduser()
     try:
@@ -148,7 +148,7 @@ def load_source(drafter: Path, target_cfg: TargetConfig) -> Source:
             target_id(target_cfg, target_dir), hf["hidden_size"], hf["vocab_size"], hf["num_hidden_layers"]
         )
         check_target(meta, info, drafter)
-        head = load_drafter(drafter, info).eval().requires_grad_(False)
+        head = read_drafter(drafter, info).eval().requires_grad_(False)
         counts = load_token_counts(drafter, info.vocab_size) if (drafter / TOKEN_COUNTS).is_file() else None
     except FileNotFoundError as e:
         raise ExportError(f"cannot export {drafter}: {e}") from e

@@ -316,7 +316,7 @@ def same_weights(a: Tensor, b: Tensor) -> bool:
 # ---------------------------------------------------------------- loading
 
 
-def load_foreign(folder: Path, fmt: str, model: Transformer, target_id: str, dtype: torch.dtype) -> Eagle3Head:
+def foreign_head(folder: Path, fmt: str, model: Transformer, target_id: str, dtype: torch.dtype) -> Eagle3Head:
     """An Eagle3Head from a foreign folder, refused (ValueError) unless it fits the target; checked on
     config.json and the safetensors header before any weight is read."""
     folder = Path(folder)

@@ -26,7 +26,7 @@ from draftsmith.serve.export.base import (
     Source,
     check_format_name,
     format_for,
-    load_source,
+    read_source,
 )
 from draftsmith.serve.export.card import EXPORT_MARK, export_card
 from draftsmith.serve.models.target import DTYPES, TargetConfig
@@ -105,7 +105,7 @@ def export(
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     check_format_name(fmt)
     check_out(out, drafter, overwrite)
-    src = load_source(drafter, target_cfg or TargetConfig())
+    src = read_source(drafter, target_cfg or TargetConfig())
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
     exp = f.export(src)
@@ -122,7 +122,7 @@ def validate(drafter: Path, fmt: str, out: Path, target_cfg: TargetConfig | None
     """Validate an existing export at OUT against the drafter it came from (check=true); writes nothing."""
     from draftsmith.serve.export.checks import check_export  # which imports this module
 
-    src = load_source(Path(drafter).expanduser(), target_cfg or TargetConfig())
+    src = read_source(Path(drafter).expanduser(), target_cfg or TargetConfig())
     format_for(src.kind, fmt)
     if not Path(out).expanduser().is_dir():
         raise ExportError(f"out={out} is not a folder: nothing to check")

@@ -16,7 +16,7 @@ from torch import Tensor
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
-from draftsmith.serve.drafters import spec_head
+from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
@@ -72,4 +72,4 @@ class DFlashProposer(SlotProposer):
 
 def dflash_proposer(spec: SpecConfig, target: LoadedTarget) -> DFlashProposer:
     """spec=dflash: the head borrows the target's embedding; num_tokens and tree come resolved (serve/build.py)."""
-    return DFlashProposer(spec_head(spec, target, target.model), spec.num_tokens, spec.tree)
+    return DFlashProposer(load_drafter(spec, target, target.model), spec.num_tokens, spec.tree)

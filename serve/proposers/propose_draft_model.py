@@ -7,14 +7,13 @@ training-free draft that shares the target's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
-from draftsmith.serve.drafters import draft_dtype, load_draft_lm
+from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, sample, widen
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.models.target import LoadedTarget
@@ -94,7 +93,7 @@ class DraftModelProposer(Proposer):
 
 def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     """spec=draft_model: an HF draft LM, or a draft_model drafter folder."""
-    model = load_draft_lm(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
+    model = load_drafter(spec, target)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
 
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
-from draftsmith.serve.drafters import spec_head
+from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
@@ -143,6 +143,6 @@ class EagleProposer(Proposer):
 
 def eagle_proposer(spec: SpecConfig, target: LoadedTarget) -> EagleProposer:
     """spec=eagle, eagle3: the head borrows the target's embedding (and EAGLE-1 its lm_head)."""
-    return EagleProposer(spec_head(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
+    return EagleProposer(load_drafter(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
 
 

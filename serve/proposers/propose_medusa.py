@@ -13,7 +13,7 @@ from torch import Tensor
 
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import DEFAULT_CHOICES, MedusaHeads
-from draftsmith.serve.drafters import spec_head
+from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.target import LoadedTarget
@@ -74,7 +74,7 @@ class MedusaProposer(Proposer):
 
 
 def medusa_proposer(spec: SpecConfig, target: LoadedTarget) -> MedusaProposer:
-    return MedusaProposer(spec_head(spec, target), spec.choices, spec.num_tokens)
+    return MedusaProposer(load_drafter(spec, target), spec.choices, spec.num_tokens)
 
 
 def check_ranks(topk: int, vocab: int) -> None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
-from draftsmith.serve.drafters import spec_head
+from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
@@ -82,7 +82,7 @@ class PEagleProposer(SlotProposer):
 
 def peagle_proposer(spec: SpecConfig, target: LoadedTarget) -> PEagleProposer:
     """spec=peagle: the head borrows the target's embedding; refused if it reads layers the target lacks."""
-    head = spec_head(spec, target, target.model)
+    head = load_drafter(spec, target, target.model)
     check_target_layers(head, target.model, spec.drafter)
     return PEagleProposer(head, spec.num_tokens, spec.tree)
 
