@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
-from test_distill import command_line, said, user
 
 from draftsmith.serve.build import load
 from draftsmith.serve.cli import typed
@@ -18,7 +17,7 @@ from draftsmith.serve.target import TargetConfig
 from draftsmith.train.data import DistillConfig
 from draftsmith.train.distill import DistillRun, distill, run
 from draftsmith.train.vllm_backend import VllmUnavailable, find_vllm_python
-from helpers import build_tiny_chat_target
+from helpers import build_tiny_chat_target, command_line, said, user
 
 try:
     VLLM = find_vllm_python(None, None)

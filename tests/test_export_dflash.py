@@ -11,13 +11,13 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import edit_weights, flip_ten, rename, save_tiny_tokenizer, scale
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter import Recipe, TargetInfo, save_drafter
 from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.loader import load_model
 from draftsmith.serve.target import TargetConfig, target_id
+from helpers import edit_weights, flip_ten, rename, save_tiny_tokenizer, scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

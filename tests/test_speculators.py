@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_export import edit_json, leftovers, save_tiny_tokenizer
 from transformers import LlamaConfig
 
 from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
@@ -25,7 +24,7 @@ from draftsmith.serve.eagle import TreeConfig
 from draftsmith.serve.export import ExportError, export, validate
 from draftsmith.serve.sampling import SamplingParams
 from draftsmith.serve.target import TargetConfig
-from helpers import PROMPTS
+from helpers import PROMPTS, edit_json, leftovers, save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
