@@ -4,13 +4,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 from draftsmith.serve.models.target import DEFAULT_CACHE, TargetConfig, resolve_target  # noqa: E402
 from helpers import build_tiny  # noqa: E402

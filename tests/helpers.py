@@ -1,12 +1,35 @@
-"""Tiny random HF models of each supported family, for tests."""
+"""What several test modules share, as plain code (their shared fixtures are in conftest.py; no test module imports
+another, test_layering checks): tiny random HF models of each supported family, the engine's checks and
+distribution tests, export's tiny target and drafters, and the configs and command lines the CLI tests run."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+if TYPE_CHECKING:
+    from draftsmith.eval.runner import EvalConfig
+    from draftsmith.heads.drafter import TargetInfo
+    from draftsmith.serve.engine.engine import Engine
+    from draftsmith.serve.proposers.base import Proposer
+    from draftsmith.serve.shared.conversations import Conversation
 
 CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 TINY = dict(
@@ -167,3 +190,306 @@ def greedy_continuations(target, plain: dict, max_seq_len: int) -> tuple[torch.T
     ids = torch.tensor([s + [0] * (n - len(s)) for s in seqs])
     mask = torch.tensor([[1.0] * len(s) + [0.0] * (n - len(s)) for s in seqs])
     return ids, mask
+
+
+# ---------------------------------------------------------------- the engine's checks (test_engine and the drafters')
+
+
+def kv_prefix(engine: Engine, n: int) -> list[torch.Tensor]:
+    return [t[:, :, :n].clone() for t in (*engine.cache.k, *engine.cache.v)]
+
+
+def same_kv(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-5) -> bool:
+    return all(torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a, b, strict=True))
+
+
+def check_metrics(m, out: list[int], k: int) -> None:
+    """Counters that must add up for any run that stopped on length."""
+    assert m.new_tokens == len(out)
+    app = m.accepted_per_position
+    assert sum(app) == m.accepted_tokens <= m.draft_tokens
+    assert all(a >= b for a, b in zip(app, app[1:], strict=False)), app
+    assert len(app) <= k and (not app or app[0] <= m.drafts)
+    assert m.drafts <= m.target_forward_passes
+    if m.drafts:
+        assert m.mean_acceptance_length == pytest.approx(1 + m.accepted_tokens / m.drafts)
+    else:
+        assert m.mean_acceptance_length == 1.0 and m.accepted_tokens == 0
+    # the prefill emits 1 token, each step its accepted tokens + 1; only the last step's bonus may be cut
+    emitted = 1 + m.target_forward_passes + m.accepted_tokens
+    assert m.new_tokens <= emitted <= m.new_tokens + 1
+
+
+def spy_budgets(proposer: Proposer) -> list[tuple[int, int, int]]:
+    """Per propose call: (tokens so far, budget given, deepest node drafted)."""
+    calls, propose = [], proposer.propose
+
+    def spy(tokens, sp, budget):
+        tree = propose(tokens, sp, budget)
+        calls.append((tokens.numel(), budget, int(tree.depths.max()) if len(tree) else 0))
+        return tree
+
+    proposer.propose = spy
+    return calls
+
+
+def pooled_chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; the rarest cells are pooled into one until every cell expects >= 5.
+
+    Under H0 (speculative sampling draws exactly from the target's distribution) the counts are
+    Multinomial(N, probs), and so are the pooled counts; X^2 over the pooled cells is ~ chi^2(cells - 1)
+    once every expected count is >= 5. The p-value is the regularised upper incomplete gamma
+    Q(df / 2, X^2 / 2); requiring p > ALPHA fails a correct engine with probability ~ALPHA per statistic
+    (and the seeds are fixed). A cell the target gives probability 0 must never be hit at all.
+    """
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    assert counts[probs == 0].sum() == 0, "sampled a token the target gives probability 0"
+    expected = counts.sum() * probs
+    order = expected.argsort()
+    pooled = 0
+    while pooled < len(order) and (expected[order[:pooled]].sum() < 5 or expected[order[pooled]] < 5):
+        pooled += 1
+    rare, rest = order[:pooled], order[pooled:]
+    obs = torch.cat([counts[rest], counts[rare].sum().view(1)])
+    exp = torch.cat([expected[rest], expected[rare].sum().view(1)])
+    assert len(obs) > 2 and exp.min() >= 5, "too few draws for the chi-square approximation"
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor(float(len(obs) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def joint_pvalues(x: torch.Tensor, joint: torch.Tensor) -> tuple[float, float, float]:
+    """x [n, 3]: draws of three tokens over a vocabulary of 8; joint [8, 8, 8] their exact distribution. The
+    p-values of the first pair, the second pair, and the triple."""
+    return (
+        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
+        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
+        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
+    )
+
+
+# a vocabulary-8 target (tiny_llama_dir("llama", **SMALL)): the sampling tests' exact distributions stay small
+SMALL = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+SMALL_PROMPT = [1, 2, 3, 4, 5]
+
+
+# ---------------------------------------------------------------- export: a tiny target and a drafter of each kind
+
+H, FF, Q, KV, V, DRAFT_V = 64, 128, 64, 32, 128, 48  # TINY's sizes: 4 heads and 2 kv heads of 16
+
+
+def layer_shapes(p: str, in_dim: int, bias: bool = False) -> dict:
+    s = {f"{p}.self_attn.q_proj.weight": (Q, in_dim), f"{p}.self_attn.k_proj.weight": (KV, in_dim)}
+    s |= {f"{p}.self_attn.v_proj.weight": (KV, in_dim), f"{p}.self_attn.o_proj.weight": (H, Q)}
+    s |= {
+        f"{p}.mlp.gate_proj.weight": (FF, H),
+        f"{p}.mlp.up_proj.weight": (FF, H),
+        f"{p}.mlp.down_proj.weight": (H, FF),
+    }
+    s[f"{p}.post_attention_layernorm.weight"] = (H,)
+    if bias:
+        s |= {f"{p}.self_attn.{n}_proj.bias": (d,) for n, d in {"q": Q, "k": KV, "v": KV, "o": H}.items()}
+    return s
+
+
+def save_tiny_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("t0" .. "t127"): the HF export copies it."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(folder)
+
+
+def tiny_head(kind: str, target):
+    """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it."""
+    from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
+    from draftsmith.heads.eagle import EagleHead
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.heads.head_base import EagleConfig
+    from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+
+    c = target.config
+    if kind == "eagle3":
+        head = Eagle3Head(Eagle3Config.from_target(c, draft_vocab_size=DRAFT_V), target)
+        head.set_vocab(torch.rand(V))  # a draft vocabulary that is not the first DRAFT_V ids
+    elif kind == "eagle":
+        head = EagleHead(EagleConfig.from_target(c), target)
+    elif kind == "medusa":
+        head = MedusaHeads(MedusaConfig(H, V, num_heads=3, num_layers=1), target)
+    else:
+        head = DraftModel(DraftModelConfig(num_layers=2), target)
+        return head, head.draft_config
+    return head, head.config
+
+
+def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
+    """A saved drafter folder of `kind` for the tiny target, its weights nudged off their initial values."""
+    from draftsmith.heads.drafter import Recipe, save_drafter
+
+    torch.manual_seed(1)
+    head, cfg = tiny_head(kind, target)
+    with torch.no_grad():  # trained-looking weights: no zero blocks, a visible fc bias
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return save_drafter(head, cfg, kind, info, Recipe(data="tiny", acceptance={"mean_acceptance_length": 2.5}), folder)
+
+
+def export_drafters(target_dir: Path, root: Path) -> tuple:
+    """In root: a copy of the tiny target_dir with a tokenizer, and one saved drafter folder per kind for it.
+    Returns the target's TargetConfig, the drafter folders by kind, and the loaded target."""
+    from draftsmith.heads.drafter import TargetInfo
+    from draftsmith.serve.models.loader import load_model
+    from draftsmith.serve.models.target import TargetConfig, target_id
+
+    tdir = root / "target"
+    shutil.copytree(target_dir, tdir)
+    save_tiny_tokenizer(tdir)
+    tcfg = TargetConfig(path=str(tdir))
+    target = load_model(tdir)
+    info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
+    drafters = {
+        kind: save_tiny(kind, target, info, root / kind) for kind in ("eagle3", "eagle", "medusa", "draft_model")
+    }
+    return tcfg, drafters, target
+
+
+def leftovers(parent: Path) -> list[str]:
+    """The hidden (dot) names left in parent: an atomic write's temporary folders."""
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def edit_weights(out: Path, fmt: str, change) -> None:
+    """Rewrite an export's weights file after change(tensors) edits the dict in place."""
+    path = out / ("medusa_lm_head.safetensors" if fmt == "tgi" else "model.safetensors")
+    tensors = load_file(str(path))
+    change(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def rename(old: str, new: str):
+    """An edit for edit_weights: the tensor `old` renamed `new`."""
+    return lambda t: t.__setitem__(new, t.pop(old))
+
+
+def flip_ten(key: str):
+    """Ten small weights (5th percentile) sign-flipped: at these tiny sizes a change of the output by ~1e-3."""
+
+    def change(t):
+        flat = t[key].view(-1)
+        idx = flat.float().abs().argsort()[flat.numel() // 20 :][:10]
+        flat[idx] = -flat[idx]
+
+    return change
+
+
+def scale(key: str, factor: float):
+    """An edit for edit_weights: tensor `key` times factor, in its own dtype."""
+    return lambda t: t.__setitem__(key, (t[key].float() * factor).to(t[key].dtype))
+
+
+def edit_json(path: Path, change) -> None:
+    """Rewrite a JSON file after change(data) edits it in place."""
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------- heads, configs and command lines
+
+
+def eagle_head(kind: str, target, seed: int = 0, **overrides):
+    """An EAGLE-1/2 ("eagle") or EAGLE-3 ("eagle3") head for target, its weights drawn after manual_seed(seed)."""
+    from draftsmith.heads.eagle import EagleHead
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.heads.head_base import EagleConfig
+
+    torch.manual_seed(seed)
+    config_cls, head_cls = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}[kind]
+    return head_cls(config_cls.from_target(target.config, **overrides), target)
+
+
+def eval_config(target, out, *overrides: str) -> EvalConfig:
+    """The same config the CLI gets (hydra groups spec, methods, suite), W&B off."""
+    from hydra import compose, initialize_config_module
+
+    from draftsmith.eval.runner import EvalConfig
+    from draftsmith.serve.shared.cli import typed
+
+    with initialize_config_module("draftsmith.conf", version_base=None):
+        cfg = compose("eval", [f"target.path={target}", f"out={out}", "wandb.enabled=false", *overrides])
+    return typed(cfg, EvalConfig)
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def said(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+def command_line(
+    target_dir: Path, tmp_path: Path, convs: list[Conversation], backend: str, max_new_tokens: int = 6
+) -> tuple[list[str], Path]:
+    """draftsmith-regenerate's overrides over `convs` written as a source file, and the answers file it names
+    (max_new_tokens: 6, test_distill's NEW, unless given)."""
+    source, out = tmp_path / "chats.jsonl", tmp_path / "answers.jsonl"
+    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in convs))
+    overrides = [f"target.path={target_dir}", f"data.source={source}", "data.heldout_fraction=0"]
+    overrides += [f"data.distill.max_new_tokens={max_new_tokens}", f"data.distill.out={out}"]
+    overrides += [f"data.distill.backend={backend}"]
+    return overrides, out
+
+
+TESTS = Path(__file__).parent
+# the command lines the tests run: offline, one intra-op thread, tests/ importable (imports=[standin_head])
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "WANDB_MODE": "offline",
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+}
+
+
+def run_command(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run a command line in ENV, its output captured as text."""
+    return subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
+
+
+def cli_args(target, data) -> list[str]:
+    """draftsmith.train's overrides: a short online run of tests/standin_head.py's head on target and data."""
+    import standin_head
+
+    return [
+        f"target.path={target}",
+        "target.dtype=float32",  # train=quick runs the target in bf16; these runs compare with fp32 ones
+        f"data.source={data}",
+        "data.max_conversations=16",
+        "data.max_length=48",
+        f"head.kind={standin_head.KIND}",
+        "~head.draft_vocab_size",  # eagle3's (the default head group) fields, not the stand-in's
+        "~head.loss",
+        "imports=[standin_head]",
+        "train.features.mode=online",
+        "train.batch_size=2",
+        "train.log_every=1",
+        "data.self_distill=false",  # as test_trainer's config(), which these runs are compared with (test_distill*)
+    ]
+
+
+def sum_chats(folder: Path) -> str:
+    """48 two-turn ShareGPT chats about sums, written to folder/chats.jsonl: the trainer tests' data."""
+    rows = []
+    for i in range(48):
+        turns = [
+            {"from": "human", "value": f"What is {i} plus {i}?"},
+            {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. Anything else?"},
+            {"from": "human", "value": "Say it in words."},
+            {"from": "gpt", "value": f"The sum of {i} and {i} equals {2 * i}."},
+        ]
+        rows.append({"id": f"sum-{i}", "conversations": turns})
+    path = folder / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)

@@ -16,7 +16,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from safetensors import safe_open
-from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_prefix, same_kv, spy_budgets
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter import Recipe, read_drafter, save_drafter
@@ -35,12 +34,19 @@ from draftsmith.train.batch import FeatureBatch
 from draftsmith.train.loss_dflash import dflash_loss, sample_anchors
 from helpers import (
     PROMPTS,
+    SMALL,
+    SMALL_PROMPT,
     TARGET_ID,
     build_tiny_chat_target,
+    check_metrics,
     exact_joint,
     greedy_continuations,
     head_features,
+    joint_pvalues,
+    kv_prefix,
     perturbed,
+    same_kv,
+    spy_budgets,
     tiny_info,
 )
 

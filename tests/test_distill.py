@@ -30,7 +30,7 @@ from draftsmith.train.regen_backends import Backend
 from draftsmith.train.trainer import train
 from draftsmith.train.turns import answer_text
 from draftsmith.train.vllm_backend import VllmUnavailable
-from helpers import build_tiny_chat_target
+from helpers import build_tiny_chat_target, command_line, said, user
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 6  # new tokens per answer
@@ -44,14 +44,6 @@ def target_dir(smollm2_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def target(target_dir):
     return load_target(TargetConfig(path=str(target_dir)))
-
-
-def user(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def said(text: str) -> dict:
-    return {"role": "assistant", "content": text}
 
 
 CONVS = [
@@ -295,17 +287,8 @@ def test_the_trainer_distills_once_and_reuses_the_file(target_dir, tmp_path, mon
     assert len(list((tmp_path / "home" / "features").iterdir())) == 2  # not the cache of the earlier answers
 
 
-def command_line(target_dir: Path, tmp_path: Path, convs: list[Conversation], backend: str) -> tuple[list[str], Path]:
-    """draftsmith-regenerate's overrides over `convs` written as a source file, and the answers file it names."""
-    source, out = tmp_path / "chats.jsonl", tmp_path / "answers.jsonl"
-    source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in convs))
-    overrides = [f"target.path={target_dir}", f"data.source={source}", "data.heldout_fraction=0"]
-    overrides += [f"data.distill.max_new_tokens={NEW}", f"data.distill.out={out}", f"data.distill.backend={backend}"]
-    return overrides, out
-
-
 def test_the_command_line_writes_the_file(target_dir, tmp_path, capsys):
-    overrides, out = command_line(target_dir, tmp_path, CONVS, "draftsmith")
+    overrides, out = command_line(target_dir, tmp_path, CONVS, "draftsmith", NEW)
     with initialize_config_module("draftsmith.conf", version_base=None):
         assert run(typed(compose("distill", overrides=overrides), DistillRun)) == out
     assert sorted(file_ids(out)) == sorted(c.id for c in CONVS)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
-from test_distill import command_line, said, user
 
 from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.shared.cli import typed
@@ -17,7 +16,7 @@ from draftsmith.serve.shared.conversations import Conversation, Skipped
 from draftsmith.train.data import DistillConfig
 from draftsmith.train.distill import DistillRun, distill, run
 from draftsmith.train.vllm_backend import VllmUnavailable, find_vllm_python
-from helpers import build_tiny_chat_target
+from helpers import build_tiny_chat_target, command_line, said, user
 
 try:
     VLLM = find_vllm_python(None, None)

@@ -11,7 +11,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors import safe_open
-from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_prefix, same_kv, spy_budgets
 
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
@@ -37,7 +36,24 @@ from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.loss_eagle import eagle_loss
 from draftsmith.train.loss_eagle3 import eagle3_loss
 from draftsmith.train.trainer import loss_for
-from helpers import DEVICES, PROMPTS, TARGET_ID, exact_joint, greedy_continuations, head_features, perturbed, tiny_info
+from helpers import (
+    DEVICES,
+    PROMPTS,
+    SMALL,
+    SMALL_PROMPT,
+    TARGET_ID,
+    check_metrics,
+    eagle_head,
+    exact_joint,
+    greedy_continuations,
+    head_features,
+    joint_pvalues,
+    kv_prefix,
+    perturbed,
+    same_kv,
+    spy_budgets,
+    tiny_info,
+)
 
 KINDS = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
 GREEDY = SamplingParams()
@@ -62,18 +78,12 @@ def target(tiny_llama_dir):
     return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
 
 
-def make_head(kind: str, target, seed: int = 0, **overrides):
-    torch.manual_seed(seed)
-    config_cls, head_cls = KINDS[kind]
-    return head_cls(config_cls.from_target(target.config, **overrides), target)
-
-
 # ---------------------------------------------------------------- heads
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_shapes(kind, target):
-    head = make_head(kind, target)
+    head = eagle_head(kind, target)
     c = target.config
     ids = torch.randint(0, c.vocab_size, (2, 7))
     batch = head_features(target, head, ids, torch.ones(2, 7))
@@ -120,7 +130,7 @@ def test_eagle3_training_time_test_is_what_drafting_sees(norms, target):
     """Step j of unroll at index i equals drafting depth j+1 with the KV cache: the real pairs 0..i in slots
     1..i+1 (the proposer's layout), then the head's own outputs fed back with the next tokens (normed first
     under norm_output, as vLLM feeds them)."""
-    head = make_head("eagle3", target, **norms)
+    head = eagle_head("eagle3", target, **norms)
     c, m, steps = head.config, 9, 3
     feature = torch.randn(1, m, c.hidden_size)
     toks = torch.randint(0, c.vocab_size, (1, m))
@@ -142,7 +152,7 @@ def test_eagle3_training_time_test_is_what_drafting_sees(norms, target):
 
 
 def test_eagle31_norms_change_what_the_head_reads_and_feeds_back(target):
-    plain, normed = make_head("eagle3", target), make_head("eagle3", target, **EAGLE31)
+    plain, normed = eagle_head("eagle3", target), eagle_head("eagle3", target, **EAGLE31)
     assert not hasattr(plain, "input_norm") and normed.input_norm.weight.shape == (3 * target.config.hidden_size,)
     normed.load_state_dict(plain.state_dict(), strict=False)  # the same weights but input_norm
     ids = torch.randint(0, target.config.vocab_size, (1, 6))
@@ -163,7 +173,7 @@ def test_eagle31_norms_change_what_the_head_reads_and_feeds_back(target):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_save_load_round_trip(kind, target, tmp_path):
-    head = make_head(kind, target)
+    head = eagle_head(kind, target)
     if kind == "eagle3":
         head.set_vocab(torch.randint(0, 1000, (target.config.vocab_size,)))
     folder = save_drafter(head, head.config, kind, tiny_info(target), Recipe(data="random", steps=1), tmp_path / kind)
@@ -192,7 +202,7 @@ def test_save_load_round_trip(kind, target, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_load_refuses_another_target(kind, target, tmp_path):
-    head = make_head(kind, target)
+    head = eagle_head(kind, target)
     folder = save_drafter(head, head.config, kind, tiny_info(target), Recipe(), tmp_path / kind)
     h, v = target.config.hidden_size, target.config.vocab_size
     cases = [
@@ -235,22 +245,22 @@ def test_build_vocab_map():
 
 
 def test_eagle3_init_from_target(target):
-    head = make_head("eagle3", target, draft_vocab_size=16, init="target")
+    head = eagle_head("eagle3", target, draft_vocab_size=16, init="target")
     counts = torch.zeros(target.config.vocab_size)
     counts[torch.arange(40, 56)] = 1.0
     head.set_vocab(counts)
     assert torch.equal(head.lm_head.weight, target.lm_head.weight[40:56])
     assert torch.equal(head.norm.weight, target.model.norm.weight)
-    scratch = make_head("eagle3", target, draft_vocab_size=16)
+    scratch = eagle_head("eagle3", target, draft_vocab_size=16)
     scratch.set_vocab(counts)
     assert not torch.equal(scratch.lm_head.weight, target.lm_head.weight[40:56])
     with pytest.raises(ValueError, match="eagle3 init must be scratch or target"):
-        make_head("eagle3", target, init="copy")
+        eagle_head("eagle3", target, init="copy")
 
 
 def test_eagle_loss_shifts(target):
     """Weight only on token t: the pair (feature t-2, token t-1) predicts it, against hidden[t-1]."""
-    head = make_head("eagle", target)
+    head = eagle_head("eagle", target)
     n, t = 10, 6
     ids = torch.randint(0, target.config.vocab_size, (1, n))
     mask = torch.zeros(1, n)
@@ -271,7 +281,7 @@ def test_eagle_loss_shifts(target):
 
 def test_eagle3_loss_shifts(target):
     """Weight only on token t: step j predicts it from pair t-2-j's target feature, against hidden[t-1]."""
-    head = make_head("eagle3", target)
+    head = eagle_head("eagle3", target)
     n, t = 10, 6
     ids = torch.randint(0, target.config.vocab_size, (1, n))
     mask = torch.zeros(1, n)
@@ -292,7 +302,7 @@ def test_eagle3_loss_shifts(target):
 
 
 def test_eagle3_loss_masks_tokens_outside_the_draft_vocabulary_and_adds_feature_noise(target):
-    head = make_head("eagle3", target, draft_vocab_size=target.config.vocab_size // 2)
+    head = eagle_head("eagle3", target, draft_vocab_size=target.config.vocab_size // 2)
     outside = int((~head.t2d).nonzero()[0])
     ids = torch.randint(0, target.config.vocab_size, (1, 10))
     ids[0, 6] = outside
@@ -314,7 +324,7 @@ def test_eagle3_loss_masks_tokens_outside_the_draft_vocabulary_and_adds_feature_
 def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
     """T=1 is the target's distribution (the default); T=0 its top token alone (plain CE on the argmax); 0.5 is
     neither; a negative T is refused."""
-    head = make_head("eagle3", target)
+    head = eagle_head("eagle3", target)
     ids = torch.randint(0, target.config.vocab_size, (2, 12))
     batch = head_features(target, head, ids, torch.ones(2, 12))
     loss_at = {t: eagle3_loss(head, batch, ttt_steps=1, target_temperature=t)[0].item() for t in (1.0, 0.5, 0.0)}
@@ -333,7 +343,7 @@ def test_eagle3_target_temperature_sharpens_toward_the_top_token(target):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_loss_decreases_and_target_stays_frozen(kind, target):
-    head = make_head(kind, target)
+    head = eagle_head(kind, target)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, target.config.vocab_size, (4, 24), generator=g)
     mask = (torch.arange(24) >= 4).float().expand(4, 24).clone()
@@ -372,7 +382,7 @@ def trained(target, plain):
     ids, mask = greedy_continuations(target, plain, MAX_SEQ)
     heads = {}
     for kind, steps in (("eagle", 120), ("eagle3", 60)):
-        head = make_head(kind, target)
+        head = eagle_head(kind, target)
         batch = head_features(target, head, ids, mask)
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
         for _ in range(steps):
@@ -461,13 +471,13 @@ def test_drafts_never_reach_past_max_new_tokens(kind, topk, total, ngram, target
 def test_hybrid_refuses_chain_drafters_and_unknown_policies(target):
     with pytest.raises(ValueError, match=r"pairs n-gram lookup with drafters that rebuild their state .* not ngram"):
         HybridProposer(NgramProposer(NgramConfig()), NgramProposer(NgramConfig()))
-    head = EagleProposer(make_head("eagle3", target), "eagle3")
+    head = EagleProposer(eagle_head("eagle3", target), "eagle3")
     with pytest.raises(ValueError, match="spec.ngram_policy must be one of prefer, merge"):
         HybridProposer(head, NgramProposer(NgramConfig()), "both")
 
 
 def test_restricted_vocab_keeps_those_logits(target):
-    head = make_head("eagle", target)
+    head = eagle_head("eagle", target)
     ids = torch.tensor([3, 17, 40, 99])
     feature = torch.randn(5, target.config.hidden_size)
     full = head.logits(feature)
@@ -479,7 +489,7 @@ def test_restricted_vocab_keeps_those_logits(target):
 
 @pytest.mark.parametrize("topk", [1, 3])
 def test_restricted_vocab_drafts_only_those_tokens_and_stays_lossless(topk, target, plain, trained):
-    head = make_head("eagle", target)
+    head = eagle_head("eagle", target)
     head.load_state_dict(trained["eagle"].state_dict())
     answers = torch.tensor([t for r in plain.values() for t in r.output_ids])
     ids = frequent_ids(torch.bincount(answers, minlength=target.config.vocab_size), 24)
@@ -498,7 +508,7 @@ def test_restricted_vocab_drafts_only_those_tokens_and_stays_lossless(topk, targ
 
 def test_untrained_head_is_lossless_too(target, plain):
     for kind in KINDS:
-        engine = Engine(target, EagleProposer(make_head(kind, target, seed=5).eval(), kind, 3, TreeConfig(2, 5)))
+        engine = Engine(target, EagleProposer(eagle_head(kind, target, seed=5).eval(), kind, 3, TreeConfig(2, 5)))
         for p in PROMPTS[:2]:
             assert engine.generate(p, MAX_NEW, GREEDY).output_ids == plain[tuple(p)].output_ids
 
@@ -550,7 +560,7 @@ def test_sampling_runs_on_the_models_device(device, tiny_llama_dir):
     generator there: seeded runs repeat, and drafts were verified."""
     tgt = load_model(tiny_llama_dir("llama"), torch.float32, device)
     for topk in (1, 2):
-        head = make_head("eagle3", tgt, seed=5).to(device).eval()
+        head = eagle_head("eagle3", tgt, seed=5).to(device).eval()
         engine = Engine(tgt, EagleProposer(head, "eagle3", 3, TreeConfig(topk, 0)), max_seq_len=MAX_SEQ)
         runs = [engine.generate(PROMPTS[3], 12, SamplingParams(temperature=1.0, seed=s)) for s in (3, 3)]
         assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 12
@@ -577,10 +587,10 @@ def test_speculative_sampling_matches_plain_distribution(kind, topk, ngram, poli
     tgt, joint = small
     counts = torch.tensor([9, 1, 8, 7, 0, 6, 5, 4])  # 2 target tokens the drafter cannot propose
     if kind == "eagle3":
-        head = make_head("eagle3", tgt, seed=3, draft_vocab_size=6)
+        head = eagle_head("eagle3", tgt, seed=3, draft_vocab_size=6)
         head.set_vocab(counts)
     else:
-        head = make_head("eagle", tgt, seed=3)
+        head = eagle_head("eagle", tgt, seed=3)
         head.restrict_vocab(frequent_ids(counts, 6))
     proposer = EagleProposer(head.eval(), kind, 2, TreeConfig(topk, 0))
     if ngram:
@@ -605,7 +615,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     loaded = LoadedTarget(target, None, TARGET_ID)
     folders = {}
     for kind in KINDS:
-        head = make_head(kind, target)
+        head = eagle_head(kind, target)
         folders[kind] = save_drafter(head, head.config, kind, tiny_info(target), Recipe(), tmp_path / kind)
     yaml = OmegaConf.load(draftsmith.conf.__path__[0] + "/spec/eagle3.yaml")
     spec = OmegaConf.to_object(
@@ -636,7 +646,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     assert isinstance(hybrid, HybridProposer) and hybrid.max_tree_size == 3 + 4
     assert spec_label(SpecConfig("eagle", drafter="x", ngram_tokens=4)) == "eagle_ngram"
     counts = torch.arange(target.config.vocab_size) % 7
-    head = make_head("eagle", target)
+    head = eagle_head("eagle", target)
     counted = save_drafter(head, head.config, "eagle", tiny_info(target), Recipe(), tmp_path / "c", counts)
     narrow = make_proposer(SpecConfig("eagle", 3, drafter=str(counted), draft_vocab=10), loaded)
     assert torch.equal(narrow.vocab_ids, frequent_ids(counts, 10)) and narrow.head.lm_head.out_features == 10

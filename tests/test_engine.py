@@ -22,7 +22,18 @@ from draftsmith.serve.proposers.base import Proposer
 from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
 from draftsmith.serve.proposers.propose_layerskip import layerskip_model
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
-from helpers import DEVICES, PROMPTS, exact_joint
+from helpers import (
+    DEVICES,
+    PROMPTS,
+    SMALL,
+    SMALL_PROMPT,
+    check_metrics,
+    exact_joint,
+    joint_pvalues,
+    kv_prefix,
+    same_kv,
+    spy_budgets,
+)
 
 GREEDY = SamplingParams()
 ALPHA = 1e-4
@@ -69,14 +80,6 @@ def plain(target):
     return refs
 
 
-def kv_prefix(engine: Engine, n: int) -> list[torch.Tensor]:
-    return [t[:, :, :n].clone() for t in (*engine.cache.k, *engine.cache.v)]
-
-
-def same_kv(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-5) -> bool:
-    return all(torch.allclose(x, y, atol=atol, rtol=0) for x, y in zip(a, b, strict=True))
-
-
 class OracleTreeProposer(Proposer):
     """Knows the target's greedy continuation and hides it among decoys in a branching tree, so the
     accepted path is not contiguous and the engine has to compact the KV cache."""
@@ -114,23 +117,6 @@ def make_proposer(name: str, target, other, noisy) -> Proposer:
         return DraftModelProposer(target, DraftChainConfig(4))
     assert name == "layerskip"
     return DraftModelProposer(layerskip_model(target, 1), DraftChainConfig(3))
-
-
-def check_metrics(m, out: list[int], k: int) -> None:
-    """Counters that must add up for any run that stopped on length."""
-    assert m.new_tokens == len(out)
-    app = m.accepted_per_position
-    assert sum(app) == m.accepted_tokens <= m.draft_tokens
-    assert all(a >= b for a, b in zip(app, app[1:], strict=False)), app
-    assert len(app) <= k and (not app or app[0] <= m.drafts)
-    assert m.drafts <= m.target_forward_passes
-    if m.drafts:
-        assert m.mean_acceptance_length == pytest.approx(1 + m.accepted_tokens / m.drafts)
-    else:
-        assert m.mean_acceptance_length == 1.0 and m.accepted_tokens == 0
-    # the prefill emits 1 token, each step its accepted tokens + 1; only the last step's bonus may be cut
-    emitted = 1 + m.target_forward_passes + m.accepted_tokens
-    assert m.new_tokens <= emitted <= m.new_tokens + 1
 
 
 # ---------------------------------------------------------------- greedy: lossless for every proposer
@@ -244,19 +230,6 @@ def test_tau_counts_only_tokens_kept_within_max_new_tokens(target, plain):
     assert out.output_ids == plain[tuple(p)][0].output_ids[:2]
     assert m.mean_acceptance_length == 2.0 and m.accepted_per_position == [1]
     assert (m.target_forward_passes, m.drafts, m.draft_tokens, m.accepted_tokens) == (1, 1, 1, 1)
-
-
-def spy_budgets(proposer: Proposer) -> list[tuple[int, int, int]]:
-    """Per propose call: (tokens so far, budget given, deepest node drafted)."""
-    calls, propose = [], proposer.propose
-
-    def spy(tokens, sp, budget):
-        tree = propose(tokens, sp, budget)
-        calls.append((tokens.numel(), budget, int(tree.depths.max()) if len(tree) else 0))
-        return tree
-
-    proposer.propose = spy
-    return calls
 
 
 def drafter_kv_is_fresh(proposer: DraftModelProposer, seq: list[int]) -> bool:
@@ -446,33 +419,6 @@ def test_unseeded_generate_leaves_the_global_rng_alone(target, noisy):
         assert torch.equal(torch.rand(4), expected)
 
 
-def pooled_chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; the rarest cells are pooled into one until every cell expects >= 5.
-
-    Under H0 (speculative sampling draws exactly from the target's distribution) the counts are
-    Multinomial(N, probs), and so are the pooled counts; X^2 over the pooled cells is ~ chi^2(cells - 1)
-    once every expected count is >= 5. The p-value is the regularised upper incomplete gamma
-    Q(df / 2, X^2 / 2); requiring p > ALPHA fails a correct engine with probability ~ALPHA per statistic
-    (and the seeds are fixed). A cell the target gives probability 0 must never be hit at all.
-    """
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    assert counts[probs == 0].sum() == 0, "sampled a token the target gives probability 0"
-    expected = counts.sum() * probs
-    order = expected.argsort()
-    pooled = 0
-    while pooled < len(order) and (expected[order[:pooled]].sum() < 5 or expected[order[pooled]] < 5):
-        pooled += 1
-    rare, rest = order[:pooled], order[pooled:]
-    obs = torch.cat([counts[rest], counts[rare].sum().view(1)])
-    exp = torch.cat([expected[rest], expected[rare].sum().view(1)])
-    assert len(obs) > 2 and exp.min() >= 5, "too few draws for the chi-square approximation"
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = torch.tensor(float(len(obs) - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
-
-
-SMALL = dict(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-SMALL_PROMPT = [1, 2, 3, 4, 5]
 SAMPLE = SamplingParams(temperature=1.0)
 
 
@@ -500,16 +446,6 @@ def speculative_pvalues(small, n: int) -> tuple[float, float, float]:
         accepted += out.metrics.accepted_tokens
     assert 0.1 * n < accepted < 2 * n  # drafts get accepted and rejected: both branches ran
     return joint_pvalues(torch.tensor(draws), joint)
-
-
-def joint_pvalues(x: torch.Tensor, joint: torch.Tensor) -> tuple[float, float, float]:
-    """x [n, 3]: draws of three tokens over a vocabulary of 8; joint [8, 8, 8] their exact distribution. The
-    p-values of the first pair, the second pair, and the triple."""
-    return (
-        pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
-        pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
-        pooled_chi2_pvalue(x[:, 0] * 64 + x[:, 1] * 8 + x[:, 2], joint.flatten()),
-    )
 
 
 def test_speculative_sampling_matches_plain_distribution(small):

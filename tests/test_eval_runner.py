@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from transformers import AutoTokenizer
 
 from draftsmith.eval import runner
@@ -28,10 +27,9 @@ from draftsmith.serve.drafters import target_info
 from draftsmith.serve.engine.engine import Generation
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target
-from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.head import HeadConfig, build_head
-from helpers import SPEC_KEYS, build_tiny_chat_target
+from helpers import SPEC_KEYS, build_tiny_chat_target, eval_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,18 +52,11 @@ def prompts_file(tmp_path_factory):
     return path
 
 
-def config(target, out, *overrides: str) -> EvalConfig:
-    """The same config the CLI gets (hydra groups spec, methods, suite), W&B off."""
-    with initialize_config_module("draftsmith.conf", version_base=None):
-        cfg = compose("eval", [f"target.path={target}", f"out={out}", "wandb.enabled=false", *overrides])
-    return typed(cfg, EvalConfig)
-
-
 @pytest.fixture(scope="module")
 def two_methods(tiny_target, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("ev") / "ev"
     overrides = ["spec=ngram", "methods=[layerskip]", "methods.layerskip.layers=1", "repeats=2", "max_new_tokens=6"]
-    return out, run_eval(config(tiny_target, out, f"prompts={prompts_file}", *overrides))
+    return out, run_eval(eval_config(tiny_target, out, f"prompts={prompts_file}", *overrides))
 
 
 def test_several_methods_and_repeats_keep_the_spec_keys_and_add_methods(two_methods):
@@ -183,7 +174,7 @@ def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, 
     target = load_target(TargetConfig(path=str(tiny_target)))
     folder = save_eagle3(target, tmp_path / "head", DraftShape(num_tokens=1, topk=3, total_tokens=0))
     overrides = ["spec=eagle3", f"spec.drafter={folder}", "limit=1", "warmup=0", "max_new_tokens=4"]
-    m = run_eval(config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides)).methods["eagle3"]
+    m = run_eval(eval_config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides)).methods["eagle3"]
     assert (m.config["num_tokens"], m.config["tree"]) == (1, {"topk": 3, "total_tokens": 0})
     assert len(m.acceptance_rate_per_position) == 1 and m.lossless.identical == m.lossless.checked
 
@@ -264,7 +255,7 @@ def test_prefix_x_spec_study_runs_the_four_cells(tiny_target, tmp_path):
     doc.write_text("# Notes\n\n" + "The cache keeps blocks of sixteen tokens. " * 30 + "\n\n## Usage\n\nAsk.\n")
     out = tmp_path / "ev"
     overrides = ["spec=ngram", "suite=rag", f"suite.document={doc}", "limit=2", "study=prefix_x_spec"]
-    r = run_eval(config(tiny_target, out, *overrides, "max_new_tokens=4"))
+    r = run_eval(eval_config(tiny_target, out, *overrides, "max_new_tokens=4"))
     s = r.study
     assert [(c.prefix_cache, c.speculation) for c in s.cells] == [
         (False, None),
@@ -298,7 +289,7 @@ def test_sampling_replaces_equality_with_a_distribution_check(tiny_target, promp
     # top_k=2: unrestricted, a random tiny target samples near-uniformly from its whole vocabulary, so no token
     # would be common enough to compare (the check then says too few samples)
     overrides = [f"prompts={prompts_file}", "temperature=1", "top_k=2", "repeats=2", "max_new_tokens=8", "limit=2"]
-    r = run_eval(config(tiny_target, tmp_path / "ev", *overrides))
+    r = run_eval(eval_config(tiny_target, tmp_path / "ev", *overrides))
     d = r.methods["ngram"].distribution_check
     assert r.lossless.checked == 0 and d.units == 4 and 0 <= d.p_value <= 1
     assert "permutation" in d.test and d.tv_distance is not None
@@ -315,16 +306,16 @@ def test_ctrl_c_leaves_a_partial_result_of_finished_prompts(tiny_target, prompts
 
     monkeypatch.setattr(runner, "answer", interrupted)
     out = tmp_path / "ev"
-    r = run_eval(config(tiny_target, out, f"prompts={prompts_file}", "max_new_tokens=4"))
+    r = run_eval(eval_config(tiny_target, out, f"prompts={prompts_file}", "max_new_tokens=4"))
     assert r.partial is True and r.prompts == 1 and r.lossless.checked == 2
     assert json.loads((out / "results.json").read_text())["partial"] is True
 
 
 def test_methods_group_composes_several_labelled_methods(tiny_target, tmp_path):
-    cfg = config(tiny_target, tmp_path, "spec=ar", "methods=[ngram,eagle3]", "methods.eagle3.drafter=HEAD")
+    cfg = eval_config(tiny_target, tmp_path, "spec=ar", "methods=[ngram,eagle3]", "methods.eagle3.drafter=HEAD")
     methods = resolve_methods(cfg.spec, cfg.methods)
     assert list(methods) == ["ngram", "eagle3"] and methods["eagle3"].drafter == "HEAD"
-    same = config(tiny_target, tmp_path, "spec=ngram", "methods=[ngram,layerskip]")
+    same = eval_config(tiny_target, tmp_path, "spec=ngram", "methods=[ngram,layerskip]")
     assert list(resolve_methods(same.spec, same.methods)) == ["ngram", "layerskip"]  # one ngram, same settings
 
 
@@ -341,7 +332,7 @@ def test_methods_group_composes_several_labelled_methods(tiny_target, tmp_path):
 def test_bad_settings_are_refused_before_anything_is_written(tiny_target, prompts_file, tmp_path, overrides, message):
     out = tmp_path / "ev"
     with pytest.raises(ValueError, match=re.escape(message)):
-        run_eval(config(tiny_target, out, f"prompts={prompts_file}", *overrides))
+        run_eval(eval_config(tiny_target, out, f"prompts={prompts_file}", *overrides))
     assert not out.exists()
 
 
@@ -350,7 +341,7 @@ def test_an_empty_prompts_file_writes_nothing(tiny_target, tmp_path):
     empty.write_text("\n")
     out = tmp_path / "ev"
     with pytest.raises(ValueError, match="is empty"):
-        run_eval(config(tiny_target, out, f"prompts={empty}", "methods=[layerskip]"))
+        run_eval(eval_config(tiny_target, out, f"prompts={empty}", "methods=[layerskip]"))
     assert not out.exists()
 
 
@@ -366,21 +357,21 @@ def test_a_crashed_eval_keeps_every_finished_prompt_and_resumes(tiny_target, pro
     overrides = [f"prompts={prompts_file}", "max_new_tokens=4", "methods=[layerskip]", "methods.layerskip.layers=1"]
     monkeypatch.setattr(runner, "answer", crash_on_c)
     with pytest.raises(RuntimeError, match="boom"):
-        run_eval(config(tiny_target, out, *overrides))
+        run_eval(eval_config(tiny_target, out, *overrides))
     lines = (out / "records.jsonl").read_text().splitlines()
     assert [json.loads(x)["id"] for x in lines] == ["a", "b"] and not (out / "results.json").exists()
 
     with pytest.raises(ValueError, match="unfinished eval .* resume=true"):
-        run_eval(config(tiny_target, out, *overrides))
+        run_eval(eval_config(tiny_target, out, *overrides))
     with pytest.raises(ValueError, match=r"other settings \(max_new_tokens\)"):
-        run_eval(config(tiny_target, out, *overrides[:1], "max_new_tokens=5", *overrides[2:], "resume=true"))
+        run_eval(eval_config(tiny_target, out, *overrides[:1], "max_new_tokens=5", *overrides[2:], "resume=true"))
 
     with open(out / "records.jsonl", "a") as f:
         f.write('{"id": "c", "repeat": 0, "reco')  # a kill mid-write
     monkeypatch.setattr(
         runner, "answer", lambda engine, arm, prompt, *a: asked.append(prompt.id) or real(engine, arm, prompt, *a)
     )
-    r = run_eval(config(tiny_target, out, *overrides, "resume=true"))
+    r = run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))
     # a and b are answered again, unrecorded (so the engines' state is an uninterrupted run's); their records
     # come from disk
     assert set(asked) == {"a", "b", "c"}
@@ -411,15 +402,15 @@ def test_resume_refuses_edited_prompts_and_a_drafter_retrained_in_place(tiny_tar
     out = tmp_path / "ev"
     overrides = [f"prompts={prompts}", "spec=eagle3", f"spec.drafter={folder}", "warmup=0", "max_new_tokens=2"]
     with pytest.raises(RuntimeError, match="boom"):
-        run_eval(config(tiny_target, out, *overrides))
+        run_eval(eval_config(tiny_target, out, *overrides))
 
     prompts.write_text("".join(json.dumps(r) + "\n" for r in [{**ROWS[0], "turns": ["Say bye."]}, *ROWS[1:]]))
     with pytest.raises(ValueError, match=r"other settings \(prompts_sha256\)"):
-        run_eval(config(tiny_target, out, *overrides, "resume=true"))
+        run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))
     prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     train_head(1)
     with pytest.raises(ValueError, match=r"other settings \(drafters\)"):
-        run_eval(config(tiny_target, out, *overrides, "resume=true"))
+        run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))
 
 
 def test_a_killed_rerun_into_a_finished_folder_leaves_no_stale_result(tiny_target, prompts_file, tmp_path, monkeypatch):
@@ -427,7 +418,7 @@ def test_a_killed_rerun_into_a_finished_folder_leaves_no_stale_result(tiny_targe
     compare cannot mistake for the old result and a plain rerun refuses to wipe), not the old results.json."""
     out = tmp_path / "ev"
     overrides = [f"prompts={prompts_file}", "max_new_tokens=2", "limit=2"]
-    write_report(out, run_eval(config(tiny_target, out, *overrides)))
+    write_report(out, run_eval(eval_config(tiny_target, out, *overrides)))
     assert {p.name for p in out.iterdir()} >= {"results.json", "report.md", "outputs.jsonl", "per_prompt.jsonl"}
     real = runner.answer
 
@@ -438,11 +429,11 @@ def test_a_killed_rerun_into_a_finished_folder_leaves_no_stale_result(tiny_targe
 
     monkeypatch.setattr(runner, "answer", killed_on_b)
     monkeypatch.setattr(runner, "write_outputs", lambda *a: None)  # killed before it writes anything else
-    run_eval(config(tiny_target, out, *overrides))
+    run_eval(eval_config(tiny_target, out, *overrides))
     assert {p.name for p in out.iterdir()} == {"records.jsonl", "run.json"}
     assert unfinished(out)
     with pytest.raises(ValueError, match="unfinished eval .* resume=true"):
-        run_eval(config(tiny_target, out, *overrides))
+        run_eval(eval_config(tiny_target, out, *overrides))
 
 
 def test_a_later_turn_beyond_the_context_is_skipped_and_counted(tiny_target, tmp_path):
@@ -450,7 +441,7 @@ def test_a_later_turn_beyond_the_context_is_skipped_and_counted(tiny_target, tmp
     rows = [{"id": "long", "turns": ["Say hi.", "Repeat this: " + "words and more words " * 120, "Bye."]}, ROWS[1]]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "ev"
-    r = run_eval(config(tiny_target, out, f"prompts={path}", "max_new_tokens=4", "max_seq_len=200"))
+    r = run_eval(eval_config(tiny_target, out, f"prompts={path}", "max_new_tokens=4", "max_seq_len=200"))
     skipped = r.skipped
     assert skipped.turns == 4  # plain decoding and ngram each skipped turn 2 of "long", and turn 3 after it
     got = {(s.id, s.turn, s.method): s.reason for s in skipped.list}

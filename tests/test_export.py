@@ -12,16 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
-from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
 from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, save_drafter
-from draftsmith.heads.eagle import EagleHead
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.heads.head_base import EagleConfig
-from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.export import export_eagle
 from draftsmith.serve.export import export_eagle as export_mod
 from draftsmith.serve.export.__main__ import ExportConfig, run
@@ -29,10 +23,25 @@ from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
+from helpers import (
+    DRAFT_V,
+    H,
+    V,
+    edit_json,
+    edit_weights,
+    export_drafters,
+    flip_ten,
+    layer_shapes,
+    leftovers,
+    rename,
+    save_tiny,
+    save_tiny_tokenizer,
+    scale,
+    tiny_head,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-H, FF, Q, KV, V, DRAFT_V = 64, 128, 64, 32, 128, 48  # tiny target: 4 heads and 2 kv heads of 16
 ROWS = [
     ("eagle3", "vllm"),
     ("eagle3", "sglang"),
@@ -42,20 +51,6 @@ ROWS = [
     ("medusa", "tgi"),
     ("draft_model", "hf"),
 ]
-
-
-def layer_shapes(p: str, in_dim: int, bias: bool = False) -> dict:
-    s = {f"{p}.self_attn.q_proj.weight": (Q, in_dim), f"{p}.self_attn.k_proj.weight": (KV, in_dim)}
-    s |= {f"{p}.self_attn.v_proj.weight": (KV, in_dim), f"{p}.self_attn.o_proj.weight": (H, Q)}
-    s |= {
-        f"{p}.mlp.gate_proj.weight": (FF, H),
-        f"{p}.mlp.up_proj.weight": (FF, H),
-        f"{p}.mlp.down_proj.weight": (H, FF),
-    }
-    s[f"{p}.post_attention_layernorm.weight"] = (H,)
-    if bias:
-        s |= {f"{p}.self_attn.{n}_proj.bias": (d,) for n, d in {"q": Q, "k": KV, "v": KV, "o": H}.items()}
-    return s
 
 
 # the keys and shapes engines load, spelled out for the tiny sizes
@@ -121,62 +116,15 @@ CONFIG = {
 CONFIG[("eagle3", "sglang")] = CONFIG[("eagle3", "vllm")]
 
 
-def save_tiny_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer over the tiny vocabulary ("t0" .. "t127"): the HF export copies it."""
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir, tmp_path_factory):
     """The target folder (with a tokenizer), its TargetConfig, and one saved drafter folder per kind."""
-    root = tmp_path_factory.mktemp("export")
-    tdir = root / "target"
-    shutil.copytree(tiny_llama_dir("llama"), tdir)
-    save_tiny_tokenizer(tdir)
-    tcfg = TargetConfig(path=str(tdir))
-    target = load_model(tdir)
-    info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
-    drafters = {
-        kind: save_tiny(kind, target, info, root / kind) for kind in ("eagle3", "eagle", "medusa", "draft_model")
-    }
-    return tcfg, drafters, target
-
-
-def tiny_head(kind: str, target):
-    """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it."""
-    c = target.config
-    if kind == "eagle3":
-        head = Eagle3Head(Eagle3Config.from_target(c, draft_vocab_size=DRAFT_V), target)
-        head.set_vocab(torch.rand(V))  # a draft vocabulary that is not the first DRAFT_V ids
-    elif kind == "eagle":
-        head = EagleHead(EagleConfig.from_target(c), target)
-    elif kind == "medusa":
-        head = MedusaHeads(MedusaConfig(H, V, num_heads=3, num_layers=1), target)
-    else:
-        head = DraftModel(DraftModelConfig(num_layers=2), target)
-        return head, head.draft_config
-    return head, head.config
-
-
-def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
-    torch.manual_seed(1)
-    head, cfg = tiny_head(kind, target)
-    with torch.no_grad():  # trained-looking weights: no zero blocks, a visible fc bias
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    return save_drafter(head, cfg, kind, info, Recipe(data="tiny", acceptance={"mean_acceptance_length": 2.5}), folder)
+    return export_drafters(tiny_llama_dir("llama"), tmp_path_factory.mktemp("export"))
 
 
 def do_export(tiny, kind: str, fmt: str, out: Path, **kw) -> Path:
     tcfg, drafters, _ = tiny
     return export(drafters[kind], fmt, out, tcfg, kw.pop("dtype", "fp32"), **kw)
-
-
-def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
 # ---------------------------------------------------------------- each row of the table
@@ -244,17 +192,6 @@ def test_eagle_vllm_moves_fc_bias_into_attention(tiny, tmp_path):
 # ---------------------------------------------------------------- the validator
 
 
-def edit_weights(out: Path, fmt: str, change) -> None:
-    path = out / ("medusa_lm_head.safetensors" if fmt == "tgi" else "model.safetensors")
-    tensors = load_file(str(path))
-    change(tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
-
-
-def rename(old: str, new: str):
-    return lambda t: t.__setitem__(new, t.pop(old))
-
-
 @pytest.mark.parametrize(
     "kind,fmt,change,message",
     [
@@ -278,21 +215,6 @@ def test_validator_catches(tiny, tmp_path, kind, fmt, change, message):
     with pytest.raises(ExportError, match="fails validation") as e:
         validate(tiny[1][kind], fmt, out, tiny[0])
     assert message in str(e.value)
-
-
-def flip_ten(key: str):
-    """Ten small weights (5th percentile) sign-flipped: at these tiny sizes a change of the output by ~1e-3."""
-
-    def change(t):
-        flat = t[key].view(-1)
-        idx = flat.float().abs().argsort()[flat.numel() // 20 :][:10]
-        flat[idx] = -flat[idx]
-
-    return change
-
-
-def scale(key: str, factor: float):
-    return lambda t: t.__setitem__(key, (t[key].float() * factor).to(t[key].dtype))
 
 
 @pytest.mark.parametrize(
@@ -435,12 +357,6 @@ def test_refuses_missing_or_corrupt_drafter(tiny, tmp_path, fix, message):
     with pytest.raises(ExportError, match=message):
         export(drafter, "vllm", tmp_path / "out", tiny[0], "fp32")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
-
-
-def edit_json(path: Path, change) -> None:
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
 
 
 def test_refuses_a_drafter_for_another_target(tiny, tiny_llama_dir, tmp_path):

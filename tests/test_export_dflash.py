@@ -11,7 +11,6 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_export import edit_weights, flip_ten, rename, save_tiny_tokenizer, scale
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter import Recipe, TargetInfo, save_drafter
@@ -19,6 +18,7 @@ from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
+from helpers import edit_weights, flip_ten, rename, save_tiny_tokenizer, scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,15 +4,11 @@ comparison is like for like), and every section runs and lands in the JSON and M
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
+import gpu_bench
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-
-import gpu_bench  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,7 @@
 """Imports follow docs/design.md: heads <- serve <- train, heads <- serve <- eval; nothing imports a __main__; no
-two modules import each other, however indirectly.
+two modules import each other, however indirectly. In tests/, no file imports a test module or conftest: what several
+modules share is in helpers.py (plain code) or conftest.py (fixtures), so running one test file never runs another's
+module code.
 
 Every import statement in the packages' files is read with `ast` (those inside functions and TYPE_CHECKING blocks
 too), relative ones resolved against the file's package."""
@@ -139,3 +141,38 @@ def test_no_import_cycles():
 def test_the_cycle_walk_finds_indirect_and_hidden_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
     assert cycles(graph) == [["a", "b", "c"]]
+
+
+def imports_of_test_modules(tests: Path) -> list[str]:
+    """One line per import statement in tests/ (inside functions too) that names a test module (a test_*.py
+    there) or conftest, as `import test_x`, `from test_x import a` or `from tests import test_x`."""
+    modules = {p.stem for p in tests.glob("test_*.py")} | {"conftest"}
+    bad = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [f"{node.module or ''}.{a.name}" for a in node.names]
+            else:
+                continue
+            named = sorted({part for name in names for part in name.split(".")} & modules)
+            if named:
+                bad.append(f"{path.relative_to(tests.parent)}:{node.lineno} imports {', '.join(named)}")
+    return bad
+
+
+def test_no_test_module_imports_another():
+    assert imports_of_test_modules(ROOT / "tests") == []
+
+
+def test_the_tests_walk_sees_a_test_module_imported(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_a.py").write_text("import torch\nfrom helpers import PROMPTS\n")
+    (tests / "test_b.py").write_text(
+        "from test_a import PROMPTS\ndef f():\n    import test_a\nfrom tests import test_a\nimport conftest\n"
+    )
+    (tests / "helpers.py").write_text("from test_b import f\n")
+    found = imports_of_test_modules(tests)
+    assert len(found) == 5 and all("test_a.py" not in v for v in found), found

@@ -17,9 +17,6 @@ import torch
 from hydra import compose, initialize_config_module
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_engine import SMALL, SMALL_PROMPT, check_metrics, joint_pvalues, kv_prefix, same_kv, spy_budgets
-from test_export import H, V, edit_weights, layer_shapes, save_tiny_tokenizer, tiny  # noqa: F401 (tiny: a fixture)
-from test_trainer import cli_args, data, run  # noqa: F401 (data: a fixture)
 
 from draftsmith.heads.drafter import Recipe, TargetInfo, read_drafter, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -44,12 +41,28 @@ from draftsmith.train.loss_peagle import cod_anchors, peagle_loss
 from draftsmith.train.trainer import check_loss_options, loss_for
 from helpers import (
     PROMPTS,
+    SMALL,
+    SMALL_PROMPT,
     TARGET_ID,
+    H,
+    V,
     build_tiny_chat_target,
+    check_metrics,
+    cli_args,
+    edit_weights,
     exact_joint,
+    export_drafters,
     greedy_continuations,
     head_features,
+    joint_pvalues,
+    kv_prefix,
+    layer_shapes,
     perturbed,
+    run_command,
+    same_kv,
+    save_tiny_tokenizer,
+    spy_budgets,
+    sum_chats,
     tiny_info,
 )
 
@@ -398,10 +411,16 @@ def chat_target(smollm2_dir, tmp_path_factory):
     return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat-target"), smollm2_dir)
 
 
-def test_train_quick_through_the_cli_with_its_in_training_eval(chat_target, data, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    """test_trainer's chats."""
+    return sum_chats(tmp_path_factory.mktemp("data"))
+
+
+def test_train_quick_through_the_cli_with_its_in_training_eval(chat_target, data, tmp_path):
     out = tmp_path / "run"
     args = [a for a in cli_args(chat_target, data) if not a.startswith(("head.kind", "~head", "imports"))]
-    r = run(
+    r = run_command(
         [
             sys.executable,
             "-m",
@@ -433,7 +452,13 @@ def test_train_quick_through_the_cli_with_its_in_training_eval(chat_target, data
 
 
 @pytest.fixture(scope="module")
-def exportable(tiny):  # noqa: F811
+def tiny(tiny_llama_dir, tmp_path_factory):
+    """test_export's tiny target folder (with a tokenizer) and drafters."""
+    return export_drafters(tiny_llama_dir("llama"), tmp_path_factory.mktemp("export"))
+
+
+@pytest.fixture(scope="module")
+def exportable(tiny):
     """A 2-layer peagle drafter (draft vocabulary of 48) for test_export's tiny target folder."""
     tcfg, _, tgt = tiny
     torch.manual_seed(1)

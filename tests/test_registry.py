@@ -14,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_engine import SMALL, SMALL_PROMPT, pooled_chi2_pvalue
-from test_export import save_tiny_tokenizer
 
 import draftsmith.conf
 from draftsmith.heads import kinds
@@ -31,7 +29,7 @@ from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_toke
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.head import HeadConfig, build_head, trained_kind
 from draftsmith.train.trainer import feature_batch, loss_for
-from helpers import PROMPTS, exact_joint
+from helpers import PROMPTS, SMALL, SMALL_PROMPT, exact_joint, pooled_chi2_pvalue, save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

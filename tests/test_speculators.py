@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_export import edit_json, leftovers, save_tiny_tokenizer
 from transformers import LlamaConfig
 
 from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
@@ -28,7 +27,7 @@ from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.spec import SpecConfig
-from helpers import PROMPTS
+from helpers import PROMPTS, edit_json, leftovers, save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

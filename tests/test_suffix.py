@@ -12,9 +12,6 @@ import shutil
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_eagle import make_head
-from test_engine import SMALL, check_metrics, joint_pvalues, spy_budgets
-from test_eval_runner import config
 
 import draftsmith.conf
 from draftsmith.eval.methods import drafter_params, spec_label
@@ -30,7 +27,17 @@ from draftsmith.serve.proposers.hybrid import HybridProposer, merge_tree
 from draftsmith.serve.proposers.propose_eagle import EagleProposer
 from draftsmith.serve.proposers.propose_suffix import SuffixProposer, SuffixTree
 from draftsmith.serve.spec import SpecConfig, SuffixConfig
-from helpers import PROMPTS, build_tiny_chat_target, exact_joint
+from helpers import (
+    PROMPTS,
+    SMALL,
+    build_tiny_chat_target,
+    check_metrics,
+    eagle_head,
+    eval_config,
+    exact_joint,
+    joint_pvalues,
+    spy_budgets,
+)
 
 GREEDY = SamplingParams()
 MAX_NEW, MAX_SEQ, ALPHA = 24, 128, 1e-4
@@ -334,7 +341,7 @@ def test_speculative_sampling_with_suffix_drafts_matches_plain_distribution(tree
 
 @pytest.mark.parametrize("policy,tree", [("prefer", False), ("merge", False), ("merge", True)])
 def test_hybrid_with_suffix_is_lossless_and_takes_suffix_paths(policy, tree, target, plain):
-    head = EagleProposer(make_head("eagle3", target), "eagle3", 3, TreeConfig(2, 6))
+    head = EagleProposer(eagle_head("eagle3", target), "eagle3", 3, TreeConfig(2, 6))
     lookup = SuffixProposer(SuffixConfig(tree=tree), 6, min_score=3 if policy == "prefer" else 0)
     proposer = HybridProposer(head, lookup, policy)
     assert proposer.name == "eagle3_suffix" and proposer.max_tree_size == 6 + 6
@@ -414,7 +421,7 @@ def test_eval_forgets_the_warm_up_and_earlier_repeats(smollm2_dir, tmp_path):
     taus = []
     for warmup in (1, 0):
         args = [f"prompts={tmp_path / 'p.jsonl'}", "spec=suffix", "repeats=2", "max_new_tokens=12", f"warmup={warmup}"]
-        r = run_eval(config(tiny, tmp_path / f"out{warmup}", *args))
+        r = run_eval(eval_config(tiny, tmp_path / f"out{warmup}", *args))
         m = r.methods["suffix"]
         assert m.lossless.identical == m.lossless.checked == 4 and m.drafter_params == 0
         taus.append(m.tau_per_repeat)
@@ -428,13 +435,13 @@ def test_a_resumed_eval_counts_what_an_uninterrupted_one_counts(smollm2_dir, tmp
     rows = [{"id": f"p{i}", "prompt": "one two three one two " * (i + 1)} for i in range(4)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [f"prompts={tmp_path / 'p.jsonl'}", "spec=suffix", "max_new_tokens=16"]
-    whole = run_eval(config(tiny, tmp_path / "whole", *args))
+    whole = run_eval(eval_config(tiny, tmp_path / "whole", *args))
     cut = tmp_path / "cut"
     shutil.copytree(tmp_path / "whole", cut)
     lines = (cut / "records.jsonl").read_text().splitlines(keepends=True)
     (cut / "records.jsonl").write_text("".join(lines[:2]))  # a kill after the second prompt
     (cut / "results.json").unlink()
-    resumed = run_eval(config(tiny, cut, *args, "resume=true"))
+    resumed = run_eval(eval_config(tiny, cut, *args, "resume=true"))
     a, b = whole.methods["suffix"], resumed.methods["suffix"]
     assert (a.mean_acceptance_length, a.drafts) == (b.mean_acceptance_length, b.drafts)
     assert whole.prefix_cache.hit_tokens == resumed.prefix_cache.hit_tokens

@@ -4,8 +4,6 @@ CPU DDP through accelerate launch) work."""
 
 import json
 import math
-import os
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -34,21 +32,18 @@ from draftsmith.train.data import DataConfig
 from draftsmith.train.features import FeatureConfig
 from draftsmith.train.head import HeadConfig
 from draftsmith.train.trainer import train
-from helpers import build_tiny_chat_target
+from helpers import build_tiny_chat_target, cli_args, run_command, sum_chats
 
 TESTS = Path(__file__).parent
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # this interpreter's, venv or not
-ENV = {
-    **os.environ,
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "WANDB_MODE": "offline",
-    "OMP_NUM_THREADS": "1",
-    "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    return sum_chats(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +54,6 @@ def target(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def other_target(smollm2_dir, tmp_path_factory):
     return build_tiny_chat_target(tmp_path_factory.mktemp("other-target"), smollm2_dir, rms_norm_eps=1e-5)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    rows = []
-    for i in range(48):
-        turns = [
-            {"from": "human", "value": f"What is {i} plus {i}?"},
-            {"from": "gpt", "value": f"{i} plus {i} is {2 * i}. Anything else?"},
-            {"from": "human", "value": "Say it in words."},
-            {"from": "gpt", "value": f"The sum of {i} and {i} equals {2 * i}."},
-        ]
-        rows.append({"id": f"sum-{i}", "conversations": turns})
-    path = tmp_path_factory.mktemp("data") / "chats.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
 
 
 def config(out, target, data, head: str = standin_head.KIND, **train) -> RunConfig:
@@ -460,28 +439,6 @@ def test_presets_set_the_draft_shape_the_head_is_made_for():
     assert draft("head=eagle3", "head.draft.num_tokens=2")["num_tokens"] == 2
 
 
-def run(args: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=cwd, timeout=timeout)
-
-
-def cli_args(target, data) -> list[str]:
-    return [
-        f"target.path={target}",
-        "target.dtype=float32",  # train=quick runs the target in bf16; these runs compare with fp32 ones
-        f"data.source={data}",
-        "data.max_conversations=16",
-        "data.max_length=48",
-        f"head.kind={standin_head.KIND}",
-        "~head.draft_vocab_size",  # eagle3's (the default head group) fields, not the stand-in's
-        "~head.loss",
-        "imports=[standin_head]",
-        "train.features.mode=online",
-        "train.batch_size=2",
-        "train.log_every=1",
-        "data.self_distill=false",  # as config(): these runs are compared with it (regeneration: test_distill*)
-    ]
-
-
 @pytest.mark.parametrize(
     "key, value", [(k, 0) for k in ("max_steps", "checkpoint_every", "log_every", "batch_size", "grad_accum")]
 )
@@ -496,14 +453,14 @@ def test_a_bad_or_missing_setting_is_one_line_at_the_command_line(target, data, 
         ([f"out={tmp_path / 'run'}", "train.max_steps=0"], "train.max_steps must be >= 1"),
         ([], "missing mandatory value: out; pass out="),
     ):
-        r = run([sys.executable, "-m", "draftsmith.train", *cli_args(target, data), *args], tmp_path)
+        r = run_command([sys.executable, "-m", "draftsmith.train", *cli_args(target, data), *args], tmp_path)
         assert r.returncode == 1 and r.stderr.strip().startswith(f"draftsmith-train: {message}"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and list(tmp_path.iterdir()) == []
 
 
 def test_hydra_multirun_gives_each_run_its_own_folder(target, data, tmp_path):
     out = tmp_path / "sweep"
-    r = run(
+    r = run_command(
         [sys.executable, "-m", "draftsmith.train", "-m", *cli_args(target, data), "train.max_steps=1,2", f"out={out}"],
         tmp_path,
     )
@@ -519,7 +476,7 @@ def test_accelerate_launch_of_the_train_folder_from_the_repo_root(target, data, 
     """The form users type: `accelerate launch train/ ...` runs the folder as a script, not the package."""
     out = tmp_path / "run"
     args = [*cli_args(target, data), "train.max_steps=1", "wandb.enabled=false", f"out={out}"]
-    r = run([*ACCELERATE, "launch", "train/", *args], TESTS.parent)
+    r = run_command([*ACCELERATE, "launch", "train/", *args], TESTS.parent)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert json.loads((out / "final" / "config.json").read_text())["recipe"]["steps"] == 1
 
@@ -540,7 +497,7 @@ def test_two_process_cpu_ddp_through_accelerate_launch(target, data, tmp_path):
         f"train.features.dir={cache}",
         "train.features.shard_tokens=200",
     ]
-    r = run([*launch, "--main_process_port", "29517", "-m", "draftsmith.train", *args, f"out={out}"], tmp_path)
+    r = run_command([*launch, "--main_process_port", "29517", "-m", "draftsmith.train", *args, f"out={out}"], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     meta = json.loads((out / "final" / "config.json").read_text())
     assert meta["recipe"]["steps"] == 3 and meta["recipe"]["extra"]["processes"] == 2
