@@ -57,4 +57,3 @@ def parse_prompt(line: str, where: str) -> Prompt:
     if isinstance(row.get("prompt"), str) and row["prompt"].strip():
         return Prompt(str(row["id"]), [row["prompt"]], True, category)
     raise ValueError(f"{where}: needs `turns` (list of user messages) or `prompt` (non-empty raw text)")
-

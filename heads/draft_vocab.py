@@ -22,6 +22,7 @@ def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tens
     t2d[kept] = True
     return kept - torch.arange(draft_vocab_size, device=counts.device), t2d
 
+
 class DraftVocabHead(HeadBase):
     """What EAGLE-3 and DFlash share: fc over target_layers' inputs, and logits over a draft vocabulary (vLLM's
     d2t / t2d) from `norm` and `lm_head`, whose rows can start as the target lm_head's."""

@@ -36,6 +36,7 @@ class EagleConfig:
         sizes = {k: v for k, v in asdict(self).items() if k in ModelConfig.__dataclass_fields__}
         return ModelConfig(model_type="llama", num_hidden_layers=1, **sizes)
 
+
 def borrow(model: Transformer | None, cfg: EagleConfig) -> tuple[nn.Embedding, nn.Linear]:
     """The target's embedding and lm_head (frozen), or frozen placeholders of their shape."""
     if model is not None:
@@ -50,6 +51,7 @@ def borrow(model: Transformer | None, cfg: EagleConfig) -> tuple[nn.Embedding, n
         lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     return embed.requires_grad_(False), lm_head.requires_grad_(False)
 
+
 class HeadBase(nn.Module):
     """What both EAGLE heads share: a rope table for their one layer, sized like the target's."""
 
@@ -63,6 +65,7 @@ class HeadBase(nn.Module):
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
 
 def sdpa_mask(mask: Tensor | None) -> Tensor | None:
     return None if mask is None else mask.view(1, 1, *mask.shape)

@@ -34,9 +34,7 @@ def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
     return model.dtype
 
 
-def draft_lm(
-    folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0
-) -> Transformer:
+def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
     """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")

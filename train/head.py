@@ -83,4 +83,3 @@ def head_config(kind: str, cfg: HeadConfig, target_config: ModelConfig):
     except TypeError as e:  # a size this kind does not take
         names = [f.name for f in fields(config_cls)]
         raise ValueError(f"head={kind}: {e}; its config takes {', '.join(names)}") from e
-

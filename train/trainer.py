@@ -175,7 +175,7 @@ def loss_for(kind: str):
     """The kind's registered loss (heads/kinds.py)."""
     found = trained_kind(kind)
     if not found.loss:
-        raise ValueError(f"head kind {kind!r} registers no loss: give its Kind a loss=\"module:function\"")
+        raise ValueError(f'head kind {kind!r} registers no loss: give its Kind a loss="module:function"')
     return resolve(found.loss)
 
 

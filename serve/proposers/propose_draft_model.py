@@ -95,5 +95,3 @@ def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer
     """spec=draft_model: an HF draft LM, or a draft_model drafter folder."""
     model = load_drafter(spec, target)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
-
-

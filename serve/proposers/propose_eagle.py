@@ -144,5 +144,3 @@ class EagleProposer(Proposer):
 def eagle_proposer(spec: SpecConfig, target: LoadedTarget) -> EagleProposer:
     """spec=eagle, eagle3: the head borrows the target's embedding (and EAGLE-1 its lm_head)."""
     return EagleProposer(load_drafter(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
-
-

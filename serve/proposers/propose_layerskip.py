@@ -14,6 +14,7 @@ from draftsmith.serve.spec import SpecConfig
 def layerskip_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftChainConfig(spec.num_tokens))
 
+
 def layerskip_model(model: Transformer, num_layers: int) -> Transformer:
     """The target's first num_layers layers + final norm + lm_head, sharing its weights."""
     total = model.config.num_hidden_layers

@@ -21,6 +21,7 @@ def rerank(tokens: Tensor, parents: Tensor, scores: Tensor, keep: int, probs: Te
         probs = None if probs is None else probs[kept]
     return DraftTree(tokens, parents, probs)
 
+
 def tree_size(tree: TreeConfig, depth: int, vocab: int) -> int:
     """The most nodes a draft of `depth` levels holds: topk children of the root and of each level's topk best
     nodes, capped at tree.total_tokens. Refused: a topk past the drafter's vocabulary."""
@@ -29,6 +30,7 @@ def tree_size(tree: TreeConfig, depth: int, vocab: int) -> int:
         raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
     drafted = k + (depth - 1) * k * k
     return min(tree.total_tokens or drafted, drafted)
+
 
 def slot_tree(ids: Tensor, logp: Tensor, max_tree_size: int) -> DraftTree:
     """A parallel drafter's tree: ids, logp [depth, k] are each slot's k best tokens (one forward drafts every
