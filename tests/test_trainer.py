@@ -357,7 +357,7 @@ def test_acceptance_eval_runs_the_engine_with_the_current_drafter(target, data, 
 @pytest.mark.parametrize("kind", [k.name for k in kinds.trained() if k.module.__module__.startswith("draftsmith.")])
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_every_head_group_trains_through_the_trainer(kind, precision, target, data, tmp_path):
-    """conf/head/<kind>.yaml builds its head on the target and its loss options fit train/losses.py (also
+    """conf/head/<kind>.yaml builds its head on the target and its loss options fit train/loss_<kind>.py (also
     as train=quick runs on a CPU: the target in bf16, the head in fp32 under bf16 autocast)."""
     with initialize_config_module("draftsmith.conf", version_base=None):
         composed = compose("train", overrides=[f"out={tmp_path}", f"head={kind}"])

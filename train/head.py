@@ -28,7 +28,7 @@ SIZE_FIELDS = (
 class HeadConfig:
     """Mirrors the hydra group `head`. The named fields are the sizes the built-in kinds take (null = the
     kind's default), so sweeps read `head.num_layers=1,2,4`; `args` passes anything else to the kind's
-    config class; `loss` passes options to its loss (train/losses.py), e.g. ttt_steps for eagle3."""
+    config class; `loss` passes options to its loss (train/loss_<kind>.py), e.g. ttt_steps for eagle3."""
 
     kind: str = "eagle3"
     num_layers: int | None = None  # draft_model: layers; medusa: residual blocks per head
