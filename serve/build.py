@@ -40,6 +40,14 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
             stacklevel=2,
         )
         shape.num_tokens = cap
+    deepest = max(map(len, spec.choices), default=0) if spec.choices else 0
+    if deepest > shape.num_tokens:  # the same rule: what the spec asks past the drafted depth is cut, said once
+        warnings.warn(
+            f"spec.choices goes {deepest} levels deep, past the {shape.num_tokens} this {spec.name} drafter drafts "
+            "(spec.num_tokens, at most its heads); the deeper paths are left out",
+            stacklevel=2,
+        )
+        shape.choices = [c for c in shape.choices if len(c) <= shape.num_tokens]
     tree = TreeConfig(shape.topk, shape.total_tokens)
     return replace(spec, num_tokens=shape.num_tokens, tree=tree, choices=shape.choices)
 

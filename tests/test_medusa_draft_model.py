@@ -4,6 +4,8 @@ loaded by serve.build, with a prefix-cache hit, and seeded sampling)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,7 @@ from draftsmith.heads.draft_model import DraftModel, DraftModelConfig, init_laye
 from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.serve.build import make_proposer
+from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
@@ -302,7 +304,13 @@ def test_draft_vocab_is_lossless_and_drafts_only_those_tokens(spec, target, data
 
 def test_medusa_choices_and_depth_from_spec(target, trained):
     lt, folder = loaded_target(target), str(trained["medusa"][1])
-    chain = make_proposer(SpecConfig("medusa", 2, drafter=folder, choices=[[0], [0, 0], [0, 0, 0]]), lt)
+    deep = SpecConfig("medusa", 2, drafter=folder, choices=[[0], [0, 0], [0, 0, 0]])
+    with pytest.warns(UserWarning, match=r"spec.choices goes 3 levels deep, past the 2 this medusa drafter drafts"):
+        chain = make_proposer(deep, lt)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        resolve_shape(resolve_shape(deep))  # build_engine resolves, then make_proposer again
+    assert len([w for w in said if "spec.choices" in str(w.message)]) == 1  # once, not per resolution
     assert chain.max_tree_size == 2
     assert make_proposer(SpecConfig("medusa", 4, drafter=folder), lt).max_tree_size == len(DEFAULT_CHOICES)
 
