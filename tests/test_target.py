@@ -163,6 +163,19 @@ def test_an_index_reads_only_the_files_it_lists_and_each_tensor_once(tiny_llama_
         load_model(folder)
 
 
+def test_pickled_weights_alone_are_named_and_never_loaded(tiny_llama_dir, tmp_path: Path) -> None:
+    """A folder of pytorch_model.bin only (no safetensors): the error names the pickle and the fix, before any
+    weights are read; the eval's parameter count goes through the same refusal."""
+    from draftsmith.eval.methods import drafter_params
+    from draftsmith.serve.spec import SpecConfig
+
+    folder = copy_of(tiny_llama_dir("llama"), tmp_path)
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    for read in (lambda: load_model(folder), lambda: drafter_params(SpecConfig("draft_model", drafter=str(folder)))):
+        with pytest.raises(FileNotFoundError, match=r"pytorch_model.bin: pickles.*save_pretrained"):
+            read()
+
+
 def test_missing_config(tiny_llama_dir, tmp_path: Path) -> None:
     folder = copy_of(tiny_llama_dir("llama"), tmp_path)
     (folder / "config.json").unlink()

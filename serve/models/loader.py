@@ -47,7 +47,12 @@ def weight_files(folder: Path) -> list[Path]:
                 "tensor lives where; keep one (model.safetensors) or add the index save_pretrained writes"
             )
     if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {folder}; save the model with save_pretrained()")
+        pickles = ", ".join(sorted(f.name for f in folder.glob("*.bin")))
+        why = f" ({pickles}: pickles, which draftsmith never loads)" if pickles else ""
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {folder}{why}; save the model with save_pretrained(), which writes "
+            "safetensors"
+        )
     for f in files:
         if not f.is_file():
             raise FileNotFoundError(f"{f} is listed in the index but missing; the download is incomplete")
