@@ -561,7 +561,7 @@ def test_quick_and_full_presets_for_peagle():
     chain = DraftShape(num_tokens=4, topk=1, total_tokens=0)
     assert quick.train.epochs == 4 and quick.head.draft == chain == full.head.draft and full.train.epochs == 2
     assert quick.head.args["num_depths"] == 4
-    assert full.head.kwargs()["num_layers"] == 2 and quick.head.loss == {"ratio": 0.7, "ratio_min": 0.2, "decay": 1.0}
-    check_loss_options(loss_for("peagle"), dict(quick.head.loss), "peagle")
+    assert full.head.kwargs()["num_layers"] == 2 and quick.head.loss_options() == {}  # the loss function's defaults
+    check_loss_options(loss_for("peagle"), quick.head.loss_options(), "peagle")
     with pytest.raises(ValueError, match="head.loss.ttt_steps is not an option of the peagle loss"):
         check_loss_options(loss_for("peagle"), {"ttt_steps": 2}, "peagle")
