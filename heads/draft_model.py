@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
-from .drafter import restricted_linear
+from .drafter_folder import restricted_linear
 from .kinds import DraftShape, Kind
 from .llama import ModelConfig, Transformer
 

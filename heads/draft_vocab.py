@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.drafter import frequent_ids
+from draftsmith.heads.drafter_folder import frequent_ids
 from draftsmith.heads.head_base import HeadBase
 from draftsmith.heads.llama import RMSNorm
 

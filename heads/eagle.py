@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from draftsmith.heads.head_base import EagleConfig, HeadBase, borrow, sdpa_mask
 
-from .drafter import restricted_linear
+from .drafter_folder import restricted_linear
 from .kinds import DraftShape, Kind
 from .kv_cache import KVCache
 from .llama import DecoderLayer, Transformer

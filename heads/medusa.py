@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafter import restricted_linear
+from .drafter_folder import restricted_linear
 from .kinds import DraftShape, Kind
 from .llama import Transformer
 

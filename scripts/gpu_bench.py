@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from bench_engine import Prompt, Run, TimedEngine, interleave, run_engine, run_hf  # noqa: E402
 
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig  # noqa: E402
-from draftsmith.heads.drafter import cast_own  # noqa: E402
+from draftsmith.heads.drafter_folder import cast_own  # noqa: E402
 from draftsmith.heads.eagle import EagleHead  # noqa: E402
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from draftsmith.heads.head_base import EagleConfig  # noqa: E402

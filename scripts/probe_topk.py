@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from draftsmith.eval.suites import mt_bench, round_robin  # noqa: E402
-from draftsmith.heads.drafter import read_meta  # noqa: E402
+from draftsmith.heads.drafter_folder import read_meta  # noqa: E402
 from draftsmith.serve.build import build_engine  # noqa: E402
 from draftsmith.serve.drafters import folder_drafter  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402

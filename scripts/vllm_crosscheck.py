@@ -242,7 +242,7 @@ def fresh_drafters(target, folder: Path) -> dict[str, Path]:
     sizes: tau near 1 (but for the draft model, a copy of the target), and the plumbing is real."""
     import torch
 
-    from draftsmith.heads.drafter import Recipe, save_drafter
+    from draftsmith.heads.drafter_folder import Recipe, save_drafter
     from draftsmith.serve.drafters import target_info
     from draftsmith.train.head import HeadConfig, build_head
 

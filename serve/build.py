@@ -6,7 +6,7 @@ import warnings
 from dataclasses import replace
 from pathlib import Path
 
-from draftsmith.heads.drafter import read_meta
+from draftsmith.heads.drafter_folder import read_meta
 from draftsmith.heads.kinds import DraftShape, by_spec, folder_shape, get, resolve
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache

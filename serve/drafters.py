@@ -9,7 +9,14 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.heads.drafter import TargetInfo, frequent_ids, load_token_counts, not_a_drafter, read_drafter, read_meta
+from draftsmith.heads.drafter_folder import (
+    TargetInfo,
+    frequent_ids,
+    load_token_counts,
+    not_a_drafter,
+    read_drafter,
+    read_meta,
+)
 from draftsmith.heads.kinds import by_spec, get
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
@@ -39,7 +46,7 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     hf = read_hf_config(folder)
-    if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter.py, serve/export/foreign.py)
+    if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter_folder.py, serve/export/foreign.py)
         return folder_drafter(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)
     archs = hf.get("architectures") or []
     if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export
@@ -77,9 +84,9 @@ def folder_drafter(
     draft_vocab: int = 0,
 ):
     """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere, serve/export/foreign.py),
-    refused unless it was made for this target; `shared`: target pieces the kind borrows (heads/drafter.read_drafter);
-    dtype: its weights' (default: the target's); draft_vocab > 0: its logits over the training answers' draft_vocab most
-    frequent tokens only."""
+    refused unless it was made for this target; `shared`: target pieces the kind borrows
+    (heads/drafter_folder.read_drafter); dtype: its weights' (default: the target's); draft_vocab > 0: its logits
+    over the training answers' draft_vocab most frequent tokens only."""
     kind, fmt = by_spec(spec_name).name, foreign_format(folder)
     if fmt:
         read_foreign(folder, fmt)  # a speculators type other than eagle3 is refused as such, whatever the spec

@@ -26,7 +26,7 @@ from transformers import (
 
 if TYPE_CHECKING:
     from draftsmith.eval.runner import EvalConfig
-    from draftsmith.heads.drafter import TargetInfo
+    from draftsmith.heads.drafter_folder import TargetInfo
     from draftsmith.serve.engine.engine import Engine
     from draftsmith.serve.proposers.base import Proposer
     from draftsmith.serve.shared.conversations import Conversation
@@ -145,7 +145,7 @@ TARGET_ID = "tiny@00000000"
 
 def tiny_info(model, **changes):
     """The TargetInfo a drafter made for the tiny `model` records (fields overridden by `changes`)."""
-    from draftsmith.heads.drafter import TargetInfo
+    from draftsmith.heads.drafter_folder import TargetInfo
 
     c = model.config
     fields = dict(id=TARGET_ID, hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_layers=c.num_hidden_layers)
@@ -323,7 +323,7 @@ def tiny_head(kind: str, target):
 
 def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
     """A saved drafter folder of `kind` for the tiny target, its weights nudged off their initial values."""
-    from draftsmith.heads.drafter import Recipe, save_drafter
+    from draftsmith.heads.drafter_folder import Recipe, save_drafter
 
     torch.manual_seed(1)
     head, cfg = tiny_head(kind, target)
@@ -337,7 +337,7 @@ def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
 def export_drafters(target_dir: Path, root: Path) -> tuple:
     """In root: a copy of the tiny target_dir with a tokenizer, and one saved drafter folder per kind for it.
     Returns the target's TargetConfig, the drafter folders by kind, and the loaded target."""
-    from draftsmith.heads.drafter import TargetInfo
+    from draftsmith.heads.drafter_folder import TargetInfo
     from draftsmith.serve.models.loader import load_model
     from draftsmith.serve.models.target import TargetConfig, target_id
 

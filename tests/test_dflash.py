@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module
 from safetensors import safe_open
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
-from draftsmith.heads.drafter import Recipe, read_drafter, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, read_drafter, save_drafter
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.build import make_proposer

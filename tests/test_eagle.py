@@ -15,7 +15,7 @@ from safetensors import safe_open
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
 from draftsmith.heads.draft_vocab import build_vocab_map
-from draftsmith.heads.drafter import TOKEN_COUNTS, Recipe, frequent_ids, read_drafter, save_drafter
+from draftsmith.heads.drafter_folder import TOKEN_COUNTS, Recipe, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.head_base import EagleConfig

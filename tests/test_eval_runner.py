@@ -21,7 +21,7 @@ from draftsmith.eval.report import study, write_report
 from draftsmith.eval.results import Effect, Identical, Lossless, dump, load_results, to_json
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
-from draftsmith.heads.drafter import Recipe, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.engine.engine import Generation

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, frequent_ids, save_drafter
 from draftsmith.serve.export import export_eagle
 from draftsmith.serve.export import export_eagle as export_mod
 from draftsmith.serve.export.__main__ import ExportConfig, run

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
-from draftsmith.heads.drafter import Recipe, TargetInfo, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, save_drafter
 from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model

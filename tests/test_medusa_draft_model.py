@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig, init_layers
-from draftsmith.heads.drafter import Recipe, TargetInfo, frequent_ids, read_drafter, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
 from draftsmith.serve.build import make_proposer, resolve_shape

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from draftsmith.heads.drafter import Recipe, TargetInfo, read_drafter, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, read_drafter, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.kv_cache import KVCache

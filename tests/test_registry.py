@@ -17,7 +17,7 @@ import torch
 
 import draftsmith.conf
 from draftsmith.heads import kinds
-from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, read_drafter, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, own_state, read_drafter, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine

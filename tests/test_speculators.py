@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from draftsmith.heads.drafter import Recipe, TargetInfo, own_state, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, own_state, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import build_engine, resolve_shape

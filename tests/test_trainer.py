@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
 from draftsmith.heads import kinds
-from draftsmith.heads.drafter import load_token_counts, read_drafter
+from draftsmith.heads.drafter_folder import load_token_counts, read_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.build import resolve_shape
@@ -426,7 +426,7 @@ def test_quick_preset_trains_one_medusa_head_for_depth_one_drafts():
 
 
 def test_presets_set_the_draft_shape_the_head_is_made_for():
-    """The shape goes into the drafter folder (heads/drafter.py): the main job's head is made for depth 1 x 3."""
+    """The shape goes into the drafter folder (heads/drafter_folder.py): the main job's head is made for depth 1 x 3."""
 
     def draft(*overrides: str) -> dict:
         with initialize_config_module("draftsmith.conf", version_base=None):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch import nn
 
-from draftsmith.heads.drafter import Recipe, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape, get
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.drafters import target_info

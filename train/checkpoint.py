@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from draftsmith.heads.drafter import own_state
+from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.files import move_into_place
 
 PREFIX = "step-"

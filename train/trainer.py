@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from draftsmith.heads.drafter import Recipe, own_state, save_drafter
+from draftsmith.heads.drafter_folder import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target, native_bf16, pick_device

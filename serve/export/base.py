@@ -11,7 +11,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.drafter import TOKEN_COUNTS, TargetInfo, check_target, load_token_counts, read_drafter, read_meta
+from draftsmith.heads.drafter_folder import (
+    TOKEN_COUNTS,
+    TargetInfo,
+    check_target,
+    load_token_counts,
+    read_drafter,
+    read_meta,
+)
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 from draftsmith.serve.models.loader import read_hf_config

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from draftsmith.heads.drafter import shape_text
+from draftsmith.heads.drafter_folder import shape_text
 
 if TYPE_CHECKING:
     from draftsmith.serve.export.base import Source

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from draftsmith.heads.drafter import TOKEN_COUNTS
+from draftsmith.heads.drafter_folder import TOKEN_COUNTS
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
 from draftsmith.serve.export.base import TOKEN_MAP, ExportError, Format, Source, format_for
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from draftsmith.heads.drafter import own_state
+from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config

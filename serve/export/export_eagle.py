@@ -8,7 +8,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from draftsmith.heads.drafter import frequent_ids, own_state
+from draftsmith.heads.drafter_folder import frequent_ids, own_state
 from draftsmith.heads.eagle3 import DRAFT_VOCAB
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from draftsmith.heads.drafter import own_state
+from draftsmith.heads.drafter_folder import own_state
 from draftsmith.serve.export.base import Export, Format, Source
 from draftsmith.serve.export.checks import Probe, Shapes, linear
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from draftsmith.heads.drafter import own_state
+from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (

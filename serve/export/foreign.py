@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from draftsmith.heads.drafter import cast_own, config_hash, own_state
+from draftsmith.heads.drafter_folder import cast_own, config_hash, own_state
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.head_base import EagleConfig
 from draftsmith.heads.llama import ModelConfig, Transformer
