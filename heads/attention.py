@@ -132,7 +132,7 @@ def attend_rows(q: Tensor, keys: Tensor, values: Tensor, plan: BlockPlan) -> Ten
     h, n, d = q.shape
     kv = keys.shape[0]
     q = q.view(kv, h // kv, n, d)
-    top = None  # each row's max score over all its blocks: [kv, g, rows]
+    top: Tensor | None = None  # each row's max score over all its blocks: [kv, g, rows]
     if plan.in_place:
         s_in = in_place_scores(q, keys, plan)  # [kv, g, padded, in_place * BLOCK]
         top = s_in.amax(-1)
@@ -140,6 +140,7 @@ def attend_rows(q: Tensor, keys: Tensor, values: Tensor, plan: BlockPlan) -> Ten
         s_tail = tail_scores(q, keys, plan)  # [kv, n, tail, heads, BLOCK]
         t = s_tail.amax((2, 4)).transpose(1, 2)[:, : h // kv]
         top = t if top is None else torch.cat([torch.maximum(top[:, :, :n], t), top[:, :, n:]], 2)
+    assert top is not None, "a plan reads in-place or tail blocks"
     parts = []  # (outputs [kv, g, n, blocks, d], softmax sums [kv, g, n, blocks]) per block, in position order
     if plan.in_place:
         parts.append(in_place_values(s_in, top, values, plan, n))
@@ -186,6 +187,7 @@ def in_place_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan
 
 def tail_scores(q: Tensor, keys: Tensor, plan: BlockPlan) -> Tensor:
     kv, g, n, d = q.shape
+    assert plan.tail_slots is not None and plan.tail_unseen is not None, "make_plan sets them when plan.tail"
     heads = max(g, MIN_ROWS)  # one row's heads make one GEMM: padded to MIN_ROWS
     q = pad_rows(q.transpose(1, 2), heads)
     k = keys.index_select(1, plan.tail_slots).view(kv, n, plan.tail, BLOCK, d)
@@ -199,6 +201,7 @@ def tail_values(scores: Tensor, top: Tensor, values: Tensor, plan: BlockPlan) ->
     max."""
     kv, n, tail, heads, _ = scores.shape
     g = top.shape[1]
+    assert plan.tail_slots is not None, "make_plan sets it when plan.tail"
     m = pad_rows(top.transpose(1, 2), heads)  # [kv, n, heads]
     p = (scores - m[:, :, None, :, None]).exp_()  # [kv, n, tail, heads, BLOCK]: a GEMM of MIN_ROWS rows or more
     v = values.index_select(1, plan.tail_slots).view(kv, n, tail, BLOCK, -1)

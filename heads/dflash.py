@@ -15,7 +15,9 @@ with d2t / t2d so that serving and export need no target weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +117,10 @@ class DFlashHead(DraftVocabHead):
     def embed(self, tokens: Tensor) -> Tensor:
         return self.embed_tokens(tokens).to(self.fc.weight.dtype)  # the borrowed embedding may be wider
 
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers`, typed as what they are (nn.ModuleList types its items as plain Modules)."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
     def block_tokens(self, first: Tensor) -> Tensor:
         """[..] first tokens -> [.., block_size] blocks: the token, then mask slots."""
         mask = torch.full((*first.shape, self.config.block_size - 1), self.config.mask_token_id, device=first.device)
@@ -123,7 +129,7 @@ class DFlashHead(DraftVocabHead):
     def write_context(self, context: Tensor, positions: Tensor, cache: KVCache, start: int) -> None:
         """Each layer's keys and values of context [n, H] (at positions [n]) into cache slots [start, start+n)."""
         cos, sin = self.rope(positions, context.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             k, v = context_kv(layer, context[None], cos, sin)
             cache.k[i][:, :, start : start + k.shape[2]] = k
             cache.v[i][:, :, start : start + v.shape[2]] = v
@@ -135,7 +141,7 @@ class DFlashHead(DraftVocabHead):
         cos, sin = self.rope(torch.arange(start, start + n, device=tokens.device), self.fc.weight.dtype)
         visible = torch.ones(1, 1, n, start + n, dtype=torch.bool, device=tokens.device)  # non-causal block
         x = self.embed(tokens)[None]
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers()):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, visible)
         return x[0]
 
@@ -152,7 +158,7 @@ class DFlashHead(DraftVocabHead):
         ccos, csin = self.rope(torch.arange(n, device=tokens.device), context.dtype)
         mask = anchored_mask(anchors, n, s)[:, None]
         x = self.embed(blocks.flatten(1)).to(context.dtype)
-        for layer in self.layers:
+        for layer in self.decoder_layers():
             x = layer_with_context(layer, x, context, (cos[:, None], sin[:, None]), (ccos, csin), mask)
         return x.view(b, a, s, -1)
 

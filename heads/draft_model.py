@@ -105,8 +105,9 @@ def init_scratch(model: Transformer, std: float = 0.02) -> None:
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, std)
-            if getattr(m, "bias", None) is not None:
-                nn.init.zeros_(m.bias)
+            bias = getattr(m, "bias", None)  # nn.Embedding has none
+            if bias is not None:
+                nn.init.zeros_(bias)
 
 
 KIND = Kind(

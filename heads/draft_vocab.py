@@ -32,7 +32,13 @@ class DraftVocabHead(HeadBase):
     norm: RMSNorm
     lm_head: nn.Linear
     target_lm_head: nn.Linear
-    copies_target_rows = True  # set_vocab copies the target lm_head's rows of the new vocabulary
+    d2t: Tensor  # vocab_buffers' buffers: long [draft vocab] target id offsets, bool [vocab] kept target ids
+    t2d: Tensor
+
+    @property
+    def copies_target_rows(self) -> bool:
+        """set_vocab copies the target lm_head's rows of the new vocabulary."""
+        return True
 
     def vocab_buffers(self) -> None:
         cfg, dev = self.config, self.fc.weight.device

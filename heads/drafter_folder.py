@@ -149,6 +149,7 @@ def read_drafter(folder: Path, info: TargetInfo, *shared, device="cpu", dtype=to
     meta = read_meta(folder)
     check_target(meta, info, folder)
     kind = get(meta["kind"])
+    assert kind.module is not None and kind.config is not None, "a drafter folder is of a trained kind"
     head = kind.module(kind.config(**meta["config"]), *shared)
     weights = folder / "model.safetensors"
     if not weights.is_file():

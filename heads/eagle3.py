@@ -9,6 +9,7 @@ is a plain dump. The target's embedding (and, for the loss, its lm_head) is borr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from draftsmith.heads.head_base import EagleConfig, borrow, default_target_layer
 from .kinds import DraftShape, Kind
 from .kv_cache import KVCache
 from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's from 3.11
 
 DRAFT_VOCAB = 8192  # the default draft vocabulary: the training answers' most frequent tokens (at most the target's)
 
@@ -43,7 +47,7 @@ class Eagle3Config(EagleConfig):
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
 
     @classmethod
-    def from_target(cls, cfg: ModelConfig, **overrides) -> Eagle3Config:
+    def from_target(cls, cfg: ModelConfig, **overrides) -> Self:
         n = cfg.num_hidden_layers
         layers = tuple(overrides.pop("target_layers", None) or default_target_layers(n))
         if layers[-1] > n:

@@ -4,11 +4,15 @@ they borrow, a rope table (HeadBase), SDPA's mask shape, and which target layers
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from draftsmith.heads.llama import ModelConfig, Transformer, rope_tables
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing's from 3.11
 
 
 @dataclass
@@ -26,7 +30,7 @@ class EagleConfig:
     attention_bias: bool = False
 
     @classmethod
-    def from_target(cls, cfg: ModelConfig, **overrides):
+    def from_target(cls, cfg: ModelConfig, **overrides) -> Self:
         """The head's layer has the target's sizes; overrides set the kind's own fields."""
         sizes = {k: getattr(cfg, k) for k in EagleConfig.__dataclass_fields__}
         return cls(**{**sizes, **overrides})
@@ -57,6 +61,8 @@ class HeadBase(nn.Module):
 
     config: EagleConfig
     fc: nn.Linear
+    cos: Tensor  # rope tables (rope_cache's buffers): [max_len, head_dim]
+    sin: Tensor
 
     def rope_cache(self, max_len: int) -> None:
         cos, sin = rope_tables(self.config.layer_config(), max_len)

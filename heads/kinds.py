@@ -28,6 +28,7 @@ class DraftShape:
     def draft_tokens(self) -> int:
         """Nodes of the EAGLE-2 tree (a chain at topk 1) this shape drafts: topk + (depth - 1) * topk^2, capped at
         total_tokens when that is set."""
+        assert self.num_tokens is not None and self.topk is not None, "a resolved shape (Kind.shape)"
         drafted = self.topk + (self.num_tokens - 1) * self.topk**2
         return min(self.total_tokens or drafted, drafted)
 
@@ -153,6 +154,6 @@ def folder_shape(meta: dict) -> DraftShape:
         raise ValueError(f"config.json's draft {saved!r} takes only {', '.join(sorted(names))}: re-save the drafter")
     shape = kind.shape(DraftShape(**saved))
     cap = kind.depth_cap(meta.get("config", {}))
-    if cap is not None and shape.num_tokens > cap:
+    if cap is not None and shape.num_tokens is not None and shape.num_tokens > cap:
         shape.num_tokens = cap
     return shape

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -93,8 +94,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    s = cfg.rope_scaling
-    kind = (s or {}).get("rope_type", (s or {}).get("type", "default"))
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -163,7 +164,9 @@ def batch_invariant(x: Tensor) -> bool:
 class Attention(nn.Module):
     """GQA self-attention. in_dim: width of the input (EAGLE-3's layer attends over 2H)."""
 
-    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj")}  # one GEMM once packed for inference (heads/packed.py)
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj")
+    }  # one GEMM once packed for inference (heads/packed.py)
 
     def __init__(self, cfg: ModelConfig, in_dim: int | None = None) -> None:
         super().__init__()
@@ -215,15 +218,18 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         q, k, v = self.qkv(x, cos, sin)
         if isinstance(start, Tensor):  # static shapes (CUDA graphs): write at slots, attend over the whole cache
+            assert k_cache is not None and v_cache is not None, "slots are cache slots"
             k_cache.index_copy_(2, start, k.to(k_cache.dtype))
             v_cache.index_copy_(2, start, v.to(v_cache.dtype))
             k, v = k_cache, v_cache
         elif k_cache is not None:
+            assert v_cache is not None, "a cache has both halves"
             end = start + n
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
             k, v = k_cache[:, :, :end], v_cache[:, :, :end]
         if isinstance(mask, list):  # batch-invariant plans (heads/attention.py)
+            assert k_cache is not None and v_cache is not None, "plans read the cache"
             out = attend(q, k_cache, v_cache, mask)
         elif use_grouped_attention(q, mask):
             out = grouped_attention(q, k, v, mask)
@@ -234,7 +240,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    FUSED = {"gate_up_proj": ("gate_proj", "up_proj")}
+    FUSED: ClassVar[dict[str, tuple[str, ...]]] = {"gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -283,6 +289,9 @@ class ForwardOut:
 
 
 class Transformer(nn.Module):
+    cos: Tensor  # rope tables (rope_cache's buffers): [max_len, head_dim]
+    sin: Tensor
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -342,11 +351,18 @@ class Transformer(nn.Module):
         return self.model.norm(x), aux
 
     def layers_forward(
-        self, tokens: Tensor, positions: Tensor, cache: KVCache | None, start: int, mask, target_layers: tuple[int, ...]
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cache: KVCache | None,
+        start: int | Tensor,
+        mask,
+        target_layers: tuple[int, ...],
     ) -> tuple[Tensor, list[Tensor]]:
         x = self.model.embed_tokens(tokens)
         cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
         if cache is not None and batch_invariant(x):
+            assert isinstance(start, int), "slot tensors (CUDA graphs) never take the CPU plans"
             c = self.config
             n = tokens.shape[1]
             mask = make_plans(mask, start, n, c.num_attention_heads // c.num_key_value_heads, x.device)

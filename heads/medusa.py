@@ -7,7 +7,9 @@ identity) followed by its own copy of the target's lm_head. Parameter names foll
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +49,11 @@ class MedusaConfig:
 class ResBlocks(nn.Module):
     def __init__(self, hidden: int, num_layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(num_layers))
-        for layer in self.layers:
+        linears = [nn.Linear(hidden, hidden) for _ in range(num_layers)]
+        for layer in linears:
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
+        self.layers = nn.ModuleList(linears)
 
     def forward(self, x: Tensor) -> Tensor:
         for layer in self.layers:
@@ -77,8 +80,12 @@ class MedusaHeads(nn.Module):
                 f"medusa config (vocab {self.config.vocab_size}, hidden {self.config.hidden_size}) does not fit "
                 f"the target's lm_head {tuple(w.shape)}"
             )
-        for head in self.lm_heads:
+        for head in self.linears():
             head.weight.copy_(w)  # a copy: each head's lm_head is trained and saved on its own
+
+    def linears(self) -> Sequence[nn.Linear]:
+        """The heads' lm_heads, typed as what they are (nn.ModuleList types its items as plain Modules)."""
+        return cast("Sequence[nn.Linear]", self.lm_heads)
 
     def head_logits(self, k: int, hidden: Tensor) -> Tensor:
         """Head k's logits for token t+k+2 from the target's final hidden states at t: [..., H] -> [..., V]."""
@@ -86,8 +93,8 @@ class MedusaHeads(nn.Module):
 
     def restrict_vocab(self, ids: Tensor) -> None:
         """To serve: every head's logits over target ids `ids` only (their lm_head rows)."""
-        self.lm_heads = nn.ModuleList(restricted_linear(h, ids, h.weight.dtype) for h in self.lm_heads)
-        self.vocab_ids = ids.to(self.lm_heads[0].weight.device)
+        self.lm_heads = nn.ModuleList(restricted_linear(h, ids, h.weight.dtype) for h in self.linears())
+        self.vocab_ids = ids.to(self.linears()[0].weight.device)
 
     def forward(self, hidden: Tensor, num_heads: int | None = None) -> Tensor:
         """[..., H] -> [K, ..., V] (the first num_heads heads only, when given)."""

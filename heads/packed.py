@@ -18,6 +18,8 @@ GEMM streams its weights faster than three short ones.
 
 from __future__ import annotations
 
+from typing import ClassVar, Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -99,6 +101,8 @@ def takes_packed(x: Tensor, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
+    packed: Tensor | None  # None once released
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -118,6 +122,7 @@ class PackedLinear(nn.Module):
         if takes_packed(x, self.dtype):
             if not fresh(self.stamp, [self.weight]):  # released (stamp []), edited or replaced
                 self.repack()
+            assert self.packed is not None  # repack() made it
             return packed_linear(x, self.packed, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
@@ -161,7 +166,13 @@ class FusedLinear(nn.Module):
         return f"sizes={self.sizes}, packed={self.dtype}"
 
 
-def fused_linear(module: nn.Module, name: str) -> FusedLinear | None:
+class Fuses(Protocol):
+    """A module with a `FUSED` map: fused linear name -> the names of its parts."""
+
+    FUSED: ClassVar[dict[str, tuple[str, ...]]]
+
+
+def fused_linear(module: Fuses, name: str) -> FusedLinear | None:
     """module's FusedLinear `name`, if pack_linears made one and its parts are still the module's (a part module
     replaced after packing leaves the fused copy behind)."""
     fused = getattr(module, name)
