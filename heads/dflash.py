@@ -89,6 +89,8 @@ def check_layers(layers: tuple[int, ...], num_layers: int, what: str) -> None:
 
 
 class DFlashHead(DraftVocabHead):
+    config: DFlashConfig
+
     def __init__(self, cfg: DFlashConfig, model: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -108,7 +110,7 @@ class DFlashHead(DraftVocabHead):
                 self.norm.weight.copy_(model.model.norm.weight)
             self.copy_target_rows()
 
-    def target_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
+    def target_features(self, hidden: Tensor | None, aux: Tensor | None) -> Tensor:
         """The context: hidden_norm(fc(the target's layer inputs [.., k*H])) [.., H]."""
         if aux is None:
             raise ValueError(f"DFlash needs the target's inputs to layers {self.config.target_layers}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError
@@ -20,6 +21,8 @@ from torch import nn
 
 from .files import move_into_place, temp_folder_beside
 from .kinds import KINDS, DraftShape, get
+
+M = TypeVar("M", bound=nn.Module)
 
 FORMAT_VERSION = 1
 TOKEN_COUNTS = "token_counts.safetensors"
@@ -208,7 +211,7 @@ def restricted_linear(linear: nn.Linear, ids: torch.Tensor, dtype: torch.dtype) 
     return out.requires_grad_(False)
 
 
-def cast_own(head: nn.Module, dtype: torch.dtype) -> nn.Module:
+def cast_own(head: M, dtype: torch.dtype) -> M:
     """Cast the head's own parameters, not the target pieces it borrows: a bf16 drafter can serve an fp32
     target. Buffers stay as they are (vocab maps, fp32 rope tables)."""
     shared = tuple(getattr(head, "shared_prefixes", ()))

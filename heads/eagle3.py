@@ -80,6 +80,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(DraftVocabHead):
+    config: Eagle3Config
+
     def __init__(self, cfg: Eagle3Config, model: Transformer | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -101,7 +103,7 @@ class Eagle3Head(DraftVocabHead):
     def copies_target_rows(self) -> bool:
         return self.config.init == "target"
 
-    def target_features(self, hidden: Tensor, aux: Tensor | None) -> Tensor:
+    def target_features(self, hidden: Tensor | None, aux: Tensor | None) -> Tensor:
         """The fused feature: fc over the target's layer inputs [.., k*H] (in target_layers order)."""
         if aux is None:
             raise ValueError(f"EAGLE-3 needs the target's inputs to layers {self.config.target_layers}")

@@ -54,6 +54,8 @@ class PEagleConfig(Eagle3Config):
 
 
 class PEagleHead(Eagle3Head):
+    config: PEagleConfig
+
     def __init__(self, cfg: PEagleConfig, model: Transformer | None = None) -> None:
         super().__init__(cfg, model)
         first = self.midlayer  # EAGLE-3's layer becomes layers[0], the name speculators and vLLM give it

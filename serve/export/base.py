@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,7 @@ from draftsmith.heads.drafter_folder import (
     read_drafter,
     read_meta,
 )
+from draftsmith.heads.head_base import HeadBase
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 from draftsmith.serve.models.loader import read_hf_config
@@ -42,18 +43,21 @@ TOKENIZER_FILES = (
 TOKEN_MAP = "token_map.pt"  # SGLang's --speculative-token-map: the ids an EAGLE-2 draft's lm_head keeps (FR-Spec)
 
 
+H = TypeVar("H", bound=nn.Module, covariant=True)  # the drafter's module: Source[Eagle3Head] in EAGLE-3's exporters
+
+
 class ExportError(ValueError):
     """A user-fixable problem with the export's inputs, or an export that fails validation."""
 
 
 @dataclass
-class Source:
+class Source(Generic[H]):
     """What an exporter reads: the drafter (embedding / lm_head placeholders: those are never exported) and
-    its target's folder and config.json."""
+    its target's folder and config.json. A bare `Source` holds any drafter's module."""
 
     folder: Path
     meta: dict
-    head: nn.Module
+    head: H
     target_dir: Path
     target_hf: dict
     token_counts: Tensor | None = None  # the training answers' token counts, where the folder has them
@@ -108,7 +112,7 @@ class Format:
     hf: bool = False  # transformers loads it (assisted generation)
 
 
-def llama_head_config(src: Source, arch: str) -> dict:
+def llama_head_config(src: Source[HeadBase], arch: str) -> dict:
     """The one-layer Llama config EAGLE heads are served with; rope as the target's config.json spells it."""
     c, t = src.head.config, src.target_hf
     config = {

@@ -12,16 +12,17 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic
 
 import torch
 import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from draftsmith.heads.drafter_folder import TOKEN_COUNTS
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
-from draftsmith.serve.export.base import TOKEN_MAP, ExportError, Format, Source, format_for
+from draftsmith.serve.export.base import TOKEN_MAP, ExportError, Format, H, Source, format_for
 
 Shapes = dict[str, tuple[int, ...]]
 # max |diff| / max |drafter|: both forwards run the same rounded weights in float32, so only the order of the
@@ -34,7 +35,11 @@ TOLERANCE = 1e-5
 
 def attn_shapes(p: str, in_dim: int, c, bias: bool) -> Shapes:
     q, kv, h = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
-    s = {f"{p}.q_proj.weight": (q, in_dim), f"{p}.k_proj.weight": (kv, in_dim), f"{p}.v_proj.weight": (kv, in_dim)}
+    s: Shapes = {
+        f"{p}.q_proj.weight": (q, in_dim),
+        f"{p}.k_proj.weight": (kv, in_dim),
+        f"{p}.v_proj.weight": (kv, in_dim),
+    }
     s[f"{p}.o_proj.weight"] = (h, q)
     if bias:
         s |= {f"{p}.q_proj.bias": (q,), f"{p}.k_proj.bias": (kv,), f"{p}.v_proj.bias": (kv,), f"{p}.o_proj.bias": (h,)}
@@ -92,9 +97,9 @@ def head_config_problems(src: Source, folder: Path, config: dict) -> list[str]:
 
 def read_export(folder: Path, f: Format) -> tuple[dict, dict[str, Tensor]]:
     path, weights = folder / "config.json", folder / f.weights
-    for f in (path, weights, folder / "README.md"):
-        if not f.is_file():
-            raise ExportError(f"export {folder} is incomplete: {f.name} is missing")
+    for file in (path, weights, folder / "README.md"):
+        if not file.is_file():
+            raise ExportError(f"export {folder} is incomplete: {file.name} is missing")
     try:
         return json.loads(path.read_text()), load_file(str(weights))
     except (json.JSONDecodeError, SafetensorError, OSError) as e:
@@ -158,7 +163,7 @@ def mlp(x: Tensor, w: dict[str, Tensor], p: str) -> Tensor:
 # ---------------------------------------------------------------- comparing with the drafter's own forward
 
 
-def rounded_head(src: Source, dtype: torch.dtype):
+def rounded_head(src: Source[H], dtype: torch.dtype) -> H:
     """A float32 copy of the drafter whose parameters carry the export's rounding (buffers such as the rope
     tables stay float32), so only the format, not the dtype, can make the two forwards differ."""
     head = copy.deepcopy(src.head).float()
@@ -169,11 +174,11 @@ def rounded_head(src: Source, dtype: torch.dtype):
 
 
 @dataclass
-class Probe:
+class Probe(Generic[H]):
     """What both forwards see: the drafter carrying the export's rounding, the exported tensors in float32, random
-    inputs."""
+    inputs. Probe[Eagle3Head] in EAGLE-3's forwards, as Source."""
 
-    head: nn.Module
+    head: H
     w: dict[str, Tensor]
     config: dict
     folder: Path

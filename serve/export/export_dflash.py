@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ModelConfig, rope_inv_freq
@@ -38,7 +39,7 @@ from draftsmith.serve.export.checks import (
 )
 
 
-def dflash_vllm(src: Source) -> Export:
+def dflash_vllm(src: Source[DFlashHead]) -> Export:
     c = src.head.config
     state = own_state(src.head)
     if c.draft_vocab_size == c.vocab_size:  # vLLM then uses the target's lm_head and needs no id map
@@ -48,7 +49,7 @@ def dflash_vllm(src: Source) -> Export:
     return Export(expected_config(src), {"model.safetensors": state})
 
 
-def expected_config(src: Source) -> dict:
+def expected_config(src: Source[DFlashHead]) -> dict:
     c = src.head.config
     config = llama_head_config(src, "DFlashDraftModel") | {"model_type": "qwen3", "num_hidden_layers": c.num_layers}
     return config | {
@@ -62,7 +63,7 @@ def expected_config(src: Source) -> dict:
     }
 
 
-def dflash_shapes(src: Source, config: dict) -> dict[str, tuple[int, ...]]:
+def dflash_shapes(src: Source[DFlashHead], config: dict) -> dict[str, tuple[int, ...]]:
     c, bias = src.head.config, bool(config.get("attention_bias"))
     h, d = c.hidden_size, c.head_dim
     s = {"fc.weight": (h, len(c.target_layers) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
@@ -76,12 +77,12 @@ def dflash_shapes(src: Source, config: dict) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def dflash_config(src: Source) -> dict:
+def dflash_config(src: Source[DFlashHead]) -> dict:
     """The config.json keys vLLM's DFlash path reads, with the values the drafter implies."""
     return {k: v for k, v in expected_config(src).items() if k in KEYS_READ}
 
 
-def dflash_problems(src: Source, folder: Path, config: dict) -> list[str]:
+def dflash_problems(src: Source[DFlashHead], folder: Path, config: dict) -> list[str]:
     problems = head_config_problems(src, folder, config)
     if "layer_types" in config or "is_causal" in config or "causal" in config.get("dflash_config", {}):
         problems.append("config.json sets layer_types / is_causal / dflash_config.causal: vLLM may run it causal")
@@ -148,7 +149,7 @@ def dflash_forward(
     return hidden, hidden @ w["lm_head.weight"].T, torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
 
 
-def dflash_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+def dflash_pairs(src: Source[DFlashHead], p: Probe[DFlashHead]) -> dict[str, tuple]:
     """name -> (the export's output, the drafter's own drafting) on the same random context and block."""
     head, c, start = p.head, src.head.config, 7
     aux = torch.randn(start, len(c.target_layers) * c.hidden_size, generator=p.g)

@@ -8,13 +8,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.export.base import TOKENIZER_FILES, Export, Format, Source
 from draftsmith.serve.export.checks import Probe, Shapes, attn_shapes, mlp_shapes, sizes_config, tokenizer_problems
 
 
-def draft_model_hf(src: Source) -> Export:
+def draft_model_hf(src: Source[DraftModel]) -> Export:
     """A plain HF causal-LM folder: the target's config.json with the draft's sizes, its tokenizer files."""
     m = src.head.config
     config = {k: v for k, v in src.target_hf.items() if k not in DROPPED_HF_KEYS}
@@ -61,16 +62,16 @@ def hf_llama_shapes(m: ModelConfig) -> Shapes:
     return s if m.tie_word_embeddings else s | {"lm_head.weight": (m.vocab_size, h)}
 
 
-def draft_model_shapes(src: Source, config: dict) -> Shapes:
+def draft_model_shapes(src: Source[DraftModel], config: dict) -> Shapes:
     return hf_llama_shapes(src.head.config)
 
 
-def draft_model_config(src: Source) -> dict:
+def draft_model_config(src: Source[DraftModel]) -> dict:
     c = src.head.config
     return sizes_config(c) | {"model_type": src.target_hf["model_type"], "num_hidden_layers": c.num_hidden_layers}
 
 
-def draft_model_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+def draft_model_pairs(src: Source[DraftModel], p: Probe[DraftModel]) -> dict[str, tuple]:
     head = p.head
     return {"logits": (hf_logits(p.folder, p.tokens), head.lm_head(head.hidden_states(p.tokens[None])[0])[0])}
 

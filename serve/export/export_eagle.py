@@ -9,7 +9,9 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.drafter_folder import frequent_ids, own_state
+from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import DRAFT_VOCAB
+from draftsmith.heads.head_base import HeadBase
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
@@ -26,7 +28,7 @@ from draftsmith.serve.export.checks import (
 )
 
 
-def eagle_vllm(src: Source) -> Export:
+def eagle_vllm(src: Source[EagleHead]) -> Export:
     """vLLM's EagleLlamaForCausalLM: its fc has no bias. fc(x) + b enters the layer as its residual stream and
     attention input, so b is moved exactly into the attention: q/k/v biases W b, o_proj bias b."""
     state = own_state(src.head)
@@ -42,7 +44,7 @@ def eagle_vllm(src: Source) -> Export:
     return Export(config, {"model.safetensors": state})
 
 
-def eagle_sglang(src: Source) -> Export:
+def eagle_sglang(src: Source[EagleHead]) -> Export:
     """SGLang's LlamaForCausalLMEagle: the original EAGLE layout, fc with its bias. With the training answers'
     token counts, also a token map of the most frequent quarter of the vocabulary (at least 8k ids; FR-Spec
     kept 32k of Llama-3's 128k) for --speculative-token-map."""
@@ -53,7 +55,7 @@ def eagle_sglang(src: Source) -> Export:
     return Export(llama_head_config(src, "LlamaForCausalLMEagle"), {"model.safetensors": state}, [], token_map(src))
 
 
-def token_map(src: Source) -> Tensor | None:
+def token_map(src: Source[EagleHead]) -> Tensor | None:
     """The ids an SGLang EAGLE export's token map keeps: the training answers' most frequent quarter, at least the
     default draft vocabulary."""
     if src.token_counts is None:
@@ -62,7 +64,7 @@ def token_map(src: Source) -> Tensor | None:
     return frequent_ids(src.token_counts, min(v, max(DRAFT_VOCAB, v // 4)))
 
 
-def eagle_shapes(src: Source, config: dict, fc_bias: bool = False) -> Shapes:
+def eagle_shapes(src: Source[EagleHead], config: dict, fc_bias: bool = False) -> Shapes:
     c, bias = src.head.config, bool(config.get("attention_bias"))
     h = c.hidden_size
     s = {"fc.weight": (h, 2 * h), **attn_shapes("layers.0.self_attn", h, c, bias), **mlp_shapes("layers.0.mlp", c)}
@@ -70,7 +72,7 @@ def eagle_shapes(src: Source, config: dict, fc_bias: bool = False) -> Shapes:
     return s | ({"fc.bias": (h,)} if fc_bias else {})
 
 
-def eagle_config(src: Source, arch: str = "EagleLlamaForCausalLM") -> dict:
+def eagle_config(src: Source[HeadBase], arch: str = "EagleLlamaForCausalLM") -> dict:
     return sizes_config(src.head.config) | {"architectures": [arch], "model_type": "llama", "num_hidden_layers": 1}
 
 
@@ -83,7 +85,7 @@ def eagle_forward(w, cfg: ModelConfig, embeds: Tensor, feature: Tensor, position
     return h, h @ lm_head.T
 
 
-def eagle_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+def eagle_pairs(src: Source[EagleHead], p: Probe[EagleHead]) -> dict[str, tuple]:
     c, head, w = src.head.config, p.head, p.w
     feature = torch.randn(p.tokens.numel(), c.hidden_size, generator=p.g)
     if bias_moved(w):  # the exact product: the rounding of the exported one is checked apart
@@ -110,7 +112,7 @@ def bias_moved(w: dict[str, Tensor]) -> bool:
     return "fc.bias" not in w and "layers.0.self_attn.o_proj.bias" in w
 
 
-def moved_bias_problems(src: Source, w: dict[str, Tensor], dtype: torch.dtype) -> list[str]:
+def moved_bias_problems(src: Source[EagleHead], w: dict[str, Tensor], dtype: torch.dtype) -> list[str]:
     """Each moved bias must be the drafter's own float32 product rounded to the export dtype: the one rounding
     the forward comparison cannot see (it puts the exact product in its place)."""
     state = own_state(src.head)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.drafter_folder import own_state
+from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.llama import ModelConfig
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
@@ -24,7 +25,7 @@ from draftsmith.serve.export.checks import (
 from draftsmith.serve.export.export_eagle import eagle_config
 
 
-def eagle3_vllm(src: Source) -> Export:
+def eagle3_vllm(src: Source[Eagle3Head]) -> Export:
     """vLLM's and SGLang's LlamaForCausalLMEagle3: our parameter names already are theirs."""
     c = src.head.config
     state = own_state(src.head)
@@ -47,7 +48,7 @@ def eagle3_vllm(src: Source) -> Export:
 EAGLE31_KEYS = ("norm_before_fc", "norm_output")  # Eagle3Config's EAGLE-3.1 switches, as vLLM's config.json names them
 
 
-def eagle3_shapes(src: Source, config: dict) -> Shapes:
+def eagle3_shapes(src: Source[Eagle3Head], config: dict) -> Shapes:
     return eagle3_table(src.head.config, bool(config.get("attention_bias")))
 
 
@@ -65,7 +66,7 @@ def eagle3_table(c, bias: bool) -> Shapes:
     return s
 
 
-def eagle3_config(src: Source) -> dict:
+def eagle3_config(src: Source[Eagle3Head]) -> dict:
     """What vLLM reads: the layer ids in eagle_config; the EAGLE-3.1 switches that are on, at the top (and
     norm_before_fc in eagle_config too, where vLLM looks first)."""
     c = src.head.config
@@ -102,7 +103,7 @@ def eagle3_layer(w, p: str, cfg: ModelConfig, embeds: Tensor, feat: Tensor, posi
     return h + mlp(rms(h, w[f"{p}.post_attention_layernorm.weight"], eps), w, f"{p}.mlp")
 
 
-def eagle3_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+def eagle3_pairs(src: Source[Eagle3Head], p: Probe[Eagle3Head]) -> dict[str, tuple]:
     c, head, n = src.head.config, p.head, p.tokens.numel()
     aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=p.g)
     embeds, cfg = head.embed_tokens(p.tokens), ModelConfig.from_hf(p.config)

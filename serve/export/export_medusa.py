@@ -11,11 +11,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from draftsmith.heads.drafter_folder import own_state
+from draftsmith.heads.medusa import MedusaHeads
 from draftsmith.serve.export.base import Export, Format, Source
 from draftsmith.serve.export.checks import Probe, Shapes, linear
 
 
-def medusa_vllm(src: Source) -> Export:
+def medusa_vllm(src: Source[MedusaHeads]) -> Export:
     c = src.head.config
     config = {
         "model_type": "medusa",
@@ -30,7 +31,7 @@ def medusa_vllm(src: Source) -> Export:
     return Export(config, {"model.safetensors": own_state(src.head)})
 
 
-def medusa_tgi(src: Source) -> Export:
+def medusa_tgi(src: Source[MedusaHeads]) -> Export:
     """FasterDecoding's layout, which TGI reads: head h's block l is `h.l.linear`, its lm_head `h.L`."""
     c = src.head.config
     state = {}
@@ -53,10 +54,10 @@ def medusa_names(tgi: bool, c) -> tuple[str, str]:
     return "blocks.{h}.layers.{l}", "lm_heads.{h}"
 
 
-def medusa_shapes(src: Source, config: dict, tgi: bool = False) -> Shapes:
+def medusa_shapes(src: Source[MedusaHeads], config: dict, tgi: bool = False) -> Shapes:
     c = src.head.config
     block, head = medusa_names(tgi, c)
-    s = {}
+    s: Shapes = {}
     for h in range(c.num_heads):
         for layer in range(c.num_layers):
             s |= {f"{block.format(h=h, l=layer)}.weight": (c.hidden_size, c.hidden_size)}
@@ -65,7 +66,7 @@ def medusa_shapes(src: Source, config: dict, tgi: bool = False) -> Shapes:
     return s
 
 
-def medusa_vllm_config(src: Source) -> dict:
+def medusa_vllm_config(src: Source[MedusaHeads]) -> dict:
     c = src.head.config
     return {
         "model_type": "medusa",
@@ -78,11 +79,11 @@ def medusa_vllm_config(src: Source) -> dict:
     }
 
 
-def medusa_tgi_config(src: Source) -> dict:
+def medusa_tgi_config(src: Source[MedusaHeads]) -> dict:
     return {"medusa_num_heads": src.head.config.num_heads, "medusa_num_layers": src.head.config.num_layers}
 
 
-def tgi_problems(src: Source, folder: Path, config: dict) -> list[str]:
+def tgi_problems(src: Source[MedusaHeads], folder: Path, config: dict) -> list[str]:
     problems = []
     if "architectures" in config:
         problems.append("config.json has `architectures`: TGI then takes the folder for a full model")
@@ -103,7 +104,7 @@ def medusa_forward(w, tgi: bool, c, hidden: Tensor) -> Tensor:
     return torch.stack(out)
 
 
-def medusa_pairs(src: Source, p: Probe, tgi: bool = False) -> dict[str, tuple]:
+def medusa_pairs(src: Source[MedusaHeads], p: Probe[MedusaHeads], tgi: bool = False) -> dict[str, tuple]:
     c = src.head.config
     hidden = torch.randn(p.tokens.numel(), c.hidden_size, generator=p.g)
     return {"logits": (medusa_forward(p.w, tgi, c, hidden), p.head(hidden))}

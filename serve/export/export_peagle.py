@@ -18,6 +18,7 @@ from torch import Tensor
 
 from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.llama import ModelConfig
+from draftsmith.heads.peagle import PEagleHead
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,
@@ -34,7 +35,7 @@ from draftsmith.serve.export.export_eagle3 import eagle3_layer, eagle3_table
 from draftsmith.serve.export.speculators import speculators_config, speculators_name
 
 
-def peagle_speculators(src: Source) -> Export:
+def peagle_speculators(src: Source[PEagleHead]) -> Export:
     """config.json in speculators' layout with a Llama transformer_layer_config; the drafter's own state (its
     names are speculators'), without an identity vocabulary map vLLM has no slot for."""
     c = src.head.config
@@ -46,12 +47,12 @@ def peagle_speculators(src: Source) -> Export:
     return Export(expected_config(src), {"model.safetensors": state})
 
 
-def peagle_config(src: Source) -> dict:
+def peagle_config(src: Source[PEagleHead]) -> dict:
     """The top-level keys vLLM and speculators read (the layer config is checked key by key in peagle_problems)."""
     return {k: v for k, v in expected_config(src).items() if k != "transformer_layer_config"}
 
 
-def expected_config(src: Source) -> dict:
+def expected_config(src: Source[PEagleHead]) -> dict:
     c = src.head.config
     layer = llama_head_config(src, "LlamaForCausalLM") | {"num_hidden_layers": c.num_layers}
     config = speculators_config(src, layer, "peagle", "PEagleSpeculator")
@@ -61,7 +62,7 @@ def expected_config(src: Source) -> dict:
 # ---------------------------------------------------------------- validation
 
 
-def peagle_shapes(src: Source, config: dict) -> dict[str, tuple[int, ...]]:
+def peagle_shapes(src: Source[PEagleHead], config: dict) -> dict[str, tuple[int, ...]]:
     """EAGLE-3's table under speculators' names (layer 0), mask_hidden, then plain Llama layers 1.."""
     c = src.head.config
     h, bias = c.hidden_size, bool(c.attention_bias)
@@ -74,11 +75,12 @@ def peagle_shapes(src: Source, config: dict) -> dict[str, tuple[int, ...]]:
     return s
 
 
-def peagle_problems(src: Source, folder: Path, config: dict) -> list[str]:
+def peagle_problems(src: Source[PEagleHead], folder: Path, config: dict) -> list[str]:
     """Beyond peagle_config's keys: the layer config vLLM builds the drafter from, the mask token, and the layer
     config as a Llama config beside the target (positions, rope)."""
     layer, want_layer = config.get("transformer_layer_config") or {}, expected_config(src)["transformer_layer_config"]
-    keys = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    keys: tuple[str, ...] = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads")
+    keys += ("num_key_value_heads",)
     keys += ("head_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "attention_bias")
     problems = [
         f"config.json transformer_layer_config.{k}={layer.get(k, '<missing>')!r}, expected {want_layer[k]!r}"
@@ -105,7 +107,7 @@ def vllm_forward(w: dict[str, Tensor], cfg: ModelConfig, embeds: Tensor, aux: Te
     return linear(rms(h, w["norm.weight"], eps), w, "lm_head")
 
 
-def peagle_pairs(src: Source, p: Probe) -> dict[str, tuple[Tensor, Tensor]]:
+def peagle_pairs(src: Source[PEagleHead], p: Probe[PEagleHead]) -> dict[str, tuple[Tensor, Tensor]]:
     """vLLM's drafting forward vs the drafter's over the probe's real pairs then num_depths-1 mask slots."""
     head, c, w = p.head, src.head.config, p.w
     n, k = p.tokens.numel(), c.num_depths - 1

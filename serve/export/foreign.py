@@ -230,7 +230,7 @@ def expected_shapes(cfg: Eagle3Config, prefix: str) -> tuple[dict, dict]:
     """(required, optional) tensor name -> shape in the folder's spelling."""
     flat = eagle3_table(cfg, cfg.attention_bias)
     required = {speculators_name(k, prefix): s for k, s in flat.items()}
-    optional = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
+    optional: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.draft_vocab_size == cfg.vocab_size:  # a full vocabulary may still carry an (identity) map
         optional |= {"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)}
     else:

@@ -85,8 +85,8 @@ def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None
         shutil.copy2(src.target_dir / name, folder / name)
     if exp.token_map is not None:  # SGLang reads it with torch.load(weights_only=True): a plain tensor
         torch.save(exp.token_map.long().contiguous(), folder / TOKEN_MAP)
-    for f in folder.iterdir():
-        f.chmod(0o644)  # save_file writes owner-only files
+    for file in folder.iterdir():
+        file.chmod(0o644)  # save_file writes owner-only files
 
 
 def export(

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.serve.export.base import Export, Format, Source
 from draftsmith.serve.export.checks import Probe, Shapes, head_config_problems
 from draftsmith.serve.export.export_eagle3 import EAGLE31_KEYS, eagle3_pairs, eagle3_shapes, eagle3_vllm
@@ -65,7 +66,7 @@ def flat_name(name: str, layer: str = LAYER) -> str:
 # ---------------------------------------------------------------- the exporter
 
 
-def eagle3_speculators(src: Source) -> Export:
+def eagle3_speculators(src: Source[Eagle3Head]) -> Export:
     """The format=vllm export's tensors under speculators' names, with a speculators config.json."""
     flat = eagle3_vllm(src)
     state = {speculators_name(k): v for k, v in flat.tensors["model.safetensors"].items()}
@@ -81,7 +82,7 @@ def layer_config(flat_config: dict) -> dict:
 
 
 def speculators_config(
-    src: Source, layer: dict, model_type: str = "eagle3", architecture: str = "Eagle3DraftModel"
+    src: Source[Eagle3Head], layer: dict, model_type: str = "eagle3", architecture: str = "Eagle3DraftModel"
 ) -> dict:
     """The speculators config.json keys an EAGLE-3-shaped head of `model_type` shares (eagle3, peagle: each adds
     its own); layer is its transformer_layer_config."""
@@ -101,7 +102,7 @@ def speculators_config(
     }
 
 
-def eagle3_values(src: Source, model_type: str = "eagle3") -> dict:
+def eagle3_values(src: Source[Eagle3Head], model_type: str = "eagle3") -> dict:
     """The top-level keys whose values the head fixes (written, and checked by equality)."""
     c = src.head.config
     return {
@@ -114,7 +115,7 @@ def eagle3_values(src: Source, model_type: str = "eagle3") -> dict:
     }
 
 
-def verifier(src: Source) -> dict:
+def verifier(src: Source[Eagle3Head]) -> dict:
     return {"name_or_path": str(src.target_dir.resolve()), "architectures": src.target_hf.get("architectures") or []}
 
 
@@ -126,19 +127,19 @@ def layer_of(config: dict) -> dict:
     return layer if isinstance(layer, dict) else {}
 
 
-def speculators_shapes(src: Source, config: dict) -> Shapes:
+def speculators_shapes(src: Source[Eagle3Head], config: dict) -> Shapes:
     """format=vllm's table under speculators' names; attention_bias from transformer_layer_config."""
     return {speculators_name(k): s for k, s in eagle3_shapes(src, layer_of(config)).items()}
 
 
-def speculators_pairs(src: Source, p: Probe) -> dict[str, tuple]:
+def speculators_pairs(src: Source[Eagle3Head], p: Probe[Eagle3Head]) -> dict[str, tuple]:
     """vLLM's EAGLE-3 forward on the tensors renamed back, with the layer config."""
     config = layer_of(p.config) | {k: p.config.get(k) for k in EAGLE31_KEYS}  # the switches sit at the top
     return eagle3_pairs(src, replace(p, w={flat_name(k): v for k, v in p.w.items()}, config=config))
 
 
 def speculators_problems(
-    src: Source, folder: Path, config: dict, model_type: str = "eagle3", keys: frozenset = TOP_KEYS
+    src: Source[Eagle3Head], folder: Path, config: dict, model_type: str = "eagle3", keys: frozenset = TOP_KEYS
 ) -> list[str]:
     """Every key one speculators defines for `model_type`; its speculators_config and transformer_layer_config."""
     problems = unknown(config, keys, "config.json")
@@ -149,7 +150,7 @@ def unknown(keys, known: frozenset, where: str) -> list[str]:
     return [f"{where} has {k!r}, which speculators does not define" for k in sorted(set(keys) - known)]
 
 
-def spec_problems(src: Source, spec, algorithm: str = "eagle3") -> list[str]:
+def spec_problems(src: Source[Eagle3Head], spec, algorithm: str = "eagle3") -> list[str]:
     """speculators_config: `algorithm`, a greedy chain, the verifier = this target (what vLLM loads as the model)."""
     if not isinstance(spec, dict):
         return ["config.json has no speculators_config object"]
@@ -172,7 +173,7 @@ def spec_problems(src: Source, spec, algorithm: str = "eagle3") -> list[str]:
     return problems
 
 
-def layer_problems(src: Source, config: dict) -> list[str]:
+def layer_problems(src: Source[Eagle3Head], config: dict) -> list[str]:
     """transformer_layer_config: a one-layer Llama of the drafter's sizes, the target's rope and positions."""
     layer = layer_of(config)
     if not layer:
