@@ -28,6 +28,12 @@ class TreeConfig:
         if self.total_tokens is not None and self.total_tokens < 0:
             raise ValueError(f"spec.tree.total_tokens must be >= 0 (0 = keep all), got {self.total_tokens}")
 
+    @property
+    def width(self) -> int:
+        """topk of a tree a proposer drafts: serve/build.py has resolved it from the drafter by then."""
+        assert self.topk is not None, "spec.tree.topk is unresolved"
+        return self.topk
+
 
 @dataclass
 class DraftTree:

@@ -10,6 +10,8 @@ tokens over them, so a rejected draft leaves nothing behind.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -25,6 +27,7 @@ from draftsmith.serve.spec import SpecConfig
 
 
 class DFlashProposer(SlotProposer):
+    head: DFlashHead
     name = "dflash"
 
     def __init__(self, head: DFlashHead, num_tokens: int, tree: TreeConfig | None = None, generator=None) -> None:
@@ -57,6 +60,7 @@ class DFlashProposer(SlotProposer):
         """The verified tokens' context into slots cached.., then the next block from the pending token (the last)."""
         context = self.head.target_features(out.hidden, torch.cat(out.aux, dim=-1))
         s, n = self.cached, tokens.numel()
+        assert self.cache is not None, "reserve() comes first"
         if s + context.shape[0] != n - 1:
             raise RuntimeError(f"the drafter holds {s} tokens and got {context.shape[0]} more, the engine has {n}")
         self.head.write_context(context, torch.arange(s, n - 1, device=tokens.device), self.cache, s)
@@ -72,4 +76,5 @@ class DFlashProposer(SlotProposer):
 
 def dflash_proposer(spec: SpecConfig, target: LoadedTarget) -> DFlashProposer:
     """spec=dflash: the head borrows the target's embedding; num_tokens and tree come resolved (serve/build.py)."""
-    return DFlashProposer(load_drafter(spec, target, target.model), spec.num_tokens, spec.tree)
+    assert spec.num_tokens is not None, "serve/build.py resolves it"
+    return DFlashProposer(cast(DFlashHead, load_drafter(spec, target, target.model)), spec.num_tokens, spec.tree)

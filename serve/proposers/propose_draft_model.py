@@ -7,6 +7,7 @@ training-free draft that shares the target's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -93,5 +94,6 @@ class DraftModelProposer(Proposer):
 
 def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     """spec=draft_model: an HF draft LM, or a draft_model drafter folder."""
-    model = load_drafter(spec, target)
+    model = cast(Transformer, load_drafter(spec, target))
+    assert spec.num_tokens is not None, "serve/build.py resolves it"
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))

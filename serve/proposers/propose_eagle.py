@@ -11,9 +11,13 @@ token: the first level of the next draft.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor, nn
+from typing import cast
 
+import torch
+from torch import Tensor
+
+from draftsmith.heads.eagle import EagleHead
+from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.serve.drafters import load_drafter
@@ -30,7 +34,7 @@ class EagleProposer(Proposer):
 
     def __init__(
         self,
-        head: nn.Module,
+        head: EagleHead | Eagle3Head,
         kind: str,
         num_tokens: int = 4,
         tree: TreeConfig | None = None,
@@ -48,11 +52,11 @@ class EagleProposer(Proposer):
 
     @property
     def slot_caches(self) -> list[SlotCache]:
-        return [self.cache, self.store] if self.cache is not None else []
+        return [self.cache, self.store] if self.cache is not None and self.store is not None else []
 
     def reserve(self, max_len: int) -> None:
         c, w = self.head.config, self.head.fc.weight
-        room = max_len + self.depth * self.tree.topk
+        room = max_len + self.depth * self.tree.width
         self.cache = KVCache.allocate(1, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
         self.store = FeatureStore.allocate(room, c.hidden_size, w.dtype, w.device)
         if self.head.cos.shape[0] < room:  # drafts reach a few positions past the last verified one
@@ -72,11 +76,13 @@ class EagleProposer(Proposer):
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
         aux = torch.cat(out.aux, dim=-1) if out.aux else None
         feats = self.head.target_features(out.hidden, aux)
+        assert self.store is not None, "reserve() comes first"
         self.store.features[first : first + feats.shape[0]] = feats
 
     def extend(self, tokens: Tensor) -> None:
         """Real pairs (feature of token j-1, token j) into slots j in [cached, len(tokens))."""
         s, n = self.cached, tokens.numel()
+        assert self.store is not None, "reserve() comes first"
         feats = self.store.features[s - 1 : n - 1]
         mask = torch.ones(n - s, n, dtype=torch.bool, device=tokens.device).tril(s)
         mask[:, 0] = False
@@ -88,15 +94,19 @@ class EagleProposer(Proposer):
         """Level d's nodes sit at position n-1+d; the nodes expanded at level d take slots n+(d-1)*topk onwards
         and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache).
         Those slots are scratch: accept() overwrites them from the target's features, whatever the depth."""
-        n, k, dev, depth = tokens.numel(), self.tree.topk, tokens.device, min(self.depth, budget)
+        n, k, dev, depth = tokens.numel(), self.tree.width, tokens.device, min(self.depth, budget)
         if n != self.cached:
             raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {n}")
         sampled = k == 1 and not sp.greedy
         visible = torch.zeros(1, n + (depth - 1) * k, dtype=torch.bool, device=dev)
         visible[:, 1:n] = True
+        assert self.feature is not None and self.logits is not None, "a draft follows prefill()"
         feats, logits, scores = self.feature[None], self.logits, torch.zeros(1, device=dev)
         frontier = torch.full((1,), -1, device=dev)  # node index of each expanded row (-1: the root)
-        toks, parents, cum, probs = [], [], [], []
+        toks: list[Tensor] = []
+        parents: list[Tensor] = []
+        cum: list[Tensor] = []
+        probs: list[Tensor] = []
         for d in range(1, depth + 1):
             logp, ids, p = self.children(logits, sp, sampled)  # [rows, k]
             first = sum(t.numel() for t in toks)
@@ -117,7 +127,7 @@ class EagleProposer(Proposer):
     def run_level(self, feats: Tensor, toks: Tensor, visible: Tensor, n: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
         """Run level d's expanded nodes (parent features, own tokens) through the head. visible: per node, the
         slots its parent saw; each node adds its own. Returns their predicted features, logits and visibility."""
-        r, slot = toks.numel(), n + (d - 1) * self.tree.topk
+        r, slot = toks.numel(), n + (d - 1) * self.tree.width
         own = torch.arange(r, device=toks.device)
         visible[own, slot + own] = True
         pos = torch.full((r,), n - 1 + d, device=toks.device)
@@ -131,7 +141,7 @@ class EagleProposer(Proposer):
             p = probs_from_logits(logits, sp)
             ids = torch.multinomial(p, 1, generator=self.gen)
             return p.gather(-1, ids).log(), ids, p
-        top = torch.log_softmax(logits, dim=-1).topk(self.tree.topk, dim=-1)
+        top = torch.log_softmax(logits, dim=-1).topk(self.tree.width, dim=-1)
         return top.values, top.indices, None
 
     def to_target(self, ids: Tensor) -> Tensor:
@@ -143,4 +153,6 @@ class EagleProposer(Proposer):
 
 def eagle_proposer(spec: SpecConfig, target: LoadedTarget) -> EagleProposer:
     """spec=eagle, eagle3: the head borrows the target's embedding (and EAGLE-1 its lm_head)."""
-    return EagleProposer(load_drafter(spec, target, target.model), spec.name, spec.num_tokens, spec.tree)
+    head = cast("EagleHead | Eagle3Head", load_drafter(spec, target, target.model))
+    assert spec.num_tokens is not None, "serve/build.py resolves it"
+    return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)

@@ -12,6 +12,7 @@ from draftsmith.serve.spec import SpecConfig
 
 
 def layerskip_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
+    assert spec.num_tokens is not None, "serve/build.py resolves it"
     return DraftModelProposer(layerskip_model(target.model, spec.layers), DraftChainConfig(spec.num_tokens))
 
 

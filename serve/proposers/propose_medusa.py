@@ -8,6 +8,8 @@ A path [i, j] means: the i-th most likely token of head 0, then the j-th most li
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -44,13 +46,13 @@ class MedusaProposer(Proposer):
         self.heads = heads
         paths = tree_from_choices(DEFAULT_CHOICES if choices is None else choices, min(max_depth, len(heads.blocks)))
         index = {p: i for i, p in enumerate(paths)}
-        device = heads.lm_heads[0].weight.device
+        device = heads.linears()[0].weight.device
         self.parents = torch.tensor([index.get(p[:-1], -1) for p in paths], device=device)
         self.head_of = torch.tensor([len(p) - 1 for p in paths], device=device)  # depth d uses head d-1
         self.rank_of = torch.tensor([p[-1] for p in paths], device=device)
         self.depth = max(len(p) for p in paths)
         self.topk = max(p[-1] for p in paths) + 1
-        check_ranks(self.topk, heads.lm_heads[0].out_features)
+        check_ranks(self.topk, heads.linears()[0].out_features)
         self.max_tree_size = len(paths)
         self.sizes = [sum(len(p) <= d for p in paths) for d in range(self.depth + 1)]  # [d]: nodes of depth <= d
         self.hidden: Tensor | None = None  # the target's final hidden state at the last verified position
@@ -66,7 +68,8 @@ class MedusaProposer(Proposer):
         Paths are sorted shortest first, so the nodes within the budget's depth are a prefix of the tree."""
         depth = min(self.depth, budget)
         n = self.sizes[depth]
-        logits = self.heads(self.hidden.to(self.heads.lm_heads[0].weight.dtype), depth)  # [depth, V]
+        assert self.hidden is not None, "a draft follows prefill()"
+        logits = self.heads(self.hidden.to(self.heads.linears()[0].weight.dtype), depth)  # [depth, V]
         ranked = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
         if self.heads.vocab_ids is not None:
             ranked = self.heads.vocab_ids[ranked]
@@ -74,7 +77,8 @@ class MedusaProposer(Proposer):
 
 
 def medusa_proposer(spec: SpecConfig, target: LoadedTarget) -> MedusaProposer:
-    return MedusaProposer(load_drafter(spec, target), spec.choices, spec.num_tokens)
+    assert spec.num_tokens is not None, "serve/build.py resolves it"
+    return MedusaProposer(cast(MedusaHeads, load_drafter(spec, target)), spec.choices, spec.num_tokens)
 
 
 def check_ranks(topk: int, vocab: int) -> None:

@@ -44,6 +44,7 @@ class NgramProposer(Proposer):
 
 
 def ngram_proposer(spec: SpecConfig, target: LoadedTarget) -> NgramProposer:
+    assert spec.num_tokens is not None, "serve/build.py resolves it"
     return NgramProposer(NgramConfig(spec.num_tokens, spec.min_n, spec.max_n))
 
 

@@ -11,6 +11,8 @@ pairs over the mask slots' KV.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -26,6 +28,7 @@ from draftsmith.serve.spec import SpecConfig
 
 
 class PEagleProposer(SlotProposer):
+    head: PEagleHead
     name = "peagle"
 
     def __init__(
@@ -37,7 +40,7 @@ class PEagleProposer(SlotProposer):
 
     @property
     def slot_caches(self) -> list[SlotCache]:
-        return [self.cache, self.store] if self.cache is not None else []
+        return [self.cache, self.store] if self.cache is not None and self.store is not None else []
 
     def reserve(self, max_len: int) -> None:
         c, w = self.head.config, self.head.fc.weight
@@ -61,11 +64,13 @@ class PEagleProposer(SlotProposer):
     def keep_features(self, first: int, out: ForwardOut) -> None:
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
         feats = self.head.target_features(out.hidden, torch.cat(out.aux, dim=-1))
+        assert self.store is not None, "reserve() comes first"
         self.store.features[first : first + feats.shape[0]] = feats
 
     def draft_forward(self, tokens: Tensor) -> None:
         """Real pairs into slots [cached, n), then K-1 mask slots n.. (scratch): one forward, K rows of logits."""
         s, n, k, dev = self.cached, tokens.numel(), self.depth - 1, tokens.device
+        assert self.store is not None, "reserve() comes first"
         feats = torch.cat([self.store.features[s - 1 : n - 1], self.mask_feature.expand(k, -1)])
         toks = torch.cat([tokens[s:n], torch.full((k,), self.head.config.mask_token_id, device=dev)])
         mask = torch.ones(n + k - s, n + k, dtype=torch.bool, device=dev).tril(s)
@@ -82,7 +87,8 @@ class PEagleProposer(SlotProposer):
 
 def peagle_proposer(spec: SpecConfig, target: LoadedTarget) -> PEagleProposer:
     """spec=peagle: the head borrows the target's embedding; refused if it reads layers the target lacks."""
-    head = load_drafter(spec, target, target.model)
+    head = cast(PEagleHead, load_drafter(spec, target, target.model))
+    assert spec.drafter is not None, "SpecConfig refuses peagle without one"
     check_target_layers(head, target.model, spec.drafter)
     return PEagleProposer(head, spec.num_tokens, spec.tree)
 

@@ -99,6 +99,7 @@ class SuffixTree:
 
     def enter(self, node: Node, token: int, seq: list[int], after: int) -> Node:
         """One more occurrence of node's substring + token, continuing at seq[after:]."""
+        assert node.kids is not None, "not a leaf"
         child = node.kids.get(token)
         if child is None:
             child = node.kids[token] = Node(token, node.depth + 1, seq, after)
@@ -107,12 +108,14 @@ class SuffixTree:
         if child.seq is not None:  # another occurrence's leaf: give that occurrence its own next node
             self.split(child)
         child.count += 1
+        assert node.best is not None, "set with its first child"
         if child.count >= node.best.count:
             node.best = child
         return child
 
     def split(self, leaf: Node) -> None:
         seq, at = leaf.seq, leaf.at
+        assert seq is not None, "a leaf"
         leaf.seq, leaf.kids = None, {}
         if at < len(seq) and leaf.depth < self.depth:
             leaf.best = leaf.kids[seq[at]] = Node(seq[at], leaf.depth + 1, seq, at + 1)
@@ -120,6 +123,7 @@ class SuffixTree:
     def resolve(self, node: Node, d: int, seq: list[int], end: int) -> Node:
         """The node holding seq[end - d : end] now (a leaf it sat in may have been split since)."""
         while node.seq is None and node.depth < d:
+            assert node.kids is not None, "seq None: not a leaf"
             node = node.kids[seq[end - d + node.depth]]
         return node
 
@@ -131,6 +135,7 @@ class SuffixTree:
             self.root.count -= 1
             node = self.root
             for t in seq[i : i + self.depth]:
+                assert node.kids is not None, "a counted occurrence runs through inner nodes"
                 child = node.kids[t]
                 child.count -= 1
                 if child.count == 0:  # only this occurrence reached it: its whole subtree goes
@@ -146,6 +151,7 @@ class SuffixTree:
     def step(self, node: Node, d: int, token: int) -> Node | None:
         """Where substring + token sits, given where the substring (length d) does."""
         if node.seq is None:
+            assert node.kids is not None, "seq None: not a leaf"
             return node.kids.get(token)
         i = node.at + d - node.depth
         return node if d < self.depth and i < len(node.seq) and node.seq[i] == token else None
@@ -156,10 +162,10 @@ class SuffixTree:
         out: list[Node] = []
         end = len(context) - 1
         for d, node in enumerate([self.root, *matches[: self.depth - 2]]):
-            node = self.step(self.resolve(node, d, context, end), d, token)
-            if node is None or self.dead_end(node, d + 1):
+            found = self.step(self.resolve(node, d, context, end), d, token)
+            if found is None or self.dead_end(found, d + 1):
                 break  # nor can a longer suffix (it occurs only where this one does) have anything after it
-            out.append(node)
+            out.append(found)
         return out
 
     def dead_end(self, node: Node, d: int) -> bool:
@@ -217,7 +223,8 @@ class SuffixTree:
     def draft_tree(self, node: Node, d: int, n: int, min_prob: float, deepest: int) -> Draft:
         """The n likeliest continuations, best first (a node's probability: the product of count ratios on its
         path), each at least min_prob, none deeper than `deepest` below the match."""
-        out, heap, order, top = Draft(), [], itertools.count(), d + deepest
+        heap: list[tuple[float, int, int, Node, int, int]] = []  # (-prob, order, token, node, depth, parent)
+        out, order, top = Draft(), itertools.count(), d + deepest
 
         def expand(node: Node, d: int, prob: float, parent: int) -> None:
             if d >= top:
@@ -238,6 +245,7 @@ class SuffixTree:
 
     def children(self, node: Node, d: int, prob: float) -> list[tuple[int, Node, float]]:
         if node.seq is None:
+            assert node.kids is not None, "seq None: not a leaf"
             return [(c.token, c, prob * c.count / node.count) for c in node.kids.values()]
         i = node.at + d - node.depth
         return [(node.seq[i], node, prob)] if d < self.depth and i < len(node.seq) else []
@@ -318,4 +326,5 @@ class SuffixProposer(Proposer):
 
 
 def suffix_proposer(spec: SpecConfig, target: LoadedTarget) -> SuffixProposer:
+    assert spec.num_tokens is not None, "serve/build.py resolves it"
     return SuffixProposer(spec.suffix, spec.num_tokens)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.peagle import PEagleHead
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.proposers.base import Proposer
@@ -16,7 +18,9 @@ class SlotProposer(Proposer):
     """What the parallel drafters' proposers (P-EAGLE, DFlash) share: one head forward leaves `logits`
     [>= depth, draft vocab], row d-1 drafting depth d, and a draft is made from those rows alone."""
 
-    def __init__(self, head: nn.Module, depth: int, tree: TreeConfig | None, generator) -> None:
+    head: PEagleHead | DFlashHead  # each subclass narrows it to its own
+
+    def __init__(self, head: PEagleHead | DFlashHead, depth: int, tree: TreeConfig | None, generator) -> None:
         self.head, self.depth, self.tree, self.gen = head, depth, tree or TreeConfig(), generator
         self.target_layers = tuple(head.target_layers)
         self.vocab_ids = head.vocab_ids  # target id of each draft id
@@ -28,7 +32,8 @@ class SlotProposer(Proposer):
         """Level d takes slot d's top-k under the level above's topk best nodes (by cumulative log-prob): a slot's
         distribution does not depend on the tokens drafted before it. topk=1 is a chain; a sampled chain draws
         depth d from slot d's distribution, which verification needs."""
-        logits, k = self.logits[: min(self.depth, budget)], self.tree.topk
+        assert self.logits is not None, "a draft follows a forward"
+        logits, k = self.logits[: min(self.depth, budget)], self.tree.width
         if k == 1 and not sp.greedy:
             p = probs_from_logits(logits, sp)
             ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]

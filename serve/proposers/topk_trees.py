@@ -25,7 +25,7 @@ def rerank(tokens: Tensor, parents: Tensor, scores: Tensor, keep: int, probs: Te
 def tree_size(tree: TreeConfig, depth: int, vocab: int) -> int:
     """The most nodes a draft of `depth` levels holds: topk children of the root and of each level's topk best
     nodes, capped at tree.total_tokens. Refused: a topk past the drafter's vocabulary."""
-    k = tree.topk
+    k = tree.width
     if k > vocab:
         raise ValueError(f"spec.tree.topk={k} exceeds the drafter's vocabulary of {vocab}")
     drafted = k + (depth - 1) * k * k
