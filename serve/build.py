@@ -33,7 +33,8 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
     meta = drafter_meta(spec)
     shape = by_spec(spec.name).shape(mine, saved_shape(spec, meta))
     cap = get(meta["kind"]).depth_cap(meta.get("config") or {}) if meta else None
-    if cap is not None and shape.num_tokens > cap:  # the slots past it would be drafted and verified for nothing
+    # past the cap, slots would be drafted and verified for nothing
+    if cap is not None and shape.num_tokens is not None and shape.num_tokens > cap:
         warnings.warn(
             f"spec.num_tokens={shape.num_tokens} is past the {cap} positions this {spec.name} drafter drafts; "
             f"it drafts {cap}",
@@ -80,7 +81,9 @@ def make_proposer(spec: SpecConfig, target: LoadedTarget) -> Proposer | None:
     if spec.name == "ar":
         return None
     spec = resolve_shape(spec)
-    proposer = resolve(by_spec(spec.name).proposer)(spec, target)
+    factory = by_spec(spec.name).proposer
+    assert factory is not None, "by_spec finds kinds with a proposer"
+    proposer = resolve(factory)(spec, target)
     lookup = lookup_proposer(spec)
     return HybridProposer(proposer, lookup, spec.ngram_policy) if lookup else proposer
 
@@ -93,7 +96,7 @@ def paired_lookup(spec: SpecConfig) -> str | None:
     return "ngram" if spec.ngram_tokens else "suffix" if spec.suffix_tokens else None
 
 
-def lookup_proposer(spec: SpecConfig) -> Proposer | None:
+def lookup_proposer(spec: SpecConfig) -> NgramProposer | SuffixProposer | None:
     """The lookup drafter paired with a model drafter (serve/proposers/hybrid.py), if any. Under `prefer` a suffix draft
     must score (expect to get accepted) spec.num_tokens tokens to be taken over the drafter's, as ArcticInference
     takes it over its speculator's."""
@@ -101,6 +104,7 @@ def lookup_proposer(spec: SpecConfig) -> Proposer | None:
     if lookup == "ngram":
         return NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
     if lookup == "suffix":
+        assert spec.num_tokens is not None, "resolve_shape resolved it"
         return SuffixProposer(spec.suffix, spec.suffix_tokens, spec.num_tokens if spec.ngram_policy == "prefer" else 0)
     return None
 

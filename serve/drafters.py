@@ -4,6 +4,7 @@ refused unless it was made for (or speaks the vocabulary of) the loaded target."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,6 +71,7 @@ def load_drafter(spec: SpecConfig, target: LoadedTarget, *shared) -> nn.Module:
     """The drafter spec.drafter names, in spec.draft_dtype: a drafter folder of spec.name's kind (folder_drafter;
     `shared`: the target pieces the kind borrows), or for spec=draft_model also a plain HF draft LM (draft_lm)."""
     dtype = draft_dtype(spec, target.model)
+    assert spec.drafter is not None, "SpecConfig refuses a drafter kind without one"
     if spec.name == "draft_model":
         return draft_lm(Path(spec.drafter), target, dtype, spec.draft_vocab)
     return folder_drafter(Path(spec.drafter), target, spec.name, *shared, dtype=dtype, draft_vocab=spec.draft_vocab)
@@ -95,6 +97,7 @@ def folder_drafter(
         what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).name}" if fmt else f"a {found} drafter"
         raise ValueError(f"spec.drafter={folder} is {what}; spec={spec_name} needs a {kind} drafter")
     m = target.model
+    head: Any  # the kind's module: restrict_vocab where spec.draft_vocab applies (serve/spec.py, vocab_specs)
     if fmt:  # no draftsmith target id: checked against the target by what the folder records
         head = foreign_head(folder, fmt, m, target.target_id, dtype or m.dtype)
     else:

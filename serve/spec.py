@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from draftsmith.heads.kinds import KINDS, by_spec, specs
 from draftsmith.serve.engine.tree import TreeConfig
@@ -87,6 +87,6 @@ def vocab_specs() -> list[str]:
 
 def draft_vocab_refusal(name: str) -> str:
     names, config = vocab_specs(), by_spec(name).config if name != "ar" else None
-    own = config is not None and "draft_vocab_size" in config.__dataclass_fields__
+    own = config is not None and "draft_vocab_size" in {f.name for f in fields(config)}
     why = f" an {name} head has its own (draft_vocab_size, set in training)" if own else ""
     return f"spec.draft_vocab applies to spec={', '.join(names[:-1])} and {names[-1]}, not {name}.{why}"

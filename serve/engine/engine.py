@@ -45,6 +45,7 @@ class Engine:
         # draft nodes sit at positions up to max_seq_len - 2 + tree: all must stay inside the model's rope table
         room = self.model.config.max_position_embeddings
         if tree >= room:
+            assert self.proposer is not None, "a draft (tree > 0) has a proposer"
             raise ValueError(
                 f"a draft of up to {tree} tokens ({self.proposer.name}) leaves no room in the model's "
                 f"{room}-token context: draft fewer tokens (spec.num_tokens, spec.tree.*)"

@@ -37,7 +37,7 @@ def full_mask(mask: Tensor | None, start: int, n: int, slots: int, device) -> Te
 
 @dataclass
 class Captured:
-    graph: object  # torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph
     tokens: Tensor
     positions: Tensor
     slots: Tensor
@@ -87,7 +87,8 @@ class StaticStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = self.run(*bufs)
-        return Captured(graph, *bufs, out)
+        tokens, positions, slots, mask = bufs
+        return Captured(graph, tokens, positions, slots, mask, out)
 
 
 def make_static_step(

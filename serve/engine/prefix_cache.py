@@ -126,7 +126,7 @@ class PrefixCache:
         # Descendants go too: without their parent they can never be reached again.
         block = self.blocks.pop(key)
         self._nbytes -= block.nbytes
-        if block.parent in self.blocks:
+        if block.parent is not None and block.parent in self.blocks:
             self.blocks[block.parent].children.discard(key)
         for child in list(block.children):
             if child in self.blocks:

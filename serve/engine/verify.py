@@ -32,7 +32,8 @@ def verify_greedy(tree: DraftTree, logits: Tensor) -> Verdict:
     if not len(tree):
         return Verdict([], target[0])
     tokens, kids = tree.tokens.tolist(), tree.children()
-    path, row = [], 0
+    path: list[int] = []
+    row = 0
     while True:
         match = next((c for c in kids[row] if tokens[c] == target[row]), None)
         if match is None:
@@ -50,7 +51,8 @@ def verify_sampling(tree: DraftTree, probs: Tensor, gen: torch.Generator | None)
     its earlier siblings, so the emitted token is distributed exactly as q.
     """
     tokens, kids = tree.tokens.tolist(), tree.children()
-    path, row = [], 0
+    path: list[int] = []
+    row = 0
     while True:
         q = probs[row]
         accepted = None

@@ -141,17 +141,24 @@ def sharegpt_rows(skipped: Skipped) -> Iterator[dict]:
         yield from json_array_rows(path, skipped)
 
 
+def blank_end(ws: re.Pattern[str], buf: str, pos: int) -> int:
+    """Where the blanks ws matches at pos end ([\\s,]* matches everywhere, if only the empty string)."""
+    m = ws.match(buf, pos)
+    assert m is not None, "ws matches the empty string"
+    return m.end()
+
+
 def json_array_rows(path: Path, skipped: Skipped, chunk: int = 1 << 20) -> Iterator[dict]:
     """Stream the elements of a (possibly truncated) JSON array without loading the whole file."""
     decoder, ws = json.JSONDecoder(), re.compile(r"[\s,]*")
     with open(path, encoding="utf-8") as f:
         buf, eof = f.read(chunk), False
-        pos = ws.match(buf, 0).end()
+        pos = blank_end(ws, buf, 0)
         if buf[pos : pos + 1] != "[":
             raise ValueError(f"{path} is not a JSON array")
         pos += 1
         while True:
-            pos = ws.match(buf, pos).end()
+            pos = blank_end(ws, buf, pos)
             if buf[pos : pos + 1] == "]":
                 return
             try:

@@ -28,6 +28,7 @@ def start_wandb(out: Path, cfg: WandbConfig, run_config: dict, name: str, tags: 
         dir=str(out),
         id=run_id,
         resume="allow" if run_id else None,
-        mode=os.environ.get("WANDB_MODE") or "offline",
+        # wandb checks the mode itself; its stub types it as a Literal, which an environment variable is not
+        mode=os.environ.get("WANDB_MODE") or "offline",  # type: ignore[arg-type]
         settings=wandb.Settings(quiet=True),
     )
