@@ -51,6 +51,8 @@ class DraftModelConfig:
 
 
 class DraftModel(Transformer):
+    target_lm_head: nn.Linear  # set only when built with the target (see __init__)
+
     def __init__(self, cfg: DraftModelConfig, model: Transformer | None = None) -> None:
         if cfg.model is None:
             if model is None:

@@ -40,7 +40,7 @@ class Kind:
     heads/registry.py; one from outside the package calls register(Kind(...)) when its module is imported."""
 
     name: str  # the drafter folder's "kind", head=NAME in training, spec=NAME in generate and eval
-    config: type | None = None  # the config dataclass, saved in the folder's config.json (None: training-free)
+    config: type[Any] | None = None  # the config dataclass, saved in the folder's config.json (None: training-free)
     module: type[nn.Module] | None = None  # built as module(config, target model); loaded the same way
     features: tuple[str, ...] = ("hidden",)  # what training reads from the target: hidden (last layer, normed),
     # aux (the inputs of the config's target_layers)

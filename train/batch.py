@@ -15,4 +15,5 @@ class FeatureBatch:
     aux: Tensor | None = None  # [b, n, k*H] the target's inputs to layers head.target_layers, concatenated in order
 
     def to(self, device) -> FeatureBatch:
-        return FeatureBatch(*(None if t is None else t.to(device) for t in vars(self).values()))
+        aux = None if self.aux is None else self.aux.to(device)
+        return FeatureBatch(self.input_ids.to(device), self.loss_mask.to(device), self.hidden.to(device), aux)

@@ -47,7 +47,8 @@ def generate_batch(
     logits = torch.stack([prefill_row(model, cache, i, q, p, valid, past) for i, (q, past) in enumerate(rows)])
     gens = [torch.Generator(dev).manual_seed(s) for s in seeds]
     lengths = torch.tensor([len(q) for q in prompts], device=dev)
-    out, live = [[] for _ in range(b)], [True] * b
+    out: list[list[int]] = [[] for _ in range(b)]
+    live = [True] * b
     for t in range(max(budgets)):
         nxt = logits.argmax(-1).tolist() if sp.greedy else [pick(r, sp, g) for r, g in zip(logits, gens, strict=True)]
         for i in range(b):
@@ -78,6 +79,7 @@ def prefill_row(
     hit = min(common_prefix(past.ids, prompt), n - 1) if past else 0  # at least one token runs: the logits
     row = model.new_cache(n)
     if hit:
+        assert past is not None, "a hit is in a past"
         row.write(0, [t[None, :, :hit] for t in past.kv])
     ids, positions = torch.tensor(prompt[hit:], device=dev), torch.arange(hit, n, device=dev)
     out = model(ids, positions, row, hit, causal_mask(hit, n - hit, dev), slice(-1, None))

@@ -28,8 +28,8 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         if self.fidelity < 0 or self.fidelity_tokens < 1:
-            f, t = self.fidelity, self.fidelity_tokens
-            raise ValueError(f"data.distill.fidelity must be >= 0 and fidelity_tokens >= 1, got {f} and {t}")
+            f, k = self.fidelity, self.fidelity_tokens
+            raise ValueError(f"data.distill.fidelity must be >= 0 and fidelity_tokens >= 1, got {f} and {k}")
         if self.max_new_tokens < 1 or (self.batch_size is not None and self.batch_size < 1):
             n, b = self.max_new_tokens, self.batch_size
             raise ValueError(f"data.distill.max_new_tokens and batch_size must be >= 1, got {n} and {b}")

@@ -14,6 +14,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -219,7 +220,8 @@ def write_shard(
     pad_id: int,
     progress=lambda tokens: None,
 ) -> None:
-    hidden, aux = [None] * len(examples), [None] * len(examples)
+    hidden: list[Tensor | None] = [None] * len(examples)
+    aux: list[Tensor | None] = [None] * len(examples)
     for batch in length_batches([len(e.input_ids) for e in examples], cfg.batch_tokens):
         ids = pad([torch.tensor(examples[j].input_ids) for j in batch], pad_id)
         h, a = target_states(model, ids, layers)
@@ -232,17 +234,18 @@ def write_shard(
         "input_ids": torch.tensor([t for e in examples for t in e.input_ids], dtype=torch.int32),
         "loss_mask": torch.tensor([m for e in examples for m in e.loss_mask], dtype=torch.uint8),
         "offsets": torch.tensor([0] + [len(e.input_ids) for e in examples]).cumsum(0),
-        "hidden": torch.cat(hidden),
+        "hidden": torch.cat(cast("list[Tensor]", hidden)),  # every row filled above
     }
     if layers:
-        tensors["aux"] = torch.cat(aux)
+        tensors["aux"] = torch.cat(cast("list[Tensor]", aux))  # filled: the layers are asked for
     write_file_atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped longest first so that rows x longest length stays within batch_tokens."""
     order = sorted(range(len(lengths)), key=lambda j: -lengths[j])
-    batches, cur = [], []
+    batches: list[list[int]] = []
+    cur: list[int] = []
     for j in order:
         if cur and (len(cur) + 1) * lengths[cur[0]] > batch_tokens:
             batches.append(cur)

@@ -67,13 +67,16 @@ def build_head(kind: str, target: LoadedTarget, cfg: HeadConfig) -> tuple[nn.Mod
     """The kind's module, built with its config and the target (to borrow or copy weights from), and that
     config (what save_drafter writes: not always `head.config`, a draft model's is its ModelConfig)."""
     config = head_config(kind, cfg, target.model.config)
-    return trained_kind(kind).module(config, target.model), config
+    module = trained_kind(kind).module
+    assert module is not None, "trained_kind's kinds have one"
+    return module(config, target.model), config
 
 
 def head_config(kind: str, cfg: HeadConfig, target_config: ModelConfig):
     """The kind's config: `from_target(target config, **sizes)` where the class has it, else its constructor
     with the sizes, and its required fields that the target's config has (hidden_size, ...) filled from it."""
     config_cls = trained_kind(kind).config
+    assert config_cls is not None, "trained_kind's kinds have one"
     kwargs = cfg.kwargs()
     try:
         if hasattr(config_cls, "from_target"):

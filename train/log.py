@@ -97,5 +97,5 @@ class Window:
             "masked_tokens": masked,
             **dict(zip(keys, means[1:], strict=True)),
         }
-        self.__init__()
+        type(self).__init__(self)
         return row

@@ -51,7 +51,8 @@ def eagle3_loss(
     if feature_noise:
         aux = aux + (torch.rand_like(aux) * 2 - 1) * feature_noise
     outs = head.unroll(head.target_features(batch.hidden[:, :m], aux), ids[:, 1:], ttt_steps)
-    loss, logs = 0.0, {}
+    loss: Tensor | float = 0.0
+    logs: dict[str, float] = {}
     for j, h in enumerate(outs):
         w = mask[:, 2 + j : 2 + j + m]
         sel = w > 0
@@ -60,4 +61,5 @@ def eagle3_loss(
         ce = weighted_mean(F.cross_entropy(logits, target, reduction="none"), w[sel])
         loss = loss + decay**j * ce
         logs[f"acc_{j}"] = agreement(logits, target, w[sel])
+    assert isinstance(loss, Tensor), "at least one term"
     return loss, {"loss": loss.item(), **logs}

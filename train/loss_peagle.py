@@ -72,7 +72,9 @@ def peagle_loss(
     mask = F.pad(batch.loss_mask.float(), (0, depths + 2))
     hidden = F.pad(batch.hidden, (0, 0, 0, depths + 2))
     batch_rows = torch.arange(b, device=ids.device)[:, None]
-    total, weight, logs = 0.0, 0.0, {}
+    total: Tensor | float = 0.0
+    weight: Tensor | float = 0.0
+    logs: dict[str, float] = {}
     for d, h in enumerate(outs):
         anchor = torch.arange(m, device=ids.device).expand(b, m) if d == 0 else anchors[d - 1]
         w = mask.gather(1, anchor + 2 + d)
@@ -86,5 +88,6 @@ def peagle_loss(
         total = total + decay**d * (ce * w[sel]).sum()
         weight = weight + w[sel].sum()
         logs[f"acc_{d}"] = agreement(logits, target, w[sel])
+    assert isinstance(weight, Tensor), "at least one depth"
     loss = total / weight.clamp_min(1e-6)
     return loss, {"loss": loss.item(), **logs}

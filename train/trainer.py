@@ -23,11 +23,12 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, InitProcessGroupKwargs, parse_flag_from_env, set_seed
 from omegaconf import OmegaConf
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from draftsmith.heads.drafter_folder import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
+from draftsmith.heads.llama import Transformer
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target, native_bf16, pick_device
 
@@ -36,7 +37,7 @@ from .acceptance import acceptance_hook, heldout_prompts
 from .batch import FeatureBatch
 from .config import RunConfig, TrainConfig
 from .data import data_key
-from .dataset import make_dataset, pad_id
+from .dataset import TrainingData, make_dataset, pad_id
 from .features import collate, target_states
 from .head import build_head, trained_kind
 from .log import MetricsLog, Window
@@ -79,8 +80,9 @@ def setup(cfg: RunConfig) -> Loop:
     layers = trained_kind(cfg.head.kind).target_layers(head_cfg)
     dataset, data_info = make_dataset(cfg, target, layers, acc, say)
     token_counts = dataset.token_counts(target.model.config.vocab_size)  # saved with the drafter
-    if hasattr(head, "set_vocab"):  # EAGLE-3's draft vocabulary: the most frequent answer tokens
-        head.set_vocab(token_counts)
+    set_vocab = getattr(head, "set_vocab", None)
+    if set_vocab is not None:  # EAGLE-3's draft vocabulary: the most frequent answer tokens
+        set_vocab(token_counts)
     head.to(acc.device)
     plan = Plan.make(len(dataset), tc, acc.num_processes)
     say(f"{len(dataset)} examples, {plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps; {data_info}")
@@ -90,7 +92,7 @@ def setup(cfg: RunConfig) -> Loop:
         fill_deepspeed_config(acc.state.deepspeed_plugin.deepspeed_config, tc)
     model = LossModule(head, loss_fn, cfg.head.loss_options())
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, betas=(tc.betas[0], tc.betas[1]), weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(tc, plan.total_steps))
     model, optimizer = acc.prepare(model, optimizer)
     fingerprint = make_fingerprint(cfg, target, acc.num_processes, len(dataset), zero_stage(acc))
@@ -226,7 +228,7 @@ def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples:
     )
 
 
-def feature_batch(batch: dict, model: nn.Module, layers: tuple, device, loss_on: str = "answers") -> FeatureBatch:
+def feature_batch(batch: dict, model: Transformer, layers: tuple, device, loss_on: str = "answers") -> FeatureBatch:
     """A collated batch -> FeatureBatch on `device`: cached states cast to float32, or the target run now.
     loss_on=all weighs every token of each example, not only its answers."""
     ids, mask = batch["input_ids"].to(device), batch["loss_mask"].to(device)
@@ -255,10 +257,10 @@ class Loop:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     target: LoadedTarget
     layers: tuple[int, ...]
-    dataset: Dataset
+    dataset: TrainingData
     plan: Plan
     fingerprint: dict
-    hook: Callable[[nn.Module, str], dict] | None
+    hook: Callable[[nn.Module, str, dict | None], dict] | None  # (head, kind, weights): acceptance_hook's run
     token_counts: Tensor  # of the training answers, saved with the drafter (serve-time draft vocabularies)
     data_info: str = ""  # what the examples are: counts, who wrote the answers, what was skipped (the card says it)
     log: MetricsLog | None = None
@@ -286,6 +288,7 @@ class Loop:
             (self.out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
             tags = [cfg.head.kind, self.target.target_id.split("@")[0], cfg.train.name]
             run_config = OmegaConf.to_container(OmegaConf.structured(cfg))
+            assert isinstance(run_config, dict), "a structured config is a mapping"
             self.log = MetricsLog(self.out, state.step, cfg.wandb, run_config, "-".join(tags), tags, state.wandb_id)
             state.wandb_id = self.log.wandb_id
         return state
@@ -334,6 +337,7 @@ class Loop:
         if self.acc.is_main_process:
             final = self.write_drafter(state, self.out / "final", weights)
             self.say(f"drafter written to {final}")
+            assert self.log is not None, "restore() made it on the main process"
             self.log.close()
         self.acc.wait_for_everyone()
         self.acc.end_training()
@@ -386,7 +390,8 @@ class Loop:
     def after_step(self, state: checkpoint.State, bar) -> None:
         tc, step = self.cfg.train, state.step
         if step % tc.log_every == 0 or step == self.plan.total_steps:
-            row = self.window.flush(self.acc, step, step / self.plan.steps_per_epoch, self.scheduler.get_last_lr()[0])
+            lr = float(self.scheduler.get_last_lr()[0])
+            row = self.window.flush(self.acc, step, step / self.plan.steps_per_epoch, lr)
             bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}")
             if self.log:
                 self.log.log(row)

@@ -32,7 +32,9 @@ class Chat:
     def add(self, answer: str, cut: bool = False) -> None:
         if cut:
             self.truncated.append(self.turn)
-        self.messages = self.next_messages() + [{"role": "assistant", "content": answer}]
+        messages = self.next_messages()
+        assert messages is not None, "a turn is left to answer"
+        self.messages = messages + [{"role": "assistant", "content": answer}]
         self.turn += 1
 
 

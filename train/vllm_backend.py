@@ -120,11 +120,13 @@ class VllmWorker:
         self.version, self.load_s = ready["version"], ready["load_s"]
 
     def generate(self, batch: dict) -> dict:
+        assert self.proc.stdin is not None, "opened with PIPE"
         self.proc.stdin.write(json.dumps(batch) + "\n")
         self.proc.stdin.flush()
         return self.read("answer")
 
     def read(self, doing: str, timeout: float | None = None) -> dict:
+        assert self.proc.stdout is not None, "opened with PIPE"
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
             self.close()
