@@ -45,9 +45,11 @@ def print_headline(r: RunResult) -> None:
     lossless, cache = r.lossless, r.prefix_cache
     check = f"lossless: {lossless.identical}/{lossless.checked} identical"
     if r.temperature > 0:
-        check = "distribution check: " + ", ".join(
-            f"{label} p={m.distribution_check.p_value}" for label, m in r.methods.items()
-        )
+        checks = []
+        for label, m in r.methods.items():
+            assert m.distribution_check is not None, "sampled runs check the distribution"
+            checks.append(f"{label} p={m.distribution_check.p_value}")
+        check = "distribution check: " + ", ".join(checks)
     lines.append(f"  {check}; prefix cache hit {cache.hit_tokens}/{cache.queried_tokens} tokens")
     lines += noise_lines(r)
     if r.study:
@@ -58,6 +60,7 @@ def print_headline(r: RunResult) -> None:
 def noise_lines(r: RunResult) -> list[str]:
     out = []
     if r.noise.noisy:
+        assert r.noise.repeat_spread is not None, "noise is judged from repeats"
         out.append(
             f"  NOISY: plain decoding of the same prompt varied {r.noise.repeat_spread.median:.0%} between repeats"
         )

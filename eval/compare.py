@@ -42,7 +42,8 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path]:
 def find_evals(folders: list[str]) -> tuple[list[Path], list[Path]]:
     """Each folder holds results.json, or is a sweep folder whose subfolders do; also the runs left unfinished
     (records.jsonl without results.json: a crash or a kill), which have nothing to compare yet but are named."""
-    found, unfinished = [], []
+    found: list[Path] = []
+    unfinished: list[Path] = []
     for name in folders:
         folder = Path(name)
         runs = [folder] if is_run(folder) else numbered(p for p in folder.glob("*") if is_run(p))
@@ -225,10 +226,10 @@ def compare(folders: list[str], out: Path) -> tuple[Path, list[str]]:
         params_plot(rows, out / "speedup_vs_params.png"),
         category_plot(by_cat, out / "speedup_by_category.png") if cats else None,
     ]
-    plots = [p for p in plots if p is not None]
+    made = [p for p in plots if p is not None]
     (out / "compare.json").write_text(json.dumps(to_json(rows), indent=2) + "\n")
     path = out / "report.md"
-    path.write_text(render(rows, plots, warnings))
+    path.write_text(render(rows, made, warnings))
     return path, warnings
 
 

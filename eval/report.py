@@ -96,6 +96,7 @@ def acceptance(r: RunResult) -> str:
 def lossless_line(r: RunResult) -> str:
     if r.temperature > 0:
         parts = [f"{label}: {lossless_cell(m)}" for label, m in r.methods.items()]
+        assert r.spec.distribution_check is not None, "sampled runs check the distribution"
         test = r.spec.distribution_check.test
         sampling = f"T={r.temperature}, top_p={r.top_p}, top_k={r.top_k}"
         return f"Sampling at {sampling}: {test}; " + "; ".join(parts) + ". A small p flags a sampling bug."

@@ -133,6 +133,7 @@ def pick_prompts(cfg: EvalConfig) -> list[Prompt]:
         raise ValueError(f"give exactly one of prompts=FILE.jsonl or suite=({', '.join(SUITES)})")
     if cfg.prompts:
         return load_prompts(cfg.prompts, cfg.limit)
+    assert cfg.suite is not None, "one of the two, checked above"
     return load_suite(cfg.suite, cfg.limit)
 
 
@@ -193,7 +194,7 @@ def answer(
     """All turns of one prompt, each answer fed back as the assistant message (as MT-bench does). A turn that
     would exceed the context is skipped with its reason, and so are the turns after it."""
     messages: list[dict] = []
-    out = []
+    out: list[Record] = []
     for t, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         ids = encode_turn(tokenizer, prompt, messages)
@@ -254,10 +255,11 @@ def start_cold(engine: Engine) -> None:
 def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig) -> MethodResult:
     base, mine = of(main, "ar"), of(main, label)
     greedy = cfg.temperature == 0
-    out = compared(label, mine, base, cfg.seed, positions=spec.num_tokens)
+    depth = spec.num_tokens or 0  # plain decoding (ar) has no draft shape
+    out = compared(label, mine, base, cfg.seed, positions=depth)
     rates = out.acceptance_rate_per_position
     if out.drafts:  # depths never accepted still count: their rate is 0
-        out.acceptance_rate_per_position = rates + [0.0] * (spec.num_tokens - len(rates))
+        out.acceptance_rate_per_position = rates + [0.0] * (depth - len(rates))
     return MethodResult(
         **vars(out),
         speedup_per_repeat=speedup_per_repeat(mine, base, cfg.repeats),

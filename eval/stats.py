@@ -90,12 +90,12 @@ def summary_samples(s: Sums) -> dict[str, np.ndarray]:
     }
 
 
-def intervals(boot: Bootstrap, records: list, positions: int = 0) -> dict[str, Interval]:
+def intervals(boot: Bootstrap, records: list, positions: int = 0) -> dict[str, Interval | list[Interval]]:
     """Intervals of a method's summary numbers, and of its per-position acceptance when positions > 0."""
     if not boot.enough:
         return {}
     s = boot.sums(records, positions)
-    out = {k: interval(v) for k, v in summary_samples(s).items()}
+    out: dict[str, Interval | list[Interval]] = {k: interval(v) for k, v in summary_samples(s).items()}
     if positions:
         out["acceptance_rate_per_position"] = [interval(ratio(s[f"pos{i + 1}"], s["drafts"])) for i in range(positions)]
     return out

@@ -10,6 +10,8 @@ decode step costs, so when their TPOTs differ significantly the machine was too 
 
 from __future__ import annotations
 
+import numpy as np
+
 from .aggregate import Record, of, summary
 from .results import Control, Effect, Identical, StudyCell, StudyResult
 from .stats import Bootstrap, interval, ratio, significant, summary_samples
@@ -83,10 +85,12 @@ def effects(cells: list[StudyCell], samples: list[dict] | None) -> dict[str, Eff
     (should be 1.0); prefill: the cache's TTFT cut; decode_cold/decode_hit: speculation's TPOT cut without and
     with the cache; stacking: decode_cold over decode_hit (1.0: the wins stack); total: plain uncached total
     latency over speculation with the cache."""
-    out, draws = {}, {}
+    out: dict[str, Effect] = {}
+    draws: dict[str, np.ndarray] = {}  # none without samples
     for name, (k, a, b) in RATIOS.items():
-        draws[name] = ratio(samples[a][k], samples[b][k]) if samples else None
-        out[name] = effect(safe_ratio(getattr(cells[a], k), getattr(cells[b], k)), draws[name])
+        if samples:
+            draws[name] = ratio(samples[a][k], samples[b][k])
+        out[name] = effect(safe_ratio(getattr(cells[a], k), getattr(cells[b], k)), draws.get(name))
     stack = ratio(draws["decode_cold"], draws["decode_hit"]) if samples else None
     out["stacking"] = effect(safe_ratio(out["decode_cold"].ratio, out["decode_hit"].ratio), stack)
     return out
@@ -136,7 +140,11 @@ def withheld(cells: list[StudyCell], control: Effect) -> str:
 def cut(e: Effect, what: str, name: str) -> str:
     """'X cut TPOT 1.20x [...]', or says it did not, from the interval (the point estimate alone when None).
     e's ratio is the time without X over the time with it."""
-    low, high = e.interval or [e.ratio, e.ratio]
+    if e.interval:
+        low, high = e.interval
+    else:
+        assert e.ratio is not None, "a defined effect: a point estimate where there is no interval"
+        low = high = e.ratio
     if low > 1:
         return f"{name} cut {what} {fmt(e)}"
     if high < 1:
@@ -148,7 +156,11 @@ def finding(fx: dict[str, Effect], method: str) -> str:
     """One sentence from the ratios and their intervals: what the cache saves, what speculation saves, and
     whether they stack."""
     stack = fx["stacking"]
-    differs = significant(stack.interval) if stack.interval else abs(stack.ratio - 1) > 0.15
+    if stack.interval:
+        differs = significant(stack.interval)
+    else:
+        assert stack.ratio is not None, "a defined effect: a point estimate where there is no interval"
+        differs = abs(stack.ratio - 1) > 0.15
     stacks = (
         "the relative decode effect differs with and without a cache hit"
         if differs

@@ -56,7 +56,11 @@ def log_eval(cfg: WandbConfig, out: Path, results: RunResult, run_config: dict) 
     import wandb
 
     labels = list(results.methods)
-    source = results.suite or Path(results.prompts_file).stem
+    if results.suite:
+        source = results.suite
+    else:
+        assert results.prompts_file is not None, "a run reads a suite or a prompts file"
+        source = Path(results.prompts_file).stem
     run = start_wandb(out, cfg, run_config, f"eval-{'+'.join(labels)}-{source}", ["eval", source, *labels], None)
     run.summary.update(headline(results))
     logged = {"by_category": wandb.Table(columns=CATEGORY_COLUMNS, data=category_rows(results))}
