@@ -33,8 +33,17 @@ def headline(r: RunResult) -> dict[str, float]:
     return out
 
 
-CATEGORY_COLUMNS = ["category", "method", "prompts", "tokens_per_s", "speedup", "tau", "draft_acceptance_rate"]
-STUDY_COLUMNS = ["prefix_cache", "speculation", "ttft_ms", "tpot_ms", "total_ms"]
+# list[str | int]: wandb.Table's columns parameter (a list, so invariant)
+CATEGORY_COLUMNS: list[str | int] = [
+    "category",
+    "method",
+    "prompts",
+    "tokens_per_s",
+    "speedup",
+    "tau",
+    "draft_acceptance_rate",
+]
+STUDY_COLUMNS: list[str | int] = ["prefix_cache", "speculation", "ttft_ms", "tpot_ms", "total_ms"]
 
 
 def category_rows(r: RunResult) -> list[list]:
@@ -63,7 +72,9 @@ def log_eval(cfg: WandbConfig, out: Path, results: RunResult, run_config: dict) 
         source = Path(results.prompts_file).stem
     run = start_wandb(out, cfg, run_config, f"eval-{'+'.join(labels)}-{source}", ["eval", source, *labels], None)
     run.summary.update(headline(results))
-    logged = {"by_category": wandb.Table(columns=CATEGORY_COLUMNS, data=category_rows(results))}
+    logged: dict[str, wandb.Table | wandb.Image] = {
+        "by_category": wandb.Table(columns=CATEGORY_COLUMNS, data=category_rows(results))
+    }
     if results.study:
         logged["study"] = wandb.Table(columns=STUDY_COLUMNS, data=study_rows(results.study))
         run.summary["study/finding"] = results.study.finding
