@@ -33,8 +33,8 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
     meta = drafter_meta(spec)
     shape = by_spec(spec.name).shape(mine, saved_shape(spec, meta))
     cap = get(meta["kind"]).depth_cap(meta.get("config") or {}) if meta else None
-    # past the cap, slots would be drafted and verified for nothing
-    if cap is not None and shape.num_tokens is not None and shape.num_tokens > cap:
+    assert shape.num_tokens is not None, "every drafting kind's default sets a depth"
+    if cap is not None and shape.num_tokens > cap:  # the slots past it would be drafted and verified for nothing
         warnings.warn(
             f"spec.num_tokens={shape.num_tokens} is past the {cap} positions this {spec.name} drafter drafts; "
             f"it drafts {cap}",
@@ -48,6 +48,7 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
             "(spec.num_tokens, at most its heads); the deeper paths are left out",
             stacklevel=2,
         )
+        assert shape.choices is not None, "spec.choices set them"
         shape.choices = [c for c in shape.choices if len(c) <= shape.num_tokens]
     tree = TreeConfig(shape.topk, shape.total_tokens)
     return replace(spec, num_tokens=shape.num_tokens, tree=tree, choices=shape.choices)
