@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test command (README, .ci/run): lint and format check, then the whole suite on CPU, offline.
+# The test command (README, .ci/run): lint, format check and type check, then the whole suite on CPU, offline.
 # The real-SmolLM2 lossless module runs in a process of its own: after the rest of the suite in the
 # same process its decode steps run several times slower (docs/benchmarks.md, Figures behind design choices).
 set -euo pipefail
@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline DRAFTSMITH_REQUIRE_VLLM=1
 ruff check .
 ruff format --check .
+bash scripts/typecheck.sh  # mypy on the package (pyproject's [tool.mypy])
 if [ "$#" -gt 0 ]; then
   exec python -m pytest -q "$@"
 fi
