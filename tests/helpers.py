@@ -469,7 +469,6 @@ def cli_args(target, data) -> list[str]:
         "data.max_conversations=16",
         "data.max_length=48",
         f"head.kind={standin_head.KIND}",
-        "~head.draft_vocab_size",  # eagle3's (the default head group) fields, not the stand-in's
         "~head.loss",
         "imports=[standin_head]",
         "train.features.mode=online",
