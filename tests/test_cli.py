@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -186,3 +187,21 @@ def test_every_lookup_and_dtype_key_a_head_spec_takes_is_settable_without_plus(s
     assert (cfg.spec.ngram_tokens, cfg.spec.ngram_policy, cfg.spec.draft_dtype) == (5, "merge", "float32")
     cfg = typed(compose_config("generate", [*head, "spec.suffix_tokens=24"]), GenerateConfig)
     assert cfg.spec.suffix_tokens == 24
+
+
+def console_scripts() -> dict[str, str]:
+    """pyproject's [project.scripts]: command -> "module:function"."""
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    section = text.split("[project.scripts]")[1].split("\n[")[0]
+    return dict(re.findall(r'^([\w-]+) = "([\w.]+:\w+)"', section, flags=re.M))
+
+
+@pytest.mark.parametrize("command", sorted(console_scripts()))
+def test_every_command_finds_its_config(command):
+    """Each console script's entry point starts and prints its help: a hydra app finds its config folder from
+    wherever its module lives (a moved __main__ once looked for serve/conf)."""
+    module, function = console_scripts()[command].split(":")
+    code = f"import sys; sys.argv = [{command!r}, '--help']; from {module} import {function}; {function}()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rror" not in done.stderr, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Export (serve/export/exporters.py) on tiny drafters of every kind for a tiny random Llama target: each format's key
+"""Export (serve/export/pipeline.py) on tiny drafters of every kind for a tiny random Llama target: each format's key
 names, shapes and config.json as the engines expect them; the validator catching a renamed key, a wrong shape,
 a missing d2t and a wrong weight; the HF draft model as transformers' assistant_model; refusals and atomic
 writes. The real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""

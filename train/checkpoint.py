@@ -164,6 +164,12 @@ def own_shapes(head: nn.Module) -> dict[str, torch.Size]:
 
 
 def check_fingerprint(folder: Path, saved: dict, current: dict) -> None:
+    unknown = sorted(current.keys() - saved.keys())
+    if unknown:  # a setting this version records that the checkpoint's version did not: nothing to restore
+        raise Refusal(
+            f"checkpoint {folder} was written by an earlier draftsmith, whose fingerprint lacks "
+            f"{', '.join(unknown)}: it cannot be resumed; train into another out folder"
+        )
     diff = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} then, {current.get(k)!r} now" for k in diff)

@@ -38,7 +38,7 @@ def run(cfg: ExportConfig) -> None:
     print(f"exported {cfg.drafter} to {out} ({cfg.format}, {cfg.dtype}), validated; serve commands in {out}/README.md")
 
 
-@hydra.main(config_path="../conf", config_name="export", version_base=None)
+@hydra.main(config_path="../../conf", config_name="export", version_base=None)
 def _main(cfg: DictConfig) -> None:
     try:
         run(typed_or_exit(cfg, ExportConfig, "draftsmith-export"))
