@@ -1,5 +1,5 @@
 """The built-in drafter kinds, listed once, in the order spec= lists and messages name them. A kind from outside
-the package registers itself with kinds.register when its module is imported (imports=[...] on the command line)."""
+the package registers itself with kinds.register when its module is imported (draftsmith-train imports=[...])."""
 
 from __future__ import annotations
 
