@@ -24,7 +24,7 @@ from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter_folder import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.drafters import target_info
-from draftsmith.serve.engine.engine import Generation
+from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target
 from draftsmith.serve.spec import SpecConfig

@@ -13,20 +13,15 @@ from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
+from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.graphs import make_static_step
 from draftsmith.serve.engine.metrics import Metrics
+from draftsmith.serve.engine.observer import Observer
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams, pick
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.engine.verify import verify
 from draftsmith.serve.proposers.base import Proposer
-
-
-@dataclass
-class Generation:
-    output_ids: list[int]
-    metrics: Metrics
-    finished_by: str  # "eos" or "length"
 
 
 @dataclass
@@ -71,7 +66,11 @@ class Engine:
             )
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, sp: SamplingParams) -> Generation:
+    def generate(
+        self, prompt_ids: list[int], max_new_tokens: int, sp: SamplingParams, observer: Observer | None = None
+    ) -> Generation:
+        """observer (serve/engine/observer.py): told each step's new output tokens (and may stop the request
+        there), the target's outputs when it wants them, and the finished Generation."""
         self.check_fits(len(prompt_ids), max_new_tokens)
         gen = torch.Generator(self.model.device)
         if sp.seed is not None:
@@ -86,22 +85,35 @@ class Engine:
         tokens = torch.zeros(room, dtype=torch.long, device=self.model.device)
         tokens[: len(prompt_ids)] = torch.tensor(prompt_ids)
         p = len(prompt_ids)
-        n = self.prefill(tokens, p, sp, gen, m)
+        limit = p + max_new_tokens
+        n = self.prefill(tokens, p, sp, gen, m, observer)
         self.sync()
         m.ttft_s = time.perf_counter() - begin
-        finished = self.finish_reason(tokens[p:n], n - p, max_new_tokens)
+        finished = self.advance(tokens[p:n].tolist(), n - p, max_new_tokens, observer)
         while finished is None:
             old = n
-            n = self.step(tokens, n, p + max_new_tokens - n, sp, gen, m)
+            n = self.step(tokens, n, limit - n, sp, gen, m, observer)
             # a step's bonus token may land past max_new_tokens: an EOS out there does not count
-            finished = self.finish_reason(tokens[old : min(n, p + max_new_tokens)], n - p, max_new_tokens)
+            finished = self.advance(tokens[old : min(n, limit)].tolist(), n - p, max_new_tokens, observer)
         self.sync()
         m.total_s = time.perf_counter() - begin
         out = self.truncate(tokens[len(prompt_ids) : n].tolist(), max_new_tokens)
         m.new_tokens = len(out)
-        return Generation(out, m, finished)
+        g = Generation(out, m, finished)
+        if observer:
+            observer.finish(g)
+        return g
 
-    def prefill(self, tokens: Tensor, p: int, sp: SamplingParams, gen, m: Metrics) -> int:
+    def advance(self, new: list[int], generated: int, max_new: int, observer: Observer | None) -> str | None:
+        """Why the request ends after these new tokens (None: it goes on); the observer sees them first."""
+        finished = self.finish_reason(new, generated, max_new)
+        if observer is not None and not observer.emit(self.upto_eos(new)) and finished is None:
+            return "stopped"
+        return finished
+
+    def prefill(
+        self, tokens: Tensor, p: int, sp: SamplingParams, gen, m: Metrics, observer: Observer | None = None
+    ) -> int:
         """Run the prompt (minus any prefix-cache hit) and sample the first new token."""
         caches = [self.cache] + (self.proposer.slot_caches if self.proposer else [])
         prompt = tokens[:p].tolist()
@@ -116,12 +128,16 @@ class Engine:
         tokens[p] = pick(out.logits[-1], sp, gen)
         if self.proposer:
             self.proposer.prefill(tokens[: p + 1], hit, out)
+        if observer is not None and observer.wants_outputs:
+            observer.prefill(tokens[: p + 1], hit, out)
         if self.prefix_cache is not None:
             self.prefix_cache.insert(prompt, self.salt, caches)
             m.prefix_queried_tokens, m.prefix_hit_tokens = p, hit
         return p + 1
 
-    def step(self, tokens: Tensor, n: int, budget: int, sp: SamplingParams, gen, m: Metrics) -> int:
+    def step(
+        self, tokens: Tensor, n: int, budget: int, sp: SamplingParams, gen, m: Metrics, observer: Observer | None = None
+    ) -> int:
         """One target pass over [pending token, draft tree]; returns the new sequence length.
         budget: how many more tokens the request may emit (the pending one counted as emitted)."""
         cached = n - 1
@@ -142,9 +158,14 @@ class Engine:
         reach = self.reach(tokens[n:end].tolist(), budget)
         m.record_step(int((tree.depths <= reach).sum()), min(len(path), reach))
         tokens[end] = verdict.next_token
-        if self.proposer:
+        watching = observer is not None and observer.wants_outputs
+        if self.proposer or watching:
             rows = torch.tensor([0] + [i + 1 for i in path], device=tokens.device)
-            self.proposer.accept(tokens[: end + 1], tree, path, select_rows(out, rows))
+            verified = select_rows(out, rows)
+            if self.proposer:
+                self.proposer.accept(tokens[: end + 1], tree, path, verified)
+            if watching:
+                observer.accept(tokens[: end + 1], path, verified)
         return end + 1
 
     def forward(
@@ -162,13 +183,15 @@ class Engine:
                 return i + 1
         return budget
 
-    def finish_reason(self, new: Tensor, generated: int, max_new: int) -> str | None:
-        if any(t in self.eos_ids for t in new.tolist()):
+    def finish_reason(self, new: list[int], generated: int, max_new: int) -> str | None:
+        if any(t in self.eos_ids for t in new):
             return "eos"
         return "length" if generated >= max_new else None
 
     def truncate(self, out: list[int], max_new: int) -> list[int]:
-        out = out[:max_new]
+        return self.upto_eos(out[:max_new])
+
+    def upto_eos(self, out: list[int]) -> list[int]:
         for i, t in enumerate(out):
             if t in self.eos_ids:
                 return out[: i + 1]
