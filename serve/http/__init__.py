@@ -1,0 +1,1 @@
+"""draftsmith-serve: the engine behind an OpenAI-compatible chat-completions endpoint (FastAPI + uvicorn)."""
