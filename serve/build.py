@@ -111,14 +111,19 @@ def lookup_proposer(spec: SpecConfig) -> NgramProposer | SuffixProposer | None:
 
 
 def build_engine(
-    target: LoadedTarget, spec: SpecConfig, prefix_cache: bool, max_seq_len: int, cuda_graphs: str = "auto"
+    target: LoadedTarget,
+    spec: SpecConfig,
+    prefix_cache: bool,
+    max_seq_len: int,
+    cuda_graphs: str = "auto",
+    prefix_cache_bytes: int = 1 << 30,
 ) -> Engine:
     spec = resolve_shape(spec)  # the salt names the shape drafted
     proposer = make_proposer(spec, target)
     return Engine(
         target.model,
         proposer,
-        PrefixCache() if prefix_cache else None,
+        PrefixCache(max_bytes=prefix_cache_bytes) if prefix_cache else None,
         eos_ids=eos_ids(target),
         max_seq_len=max_seq_len,
         salt=f"{target.target_id}|{target.model.dtype}|{spec}",

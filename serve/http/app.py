@@ -1,0 +1,147 @@
+"""The FastAPI app: POST /v1/chat/completions (JSON or server-sent events), GET /v1/models, GET /metrics, GET /health.
+
+A handler checks the request (admit.py), queues it for the engine thread (worker.py) and answers from the job's
+events: a JSON object once it has ended, or one chunk per piece of text as it becomes final. A client that leaves
+cancels its job: skipped while it waits, stopped at the engine's next step while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from draftsmith.serve.http.admit import Admitted, Limits, admit, parse
+from draftsmith.serve.http.errors import APIError, server_error
+from draftsmith.serve.http.metrics import CONTENT_TYPE, ServeMetrics
+from draftsmith.serve.http.responses import DONE, Reply, event, model_card, stats
+from draftsmith.serve.http.worker import Done, Failed, Job, Piece, Worker
+
+
+@dataclass
+class Backend:
+    """What the handlers share: the engine's worker, the tokenizer prompts are encoded with, the limits requests are
+    checked against."""
+
+    worker: Worker
+    tokenizer: object
+    limits: Limits
+    spec: str
+    metrics: ServeMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def make_app(backend: Backend) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        backend.worker.start()
+        yield
+        await asyncio.to_thread(backend.worker.stop)
+
+    app = FastAPI(title="draftsmith-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(APIError, lambda request, e: e.response())
+    app.add_exception_handler(HTTPException, http_error)
+    name = backend.limits.model_name
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card(name, backend.created)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict:
+        if model != name:
+            raise APIError(
+                404, f"The model `{model}` does not exist. This server serves `{name}`.", "model", "model_not_found"
+            )
+        return model_card(name, backend.created)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        admitted = admit(parse(await request.body()), backend.tokenizer, backend.limits)
+        job = Job(
+            admitted.prompt_ids, admitted.max_new_tokens, admitted.sampling, admitted.stop, asyncio.get_running_loop()
+        )
+        backend.worker.submit(job)
+        reply = Reply(name, backend.spec)
+        if admitted.request.stream:
+            return StreamingResponse(stream(job, reply, admitted), media_type="text/event-stream")
+        return JSONResponse(await complete(request, job, reply, admitted))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(backend.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    return app
+
+
+async def complete(request: Request, job: Job, reply: Reply, admitted: Admitted) -> dict:
+    watcher = asyncio.create_task(cancel_on_disconnect(request, job))
+    pieces: list[str] = []
+    try:
+        while not isinstance(ev := await job.events.get(), Done):
+            if isinstance(ev, Failed):
+                raise server_error(ev.message)
+            pieces.append(ev.text)
+    finally:
+        watcher.cancel()
+        if not job.ended:
+            job.cancel()
+    if ev.generation is None:
+        raise APIError(503, "The server is shutting down; the request was not run.", kind="server_error")
+    g = ev.generation
+    ids = g.output_ids if admitted.request.return_token_ids else None
+    return reply.completion("".join(pieces), ev.finish_reason, g, job_stats(reply, job, g), ids, admitted.prompt_ids)
+
+
+async def stream(job: Job, reply: Reply, admitted: Admitted) -> AsyncIterator[str]:
+    """chat.completion.chunk events: the role, the text as it becomes final, the finish reason with the draft
+    statistics, the usage if asked, [DONE]. An error after the first chunk is sent as an error event."""
+    req = admitted.request
+    try:
+        first = {"prompt_token_ids": admitted.prompt_ids} if req.return_token_ids else {}
+        yield reply.chunk({"role": "assistant", "content": ""}, **first)
+        while not isinstance(ev := await job.events.get(), Done):
+            if isinstance(ev, Failed):
+                yield event(server_error(ev.message).body())
+                break
+            if isinstance(ev, Piece) and (ev.text or req.return_token_ids):
+                ids = {"token_ids": ev.token_ids} if req.return_token_ids else {}
+                yield reply.chunk({"content": ev.text}, **ids)
+        if isinstance(ev, Done) and ev.generation is not None:
+            g = ev.generation
+            yield reply.chunk({}, ev.finish_reason, draftsmith=job_stats(reply, job, g))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield reply.usage_chunk(g)
+        yield DONE
+    finally:  # the client left (the response task is cancelled) or the stream ended
+        if not job.ended:
+            job.cancel()
+
+
+async def cancel_on_disconnect(request: Request, job: Job) -> None:
+    """The body is read: the next ASGI message is the client leaving."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+def job_stats(reply: Reply, job: Job, g) -> dict:
+    started = job.started if job.started is not None else job.arrived
+    first = job.first_token if job.first_token is not None else started
+    return stats(reply.spec, g, started - job.arrived, first - job.arrived)
+
+
+async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+    """Unknown paths and methods in the API's error shape."""
+    words = {404: "Not found", 405: "Method not allowed"}.get(e.status_code, str(e.detail))
+    return APIError(e.status_code, f"{words}: {request.method} {request.url.path}").response()

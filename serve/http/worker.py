@@ -1,0 +1,177 @@
+"""The request queue and the one thread that runs the engine (batch 1), request after request.
+
+A handler puts a Job on the queue and reads its events (text pieces as they become final, then Done or Failed)
+from an asyncio queue the engine thread fills through the event loop. A job whose client left is marked
+cancelled: skipped if still waiting, stopped at its next step if running (its observer returns False).
+
+Per-request hooks: `observers` are factories Job -> Observer (serve/engine/observer.py), each told the request's
+target outputs as the engine runs them and its Generation when it ends: where traffic capture plugs in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.generation import Generation
+from draftsmith.serve.engine.observer import Observer, Observers
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.http.detok import TextStream
+from draftsmith.serve.http.errors import overloaded
+from draftsmith.serve.http.metrics import ServeMetrics
+
+log = logging.getLogger("draftsmith.serve")
+
+
+@dataclass
+class Piece:
+    """Output text made final, and the tokens the step made (which may run past a stop string)."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Done:
+    generation: Generation | None  # None: the client left before the engine took the request
+    finish_reason: str  # stop | length | abort
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    started: float | None = None
+    first_token: float | None = None
+    ended: bool = False  # Done or Failed was posted
+
+    def post(self, event: Piece | Done | Failed) -> None:
+        """From the engine thread to the handler waiting on `events`."""
+        if isinstance(event, Done | Failed):
+            self.ended = True
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone: the server is shutting down
+            pass
+
+    def cancel(self) -> None:
+        """The client left: skip the request, or stop it at its next step."""
+        self.cancelled.set()
+
+
+class JobObserver(Observer):
+    """Turns the engine's new tokens into text pieces for the job's handler; stops the request at a stop string or
+    once its client has left."""
+
+    def __init__(self, job: Job, tokenizer) -> None:
+        self.job = job
+        self.text = TextStream(tokenizer, job.stop)
+
+    def emit(self, new_ids: list[int]) -> bool:
+        if self.job.first_token is None:
+            self.job.first_token = time.perf_counter()
+        self.job.post(Piece(self.text.push(new_ids), new_ids))
+        return not (self.text.stopped or self.job.cancelled.is_set())
+
+    def finish(self, generation: Generation) -> None:
+        rest = self.text.flush()
+        if rest:
+            self.job.post(Piece(rest, []))
+
+    def finish_reason(self, g: Generation) -> str:
+        if self.text.stopped or g.finished_by == "eos":
+            return "stop"
+        return "length" if g.finished_by == "length" else "abort"
+
+
+class Worker:
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        metrics: ServeMetrics,
+        max_queue: int,
+        observers: Sequence[Callable[[Job], Observer]] = (),
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = copy.deepcopy(tokenizer)  # its own: the handlers encode with theirs on the event loop
+        self.metrics = metrics
+        self.observers = list(observers)
+        self.queue: queue.Queue[Job | None] = queue.Queue(max_queue)
+        self.current: Job | None = None  # the job the engine runs
+        self.thread = threading.Thread(target=self.run, name="draftsmith-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            raise overloaded(self.queue.qsize()) from None
+        self.metrics.waiting.set(self.queue.qsize())
+
+    def stop(self) -> None:
+        """Cancel what waits and what runs (it stops at its next step), end the thread."""
+        if (running := self.current) is not None:
+            running.cancel()
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.post(Done(None, "abort"))
+        self.queue.put(None)
+        if self.thread.is_alive():
+            self.thread.join(timeout=30)
+
+    def run(self) -> None:
+        while (job := self.queue.get()) is not None:
+            self.metrics.waiting.set(self.queue.qsize())
+            self.serve(job)
+
+    def serve(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self.metrics.ended_early("abort")
+            job.post(Done(None, "abort"))
+            return
+        job.started = time.perf_counter()
+        watch = JobObserver(job, self.tokenizer)
+        observer = Observers(watch, *(make(job) for make in self.observers)) if self.observers else watch
+        self.metrics.running.set(1)
+        self.current = job
+        try:
+            g = self.engine.generate(job.prompt_ids, job.max_new_tokens, job.sampling, observer)
+        except Exception as e:  # the server goes on; the request gets a 500 and the log the traceback
+            log.exception("the engine failed on a request")
+            self.metrics.ended_early("error")
+            job.post(Failed(f"The engine failed on this request: {type(e).__name__}: {e}"))
+            return
+        finally:
+            self.current = None
+            self.metrics.running.set(0)
+        end = time.perf_counter()
+        reason = watch.finish_reason(g)
+        first = job.first_token if job.first_token is not None else end
+        self.metrics.finished(g, reason, job.started - job.arrived, first - job.arrived, end - job.arrived)
+        job.post(Done(g, reason))
