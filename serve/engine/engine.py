@@ -158,14 +158,14 @@ class Engine:
         reach = self.reach(tokens[n:end].tolist(), budget)
         m.record_step(int((tree.depths <= reach).sum()), min(len(path), reach))
         tokens[end] = verdict.next_token
-        watching = observer is not None and observer.wants_outputs
+        watching = observer if observer is not None and observer.wants_outputs else None
         if self.proposer or watching:
             rows = torch.tensor([0] + [i + 1 for i in path], device=tokens.device)
             verified = select_rows(out, rows)
             if self.proposer:
                 self.proposer.accept(tokens[: end + 1], tree, path, verified)
             if watching:
-                observer.accept(tokens[: end + 1], path, verified)
+                watching.accept(tokens[: end + 1], path, verified)
         return end + 1
 
     def forward(

@@ -108,15 +108,14 @@ async def stream(job: Job, reply: Reply, admitted: Admitted) -> AsyncIterator[st
     statistics, the usage if asked, [DONE]. An error after the first chunk is sent as an error event."""
     req = admitted.request
     try:
-        first = {"prompt_token_ids": admitted.prompt_ids} if req.return_token_ids else {}
-        yield reply.chunk({"role": "assistant", "content": ""}, **first)
+        ids = req.return_token_ids
+        yield reply.chunk({"role": "assistant", "content": ""}, prompt_token_ids=admitted.prompt_ids if ids else None)
         while not isinstance(ev := await job.events.get(), Done):
             if isinstance(ev, Failed):
                 yield event(server_error(ev.message).body())
                 break
-            if isinstance(ev, Piece) and (ev.text or req.return_token_ids):
-                ids = {"token_ids": ev.token_ids} if req.return_token_ids else {}
-                yield reply.chunk({"content": ev.text}, **ids)
+            if isinstance(ev, Piece) and (ev.text or ids):
+                yield reply.chunk({"content": ev.text}, token_ids=ev.token_ids if ids else None)
         if isinstance(ev, Done) and ev.generation is not None:
             g = ev.generation
             yield reply.chunk({}, ev.finish_reason, draftsmith=job_stats(reply, job, g))
@@ -141,7 +140,8 @@ def job_stats(reply: Reply, job: Job, g) -> dict:
     return stats(reply.spec, g, started - job.arrived, first - job.arrived)
 
 
-async def http_error(request: Request, e: HTTPException) -> JSONResponse:
-    """Unknown paths and methods in the API's error shape."""
-    words = {404: "Not found", 405: "Method not allowed"}.get(e.status_code, str(e.detail))
-    return APIError(e.status_code, f"{words}: {request.method} {request.url.path}").response()
+async def http_error(request: Request, e: Exception) -> JSONResponse:
+    """Unknown paths and methods (starlette's HTTPException) in the API's error shape."""
+    status, detail = (e.status_code, str(e.detail)) if isinstance(e, HTTPException) else (500, str(e))
+    words = {404: "Not found", 405: "Method not allowed"}.get(status, detail)
+    return APIError(status, f"{words}: {request.method} {request.url.path}").response()

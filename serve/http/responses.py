@@ -38,11 +38,24 @@ class Reply:
             out["prompt_token_ids"] = prompt_ids
         return {**out, "draftsmith": stats}
 
-    def chunk(self, delta: dict, reason: str | None = None, **extra) -> str:
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-        if "token_ids" in extra:
-            choice["token_ids"] = extra.pop("token_ids")
-        return event({**self.head("chat.completion.chunk"), "choices": [choice], **extra})
+    def chunk(
+        self,
+        delta: dict,
+        reason: str | None = None,
+        token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        draftsmith: dict | None = None,
+    ) -> str:
+        """One chat.completion.chunk event; the token ids (return_token_ids) and the statistics when given."""
+        choice: dict = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        out = {**self.head("chat.completion.chunk"), "choices": [choice]}
+        if prompt_token_ids is not None:
+            out["prompt_token_ids"] = prompt_token_ids
+        if draftsmith is not None:
+            out["draftsmith"] = draftsmith
+        return event(out)
 
     def usage_chunk(self, g: Generation) -> str:
         return event({**self.head("chat.completion.chunk"), "choices": [], "usage": usage(g)})
