@@ -68,12 +68,11 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
 
 
 def load_drafter(spec: SpecConfig, target: LoadedTarget, *shared) -> nn.Module:
-    """The drafter spec.drafter names, in spec.draft_dtype: a drafter folder of spec.name's kind (folder_drafter;
-    `shared`: the target pieces the kind borrows), or for spec=draft_model also a plain HF draft LM (draft_lm)."""
+    """The drafter folder spec.drafter names, of spec.name's kind (folder_drafter; `shared`: the target pieces the
+    kind borrows), in spec.draft_dtype. spec=draft_model's proposer reads its folder with draft_lm, which also
+    takes a plain HF draft LM."""
     dtype = draft_dtype(spec, target.model)
     assert spec.drafter is not None, "SpecConfig refuses a drafter kind without one"
-    if spec.name == "draft_model":
-        return draft_lm(Path(spec.drafter), target, dtype, spec.draft_vocab)
     return folder_drafter(Path(spec.drafter), target, spec.name, *shared, dtype=dtype, draft_vocab=spec.draft_vocab)
 
 

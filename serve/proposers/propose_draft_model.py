@@ -7,14 +7,14 @@ training-free draft that shares the target's weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
-from draftsmith.serve.drafters import load_drafter
+from draftsmith.serve.drafters import draft_dtype, draft_lm
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, sample, widen
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.models.target import LoadedTarget
@@ -94,6 +94,6 @@ class DraftModelProposer(Proposer):
 
 def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     """spec=draft_model: an HF draft LM, or a draft_model drafter folder."""
-    model = cast(Transformer, load_drafter(spec, target))
-    assert spec.num_tokens is not None, "serve/build.py resolves it"
+    assert spec.num_tokens is not None and spec.drafter is not None, "serve/build.py resolves them"
+    model = draft_lm(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
