@@ -1,0 +1,39 @@
+"""AdaptConfig: what draftsmith-serve captures of its traffic and how the trainer beside it adapts the drafter
+(the `adaptation` block of conf/serve.yaml; `adapt=true` turns it on). Read by the server and by the trainer
+(train/adapt.py), which gets it in ADAPT_DIR/adapt.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AdaptConfig:
+    dir: str = "runs/serve-adapt"  # the workspace: capture/, versions/, live.json, trainer.jsonl
+    capture_gb: float = 2.0  # the capture store's cap; past it the oldest requests go first
+    trainer: bool = True  # start the trainer beside the server (false: capture and hot swap only)
+    publish_every: int = 32  # captured requests between the trainer's rounds
+    holdout: float = 0.25  # the newest fraction of captured requests, held back to judge a candidate
+    steps: int = 60  # optimizer steps per round
+    batch_size: int = 4
+    lr: float = 2e-4
+    ttt_steps: int = 3  # the loss's training-time-test steps (the draft depths a round trains)
+    replay: str | None = None  # a feature cache of the drafter's original training data; None: no replay (warned)
+    replay_ratio: float = 1.0  # replay examples per captured training example in a round
+    threads: int = 1  # the trainer's torch threads; it runs at the lowest CPU priority
+    min_gain: float = 0.0  # a candidate is published when its held-out tau beats the live head's by more than this
+    rollback_window: int = 16  # live requests a new version serves before it is judged
+    rollback_margin: float = 0.0  # rolled back when its live tau < the previous version's - this
+
+    def __post_init__(self) -> None:
+        if self.capture_gb <= 0:
+            raise ValueError(f"adaptation.capture_gb must be > 0, got {self.capture_gb}")
+        for key in ("publish_every", "steps", "batch_size", "ttt_steps", "threads", "rollback_window"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"adaptation.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 < self.holdout < 1:
+            raise ValueError(f"adaptation.holdout must be in (0, 1), got {self.holdout}")
+        if not self.lr > 0:
+            raise ValueError(f"adaptation.lr must be > 0, got {self.lr}")
+        if self.replay_ratio < 0 or self.rollback_margin < 0 or self.min_gain < 0:
+            raise ValueError("adaptation.replay_ratio, rollback_margin and min_gain must be >= 0")
