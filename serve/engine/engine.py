@@ -53,6 +53,21 @@ class Engine:
         self.target_layers = self.proposer.target_layers if self.proposer else ()  # hidden states the drafter reads
         self.static = make_static_step(self.cuda_graphs, self.model, self.cache, self.target_layers)
 
+    def replace_proposer(self, proposer: Proposer, salt: str) -> None:
+        """Draft with another proposer from the next request on (a new version of the head): it must read the same
+        target layers and fit the draft room reserved. The prefix cache is emptied: it holds the old one's state."""
+        old = self.proposer
+        if old is None or proposer.target_layers != old.target_layers or proposer.max_tree_size > old.max_tree_size:
+            raise ValueError(
+                f"a proposer reading layers {proposer.target_layers} with drafts of up to {proposer.max_tree_size} "
+                f"tokens cannot replace {old.name if old else 'plain decoding'}: draft the same shape from the same "
+                "target layers"
+            )
+        proposer.reserve(self.cache.max_len)
+        self.proposer, self.salt = proposer, salt
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
             raise ValueError("empty prompt: give at least one token")

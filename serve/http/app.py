@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -35,6 +35,7 @@ class Backend:
     spec: str
     metrics: ServeMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    closers: list[Callable[[], None]] = field(default_factory=list)  # run at shutdown, after the worker stopped
 
 
 def make_app(backend: Backend) -> FastAPI:
@@ -43,6 +44,8 @@ def make_app(backend: Backend) -> FastAPI:
         backend.worker.start()
         yield
         await asyncio.to_thread(backend.worker.stop)
+        for close in backend.closers:
+            await asyncio.to_thread(close)
 
     app = FastAPI(title="draftsmith-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(APIError, lambda request, e: e.response())

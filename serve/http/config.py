@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftsmith.serve.adapt.config import AdaptConfig
 from draftsmith.serve.models.target import TargetConfig
 from draftsmith.serve.spec import SpecConfig
 
@@ -22,6 +23,8 @@ class ServeConfig:
     max_queue: int = 1024  # requests waiting for the engine past this are refused with 503
     cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | graphs | eager | off
     log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug | trace
+    adapt: bool = False  # capture the traffic and adapt the drafter to it (docs/serving.md); nothing is kept if false
+    adaptation: AdaptConfig = field(default_factory=AdaptConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

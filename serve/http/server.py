@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 import uvicorn
 
+from draftsmith.serve.adapt.adaptation import Adaptation
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.observer import Observer
@@ -19,7 +20,8 @@ from draftsmith.serve.models.target import encode_chat, load_target
 
 
 def build_backend(cfg: ServeConfig, observers: Sequence[Callable[[Job], Observer]] = ()) -> Backend:
-    """observers: what else watches each request (worker.py), e.g. a capture of its tokens and target features."""
+    """observers: what else watches each request (worker.py). adapt=true adds the capture of each request's
+    tokens and target features, and head versions swapped in between requests (serve/adapt/)."""
     target = load_target(cfg.target)
     engine = build_engine(
         target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len, cfg.cuda_graphs, int(cfg.prefix_cache_gb * 2**30)
@@ -27,8 +29,15 @@ def build_backend(cfg: ServeConfig, observers: Sequence[Callable[[Job], Observer
     warm_up(engine, encode_chat(target.tokenizer, [{"role": "user", "content": "Hello"}]))
     name = cfg.model_name or target.target_id.split("@")[0]
     metrics = ServeMetrics(name, cfg.spec.name)
-    worker = Worker(engine, target.tokenizer, metrics, cfg.max_queue, observers)
-    return Backend(worker, target.tokenizer, Limits(name, engine.max_seq_len, cfg.max_tokens), cfg.spec.name, metrics)
+    watchers, between, closers = list(observers), None, []
+    if cfg.adapt:
+        adaptation = Adaptation(cfg.adaptation, target, cfg.target, cfg.spec, engine)
+        adaptation.register_metrics(metrics.registry)
+        watchers.append(lambda job: adaptation.observer(job.prompt_ids))
+        between, closers = adaptation.between_requests, [adaptation.close]
+    worker = Worker(engine, target.tokenizer, metrics, cfg.max_queue, watchers, between)
+    limits = Limits(name, engine.max_seq_len, cfg.max_tokens)
+    return Backend(worker, target.tokenizer, limits, cfg.spec.name, metrics, closers=closers)
 
 
 def warm_up(engine: Engine, prompt_ids: list[int]) -> None:

@@ -110,11 +110,14 @@ class Worker:
         metrics: ServeMetrics,
         max_queue: int,
         observers: Sequence[Callable[[Job], Observer]] = (),
+        between: Callable[[], None] | None = None,
     ) -> None:
+        """between: what runs in the engine thread before each request (a head version swapped in)."""
         self.engine = engine
         self.tokenizer = copy.deepcopy(tokenizer)  # its own: the handlers encode with theirs on the event loop
         self.metrics = metrics
         self.observers = list(observers)
+        self.between = between
         self.queue: queue.Queue[Job | None] = queue.Queue(max_queue)
         self.current: Job | None = None  # the job the engine runs
         self.thread = threading.Thread(target=self.run, name="draftsmith-engine", daemon=True)
@@ -148,7 +151,16 @@ class Worker:
     def run(self) -> None:
         while (job := self.queue.get()) is not None:
             self.metrics.waiting.set(self.queue.qsize())
+            self.run_between()
             self.serve(job)
+
+    def run_between(self) -> None:
+        if self.between is None:
+            return
+        try:
+            self.between()
+        except Exception:  # the hook's failure is logged; requests are served on
+            log.exception("the between-requests hook failed")
 
     def serve(self, job: Job) -> None:
         if job.cancelled.is_set():

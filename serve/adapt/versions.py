@@ -1,0 +1,109 @@
+"""The adaptation workspace on disk, as server and trainer share it (docs/serving.md, Online adaptation):
+
+    capture/        the captured requests (store.py)
+    versions/       v0000 (the drafter served first), v0001, ...: drafter folders; LATEST names the newest
+    live.json       the version serving, the one before it, the ones rolled back, each one's live tau
+    adapt.json      what the trainer is started with
+    trainer.jsonl   the trainer's rounds
+
+A version is published by renaming a finished folder into versions/, then replacing LATEST; a reader that goes by
+LATEST never sees a half-written version.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from draftsmith.heads.files import temp_folder_beside, write_text_atomic
+
+VERSION = re.compile(r"v(\d{4,})")
+
+
+def version_name(n: int) -> str:
+    return f"v{n:04d}"
+
+
+def version_number(name: str) -> int:
+    m = VERSION.fullmatch(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a head version name (v0000, v0001, ...)")
+    return int(m.group(1))
+
+
+@dataclass
+class Workspace:
+    root: Path
+
+    @property
+    def capture(self) -> Path:
+        return self.root / "capture"
+
+    @property
+    def versions(self) -> Path:
+        return self.root / "versions"
+
+    @property
+    def latest_file(self) -> Path:
+        return self.versions / "LATEST"
+
+    @property
+    def live_file(self) -> Path:
+        return self.root / "live.json"
+
+    @property
+    def adapt_file(self) -> Path:
+        return self.root / "adapt.json"
+
+    @property
+    def trainer_log(self) -> Path:
+        return self.root / "trainer.jsonl"
+
+    def folder(self, version: str) -> Path:
+        return self.versions / version
+
+    def latest(self) -> str | None:
+        """The newest published version, or None before any."""
+        try:
+            name = self.latest_file.read_text().strip()
+        except OSError:
+            return None
+        return name if VERSION.fullmatch(name) and (self.folder(name) / "config.json").is_file() else None
+
+    def publish(self, version: str) -> None:
+        """Point LATEST at a version already renamed into place."""
+        write_text_atomic(self.latest_file, version + "\n")
+
+    def start(self, drafter: Path) -> None:
+        """A fresh workspace: the drafter served first becomes v0000. One already started is carried on."""
+        if self.latest() is not None:
+            return
+        first = self.folder(version_name(0))
+        if not first.is_dir():
+            with temp_folder_beside(first, mode=0o755) as tmp:
+                shutil.copytree(drafter, tmp, dirs_exist_ok=True)
+                tmp.rename(first)
+        self.publish(first.name)
+
+
+@dataclass
+class LiveRecord:
+    """What live.json holds: the version serving, the one it replaced, the ones rolled back, live tau of each."""
+
+    live: str
+    previous: str | None = None
+    rejected: list[str] = field(default_factory=list)
+    tau: dict[str, dict] = field(default_factory=dict)  # version -> requests, accepted, drafts, tau
+
+    def write(self, ws: Workspace) -> None:
+        write_text_atomic(ws.live_file, json.dumps(asdict(self), indent=1) + "\n")
+
+    @staticmethod
+    def read(ws: Workspace) -> LiveRecord | None:
+        try:
+            return LiveRecord(**json.loads(ws.live_file.read_text()))
+        except (OSError, json.JSONDecodeError, TypeError):
+            return None
