@@ -1,4 +1,5 @@
-"""Prompt suites shipped by pip packages (nothing is downloaded): mt_bench, humaneval, sharegpt, rag."""
+"""Prompt suites shipped by pip packages or Python itself (nothing is downloaded): mt_bench, humaneval, sharegpt, rag,
+pydocs."""
 
 from __future__ import annotations
 
@@ -101,11 +102,56 @@ def rag(document: str | None) -> list[Prompt]:
     return [Prompt(f"rag-{i}", [intro + q], False, "rag") for i, q in enumerate(questions)]
 
 
+PYDOC_MODULES = (
+    "argparse bisect collections csv datetime decimal difflib fractions functools hashlib heapq itertools json "
+    "logging math os os.path pathlib random re shutil sqlite3 statistics string struct subprocess tempfile textwrap "
+    "threading urllib.parse uuid zipfile"
+).split()
+
+
+def pydocs(min_chars: int = 200, max_chars: int = 1500) -> list[Prompt]:
+    """Questions about the documentation of Python's standard library, one per public function, class or method
+    whose docstring is min_chars..max_chars long, in module and name order: the documents of one customer's
+    software, shipped with Python itself."""
+    import importlib
+
+    ask = "Here is the documentation of `{}` from Python's standard library:\n\n{}\n\n"
+    ask += "Explain what it does and show a short example."
+    prompts = []
+    for module in PYDOC_MODULES:
+        for name, doc in documented(importlib.import_module(module), module):
+            if min_chars <= len(doc) <= max_chars:
+                prompts.append(Prompt(name, [ask.format(name, doc)], False, module))
+    return prompts
+
+
+def documented(module, prefix: str) -> list[tuple[str, str]]:
+    """(qualified name, docstring) of a module's public functions and classes defined there, and their methods."""
+    import inspect
+
+    found = []
+    for attr in sorted(a for a in dir(module) if not a.startswith("_")):
+        obj = getattr(module, attr)
+        if not (inspect.isroutine(obj) or inspect.isclass(obj)) or not str(getattr(obj, "__module__", "")).startswith(
+            prefix.split(".")[0]
+        ):
+            continue
+        found.append((f"{prefix}.{attr}", inspect.getdoc(obj) or ""))
+        if inspect.isclass(obj):
+            found += [
+                (f"{prefix}.{attr}.{m}", inspect.getdoc(f) or "")
+                for m, f in sorted(vars(obj).items())
+                if not m.startswith("_") and inspect.isroutine(f)
+            ]
+    return found
+
+
 SUITES: dict[str, Callable[[SuiteConfig], list[Prompt]]] = {
     "mt_bench": lambda c: mt_bench(max_turns=c.max_turns),
     "humaneval": lambda c: humaneval(c.chat),
     "sharegpt": lambda c: sharegpt(c.source, c.heldout_fraction, c.max_turns, c.max_chars),
     "rag": lambda c: rag(c.document),
+    "pydocs": lambda c: pydocs(),
 }
 
 

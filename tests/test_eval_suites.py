@@ -56,6 +56,14 @@ def test_humaneval_has_164_code_prompts_raw_or_as_chat():
     assert not chat[0].raw and raw[0].turns[0] in chat[0].turns[0]
 
 
+def test_pydocs_asks_about_standard_library_documentation():
+    prompts = load_suite(SuiteConfig("pydocs"))
+    assert len(prompts) > 200 and well_formed(prompts) and len({p.id for p in prompts}) == len(prompts)
+    dedent = next(p for p in prompts if p.id == "textwrap.dedent")
+    assert dedent.category == "textwrap" and "Remove any common leading whitespace" in dedent.turns[0]
+    assert all(not p.raw and p.id.startswith(p.category + ".") for p in prompts)
+
+
 def test_sharegpt_suite_uses_only_the_held_out_split():
     prompts = load_suite(SuiteConfig("sharegpt"))
     assert len(prompts) > 100 and well_formed(prompts)
