@@ -27,6 +27,7 @@ class TrainerProcess:
         self.logfile = (ws.root / "trainer.log").open("ab")
         cmd = [sys.executable, "-m", "draftsmith.train.adapt", str(ws.root)]
         self.proc = subprocess.Popen(cmd, stdout=self.logfile, stderr=subprocess.STDOUT, start_new_session=True)
+        (ws.root / "trainer.pid").write_text(f"{self.proc.pid}\n")  # its process group too: a benchmark pauses it
         log.info("trainer started (pid %d), its log: %s", self.proc.pid, ws.root / "trainer.log")
 
     @property
