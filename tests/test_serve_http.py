@@ -238,6 +238,9 @@ LONG = " ".join(["lighthouse"] * 1100)  # past the tiny target's 1024-token cont
             None,
         ),
         (body(stream_options={"include_usage": True}), 400, "stream_options", None),
+        (body(max_tokens=True), 400, "max_tokens", "invalid_value"),
+        (body(temperature="0"), 400, "temperature", "invalid_value"),
+        (body(messages=[{"role": "user"}]), 400, "messages[0].content", "missing_required_parameter"),
     ],
     ids=[
         "malformed-json",
@@ -261,6 +264,9 @@ LONG = " ".join(["lighthouse"] * 1100)  # past the tiny target's 1024-token cont
         "tool-role",
         "image-part",
         "stream-options-unstreamed",
+        "max-tokens-bool",
+        "temperature-string",
+        "message-without-content",
     ],
 )
 def test_bad_input_gets_the_openai_error_and_the_server_goes_on(server, payload, status, param, code):
@@ -272,7 +278,7 @@ def test_bad_input_gets_the_openai_error_and_the_server_goes_on(server, payload,
     assert error["type"] == "invalid_request_error" and error["param"] == param
     if code is not None:
         assert error["code"] == code
-    ok = httpx.post(f"{server.url}/v1/chat/completions", json=body(temperature=0), timeout=60)
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json=body(temperature=0, n=None, stream=None), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 
