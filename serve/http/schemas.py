@@ -1,8 +1,9 @@
 """The chat-completions request as the OpenAI API defines it (pydantic), and the parameters the engine cannot honour.
 
 Unknown fields are refused, as OpenAI refuses them, and types are strict, as OpenAI's are: a bool is not a number
-and a string is not a number (pydantic's lax mode would take `true` as 1 and "0" as 0). Parameters of the API the engine does not implement are listed
-in UNSUPPORTED with the values that mean "off": any other value is refused, not ignored.
+and a string is not a number (pydantic's lax mode would take `true` as 1 and "0" as 0). Parameters of the API the
+engine does not implement are listed in UNSUPPORTED with the values that mean "off": any other value is refused,
+not ignored.
 """
 
 from __future__ import annotations
