@@ -83,7 +83,7 @@ async def streamed(client: openai.AsyncOpenAI, messages: list[dict], s: Sampling
             if choice.finish_reason:
                 fields["finish_reason"] = choice.finish_reason
         if (chunk.model_extra or {}).get("draftsmith") is not None:
-            fields["draftsmith"] = chunk.model_extra["draftsmith"]  # type: ignore[index]
+            fields["draftsmith"] = chunk.model_extra["draftsmith"]
         if chunk.usage is not None:
             fields["prompt_tokens"], fields["completion_tokens"] = (
                 chunk.usage.prompt_tokens,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from draftsmith.heads.files import write_text_atomic
 
@@ -108,6 +109,7 @@ def windows_plot(logs: list[LogSummary], path: Path) -> Path:
             ivs = [getattr(w, f"{key}_interval") for w in ws]
             ax.errorbar([w.index + 1 for w in ws], ys, yerr=errors(ys, ivs), marker="o", capsize=3, label=s.label)
         ax.set(xlabel="window", ylabel=name, title=f"{name} per window")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     return save(fig, path)

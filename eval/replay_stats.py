@@ -37,7 +37,7 @@ def resampled(table: np.ndarray, seed: int) -> np.ndarray | None:
     return boot.weights @ table if boot.enough else None
 
 
-def number(x: float) -> float | None:
+def number(x: float | np.ndarray) -> float | None:
     return float(x) if np.isfinite(x) else None
 
 
@@ -111,7 +111,7 @@ def keyed(rows: list[dict]) -> dict[Key, dict]:
     for r in rows:
         base = (r.get("repeat", 0), r["id"], r.get("turn", 0))
         seen[base] = seen.get(base, -1) + 1
-        out[(*base, seen[base])] = r
+        out[base + (seen[base],)] = r
     return out
 
 
