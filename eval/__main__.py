@@ -1,4 +1,5 @@
-"""draftsmith-eval: plain decoding vs one or more methods on a suite or prompts file -> results, report, W&B."""
+"""draftsmith-eval: plain decoding vs one or more methods on a suite or prompts file -> results, report, W&B; or,
+with replay=LOG, the report of a draftsmith-replay log (or two, compared)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from omegaconf import DictConfig
 from draftsmith.serve.shared.cli import typed_or_exit
 
 from .methods import check_drafters
+from .replay_report import headline, write_replay_report
 from .report import busy, number, speedup_cell, write_report
 from .results import RunResult
 from .runner import EvalConfig, run_eval
@@ -26,6 +28,16 @@ def evaluate(cfg: EvalConfig) -> RunResult:
     write_report(cfg.out, results)
     log_eval(cfg.wandb, Path(cfg.out), results, asdict(cfg))
     return results
+
+
+def replay_report(cfg: EvalConfig) -> None:
+    paths = [cfg.replay] if isinstance(cfg.replay, str) else [str(p) for p in cfg.replay]
+    try:
+        result = write_replay_report(paths, cfg.replay_labels, cfg.window, cfg.out)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"draftsmith-eval: {e}")
+    print(headline(result))
+    print(f"  report: {cfg.out}/report.md, results: {cfg.out}/replay_results.json")
 
 
 def print_headline(r: RunResult) -> None:
@@ -74,6 +86,9 @@ def noise_lines(r: RunResult) -> list[str]:
 @hydra.main(config_path="../conf", config_name="eval", version_base=None)
 def _main(cfg: DictConfig) -> None:
     config = typed_or_exit(cfg, EvalConfig, "draftsmith-eval", check_drafters)
+    if config.replay is not None:
+        replay_report(config)
+        return
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # each sweep job in out/<job number>, grouped together in W&B
         config.out = hc.runtime.output_dir

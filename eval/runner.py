@@ -9,6 +9,7 @@ import json
 import zlib
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -77,6 +78,10 @@ class EvalConfig:
     study: str | None = None  # prefix_x_spec: the 2x2 of prefix cache off/on x plain/first method
     resume: bool = False  # continue the run in `out` from its records.jsonl (same settings)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # read draftsmith-replay logs instead of running prompts: a path, or [a, b] to compare (eval/replay_report.py)
+    replay: Any = None
+    replay_labels: list[str] | None = None  # one per log; default: the files' names
+    window: int = 25  # requests per window of a replay log
 
 
 NOISY_SPREAD = 0.10  # plain decoding's time per token of the same prompt varying more than this between repeats
@@ -113,7 +118,8 @@ def run_eval(cfg: EvalConfig) -> RunResult:
 def settings(cfg: EvalConfig, target_id: str, prompts: list[Prompt], methods: dict[str, SpecConfig]) -> dict:
     """What the records depend on: a resume must match it. Paths alone are not enough: the prompts' content and
     each drafter folder's fingerprint are in it too (an edited file, a drafter retrained in place)."""
-    keep = {k: v for k, v in asdict(cfg).items() if k not in ("out", "resume", "wandb")}
+    skip = ("out", "resume", "wandb", "replay", "replay_labels", "window")
+    keep = {k: v for k, v in asdict(cfg).items() if k not in skip}
     drafters = {label: drafter_identity(m.drafter) for label, m in methods.items() if m.drafter}
     identity = {"target_id": target_id, "prompts_sha256": prompts_hash(prompts), "drafters": drafters}
     return json.loads(json.dumps({**keep, **identity}, default=str))

@@ -91,13 +91,16 @@ def own_state(head: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in head.state_dict().items() if not k.startswith(tuple(shared))}
 
 
+DRAFTER_HOLDS = 'a drafter folder holds config.json with "kind" and model.safetensors, as draftsmith-train writes it'
+
+
 def read_meta(folder: Path) -> dict:
     folder = Path(folder)
     path = folder / "config.json"
     if not folder.is_dir():
         raise FileNotFoundError(f"drafter folder {folder} does not exist")
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: {folder} is not a draftsmith drafter folder")
+        raise FileNotFoundError(f"{path} is missing: {folder} is not a draftsmith drafter folder ({DRAFTER_HOLDS})")
     try:
         meta = json.loads(path.read_text())
     except json.JSONDecodeError as e:

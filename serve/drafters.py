@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from draftsmith.heads.drafter_folder import (
+    DRAFTER_HOLDS,
     TargetInfo,
     frequent_ids,
     load_token_counts,
@@ -46,6 +47,11 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
     """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
+    if not (folder / "config.json").is_file():  # read_hf_config would call it a target folder
+        raise FileNotFoundError(
+            f"spec.drafter={folder} has no config.json: it is not a draftsmith drafter folder ({DRAFTER_HOLDS}) "
+            "nor an HF draft model (config.json and *.safetensors)"
+        )
     hf = read_hf_config(folder)
     if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter_folder.py, serve/export/foreign.py)
         return folder_drafter(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from hydra import compose, initialize_config_module
-from prometheus_client.parser import text_string_to_metric_families
 
 from draftsmith.serve.__main__ import GenerateConfig
 from draftsmith.serve.__main__ import run as generate
@@ -36,33 +31,12 @@ from draftsmith.serve.http.worker import Done, Failed, Job, Worker
 from draftsmith.serve.models.target import TargetConfig, encode_chat, load_target
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.spec import SpecConfig
-from helpers import ENV, build_tiny_chat_target, said, user
+from helpers import build_tiny_chat_target, said, user
+from serve_process import running_server
 
 MODEL = "tiny"
 NEW = 24
 PROMPT = "Tell me about the sea, the sea, the sea."
-
-
-@dataclass
-class Server:
-    url: str
-    log: Path
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics, parsed, as name{labels} -> value."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -72,34 +46,9 @@ def tiny_target(smollm2_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    port, log = free_port(), tmp / "server.log"
-    args = [f"target.path={tiny_target}", "target.dtype=float32", "spec=suffix", f"port={port}", f"model_name={MODEL}"]
-    args += ["max_tokens=64"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "draftsmith.serve.http", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=ENV,
-            cwd=tmp,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, f"draftsmith-serve exited:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"draftsmith-serve did not answer in 120 s:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.25)
-    yield Server(url, log)
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = ["spec=suffix", f"model_name={MODEL}", "max_tokens=64"]
+    with running_server(tiny_target, tmp_path_factory.mktemp("serve"), *args) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +187,9 @@ LONG = " ".join(["lighthouse"] * 1100)  # past the tiny target's 1024-token cont
             None,
         ),
         (body(stream_options={"include_usage": True}), 400, "stream_options", None),
+        (body(max_tokens=True), 400, "max_tokens", "invalid_value"),
+        (body(temperature="0"), 400, "temperature", "invalid_value"),
+        (body(messages=[{"role": "user"}]), 400, "messages[0].content", "missing_required_parameter"),
     ],
     ids=[
         "malformed-json",
@@ -261,6 +213,9 @@ LONG = " ".join(["lighthouse"] * 1100)  # past the tiny target's 1024-token cont
         "tool-role",
         "image-part",
         "stream-options-unstreamed",
+        "max-tokens-bool",
+        "temperature-string",
+        "message-without-content",
     ],
 )
 def test_bad_input_gets_the_openai_error_and_the_server_goes_on(server, payload, status, param, code):
@@ -272,7 +227,7 @@ def test_bad_input_gets_the_openai_error_and_the_server_goes_on(server, payload,
     assert error["type"] == "invalid_request_error" and error["param"] == param
     if code is not None:
         assert error["code"] == code
-    ok = httpx.post(f"{server.url}/v1/chat/completions", json=body(temperature=0), timeout=60)
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json=body(temperature=0, n=None, stream=None), timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
 
 

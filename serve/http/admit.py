@@ -88,7 +88,7 @@ def admit(req: ChatRequest, tokenizer, limits: Limits) -> Admitted:
 
 
 def refuse_unsupported(req: ChatRequest) -> None:
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise invalid(
             f"n={req.n} is not supported: draftsmith-serve makes one choice per request (its engine runs batch 1). "
             "Send n=1, or the request n times with different seeds.",
@@ -119,7 +119,8 @@ def encode(tokenizer, messages: list[Message]) -> list[int]:
 def text(m: Message, i: int) -> str:
     if m.content is None:
         if m.role != "assistant":
-            raise invalid(f"Missing required parameter: 'messages[{i}].content'.", f"messages[{i}].content")
+            where = f"messages[{i}].content"
+            raise invalid(f"Missing required parameter: '{where}'.", where, "missing_required_parameter")
         return ""
     if isinstance(m.content, str):
         return m.content

@@ -1,7 +1,9 @@
 """The chat-completions request as the OpenAI API defines it (pydantic), and the parameters the engine cannot honour.
 
-Unknown fields are refused, as OpenAI refuses them. Parameters of the API the engine does not implement are listed
-in UNSUPPORTED with the values that mean "off": any other value is refused, not ignored.
+Unknown fields are refused, as OpenAI refuses them, and types are strict, as OpenAI's are: a bool is not a number
+and a string is not a number (pydantic's lax mode would take `true` as 1 and "0" as 0). Parameters of the API the
+engine does not implement are listed in UNSUPPORTED with the values that mean "off": any other value is refused,
+not ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None  # a string, or parts: only {"type": "text", "text": ...}
@@ -20,13 +22,13 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False  # a last chunk with the usage (and no choices) before [DONE]
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -37,9 +39,9 @@ class ChatRequest(BaseModel):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None  # None: False, as OpenAI
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int | None = None  # None: 1, as OpenAI
     return_token_ids: bool = False  # not OpenAI's (vLLM's extra_body): the prompt's and the completion's token ids
     user: str | None = None  # an end-user id: accepted, not used
     # the API's parameters the engine does not implement: refused unless at a value in UNSUPPORTED
