@@ -7,13 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -498,59 +492,3 @@ def sum_chats(folder: Path) -> str:
     path = folder / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
-
-
-# ---------------------------------------------------------------- a draftsmith-serve process
-
-
-@dataclass
-class Server:
-    url: str
-    log: Path
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics, parsed, as name{labels} -> value."""
-        import httpx
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serve_process(args: list[str], folder: Path, timeout: float = 120) -> Iterator[Server]:
-    """`python -m draftsmith.serve.http *args port=N` running in folder until the block ends, once /health answers."""
-    import httpx
-
-    port, log = free_port(), folder / "server.log"
-    with open(log, "w") as out:
-        cmd = [sys.executable, "-m", "draftsmith.serve.http", *args, f"port={port}"]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=folder)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
-    try:
-        while True:
-            assert proc.poll() is None, f"draftsmith-serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"draftsmith-serve did not answer in {timeout} s:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.25)
-        yield Server(url, log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()

@@ -20,7 +20,8 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.adapt.versions import Workspace
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
-from helpers import build_tiny_chat_target, serve_process, user
+from helpers import build_tiny_chat_target, user
+from serve_process import running_server
 
 MODEL = "tiny"
 QUESTIONS = ["Tell me about the sea.", "Name three colours.", "What is two plus two?"]
@@ -40,10 +41,8 @@ def tiny(smollm2_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 
 def args(tiny, *more: str) -> list[str]:
-    target, drafter = tiny
+    _, drafter = tiny
     return [
-        f"target.path={target}",
-        "target.dtype=float32",
         "spec=eagle3",
         f"spec.drafter={drafter}",
         f"model_name={MODEL}",
@@ -75,7 +74,7 @@ def captured(ws: Workspace) -> int:
 def test_served_traffic_is_captured_and_a_new_version_swapped_in(tiny, tmp_path):
     ws = Workspace(tmp_path / "ws")
     extra = ["adapt=true", f"adaptation.dir={ws.root}", "adaptation.trainer=false"]
-    with serve_process(args(tiny, *extra), tmp_path) as server:
+    with running_server(tiny[0], tmp_path, *args(tiny, *extra)) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         before = [ask(client, q) for q in QUESTIONS]
         wait_for(lambda: captured(ws) == 3)
@@ -94,7 +93,7 @@ def test_served_traffic_is_captured_and_a_new_version_swapped_in(tiny, tmp_path)
 
 
 def test_without_adapt_nothing_is_kept(tiny, tmp_path):
-    with serve_process(args(tiny, f"adaptation.dir={tmp_path / 'ws'}"), tmp_path) as server:
+    with running_server(tiny[0], tmp_path, *args(tiny, f"adaptation.dir={tmp_path / 'ws'}")) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
         assert ask(client, QUESTIONS[0])
         assert "draftsmith_adapt_captured_requests" not in server.metrics()
