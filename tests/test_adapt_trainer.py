@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,7 +30,7 @@ from draftsmith.train.adapt import start
 from draftsmith.train.adapt_gate import offline_tau, run_lengths
 from draftsmith.train.adapt_round import Abandoned, TrainerState, run_round
 from draftsmith.train.features import target_states
-from helpers import export_drafters
+from helpers import ENV, export_drafters
 
 LAYERS = (0, 1, 2)  # EAGLE-3's default layers of the 3-layer tiny target
 FAST = dict(publish_every=4, holdout=0.25, steps=40, batch_size=4, lr=3e-3, ttt_steps=2, max_length=64)
@@ -33,9 +38,10 @@ FAST = dict(publish_every=4, holdout=0.25, steps=40, batch_size=4, lr=3e-3, ttt_
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir, tmp_path_factory, one_thread):
-    """(target config, loaded target, a v0000 eagle3 drafter folder drafting chains of 3, shards' tensors)."""
+    """(target config, loaded target, a v0000 eagle3 drafter folder drafting chains of 3, requests' tensors, an
+    EAGLE-1 drafter folder)."""
     root = tmp_path_factory.mktemp("adapt")
-    tcfg, _, _ = export_drafters(tiny_llama_dir("llama"), root)
+    tcfg, drafters, _ = export_drafters(tiny_llama_dir("llama"), root)
     target = load_target(tcfg)
     c = target.model.config
     torch.manual_seed(0)
@@ -44,7 +50,7 @@ def tiny(tiny_llama_dir, tmp_path_factory, one_thread):
     folder = save_drafter(
         head, head.config, "eagle3", TargetInfo(**info), Recipe(data="tiny"), root / "v0000", draft=DraftShape(3, 1)
     )
-    return tcfg, target, folder, requests(target, 16)
+    return tcfg, target, folder, requests(target, 16), drafters["eagle"]
 
 
 def requests(target, count: int) -> list[dict]:
@@ -98,7 +104,7 @@ def write_replay(folder: Path, reqs: list[dict], target_id: str) -> Path:
 
 def workspace(tmp_path: Path, tiny, replay: bool = True, **options) -> Path:
     """ADAPT_DIR as the server leaves it: adapt.json, versions/v0000, 12 captured requests."""
-    tcfg, target, v0000, reqs = tiny
+    tcfg, target, v0000, reqs, _ = tiny
     root = tmp_path / "adapt"
     shutil.copytree(v0000, root / "versions" / "v0000")
     write_capture(root / "capture", reqs[:12])
@@ -200,3 +206,28 @@ def test_a_stopped_round_publishes_nothing(tmp_path, tiny):
         run_round(start(root), TrainerState(stop=True))
     assert sorted(p.name for p in (root / "versions").iterdir()) == ["v0000"]
     assert json.loads((root / "trainer.jsonl").read_text())["reason"].startswith("abandoned")
+
+
+def test_an_eagle_head_adapts_too(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, steps=2, min_gain=100.0)
+    shutil.rmtree(root / "versions" / "v0000")
+    shutil.copytree(tiny[4], root / "versions" / "v0000")
+    result = run_round(start(root), TrainerState())
+    assert result.steps == 2 and result.tau_live is not None and result.loss is not None
+
+
+def test_the_command_runs_rounds_and_stops_on_sigterm(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, steps=2, min_gain=100.0)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), ENV["PYTHONPATH"]])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "draftsmith.train.adapt", str(root)], env=env, text=True, stderr=subprocess.PIPE
+    )
+    journal = root / "trainer.jsonl"
+    deadline = time.monotonic() + 120
+    while not journal.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert json.loads(journal.read_text().splitlines()[0])["round"] == 1
+    assert "stopped" in err
