@@ -26,7 +26,7 @@ from draftsmith.heads.drafter_folder import (
 from draftsmith.heads.kinds import DraftShape, get
 from draftsmith.serve.adapt.config import AdaptConfig
 from draftsmith.serve.drafters import target_info
-from draftsmith.serve.models.target import LoadedTarget
+from draftsmith.serve.models.target import LoadedTarget, native_bf16
 
 from .adapt_data import Item, listed_shards, read_captured, replay_sample, split_heldout, window
 from .adapt_gate import Shape, judge
@@ -160,13 +160,15 @@ def fine_tune(
     if state.optimizer_state is not None and state.optimizer_base == head.name:
         optimizer.load_state_dict(state.optimizer_state)
     head.module.train()
+    fast_bf16 = native_bf16("cpu")  # bf16 autocast: ~1.7x a step on an AMX CPU; the weights and judging stay fp32
     losses, tokens = [], 0
     for _ in range(opts.steps):
         if state.stop:
             raise Abandoned
         picked = [items[i] for i in rng.choices(range(len(items)), k=opts.batch_size)]
         (batch,) = batches(picked, opts.batch_size, pad, trainer, head.layers)
-        loss, _ = loss_fn(head.module, batch, **kwargs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fast_bf16):
+            loss, _ = loss_fn(head.module, batch, **kwargs)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
