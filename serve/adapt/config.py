@@ -24,11 +24,13 @@ class AdaptConfig:
     min_gain: float = 0.0  # a candidate is published when its held-out tau beats the live head's by more than this
     rollback_window: int = 16  # live requests a new version serves before it is judged
     rollback_margin: float = 0.0  # rolled back when its live tau < the previous version's - this
+    max_length: int = 512  # the trainer's tokens per example (a longer one keeps a window from its answer's start)
+    seed: int = 0  # the trainer's sampling of examples and replay, offset by the round
 
     def __post_init__(self) -> None:
         if self.capture_gb <= 0:
             raise ValueError(f"adaptation.capture_gb must be > 0, got {self.capture_gb}")
-        for key in ("publish_every", "steps", "batch_size", "ttt_steps", "threads", "rollback_window"):
+        for key in ("publish_every", "steps", "batch_size", "ttt_steps", "threads", "rollback_window", "max_length"):
             if getattr(self, key) < 1:
                 raise ValueError(f"adaptation.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.holdout < 1:

@@ -1,0 +1,233 @@
+"""The adaptation trainer (train/adapt*.py) on a tiny target: a capture store written in the server's format from
+the target's real features, a replay cache, rounds that publish (or not) atomically, damaged shards skipped, a
+publish killed half-way, rollbacks followed, and the offline tau's run counting."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, read_meta, save_drafter
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.kinds import DraftShape
+from draftsmith.serve.drafters import load_drafter
+from draftsmith.serve.models.target import load_target
+from draftsmith.serve.spec import SpecConfig
+from draftsmith.train import adapt_versions
+from draftsmith.train.adapt import start
+from draftsmith.train.adapt_gate import offline_tau, run_lengths
+from draftsmith.train.adapt_round import Abandoned, TrainerState, run_round
+from draftsmith.train.features import target_states
+from helpers import ENV, export_drafters
+
+LAYERS = (0, 1, 2)  # EAGLE-3's default layers of the 3-layer tiny target
+FAST = dict(publish_every=4, holdout=0.25, steps=40, batch_size=4, lr=3e-3, ttt_steps=2, max_length=64)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, tmp_path_factory, one_thread):
+    """(target config, loaded target, a v0000 eagle3 drafter folder drafting chains of 3, requests' tensors, an
+    EAGLE-1 drafter folder)."""
+    root = tmp_path_factory.mktemp("adapt")
+    tcfg, drafters, _ = export_drafters(tiny_llama_dir("llama"), root)
+    target = load_target(tcfg)
+    c = target.model.config
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.from_target(c, draft_vocab_size=c.vocab_size), target.model)
+    info = read_meta(root / "eagle3")["target"]
+    folder = save_drafter(
+        head, head.config, "eagle3", TargetInfo(**info), Recipe(data="tiny"), root / "v0000", draft=DraftShape(3, 1)
+    )
+    return tcfg, target, folder, requests(target, 16), drafters["eagle"]
+
+
+def requests(target, count: int) -> list[dict]:
+    """Chats of the tiny target: a short random prompt and 24 tokens of its greedy answer, with their features."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, 128, (1, 5), generator=g)
+        for _ in range(24):
+            hidden, _ = target.model.hidden_states(ids)
+            ids = torch.cat([ids, target.model.lm_head(hidden[:, -1]).argmax(-1, keepdim=True)], 1)
+        hidden, aux = target_states(target.model, ids, LAYERS)
+        mask = torch.tensor([0] * 5 + [1] * 24, dtype=torch.uint8)
+        out.append({"input_ids": ids[0].int(), "loss_mask": mask, "hidden": hidden[0], "aux": aux[0]})
+    return out
+
+
+def write_capture(folder: Path, reqs: list[dict]) -> None:
+    """One shard per request as the server writes them (the last row never ran: have=0, zeros), and the manifest."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for seq, r in enumerate(reqs):
+        n = r["input_ids"].shape[0]
+        have = torch.ones(n, dtype=torch.uint8)
+        have[-1] = 0
+        hidden, aux = r["hidden"].clone(), r["aux"].clone()
+        hidden[-1], aux[-1] = 0, 0
+        tensors = {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "offsets": torch.tensor([0, n])}
+        tensors |= {"hidden": hidden.bfloat16(), "aux": aux.bfloat16(), "have": have}
+        name = f"shard-{seq:08d}.safetensors"
+        save_file(tensors, str(folder / name), metadata={"seq": str(seq), "version": "v0000"})
+        shards.append({"file": name, "examples": 1, "seq": seq, "bytes": (folder / name).stat().st_size})
+    key = {"format_version": 1, "target": "tiny", "layers": list(LAYERS), "dtype": "bfloat16", "source": "capture"}
+    manifest = {"key": key, "target": "tiny", "layers": list(LAYERS), "dtype": "bfloat16", "shards": shards}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def write_replay(folder: Path, reqs: list[dict], target_id: str) -> Path:
+    """A train/features.py cache of reqs in one shard."""
+    folder.mkdir(parents=True)
+    lengths = [r["input_ids"].shape[0] for r in reqs]
+    tensors = {k: torch.cat([r[k] for r in reqs]) for k in ("input_ids", "loss_mask")}
+    tensors |= {k: torch.cat([r[k] for r in reqs]).bfloat16() for k in ("hidden", "aux")}
+    tensors["offsets"] = torch.tensor([0, *lengths]).cumsum(0)
+    save_file(tensors, str(folder / "shard-00000.safetensors"))
+    manifest = {"target": target_id, "layers": list(LAYERS), "dtype": "bfloat16"}
+    manifest["shards"] = [{"file": "shard-00000.safetensors", "examples": len(reqs)}]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def workspace(tmp_path: Path, tiny, replay: bool = True, **options) -> Path:
+    """ADAPT_DIR as the server leaves it: adapt.json, versions/v0000, 12 captured requests."""
+    tcfg, target, v0000, reqs, _ = tiny
+    root = tmp_path / "adapt"
+    shutil.copytree(v0000, root / "versions" / "v0000")
+    write_capture(root / "capture", reqs[:12])
+    folder = write_replay(tmp_path / "replay", reqs[12:], target.target_id) if replay else None
+    opts = {**FAST, "replay": str(folder) if folder else None, **options}
+    adapt = {"target": asdict(tcfg), "drafter": str(root / "versions" / "v0000"), "options": opts}
+    (root / "adapt.json").write_text(json.dumps(adapt))
+    return root
+
+
+def test_run_lengths_count_leading_hits():
+    hits = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert run_lengths(hits).tolist() == [2, 0, 4, 1]
+    starts = torch.tensor([True, True, False, True])
+    assert offline_tau(run_lengths(hits), starts) == pytest.approx(1 + (2 + 0 + 1) / 3)
+    assert offline_tau(run_lengths(hits), torch.zeros(4, dtype=torch.bool)) == 1.0
+
+
+def test_a_better_candidate_is_published(tmp_path, tiny):
+    root = workspace(tmp_path, tiny)
+    trainer = start(root)
+    result = run_round(trainer, TrainerState())
+    assert result.published == "v0001", result
+    assert result.tau_candidate > result.tau_live
+    assert (result.captured, result.heldout, result.skipped) == (9, 3, 0) and result.replay == 4
+    versions = root / "versions"
+    assert (versions / "LATEST").read_text() == "v0001\n"
+    record = json.loads((versions / "v0001" / "version.json").read_text())
+    assert record["version"] == 1 and record["parent"] == 0 and record["trained_on"]["steps"] == FAST["steps"]
+    parent, child = read_meta(versions / "v0000"), read_meta(versions / "v0001")
+    assert all(child[k] == parent[k] for k in ("kind", "target", "config", "draft"))
+    assert child["recipe"]["extra"]["adapted_from"] == "v0000"
+    head = load_drafter(
+        SpecConfig(name="eagle3", drafter=str(versions / "v0001")), trainer.target, trainer.target.model
+    )
+    assert head is not None
+    row = json.loads((root / "trainer.jsonl").read_text().splitlines()[-1])
+    assert row["published"] == "v0001" and row["cpu_s"] > 0 and row["loss"] is not None
+
+
+def test_nothing_is_published_below_min_gain(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, replay=False, min_gain=100.0, steps=3)
+    result = run_round(start(root), TrainerState())
+    assert result.published is None and "not above" in result.reason and result.replay == 0
+    assert sorted(p.name for p in (root / "versions").iterdir()) == ["v0000"]
+
+
+def test_damaged_shards_are_skipped(tmp_path, tiny, caplog):
+    root = workspace(tmp_path, tiny, steps=3, min_gain=100.0)  # 3 steps of 4: room for all 9 training requests
+    (root / "capture" / "shard-00000001.safetensors").unlink()
+    corrupt = root / "capture" / "shard-00000002.safetensors"
+    corrupt.write_bytes(corrupt.read_bytes()[:200])
+    with caplog.at_level(logging.WARNING):
+        result = run_round(start(root), TrainerState())
+    assert result.skipped == 2 and result.captured == 7 and result.steps == 3
+    assert sum("skipped" in r.getMessage() for r in caplog.records) == 2
+    assert json.loads((root / "trainer.jsonl").read_text())["skipped"] == 2
+
+
+def test_a_publish_killed_half_way_leaves_latest_whole(tmp_path, tiny, monkeypatch):
+    root = workspace(tmp_path, tiny)
+    versions = root / "versions"
+    (versions / "LATEST").write_text("v0000\n")
+    rename = adapt_versions.os.replace
+
+    def killed(src, dst):
+        if str(src).endswith(".partial"):
+            raise KeyboardInterrupt("killed mid-publish")
+        rename(src, dst)
+
+    monkeypatch.setattr(adapt_versions.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_round(start(root), TrainerState())
+    monkeypatch.setattr(adapt_versions.os, "replace", rename)
+    assert (versions / "LATEST").read_text() == "v0000\n"
+    assert (versions / ".v0001.partial" / "version.json").is_file()
+    (versions / "..v0002.partial-abc").mkdir()  # a save_drafter temp folder of a kill earlier still
+    start(root)
+    assert sorted(p.name for p in versions.iterdir()) == ["LATEST", "v0000"]
+
+
+def test_rounds_start_from_the_live_version(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, steps=2, min_gain=100.0)
+    versions = root / "versions"
+    for name in ("v0001", "v0002"):
+        shutil.copytree(versions / "v0000", versions / name)
+    live = {"live": "v0001", "previous": "v0002", "rejected": ["v0002"], "tau": {}}
+    (root / "live.json").write_text(json.dumps(live))
+    trainer, state = start(root), TrainerState()
+    assert run_round(trainer, state).base == "v0001"
+    (root / "live.json").write_text(json.dumps({**live, "live": "v0002"}))  # a rejected one is never trained on
+    assert run_round(trainer, state).base == "v0000"
+    assert trainer.ws.next_version() == 3
+
+
+def test_a_stopped_round_publishes_nothing(tmp_path, tiny):
+    root = workspace(tmp_path, tiny)
+    with pytest.raises(Abandoned):
+        run_round(start(root), TrainerState(stop=True))
+    assert sorted(p.name for p in (root / "versions").iterdir()) == ["v0000"]
+    assert json.loads((root / "trainer.jsonl").read_text())["reason"].startswith("abandoned")
+
+
+def test_an_eagle_head_adapts_too(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, steps=2, min_gain=100.0)
+    shutil.rmtree(root / "versions" / "v0000")
+    shutil.copytree(tiny[4], root / "versions" / "v0000")
+    result = run_round(start(root), TrainerState())
+    assert result.steps == 2 and result.tau_live is not None and result.loss is not None
+
+
+def test_the_command_runs_rounds_and_stops_on_sigterm(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, steps=2, min_gain=100.0)
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), ENV["PYTHONPATH"]])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "draftsmith.train.adapt", str(root)], env=env, text=True, stderr=subprocess.PIPE
+    )
+    journal = root / "trainer.jsonl"
+    deadline = time.monotonic() + 120
+    while not journal.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert json.loads(journal.read_text().splitlines()[0])["round"] == 1
+    assert "stopped" in err
