@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from draftsmith.serve.adapt.config import AdaptConfig
+from draftsmith.serve.adapt.versions import Workspace
 from draftsmith.serve.models.target import TargetConfig, load_target
 
 from .adapt_data import listed_shards
 from .adapt_round import Abandoned, Trainer, TrainerState, load_head, open_replay, run_round
-from .adapt_versions import Workspace
 
 log = logging.getLogger("draftsmith.train.adapt")
 

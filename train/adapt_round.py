@@ -25,12 +25,13 @@ from draftsmith.heads.drafter_folder import (
 )
 from draftsmith.heads.kinds import DraftShape, get
 from draftsmith.serve.adapt.config import AdaptConfig
+from draftsmith.serve.adapt.versions import Workspace, version_name, version_number
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import LoadedTarget, native_bf16
 
 from .adapt_data import Item, listed_shards, read_captured, replay_sample, split_heldout, window
 from .adapt_gate import Shape, judge
-from .adapt_versions import VersionRecord, Workspace, publish, version_name, version_number
+from .adapt_versions import VersionRecord, publish
 from .batch import FeatureBatch
 from .dataset import pad_id
 from .features import MANIFEST, CachedFeatures, collate

@@ -65,6 +65,41 @@ class Workspace:
     def folder(self, version: str) -> Path:
         return self.versions / version
 
+    def read_json(self, path: Path) -> dict | None:
+        """A JSON file the other side writes atomically; None when it is absent or unreadable (not written yet)."""
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def manifest(self) -> dict | None:
+        return self.read_json(self.capture / "manifest.json")
+
+    def live_version(self) -> str:
+        """live.json's "live" (the server's choice, after any rollback), else v0000; never a rejected version."""
+        live = self.read_json(self.live_file) or {}
+        name, rejected = live.get("live"), live.get("rejected") or []
+        if isinstance(name, str) and VERSION.fullmatch(name) and name not in rejected and self.folder(name).is_dir():
+            return name
+        return version_name(0)
+
+    def next_version(self) -> int:
+        """One past the highest complete version (one renamed into place before LATEST moved counts too)."""
+        numbers = [int(m.group(1)) for p in self.versions.iterdir() if (m := VERSION.fullmatch(p.name))]
+        return max(numbers, default=0) + 1
+
+    def clean_partials(self) -> list[str]:
+        """Delete what a killed trainer left half-written: .vNNNN.partial folders and their temp folders."""
+        removed = [p.name for p in self.versions.iterdir() if p.name.startswith(".") and ".partial" in p.name]
+        for name in removed:
+            shutil.rmtree(self.versions / name, ignore_errors=True)
+        return removed
+
+    def append_journal(self, row: dict) -> None:
+        with self.trainer_log.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
     def latest(self) -> str | None:
         """The newest published version, or None before any."""
         try:
