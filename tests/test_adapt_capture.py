@@ -158,6 +158,8 @@ def test_a_published_version_is_swapped_in_between_requests(setup, tmp_path):
     a = adaptation_for(setup, tmp_path)
     plain = [a.engine.generate(p, MAX_NEW, GREEDY).output_ids for p in PROMPTS[:2]]
     assert a.ws.latest() == "v0000" and (a.ws.folder("v0000") / "model.safetensors").is_file()
+    drafted = json.loads((a.ws.folder("v0000") / "config.json").read_text())["draft"]
+    assert drafted["num_tokens"] == 3  # the shape served (spec.num_tokens=3), not the folder's own
     first = a.engine.proposer
     assert [serve(a, p) for p in PROMPTS[:2]] == plain
     nudged_version(a.ws, "v0001", 0.5)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.adapt.capture import Captured, CaptureObserver
 from draftsmith.serve.adapt.config import AdaptConfig
 from draftsmith.serve.adapt.judge import LiveJudge
@@ -51,7 +52,9 @@ class Adaptation:
             )
         self.cfg, self.target, self.spec, self.engine = cfg, target, spec, engine
         self.ws = Workspace(Path(cfg.dir).expanduser())
-        self.ws.start(Path(spec.drafter))
+        served = resolve_shape(spec)
+        shape = DraftShape(served.num_tokens, served.tree.topk, served.tree.total_tokens, served.choices)
+        self.ws.start(Path(spec.drafter), asdict(shape))
         self.record = LiveRecord.read(self.ws) or LiveRecord(live=version_name(0))
         self.judge = LiveJudge(cfg.rollback_window, cfg.rollback_margin)
         self.served_version: str | None = None  # the folder the engine drafts with; None: spec.drafter's

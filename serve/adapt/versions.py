@@ -112,14 +112,18 @@ class Workspace:
         """Point LATEST at a version already renamed into place."""
         write_text_atomic(self.latest_file, version + "\n")
 
-    def start(self, drafter: Path) -> None:
-        """A fresh workspace: the drafter served first becomes v0000. One already started is carried on."""
+    def start(self, drafter: Path, draft: dict | None = None) -> None:
+        """A fresh workspace: the drafter served first becomes v0000, recording `draft`, the shape the server
+        drafts (its versions inherit it: the trainer judges that shape). One already started is carried on."""
         if self.latest() is not None:
             return
         first = self.folder(version_name(0))
         if not first.is_dir():
             with temp_folder_beside(first, mode=0o755) as tmp:
                 shutil.copytree(drafter, tmp, dirs_exist_ok=True)
+                if draft is not None:
+                    meta = json.loads((tmp / "config.json").read_text())
+                    (tmp / "config.json").write_text(json.dumps(meta | {"draft": draft}, indent=2) + "\n")
                 tmp.rename(first)
         self.publish(first.name)
 
