@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from domain_shift_report import report  # noqa: E402
 
 MODEL = "smollm2-135m"
+# the quick recipe's lr; 2 threads: the trainer runs at the lowest priority, on what serving leaves idle
+ADAPTATION = ["adaptation.lr=1e-3", "adaptation.publish_every=16", "adaptation.steps=60", "adaptation.threads=2"]
 DOMAINS = {"code": SuiteConfig("humaneval", chat=True), "docs": SuiteConfig("pydocs")}
 
 
@@ -66,10 +69,21 @@ def split(n_stream: int, n_heldout: int) -> tuple[list[tuple[str, Prompt]], list
     return stream, heldout
 
 
-def start(name: str, overrides: list[str], out: Path, port: int) -> Arm:
-    cmd = [sys.executable, "-m", "draftsmith.serve.http", f"port={port}", f"model_name={MODEL}", *overrides]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+STARTED: list[subprocess.Popen] = []  # every server this run started: stopped at the end, whatever happens
+
+
+def start(name: str, overrides: list[str], out: Path) -> Arm:
+    cmd = [sys.executable, "-m", "draftsmith.serve.http", f"port={free_port()}", f"model_name={MODEL}", *overrides]
+    port = int(cmd[3].split("=")[1])
     log = open(out / f"server-{name}.log", "w")  # noqa: SIM115 (the server's lifetime)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out)
+    STARTED.append(proc)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
     while True:
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -124,8 +138,9 @@ def serve_round(arms: list[Arm], i: int, domain: str, prompt: Prompt, args, extr
     records = {}
     for arm in arms[i % len(arms) :] + arms[: i % len(arms)]:
         records[arm.name] = ask(arm, prompt, args.max_tokens) | {"index": i, "domain": domain, **extra}
+    plain = records["plain"]["ids"]
     for name, rec in records.items():
-        rec["identical"] = rec.pop("ids") == records["plain"]["ids"]
+        rec["identical"] = rec.pop("ids") == plain
         next(a for a in arms if a.name == name).log.append(rec)
     if not all(r["identical"] for r in records.values()):
         print(f"OUTPUT DIFFERS from plain decoding on {prompt.id}", file=sys.stderr)
@@ -145,12 +160,13 @@ def run_stream(arms: list[Arm], stream: list, ws: Path, args) -> float:
     return time.perf_counter() - begin
 
 
-def stop(arm: Arm) -> None:
-    arm.proc.terminate()
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
     try:
-        arm.proc.wait(timeout=60)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
-        arm.proc.kill()
+        proc.kill()
 
 
 def replay_cache(head: Path) -> str | None:
@@ -171,15 +187,15 @@ def stream_phase(args, out: Path, ws: Path) -> tuple[list[Arm], float, str]:
     spec = ["spec=eagle3", f"spec.drafter={head}", *args.spec]
     adapt = ["adapt=true", f"adaptation.dir={ws}", f"adaptation.replay={replay}", *args.adaptation]
     arms = [
-        start("frozen", spec, out, args.port),
-        start("adapting", spec + adapt, out, args.port + 1),
-        start("plain", ["spec=ar"], out, args.port + 2),
+        start("frozen", spec, out),
+        start("adapting", spec + adapt, out),
+        start("plain", ["spec=ar"], out),
     ]
     for arm in arms:  # warm-up: first-call costs, outside the measurement
         ask(arm, Prompt("warm-up", ["Hello!"], False, "warm-up"), 8)
     wall = run_stream(arms, stream, ws, args)
     cpu = trainer_cpu(arms[1])
-    stop(arms[1])
+    stop(arms[1].proc)
     live = json.loads((ws / "live.json").read_text())["live"]
     return arms, wall, f"{live} {cpu}"
 
@@ -193,14 +209,12 @@ def trainer_cpu(arm: Arm) -> float:
 
 def heldout_phase(args, out: Path, ws: Path, live: str, frozen: Arm, plain: Arm) -> list[Arm]:
     _, heldout = split(args.stream, args.heldout)
-    adapted = start(
-        "adapted", ["spec=eagle3", f"spec.drafter={ws / 'versions' / live}", *args.spec], out, args.port + 3
-    )
+    adapted = start("adapted", ["spec=eagle3", f"spec.drafter={ws / 'versions' / live}", *args.spec], out)
     ask(adapted, Prompt("warm-up", ["Hello!"], False, "warm-up"), 8)
     arms = [Arm("frozen", frozen.url, frozen.proc), adapted, Arm("plain", plain.url, plain.proc)]
     for i, (domain, prompt) in enumerate(tqdm(heldout, desc="held-out", unit="req", dynamic_ncols=True)):
         serve_round(arms, i, domain, prompt, args, {})
-    stop(adapted)
+    stop(adapted.proc)
     return arms
 
 
@@ -214,23 +228,27 @@ def main() -> None:
     ap.add_argument("--gap", type=float, default=1.5, help="idle seconds after each stream request")
     ap.add_argument("--block", type=int, default=4, help="requests per trainer running / paused block")
     ap.add_argument("--window", type=int, default=25, help="requests per reported window")
-    ap.add_argument("--port", type=int, default=8731)
-    ap.add_argument("--spec", nargs="*", default=[], help="spec overrides for every drafting arm")
-    ap.add_argument("--adaptation", nargs="*", default=[], help="adaptation.* overrides for the adapting arm")
+    # a chain of 3: the quick head was trained for depth 1, so its deeper positions are where adapting pays most
+    ap.add_argument("--spec", nargs="*", default=["spec.num_tokens=3", "spec.tree.topk=1"], help="every drafting arm")
+    ap.add_argument("--adaptation", nargs="*", default=ADAPTATION, help="adaptation.* overrides, the adapting arm")
     args = ap.parse_args()
     out = Path(args.out).resolve()
     ws = out / "adapt-ws"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    arms, wall, final = stream_phase(args, out, ws)
-    live, cpu = final.split()
-    held = heldout_phase(args, out, ws, live, arms[0], arms[2])
-    for arm in (arms[0], arms[2]):
-        stop(arm)
+    try:
+        arms, wall, final = stream_phase(args, out, ws)
+        live, cpu = final.split()
+        held = heldout_phase(args, out, ws, live, arms[0], arms[2])
+    finally:
+        for proc in STARTED:
+            stop(proc)
     logs = {"stream": {a.name: a.log for a in arms}, "heldout": {a.name: a.log for a in held}}
     (out / "requests.json").write_text(json.dumps(logs) + "\n")
     meta = {"args": vars(args), "stream_wall_s": wall, "trainer_cpu_s": float(cpu), "final_version": live}
-    meta["trainer_rounds"] = [json.loads(x) for x in (ws / "trainer.jsonl").read_text().splitlines() if x.strip()]
+    journal = ws / "trainer.jsonl"
+    rounds = journal.read_text().splitlines() if journal.is_file() else []
+    meta["trainer_rounds"] = [json.loads(x) for x in rounds if x.strip()]
     report(logs, meta, out)
 
 
