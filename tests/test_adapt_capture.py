@@ -221,3 +221,31 @@ def test_adapt_needs_a_drafter_that_reads_features(setup, tmp_path):
     engine = build_engine(target, SpecConfig(name="ngram"), True, 128)
     with pytest.raises(ValueError, match="adapt=true adapts a trained drafter"):
         Adaptation(AdaptConfig(dir=str(tmp_path)), target, tcfg, SpecConfig(name="ngram"), engine)
+
+
+def test_requests_that_draft_nothing_and_a_restart_do_not_roll_back():
+    j = LiveJudge(window=2, margin=0.0)
+    j.served("v0000", 8, 4)  # tau 3
+    for _ in range(5):
+        j.served("v0001", 0, 0)  # max_tokens=1, an EOS first: nothing drafted, nothing said about the head
+    assert j.should_roll_back("v0001", "v0000") is None
+    restarted = LiveJudge(window=2, margin=0.0)
+    for _ in range(2):
+        restarted.served("v0001", 1, 10)
+    assert restarted.should_roll_back("v0001", "v0000") is None  # no history of v0000 to compare with
+
+
+def test_a_workspace_is_carried_on_only_with_its_own_drafter(setup, tmp_path):
+    a = adaptation_for(setup, tmp_path)
+    a.store.close()
+    nudged_version(a.ws, "v0001", 0.5)
+    with pytest.raises(ValueError, match="started with another drafter"):
+        a.ws.start(a.ws.folder("v0001"))
+    a.ws.start(setup[1])  # the same drafter: carried on
+    (a.ws.live_file).write_text(json.dumps({"live": "v0007", "previous": None, "rejected": [], "tau": {}, "new": 1}))
+    again = adaptation_for(setup, tmp_path)  # a live version that is gone: v0000 serves, unknown keys are ignored
+    assert again.record.live == "v0000"
+    again.store.close()
+    a.ws.live_file.write_text("{not json")
+    with pytest.raises(ValueError, match="live.json is unreadable"):
+        adaptation_for(setup, tmp_path)

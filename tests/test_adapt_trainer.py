@@ -231,3 +231,49 @@ def test_the_command_runs_rounds_and_stops_on_sigterm(tmp_path, tiny):
     assert proc.returncode == 0, err[-2000:]
     assert json.loads(journal.read_text().splitlines()[0])["round"] == 1
     assert "stopped" in err
+
+
+def test_rows_restored_from_the_prefix_cache_are_not_read_as_context(tiny, tmp_path):
+    from draftsmith.train.adapt_data import read_shard
+
+    r = requests(tiny[1], 1)[0]
+    n = r["input_ids"].shape[0]
+    have = torch.ones(n, dtype=torch.uint8)
+    have[:3] = 0  # a prefix-cache hit: no forward ran the first rows, they are zeros
+    tensors = {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "offsets": torch.tensor([0, n])}
+    tensors |= {"hidden": r["hidden"].bfloat16(), "aux": r["aux"].bfloat16(), "have": have}
+    save_file(tensors, str(tmp_path / "s.safetensors"))
+    item = read_shard(tmp_path / "s.safetensors", LAYERS, list(LAYERS))
+    assert torch.equal(item["input_ids"], r["input_ids"][3:].long())
+    assert item["loss_mask"][0] == 0 and item["loss_mask"].sum() == 24
+
+
+def test_a_round_is_due_on_requests_captured_even_when_the_store_evicted_them(tiny, tmp_path):
+    from draftsmith.serve.adapt.config import AdaptConfig
+    from draftsmith.serve.adapt.versions import Workspace
+    from draftsmith.train.adapt import due, hold_lock, orphaned
+    from draftsmith.train.adapt_round import Trainer
+
+    root = workspace(tmp_path, tiny)
+    manifest = json.loads((root / "capture" / "manifest.json").read_text())
+    manifest["shards"] = manifest["shards"][-2:]  # a cap of two requests: ten evicted
+    manifest["capture"] = {"next_seq": 12}
+    (root / "capture" / "manifest.json").write_text(json.dumps(manifest))
+    trainer = Trainer(Workspace(root), AdaptConfig(publish_every=8), tiny[1], None)
+    assert due(trainer, TrainerState())
+    assert not due(trainer, TrainerState(last_seq=6))
+    assert not orphaned(os.getppid()) and orphaned(os.getppid() + 1)
+    lock = hold_lock(Workspace(root))
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from draftsmith.train.adapt import hold_lock; from pathlib import Path; "
+            f"from draftsmith.serve.adapt.versions import Workspace; hold_lock(Workspace(Path({str(root)!r})))",
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert second.returncode != 0 and "another trainer runs" in second.stderr
+    lock.close()

@@ -74,3 +74,14 @@ def test_an_empty_folder_is_not_called_a_target_folder(tmp_path: Path):
         message = str(e.value)
         assert "target folder" not in message and "not a draftsmith drafter folder" in message
         assert '"kind"' in message and "model.safetensors" in message
+
+
+def test_an_assistant_message_echoed_back_from_a_response_is_taken():
+    echoed = {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": None, "function_call": None}
+    echoed |= {"audio": None, "annotations": []}
+    req = parse(body(messages=[{"role": "user", "content": "Hi"}, echoed, {"role": "user", "content": "More"}]))
+    refuse_unsupported(req)
+    refuse_unsupported(parse(body(prediction=None)))
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    e = refused(body(messages=[{"role": "assistant", "content": None, "tool_calls": calls}]))
+    assert e.status == 400 and "tool_calls" in (e.param or "")

@@ -9,6 +9,7 @@ progress; a half-written version is never visible (train/adapt_versions.py).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import signal
@@ -69,16 +70,37 @@ def start(root: Path) -> Trainer:
 
 
 def due(trainer: Trainer, state: TrainerState) -> bool:
-    """publish_every requests captured since the last round?"""
+    """publish_every requests captured since the last round? Counted by capture sequence numbers: requests the
+    store evicted since (a cap smaller than publish_every requests) count too."""
     manifest = trainer.ws.manifest()
     if manifest is None:
         return False
-    new = [s for s in listed_shards(manifest) if s.seq > state.last_seq]
-    return len(new) >= trainer.options.publish_every
+    shards = listed_shards(manifest)
+    newest = int(manifest.get("capture", {}).get("next_seq", 0)) - 1
+    newest = max([newest] + [s.seq for s in shards])
+    return newest - state.last_seq >= trainer.options.publish_every and bool(shards)
 
 
-def serve_rounds(trainer: Trainer, state: TrainerState) -> None:
+def orphaned(parent: int) -> bool:
+    """The server that started the trainer is gone (the trainer was re-parented): it stops too."""
+    return parent > 1 and os.getppid() != parent
+
+
+def hold_lock(ws: Workspace):
+    """One trainer per workspace: an exclusive lock on trainer.lock, held while the process lives."""
+    lock = (ws.root / "trainer.lock").open("w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise SystemExit(f"another trainer runs on {ws.root} (it holds trainer.lock): stop it first") from None
+    return lock
+
+
+def serve_rounds(trainer: Trainer, state: TrainerState, parent: int = 0) -> None:
     while not state.stop:
+        if orphaned(parent):
+            log.warning("the server that started this trainer is gone: stopping")
+            return
         if not due(trainer, state):
             time.sleep(POLL_S)
             continue
@@ -105,8 +127,11 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    parent = os.getppid()
+    lock = hold_lock(Workspace(args.adapt_dir))
     trainer = start(args.adapt_dir)
-    serve_rounds(trainer, state)
+    serve_rounds(trainer, state, parent)
+    lock.close()
     log.info("stopped")
 
 

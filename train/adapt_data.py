@@ -84,7 +84,16 @@ def read_shard(path: Path, layers: tuple[int, ...], stored: list[int]) -> Item:
     item = {"input_ids": ids.long(), "loss_mask": answer_mask(tensors["loss_mask"], tensors["have"]), "hidden": hidden}
     if layers:
         item["aux"] = pick_layers(tensors["aux"], n, hidden.shape[1], layers, stored)
-    return item
+    return from_first_run_row(item, tensors["have"])
+
+
+def from_first_run_row(item: Item, have: Tensor) -> Item:
+    """The request from its first row a forward ran: rows restored from the prefix cache are zeros, and a head
+    attending over them as features would learn a context it never sees when it drafts."""
+    run = torch.nonzero(have)
+    if not run.numel():
+        raise ValueError("no row of it was run by a forward")
+    return {k: v[int(run[0]) :] for k, v in item.items()}
 
 
 def answer_mask(loss_mask: Tensor, have: Tensor) -> Tensor:

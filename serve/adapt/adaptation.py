@@ -56,6 +56,9 @@ class Adaptation:
         shape = DraftShape(served.num_tokens, served.tree.topk, served.tree.total_tokens, served.choices)
         self.ws.start(Path(spec.drafter), asdict(shape))
         self.record = LiveRecord.read(self.ws) or LiveRecord(live=version_name(0))
+        if not (self.ws.folder(self.record.live) / "config.json").is_file():
+            log.warning("live.json names %s, which is gone: serving v0000", self.record.live)
+            self.record.live, self.record.previous = version_name(0), None
         self.judge = LiveJudge(cfg.rollback_window, cfg.rollback_margin)
         self.served_version: str | None = None  # the folder the engine drafts with; None: spec.drafter's
         self.swap_to(self.record.live)

@@ -1,7 +1,9 @@
 """LiveJudge: whether a newly swapped-in head version keeps serving or is rolled back, on live traffic.
 
-A version is judged once, after it has served `window` requests: it is rolled back when its pooled tau over them
-falls below the previous version's over that version's last `window` requests, less `margin`. Pooled tau: accepted
+A version is judged once, after it has served `window` requests that drafted: it is rolled back when its pooled tau
+over them falls below the previous version's over that version's last `window` such requests, less `margin`.
+Requests that drafted nothing (max_tokens=1, an EOS first) say nothing about a head and are not counted. Without the
+previous version's recent requests to compare with (after a restart) a version is not judged. Pooled tau: accepted
 draft tokens over drafts, plus one (serve/engine/metrics.py), so a short request weighs less than a long one.
 """
 
@@ -34,6 +36,8 @@ class LiveJudge:
         self.judged: set[str] = set()
 
     def served(self, version: str, accepted: int, drafts: int) -> None:
+        if drafts == 0:
+            return
         self.totals.setdefault(version, Tally()).add(accepted, drafts)
         self.recent.setdefault(version, deque(maxlen=self.window)).append((accepted, drafts))
         first = self.first.setdefault(version, Tally())
@@ -51,6 +55,8 @@ class LiveJudge:
         if previous is None or live in self.judged or self.first.get(live, Tally()).requests < self.window:
             return None
         self.judged.add(live)
+        if not self.recent.get(previous):
+            return None  # nothing to compare with (a restart): it stays
         return self.first[live].tau < self.last_window(previous).tau - self.margin
 
     def summary(self) -> dict[str, dict]:

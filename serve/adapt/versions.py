@@ -12,10 +12,11 @@ LATEST never sees a half-written version.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from draftsmith.heads.files import temp_folder_beside, write_text_atomic
@@ -115,9 +116,14 @@ class Workspace:
     def start(self, drafter: Path, draft: dict | None = None) -> None:
         """A fresh workspace: the drafter served first becomes v0000, recording `draft`, the shape the server
         drafts (its versions inherit it: the trainer judges that shape). One already started is carried on."""
-        if self.latest() is not None:
-            return
         first = self.folder(version_name(0))
+        if self.latest() is not None:
+            if weights_digest(drafter) != weights_digest(first):
+                raise ValueError(
+                    f"adaptation.dir={self.root} was started with another drafter than spec.drafter={drafter} (its "
+                    f"v0000 differs): point adaptation.dir elsewhere, or serve spec.drafter={first} to carry it on"
+                )
+            return
         if not first.is_dir():
             with temp_folder_beside(first, mode=0o755) as tmp:
                 shutil.copytree(drafter, tmp, dirs_exist_ok=True)
@@ -126,6 +132,15 @@ class Workspace:
                     (tmp / "config.json").write_text(json.dumps(meta | {"draft": draft}, indent=2) + "\n")
                 tmp.rename(first)
         self.publish(first.name)
+
+
+def weights_digest(folder: Path) -> str:
+    """What identifies a drafter folder's weights: a hash of model.safetensors."""
+    h = hashlib.sha256()
+    with open(folder / "model.safetensors", "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 @dataclass
@@ -142,7 +157,16 @@ class LiveRecord:
 
     @staticmethod
     def read(ws: Workspace) -> LiveRecord | None:
-        try:
-            return LiveRecord(**json.loads(ws.live_file.read_text()))
-        except (OSError, json.JSONDecodeError, TypeError):
+        """None before the server first wrote it; one it cannot read is an error, not a fresh start (its record
+        of rolled-back versions would be lost)."""
+        if not ws.live_file.exists():
             return None
+        try:
+            data = json.loads(ws.live_file.read_text())
+            known = {f.name for f in fields(LiveRecord)}
+            return LiveRecord(**{k: v for k, v in data.items() if k in known})
+        except (OSError, json.JSONDecodeError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{ws.live_file} is unreadable ({e}): fix it, or delete it to serve v0000 again with no versions "
+                "rolled back"
+            ) from e

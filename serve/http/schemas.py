@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Message(BaseModel):
@@ -19,6 +19,19 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None  # a string, or parts: only {"type": "text", "text": ...}
     name: str | None = None
+    # what an assistant message echoed back from a response carries (the openai client's model_dump): null or empty
+    refusal: str | None = None
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    annotations: list[Any] | None = None
+
+    @field_validator("tool_calls", "function_call", "audio")
+    @classmethod
+    def empty(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("tool and function calls and audio are not supported: send them empty or null")
+        return value
 
 
 class StreamOptions(BaseModel):
@@ -61,6 +74,7 @@ class ChatRequest(BaseModel):
     store: bool | None = None
     metadata: Any = None
     service_tier: str | None = None
+    prediction: Any = None
 
 
 # parameter -> the values that leave it off (None: not sent); anything else is refused
@@ -81,4 +95,5 @@ UNSUPPORTED: dict[str, tuple] = {
     "store": (None, False),
     "metadata": (None, {}),
     "service_tier": (None, "auto", "default"),
+    "prediction": (None,),
 }
