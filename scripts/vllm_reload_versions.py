@@ -161,16 +161,26 @@ def main(args) -> None:
     folders = [Path(f).resolve() for f in args.versions]
     tcfg = TargetConfig(name=args.target, dtype="float32", device="cpu")
     target = load_target(tcfg)
-    prompts = vc.prompts_for(target, args.prompts)
+    prompts = suite_prompts(target, args.suite, args.prompts)
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
     exports, spec = export_versions(folders, work, tcfg, args.k)
     plain, _ = vc.run_draftsmith(target, SpecConfig("ar"), prompts, args.max_new_tokens, max_len)
     taus = draftsmith_taus(target, folders, prompts, args, max_len) if args.draftsmith_tau else {}
     job = {"target": str(vc.target_dir(tcfg)), "prompts": prompts, "max_new_tokens": args.max_new_tokens}
     job |= {"max_model_len": max_len + args.k + 16, "speculative_config": spec, "exports": exports}
-    print(f"{len(prompts)} MT-bench prompts, {args.max_new_tokens} new tokens, fp32 greedy, k={args.k}", flush=True)
+    print(f"{len(prompts)} {args.suite} prompts, {args.max_new_tokens} new tokens, fp32 greedy, k={args.k}", flush=True)
     v = call_vllm(args, job, work)
     report(folders, v, taus, plain, work, time.perf_counter() - begin)
+
+
+def suite_prompts(target, suite: str, n: int) -> list[list[int]]:
+    """The first user turns of n prompts of a draftsmith-eval suite (taken round-robin over its categories),
+    chat-encoded."""
+    from draftsmith.eval.suites import SuiteConfig, load_suite
+    from draftsmith.serve.models.target import encode_chat
+
+    chat = [p.turns[0] for p in load_suite(SuiteConfig(suite, chat=True), n)]
+    return [encode_chat(target.tokenizer, [{"role": "user", "content": c}]) for c in chat]
 
 
 def call_vllm(args, job: dict, work: Path) -> dict:
@@ -216,7 +226,8 @@ def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("versions", nargs="*", help="draftsmith EAGLE-3 drafter folders, in the order to load them")
     p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--prompts", type=int, default=8, help="the first N MT-bench questions (first turn)")
+    p.add_argument("--prompts", type=int, default=8, help="N prompts of the suite (first turns)")
+    p.add_argument("--suite", default="mt_bench", help="a draftsmith-eval suite: mt_bench, humaneval, pydocs")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (a chain)")
     p.add_argument("--draftsmith-tau", action=argparse.BooleanOptionalAction, default=True)
