@@ -198,6 +198,9 @@ def test_rounds_start_from_the_live_version(tmp_path, tiny):
     (root / "live.json").write_text(json.dumps({**live, "live": "v0002"}))  # a rejected one is never trained on
     assert run_round(trainer, state).base == "v0000"
     assert trainer.ws.next_version() == 3
+    shutil.copytree(versions / "v0000", versions / "v0003")
+    trainer.ws.publish("v0003")  # published, not swapped in yet: the next round goes on from it, not from live
+    assert run_round(trainer, state).base == "v0003"
 
 
 def test_a_stopped_round_publishes_nothing(tmp_path, tiny):

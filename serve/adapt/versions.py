@@ -78,11 +78,19 @@ class Workspace:
         return self.read_json(self.capture / "manifest.json")
 
     def live_version(self) -> str:
-        """live.json's "live" (the server's choice, after any rollback), else v0000; never a rejected version."""
+        """The version a trainer goes on from: the newest published one (LATEST) unless it was rolled back, since
+        the server swaps it in at its next request; else live.json's "live" (the server's choice after a rollback);
+        else v0000. Never a rejected version."""
         live = self.read_json(self.live_file) or {}
-        name, rejected = live.get("live"), live.get("rejected") or []
-        if isinstance(name, str) and VERSION.fullmatch(name) and name not in rejected and self.folder(name).is_dir():
-            return name
+        rejected = live.get("rejected") or []
+        for name in (self.latest(), live.get("live")):
+            if (
+                isinstance(name, str)
+                and VERSION.fullmatch(name)
+                and name not in rejected
+                and self.folder(name).is_dir()
+            ):
+                return name
         return version_name(0)
 
     def next_version(self) -> int:
