@@ -79,8 +79,8 @@ STARTED: list[subprocess.Popen] = []  # every server this run started: stopped a
 
 
 def start(name: str, overrides: list[str], out: Path) -> Arm:
-    cmd = [sys.executable, "-m", "draftsmith.serve.http", f"port={free_port()}", f"model_name={MODEL}", *overrides]
-    port = int(cmd[3].split("=")[1])
+    port = free_port()
+    cmd = [sys.executable, "-m", "draftsmith.serve.http", f"port={port}", f"model_name={MODEL}", *overrides]
     log = open(out / f"server-{name}.log", "w")  # noqa: SIM115 (the server's lifetime)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out)
     STARTED.append(proc)
@@ -110,11 +110,12 @@ def ask(arm: Arm, prompt: Prompt, max_tokens: int) -> dict:
     }
 
 
-def head_version(arm: Arm) -> int:
+def gauge(arm: Arm, name: str) -> float:
+    """One unlabelled sample of the arm's /metrics; 0 where it has none."""
     for line in httpx.get(f"{arm.url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("draftsmith_adapt_head_version "):
-            return int(float(line.split()[1]))
-    return 0
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def trainer_pid(ws: Path) -> int | None:
@@ -154,7 +155,7 @@ def run_stream(arms: list[Arm], stream: list, ws: Path, args) -> float:
         paused = (i // args.block) % 2 == 1
         pause_trainer(ws, paused)
         serve_round(arms, i, domain, prompt, args, {"trainer": "paused" if paused else "running"})
-        adapting.log[-1]["version"] = head_version(adapting)
+        adapting.log[-1]["version"] = int(gauge(adapting, "draftsmith_adapt_head_version"))
         pause_trainer(ws, False)  # the idle time between requests is the trainer's either way
         time.sleep(args.gap)
     return time.perf_counter() - begin
@@ -181,7 +182,7 @@ def replay_cache(head: Path) -> str | None:
     return None
 
 
-def stream_phase(args, out: Path, ws: Path) -> tuple[list[Arm], float, str]:
+def stream_phase(args, out: Path, ws: Path) -> tuple[list[Arm], float, str, float]:
     stream, _ = split(args.stream, args.heldout)
     head, replay = Path(args.head).resolve(), replay_cache(Path(args.head))
     spec = ["spec=eagle3", f"spec.drafter={head}", *args.spec]
@@ -194,17 +195,10 @@ def stream_phase(args, out: Path, ws: Path) -> tuple[list[Arm], float, str]:
     for arm in arms:  # warm-up: first-call costs, outside the measurement
         ask(arm, Prompt("warm-up", ["Hello!"], False, "warm-up"), 8)
     wall = run_stream(arms, stream, ws, args)
-    cpu = trainer_cpu(arms[1])
+    cpu = gauge(arms[1], "draftsmith_adapt_trainer_cpu_seconds")
     stop(arms[1].proc)
     live = json.loads((ws / "live.json").read_text())["live"]
-    return arms, wall, f"{live} {cpu}"
-
-
-def trainer_cpu(arm: Arm) -> float:
-    for line in httpx.get(f"{arm.url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("draftsmith_adapt_trainer_cpu_seconds "):
-            return float(line.split()[1])
-    return 0.0
+    return arms, wall, live, cpu
 
 
 def heldout_phase(args, out: Path, ws: Path, live: str, frozen: Arm, plain: Arm) -> list[Arm]:
@@ -237,15 +231,14 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     try:
-        arms, wall, final = stream_phase(args, out, ws)
-        live, cpu = final.split()
+        arms, wall, live, cpu = stream_phase(args, out, ws)
         held = heldout_phase(args, out, ws, live, arms[0], arms[2])
     finally:
         for proc in STARTED:
             stop(proc)
     logs = {"stream": {a.name: a.log for a in arms}, "heldout": {a.name: a.log for a in held}}
     (out / "requests.json").write_text(json.dumps(logs) + "\n")
-    meta = {"args": vars(args), "stream_wall_s": wall, "trainer_cpu_s": float(cpu), "final_version": live}
+    meta = {"args": vars(args), "stream_wall_s": wall, "trainer_cpu_s": cpu, "final_version": live}
     journal = ws / "trainer.jsonl"
     rounds = journal.read_text().splitlines() if journal.is_file() else []
     meta["trainer_rounds"] = [json.loads(x) for x in rounds if x.strip()]

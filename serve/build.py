@@ -110,6 +110,11 @@ def lookup_proposer(spec: SpecConfig) -> NgramProposer | SuffixProposer | None:
     return None
 
 
+def engine_salt(target: LoadedTarget, spec: SpecConfig) -> str:
+    """What separates prefix-cache entries: the target, its dtype, and the resolved spec (drafter and shape)."""
+    return f"{target.target_id}|{target.model.dtype}|{spec}"
+
+
 def build_engine(
     target: LoadedTarget,
     spec: SpecConfig,
@@ -126,6 +131,6 @@ def build_engine(
         PrefixCache(max_bytes=prefix_cache_bytes) if prefix_cache else None,
         eos_ids=eos_ids(target),
         max_seq_len=max_seq_len,
-        salt=f"{target.target_id}|{target.model.dtype}|{spec}",
+        salt=engine_salt(target, spec),
         cuda_graphs=cuda_graphs,
     )

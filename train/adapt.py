@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.serve.adapt.config import AdaptConfig
-from draftsmith.serve.adapt.versions import Workspace
+from draftsmith.serve.adapt.versions import Workspace, read_json
 from draftsmith.serve.models.target import TargetConfig, load_target
 
 from .adapt_data import listed_shards
@@ -34,7 +34,7 @@ POLL_S = 1.5  # how often the capture manifest is read
 def read_settings(root: Path) -> tuple[TargetConfig, AdaptConfig]:
     """adapt.json's target and options, refused with the fix when it is missing or malformed."""
     path = root / "adapt.json"
-    data = Workspace(root).read_json(path)
+    data = read_json(path)
     if data is None or not isinstance(data.get("target"), dict):
         raise ValueError(f"{path} is missing or malformed: draftsmith-serve writes it before it starts the trainer")
     known = {f.name for f in fields(AdaptConfig)}

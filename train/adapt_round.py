@@ -25,7 +25,7 @@ from draftsmith.heads.drafter_folder import (
 )
 from draftsmith.heads.kinds import DraftShape, get
 from draftsmith.serve.adapt.config import AdaptConfig
-from draftsmith.serve.adapt.versions import Workspace, version_name, version_number
+from draftsmith.serve.adapt.versions import Workspace, read_json, version_name, version_number
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import LoadedTarget, native_bf16
 
@@ -118,8 +118,7 @@ def open_replay(folder: str | None, target_id: str, layers: tuple[int, ...]) -> 
         log.warning("adaptation.replay is not set: training on captured requests only (the head may forget)")
         return None
     path = Path(folder).expanduser()
-    ws = Workspace(path)
-    manifest = ws.read_json(path / MANIFEST)
+    manifest = read_json(path / MANIFEST)
     if manifest is None:
         raise ValueError(
             f"adaptation.replay={folder} holds no readable {MANIFEST}: point it at the feature cache the head was "

@@ -20,7 +20,7 @@ from draftsmith.serve.adapt.judge import LiveJudge
 from draftsmith.serve.adapt.store import CaptureStore
 from draftsmith.serve.adapt.trainer_process import TrainerProcess
 from draftsmith.serve.adapt.versions import LiveRecord, Workspace, version_name, version_number
-from draftsmith.serve.build import make_proposer, resolve_shape
+from draftsmith.serve.build import engine_salt, make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.observer import Observer, Observers
@@ -60,7 +60,7 @@ class Adaptation:
             log.warning("live.json names %s, which is gone: serving v0000", self.record.live)
             self.record.live, self.record.previous = version_name(0), None
         self.judge = LiveJudge(cfg.rollback_window, cfg.rollback_margin)
-        self.served_version: str | None = None  # the folder the engine drafts with; None: spec.drafter's
+        self.served_version = version_name(0)  # the version the engine drafts with: v0000 is spec.drafter's copy
         self.swap_to(self.record.live)
         cap = int(cfg.capture_gb * 2**30)
         self.store = CaptureStore(self.ws.capture, target.target_id, engine.target_layers, cap)
@@ -100,13 +100,12 @@ class Adaptation:
         self.save_record()
 
     def swap_to(self, version: str) -> None:
-        if version == self.served_version or (self.served_version is None and version == version_name(0)):
-            self.served_version = version
+        if version == self.served_version:
             return
         spec = resolve_shape(replace(self.spec, drafter=str(self.ws.folder(version))))
         proposer = make_proposer(spec, self.target)
         assert proposer is not None, "a spec with a drafter has a proposer"
-        self.engine.replace_proposer(proposer, f"{self.target.target_id}|{self.target.model.dtype}|{spec}")
+        self.engine.replace_proposer(proposer, engine_salt(self.target, spec))
         self.served_version = version
         log.info("head %s swapped in", version)
 

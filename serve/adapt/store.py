@@ -39,7 +39,6 @@ class CaptureStore:
         self.shards: list[dict] = []
         self.seq, self.evicted, self.dropped = 0, 0, 0
         self.stopped: str | None = None
-        self.tokens = self.masked = 0
         self.resume()
         self.pending: queue.Queue[Captured | None] = queue.Queue(queue_size)
         self.thread = threading.Thread(target=self.run, name="draftsmith-capture", daemon=True)
@@ -63,8 +62,6 @@ class CaptureStore:
         self.shards = [s for s in made.get("shards", []) if (self.folder / s["file"]).is_file()]
         self.seq = made.get("capture", {}).get("next_seq", 0)
         self.evicted = made.get("capture", {}).get("evicted", 0)
-        self.tokens = sum(s.get("tokens", 0) for s in self.shards)
-        self.masked = sum(s.get("masked_tokens", 0) for s in self.shards)
 
     def add(self, captured: Captured) -> None:
         """From the engine thread: queue the request for the writer; never blocks."""
@@ -94,10 +91,9 @@ class CaptureStore:
         tensors |= {"have": c.have, "offsets": torch.tensor([0, c.tokens])}
         try:
             write_file_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={**c.meta, "seq": str(seq)}))
-            self.seq, masked = seq + 1, int(c.loss_mask.sum())
-            self.shards.append({"file": path.name, "examples": 1, "seq": seq, "bytes": path.stat().st_size})
-            self.shards[-1] |= {"tokens": c.tokens, "masked_tokens": masked}
-            self.tokens, self.masked = self.tokens + c.tokens, self.masked + masked
+            self.seq = seq + 1
+            shard = {"file": path.name, "examples": 1, "seq": seq, "bytes": path.stat().st_size}
+            self.shards.append(shard | {"tokens": c.tokens, "masked_tokens": int(c.loss_mask.sum())})
             self.evict()
             self.write_manifest()
         except OSError as e:  # a full disk, a folder gone: capture stops, serving does not
@@ -113,7 +109,6 @@ class CaptureStore:
         while len(self.shards) > 1 and self.bytes > self.cap_bytes:
             old = self.shards.pop(0)
             (self.folder / old["file"]).unlink(missing_ok=True)
-            self.tokens, self.masked = self.tokens - old["tokens"], self.masked - old["masked_tokens"]
             self.evicted += 1
 
     def manifest(self) -> dict:
@@ -130,8 +125,8 @@ class CaptureStore:
             "layers": self.key["layers"],
             "dtype": self.key["dtype"],
             "examples": len(self.shards),
-            "tokens": self.tokens,
-            "masked_tokens": self.masked,
+            "tokens": sum(s.get("tokens", 0) for s in self.shards),
+            "masked_tokens": sum(s.get("masked_tokens", 0) for s in self.shards),
             "shards": self.shards,
             "capture": capture,
         }

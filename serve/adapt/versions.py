@@ -35,6 +35,15 @@ def version_number(name: str) -> int:
     return int(m.group(1))
 
 
+def read_json(path: Path) -> dict | None:
+    """A JSON object the other side writes atomically; None when it is absent or unreadable (not written yet)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 @dataclass
 class Workspace:
     root: Path
@@ -66,22 +75,14 @@ class Workspace:
     def folder(self, version: str) -> Path:
         return self.versions / version
 
-    def read_json(self, path: Path) -> dict | None:
-        """A JSON file the other side writes atomically; None when it is absent or unreadable (not written yet)."""
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None
-        return data if isinstance(data, dict) else None
-
     def manifest(self) -> dict | None:
-        return self.read_json(self.capture / "manifest.json")
+        return read_json(self.capture / "manifest.json")
 
     def live_version(self) -> str:
         """The version a trainer goes on from: the newest published one (LATEST) unless it was rolled back, since
         the server swaps it in at its next request; else live.json's "live" (the server's choice after a rollback);
         else v0000. Never a rejected version."""
-        live = self.read_json(self.live_file) or {}
+        live = read_json(self.live_file) or {}
         rejected = live.get("rejected") or []
         for name in (self.latest(), live.get("live")):
             if (
