@@ -41,6 +41,8 @@ async def send(client: openai.AsyncOpenAI, messages: list[dict], s: Sampling) ->
         return outcome(f"http {e.status_code}", api_message(e), latency_s=time.perf_counter() - start)
     except openai.APIConnectionError as e:
         return outcome("connection error", f"{e} ({e.__cause__ or type(e).__name__})")
+    except openai.APIError as e:  # an error event in the stream, after a 200 and some chunks
+        return outcome("stream error", str(e), latency_s=time.perf_counter() - start)
     return outcome(latency_s=time.perf_counter() - start, **fields)
 
 

@@ -162,3 +162,28 @@ def test_bad_chats_and_settings_are_refused_naming_them(tmp_path):
         ReplayConfig(out="x", rate=-1.0)
     with pytest.raises(ValueError, match="arrivals must be one of poisson, fixed"):
         ReplayConfig(out="x", arrivals="burst")
+
+
+def test_a_stream_that_fails_after_its_first_chunk_is_logged_as_failed():
+    import asyncio
+
+    import httpx
+    import openai
+
+    from draftsmith.eval.replay_client import Sampling, send
+
+    def handler(request):
+        delta = {"role": "assistant", "content": "hi"}
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+        chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": None}]
+        error = {"error": {"message": "engine failed", "type": "server_error", "code": 500}}
+        body = f"data: {json.dumps(chunk)}\n\ndata: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+
+    async def one() -> dict:
+        http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        client = openai.AsyncOpenAI(base_url="http://x/v1", api_key="k", http_client=http, max_retries=0)
+        return await send(client, [{"role": "user", "content": "q"}], Sampling("m", 8, 0.0, True))
+
+    got = asyncio.run(one())
+    assert got["status"] == "stream error" and "engine failed" in got["error"]
