@@ -99,6 +99,8 @@ def read_meta(folder: Path) -> dict:
     path = folder / "config.json"
     if not folder.is_dir():
         raise FileNotFoundError(f"drafter folder {folder} does not exist")
+    if not path.is_file() and gguf_export(folder):
+        raise FileNotFoundError(gguf_export(folder))
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {folder} is not a draftsmith drafter folder ({DRAFTER_HOLDS})")
     try:
@@ -112,6 +114,17 @@ def read_meta(folder: Path) -> dict:
         known = ", ".join(k.name for k in KINDS.values() if k.trained)
         raise ValueError(f"{path}: unknown drafter kind {meta.get('kind')!r}; known: {known}")
     return meta
+
+
+def gguf_export(folder: Path) -> str:
+    """Why a folder of GGUF files (a format=gguf export) is no drafter here; "" for any other folder."""
+    ggufs = sorted(p.name for p in Path(folder).glob("*.gguf"))
+    if not ggufs:
+        return ""
+    return (
+        f"{folder} holds {', '.join(ggufs)}: a GGUF for llama.cpp (format=gguf), which draftsmith's engine does "
+        "not run; pass the draftsmith drafter folder it was exported from (its README.md names it)"
+    )
 
 
 def not_a_drafter(folder: Path, config: object) -> str:

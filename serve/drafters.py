@@ -14,6 +14,7 @@ from draftsmith.heads.drafter_folder import (
     DRAFTER_HOLDS,
     TargetInfo,
     frequent_ids,
+    gguf_export,
     load_token_counts,
     not_a_drafter,
     read_drafter,
@@ -49,7 +50,8 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     if not (folder / "config.json").is_file():  # read_hf_config would call it a target folder
         raise FileNotFoundError(
-            f"spec.drafter={folder} has no config.json: it is not a draftsmith drafter folder ({DRAFTER_HOLDS}) "
+            gguf_export(folder)
+            or f"spec.drafter={folder} has no config.json: it is not a draftsmith drafter folder ({DRAFTER_HOLDS}) "
             "nor an HF draft model (config.json and *.safetensors)"
         )
     hf = read_hf_config(folder)

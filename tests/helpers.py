@@ -492,3 +492,41 @@ def sum_chats(folder: Path) -> str:
     path = folder / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def save_tiny_gguf(
+    target_dir: Path, path: Path, seed: int | None = None, tokens: list[str] | None = None, layers: int = 3
+) -> Path:
+    """A GGUF of the tiny target as llama.cpp's converter lays one out, with what format=gguf checks: sizes, the
+    tokenizer's tokens, the token embedding (seed: another random embedding, i.e. another model)."""
+    import gguf
+
+    from draftsmith.serve.export.gguf_target import hf_embedding, hf_vocab
+
+    embed = hf_embedding(target_dir)
+    if seed is not None:
+        embed = torch.randn(embed.shape, generator=torch.Generator().manual_seed(seed)) * embed.std()
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_embedding_length(H)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens or hf_vocab(target_dir))
+    w.add_token_types([1] * V)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", embed.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def edit_gguf(path: Path, change) -> None:
+    """Rewrite a GGUF export after change(metadata, tensors) edits its typed metadata and tensors in place."""
+    from draftsmith.serve.export.gguf_file import read_gguf, write_gguf
+
+    meta, tensors = read_gguf(path)
+    change(meta, tensors)
+    arch = meta.pop("general.architecture").value
+    dtype = next(t.dtype for t in tensors.values() if t.dim() == 2)
+    write_gguf(path, arch, meta, tensors, dtype)

@@ -29,7 +29,7 @@ from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_toke
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.head import HeadConfig, build_head, trained_kind
 from draftsmith.train.trainer import feature_batch, loss_for
-from helpers import PROMPTS, SMALL, SMALL_PROMPT, exact_joint, pooled_chi2_pvalue, save_tiny_tokenizer
+from helpers import PROMPTS, SMALL, SMALL_PROMPT, exact_joint, pooled_chi2_pvalue, save_tiny_gguf, save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,7 +83,8 @@ def tiny(tiny_llama_dir, tmp_path_factory):
     tcfg = TargetConfig(path=str(tdir))
     model = load_model(tdir, torch.float32, "cpu")
     info = TargetInfo(target_id(tcfg, tdir), model.config.hidden_size, model.config.vocab_size, 3)
-    return tcfg, LoadedTarget(model, load_tokenizer(tdir), info.id), info
+    gguf = save_tiny_gguf(tdir, tdir.parent / "target.gguf")  # format=gguf's target, as llama.cpp runs it
+    return tcfg, LoadedTarget(model, load_tokenizer(tdir), info.id), info, str(gguf)
 
 
 def one_step(kind: str, target: LoadedTarget, seed: int = 0) -> tuple[torch.nn.Module, object, float]:
@@ -216,8 +217,8 @@ def test_speculative_sampling_keeps_the_target_distribution(kind, small, tmp_pat
 def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters, tmp_path):
     tcfg = tiny[0]
     _, folder = drafters(kind)
-    out = export(folder, fmt, tmp_path / "out", tcfg, "fp32")
-    validate(folder, fmt, out, tcfg)
+    out = export(folder, fmt, tmp_path / "out", tcfg, "fp32", gguf_target=tiny[3])
+    validate(folder, fmt, out, tcfg, tiny[3])
     card, f = (out / "README.md").read_text(), kinds.resolve(kinds.get(kind).formats[fmt])
     shape = kinds.get(kind).shape(SHAPE)
     if f.vllm:
@@ -227,6 +228,8 @@ def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters
         assert steps + f"--speculative-num-draft-tokens {shape.draft_tokens() + 1}" in card
     if f.tgi:
         assert f"--speculate {shape.num_tokens}" in card
+    if f.llamacpp:
+        assert f"--spec-type {f.llamacpp} --spec-draft-n-max {shape.num_tokens}" in card
 
 
 @pytest.mark.parametrize("spec", ["own", "draft_model"])
@@ -235,7 +238,7 @@ def test_an_export_read_back_drafts_or_is_refused_with_a_fix_that_works(kind, fm
     """spec.drafter=EXPORT with the kind's spec, and as a draft model: it drafts, or the refusal names the folder
     and what it is, and a spec it suggests instead loads it."""
     _, folder = drafters(kind)
-    out = export(folder, fmt, tmp_path / "out", tiny[0], "fp32")
+    out = export(folder, fmt, tmp_path / "out", tiny[0], "fp32", gguf_target=tiny[3])
     try:
         make_proposer(SpecConfig(kinds.get(kind).name if spec == "own" else spec, drafter=str(out)), tiny[1])
         return

@@ -25,16 +25,18 @@ class ExportConfig:
     overwrite: bool = False
     check: bool = False
     push: bool = False
+    gguf_target: str | None = None  # format=gguf: the target GGUF llama.cpp runs beside the head (default: the
+    # GGUF the target was read from, e.g. the built-in SmolLM2's)
 
 
 def run(cfg: ExportConfig) -> None:
     if cfg.push:
         raise ExportError("push=true is not supported: draftsmith-export never uploads; upload OUT yourself")
     if cfg.check:
-        validate(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target)
+        validate(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target, cfg.gguf_target)
         print(f"{cfg.out}: a valid {cfg.format} export of {cfg.drafter}")
         return
-    out = export(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target, cfg.dtype, cfg.overwrite)
+    out = export(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target, cfg.dtype, cfg.overwrite, cfg.gguf_target)
     print(f"exported {cfg.drafter} to {out} ({cfg.format}, {cfg.dtype}), validated; serve commands in {out}/README.md")
 
 

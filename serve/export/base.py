@@ -23,7 +23,7 @@ from draftsmith.heads.head_base import HeadBase
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
 from draftsmith.heads.llama import SUPPORTED_TYPES
 from draftsmith.serve.models.loader import read_hf_config
-from draftsmith.serve.models.target import SHORT_NAMES, TargetConfig, resolve_target, target_id
+from draftsmith.serve.models.target import SHORT_NAMES, TargetConfig, resolve_target, target_gguf, target_id
 
 EXPORT_DTYPES = {short: name for name, short in SHORT_NAMES.items()}  # dtype=bf16 | fp16 | fp32 -> torch name
 
@@ -61,6 +61,7 @@ class Source(Generic[H]):
     target_dir: Path
     target_hf: dict
     token_counts: Tensor | None = None  # the training answers' token counts, where the folder has them
+    target_gguf: Path | None = None  # the GGUF llama.cpp runs as the target (format=gguf), where there is one
 
     @property
     def kind(self) -> str:
@@ -110,6 +111,12 @@ class Format:
     sglang: str = ""  # SGLang's --speculative-algorithm ("": SGLang does not load it)
     tgi: bool = False  # TGI loads it
     hf: bool = False  # transformers loads it (assisted generation)
+    llamacpp: str = ""  # llama.cpp's --spec-type for this file ("": llama.cpp does not load it)
+    # a format that is not config.json + safetensors (GGUF): its own writer (export, source, dtype, folder) and
+    # reader (folder -> (metadata, tensors)); its tensors may mix dtypes (llama.cpp keeps norms in float32)
+    write_files: Callable[[Export, Source, torch.dtype, Path], None] | None = None
+    read_files: Callable[[Path], tuple[dict, dict[str, Tensor]]] | None = None
+    one_dtype: bool = True
 
 
 def llama_head_config(src: Source[HeadBase], arch: str) -> dict:
@@ -142,8 +149,9 @@ def llama_head_config(src: Source[HeadBase], arch: str) -> dict:
     return config
 
 
-def read_source(drafter: Path, target_cfg: TargetConfig) -> Source:
-    """The drafter folder and its target, refused (ExportError) when missing, corrupt or mismatched."""
+def read_source(drafter: Path, target_cfg: TargetConfig, gguf_target: str | None = None) -> Source:
+    """The drafter folder and its target, refused (ExportError) when missing, corrupt or mismatched.
+    gguf_target: the target's GGUF for llama.cpp, where it is not the file the target was read from."""
     drafter = Path(drafter).expanduser()
     try:
         meta = read_meta(drafter)
@@ -167,7 +175,11 @@ def read_source(drafter: Path, target_cfg: TargetConfig) -> Source:
         raise ExportError(f"{drafter}/config.json is corrupt ({type(e).__name__}: {e}); re-train or re-save it") from e
     except ValueError as e:
         raise ExportError(str(e)) from e
-    return Source(drafter, meta, head, target_dir, hf, counts)
+    try:
+        gguf = target_gguf(target_cfg, gguf_target)
+    except FileNotFoundError as e:
+        raise ExportError(f"the target: {e}") from e
+    return Source(drafter, meta, head, target_dir, hf, counts, gguf)
 
 
 def all_formats() -> list[str]:

@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from draftsmith.serve.export.base import Source
 
 EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
-ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI"}
+ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "llamacpp": "llama.cpp"}
+LLAMACPP_CONVERT = "python ~/.cache/draftsmith/llama.cpp/src/convert_hf_to_gguf.py"  # scripts/llamacpp_build.sh
 
 
 def vllm_command(src: Source, out: Path, method: str, options: tuple = ()) -> str:
@@ -50,6 +51,21 @@ def tgi_command(src: Source, out: Path) -> str:
     return f"text-generation-launcher --model-id {out} --speculate {src.shape.num_tokens}"
 
 
+def llamacpp_text(src: Source, out: Path, spec_type: str, file: str) -> str:
+    """llama-server and llama-speculative-simple drafting with the head beside the target's GGUF (llama.cpp runs
+    the target from a GGUF, never from the HF folder); how to make an f32 GGUF of the same weights."""
+    target, k = src.target_gguf.resolve() if src.target_gguf else "TARGET.gguf", src.shape.num_tokens
+    flags = f"-m {target} -md {out}/{file} --spec-type {spec_type} --spec-draft-n-max {k}"
+    return (
+        f"**llama.cpp** (the target as the GGUF the head was exported against; `bash scripts/llamacpp_build.sh` "
+        f"builds llama.cpp from source):\n\n```bash\nllama-server {flags}\n"
+        f'llama-speculative-simple {flags} --temp 0 -n 64 -p "Hello"\n```\n\n'
+        "The same target in float32, converted from the weights draftsmith ran (what makes greedy outputs match "
+        f"draftsmith's): `{LLAMACPP_CONVERT} {src.target_dir.resolve()} --outtype f32 --outfile target-f32.gguf`, "
+        "then `-m target-f32.gguf`.\n"
+    )
+
+
 def hf_snippet(src: Source, out: Path) -> str:
     return (
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
@@ -72,6 +88,8 @@ def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None
             lines.append(vllm_text(src, out, f.vllm, f.vllm_alone, f.vllm_options))
         elif engine == "sglang" and f.sglang:
             lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, f.sglang, token_map)}\n```\n")
+        elif engine == "llamacpp" and f.llamacpp:
+            lines.append(llamacpp_text(src, out, f.llamacpp, f.weights))
         elif engine == "tgi" and f.tgi:
             base = "`base_model_name_or_path` in config.json names the target; point it at the target's hub id"
             lines.append(f"**TGI** ({base} when serving elsewhere):\n\n```bash\n{tgi_command(src, out)}\n```\n")
@@ -95,12 +113,16 @@ def measured(recipe: dict) -> str:
     return text + f" (from {acc.get('source', 'an unnamed eval')})."
 
 
+def container(weights: str) -> str:
+    return "GGUF" if weights.endswith(".gguf") else "safetensors"
+
+
 def export_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | None = None) -> str:
     meta, recipe = src.meta, src.meta.get("recipe", {})
     sizes = ", ".join(f"{k}={v}" for k, v in meta["config"].items() if k != "model")
     return (
         f"# {src.kind} drafter for `{meta['target']['id']}` ({fmt} format)\n\n"
-        f"{EXPORT_MARK} `{src.folder.resolve()}` in {dtype}, safetensors.\n\n"
+        f"{EXPORT_MARK} `{src.folder.resolve()}` in {dtype}, {container(src.formats[fmt].weights)}.\n\n"
         f"- target: `{meta['target']['id']}` at `{src.target_dir.resolve()}` (the drafter fits only this "
         "target: same config.json)\n"
         f"- drafter: {src.kind} ({sizes}), made to draft {shape_text(src.shape)}: the commands below ask for that\n"
@@ -109,5 +131,10 @@ def export_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | N
         f"{measured(recipe)}\n\n"
         f"## Serve\n\n{serve_section(src, fmt, out, token_map)}\n"
         f"Re-check this folder: `draftsmith-export drafter={src.folder.resolve()} format={fmt} out={out} "
-        f"target.path={src.target_dir.resolve()} check=true`\n"
+        f"target.path={src.target_dir.resolve()}{gguf_flag(src, fmt)} check=true`\n"
     )
+
+
+def gguf_flag(src: Source, fmt: str) -> str:
+    """The target GGUF the validator compares a GGUF export's tokenizer with; re-checked against the HF folder."""
+    return f" gguf_target={src.target_gguf.resolve()}" if src.formats[fmt].llamacpp and src.target_gguf else ""

@@ -96,8 +96,12 @@ def head_config_problems(src: Source, folder: Path, config: dict) -> list[str]:
 
 
 def read_export(folder: Path, f: Format) -> tuple[dict, dict[str, Tensor]]:
+    if not (folder / "README.md").is_file():
+        raise ExportError(f"export {folder} is incomplete: README.md is missing")
+    if f.read_files is not None:
+        return f.read_files(folder)
     path, weights = folder / "config.json", folder / f.weights
-    for file in (path, weights, folder / "README.md"):
+    for file in (path, weights):
         if not file.is_file():
             raise ExportError(f"export {folder} is incomplete: {file.name} is missing")
     try:
@@ -106,7 +110,7 @@ def read_export(folder: Path, f: Format) -> tuple[dict, dict[str, Tensor]]:
         raise ExportError(f"export {folder} is corrupt: {e}") from e
 
 
-def tensor_problems(tensors: dict[str, Tensor], want: Shapes) -> list[str]:
+def tensor_problems(tensors: dict[str, Tensor], want: Shapes, one_dtype: bool = True) -> list[str]:
     missing, unexpected = sorted(want.keys() - tensors.keys()), sorted(tensors.keys() - want.keys())
     problems = [f"missing key {k} {want[k]}" for k in missing] + [f"unexpected key {k}" for k in unexpected]
     problems += [
@@ -115,7 +119,7 @@ def tensor_problems(tensors: dict[str, Tensor], want: Shapes) -> list[str]:
         if tuple(tensors[k].shape) != want[k]
     ]
     floats = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    if len(floats) > 1:
+    if len(floats) > 1 and one_dtype:
         problems.append(f"mixed floating dtypes {sorted(map(str, floats))}")
     if "d2t" in tensors and tensors["d2t"].dtype != torch.int64:
         problems.append(f"d2t is {tensors['d2t'].dtype}, expected torch.int64 offsets")
@@ -163,13 +167,15 @@ def mlp(x: Tensor, w: dict[str, Tensor], p: str) -> Tensor:
 # ---------------------------------------------------------------- comparing with the drafter's own forward
 
 
-def rounded_head(src: Source[H], dtype: torch.dtype) -> H:
+def rounded_head(src: Source[H], dtype: torch.dtype, vectors: bool = True) -> H:
     """A float32 copy of the drafter whose parameters carry the export's rounding (buffers such as the rope
-    tables stay float32), so only the format, not the dtype, can make the two forwards differ."""
+    tables stay float32), so only the format, not the dtype, can make the two forwards differ. vectors=False:
+    1-D parameters (norms) keep float32, as a GGUF writes them."""
     head = copy.deepcopy(src.head).float()
     with torch.no_grad():
         for p in head.parameters():
-            p.copy_(p.to(dtype).float())
+            if vectors or p.dim() > 1:
+                p.copy_(p.to(dtype).float())
     return head
 
 
@@ -180,6 +186,7 @@ class Probe(Generic[H]):
 
     head: H
     w: dict[str, Tensor]
+    dtype: torch.dtype  # the exported matrices' dtype
     config: dict
     folder: Path
     g: torch.Generator
@@ -189,12 +196,19 @@ class Probe(Generic[H]):
 
 def forward_pairs(src: Source, f: Format, folder: Path, w: dict[str, Tensor], config: dict) -> dict[str, tuple]:
     """name -> (export's output, drafter's output) on the same random inputs."""
-    dtype = next(t.dtype for t in w.values() if t.is_floating_point())
+    dtype = matrix_dtype(w)
     w = {k: v.float() if v.is_floating_point() else v for k, v in w.items()}
     g, n = torch.Generator().manual_seed(0), 6
     tokens = torch.randint(0, src.head.config.vocab_size, (n,), generator=g)
     with torch.no_grad():
-        return f.forward(src, Probe(rounded_head(src, dtype), w, config, folder, g, tokens, torch.arange(3, 3 + n)))
+        probe = Probe(rounded_head(src, dtype), w, dtype, config, folder, g, tokens, torch.arange(3, 3 + n))
+        return f.forward(src, probe)
+
+
+def matrix_dtype(w: dict[str, Tensor]) -> torch.dtype:
+    """The dtype an export's weight matrices carry (a GGUF keeps its vectors in float32)."""
+    floats = [t for t in w.values() if t.is_floating_point()]
+    return next((t.dtype for t in floats if t.dim() > 1), floats[0].dtype)
 
 
 def t2d_pair(w: dict[str, Tensor], head) -> dict[str, tuple]:
@@ -239,11 +253,10 @@ def check_export(folder: Path, src: Source, fmt: str) -> None:
     """Raise ExportError listing every problem with the export at `folder` in format `fmt`."""
     f = format_for(src.kind, fmt)
     config, tensors = read_export(folder, f)
-    problems = config_problems(src, f, folder, config) + tensor_problems(tensors, f.shapes(src, config))
+    problems = config_problems(src, f, folder, config) + tensor_problems(tensors, f.shapes(src, config), f.one_dtype)
     problems += token_map_problems(folder, src, f)
     if not problems:  # the forward needs every tensor in place
-        dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
-        problems += f.tensor_checks(src, tensors, dtype)
+        problems += f.tensor_checks(src, tensors, matrix_dtype(tensors))
         for name, (theirs, mine) in forward_pairs(src, f, folder, tensors, config).items():
             err = mismatch(theirs, mine)
             if err > TOLERANCE:

@@ -77,6 +77,15 @@ def cast(state: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
 
 
 def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None:
+    if f.write_files is not None:
+        f.write_files(exp, src, DTYPES[EXPORT_DTYPES[dtype]], folder)
+    else:
+        write_safetensors(exp, src, f, dtype, folder)
+    for file in folder.iterdir():
+        file.chmod(0o644)  # save_file writes owner-only files
+
+
+def write_safetensors(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None:
     config = exp.config | ({"torch_dtype": EXPORT_DTYPES[dtype]} if f.torch_dtype else {})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, state in exp.tensors.items():
@@ -85,8 +94,6 @@ def write(exp: Export, src: Source, f: Format, dtype: str, folder: Path) -> None
         shutil.copy2(src.target_dir / name, folder / name)
     if exp.token_map is not None:  # SGLang reads it with torch.load(weights_only=True): a plain tensor
         torch.save(exp.token_map.long().contiguous(), folder / TOKEN_MAP)
-    for file in folder.iterdir():
-        file.chmod(0o644)  # save_file writes owner-only files
 
 
 def export(
@@ -96,8 +103,10 @@ def export(
     target_cfg: TargetConfig | None = None,
     dtype: str = "bf16",
     overwrite: bool = False,
+    gguf_target: str | None = None,
 ) -> Path:
-    """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation."""
+    """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation. gguf_target: the
+    target GGUF llama.cpp runs the head beside (format=gguf), where the target was not read from one."""
     from draftsmith.serve.export.checks import check_export  # which imports this module
 
     drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
@@ -105,7 +114,7 @@ def export(
         raise ExportError(f"unknown dtype {dtype!r}; choose one of {', '.join(EXPORT_DTYPES)}")
     check_format_name(fmt)
     check_out(out, drafter, overwrite)
-    src = read_source(drafter, target_cfg or TargetConfig())
+    src = read_source(drafter, target_cfg or TargetConfig(), gguf_target)
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
     exp = f.export(src)
@@ -118,11 +127,13 @@ def export(
     return out
 
 
-def validate(drafter: Path, fmt: str, out: Path, target_cfg: TargetConfig | None = None) -> None:
+def validate(
+    drafter: Path, fmt: str, out: Path, target_cfg: TargetConfig | None = None, gguf_target: str | None = None
+) -> None:
     """Validate an existing export at OUT against the drafter it came from (check=true); writes nothing."""
     from draftsmith.serve.export.checks import check_export  # which imports this module
 
-    src = read_source(Path(drafter).expanduser(), target_cfg or TargetConfig())
+    src = read_source(Path(drafter).expanduser(), target_cfg or TargetConfig(), gguf_target)
     format_for(src.kind, fmt)
     if not Path(out).expanduser().is_dir():
         raise ExportError(f"out={out} is not a folder: nothing to check")

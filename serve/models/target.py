@@ -125,6 +125,18 @@ def resolve_target(cfg: TargetConfig) -> Path:
     return cached_conversion(BUILTIN[cfg.name](), cache_root(cfg.cache_dir) / "targets" / cfg.name)
 
 
+def target_gguf(cfg: TargetConfig, given: str | None = None) -> Path | None:
+    """The GGUF llama.cpp runs as the target: `given` (gguf_target=), else the GGUF the target was read from
+    (target.gguf=, or the built-in target's shipped file); None for a target given as an HF folder."""
+    if given:
+        return Path(given).expanduser()
+    if cfg.gguf:
+        return Path(cfg.gguf).expanduser()
+    if not cfg.path and cfg.name in BUILTIN:
+        return BUILTIN[cfg.name]()
+    return None
+
+
 def pick_device(name: str = "auto") -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,203 @@
+"""format=gguf (serve/export/export_gguf.py): an EAGLE-3 head as llama.cpp's `eagle3` GGUF beside a GGUF of its
+target. The file read back with the gguf package as llama.cpp reads it (names, ne order, types, absolute d2t,
+the target's tokenizer); the validator's llama.cpp-convention forward catching an unpermuted q, a renamed tensor,
+a shifted d2t and another tokenizer; refusals of kinds llama.cpp does not draft with and of a GGUF target that is
+not the drafter's. Running the file in llama.cpp is scripts/llamacpp_crosscheck.py (it needs a llama.cpp build)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFValueType
+from safetensors.torch import load_file
+
+from draftsmith.heads.drafter_folder import Recipe, TargetInfo, save_drafter
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.serve.export.__main__ import ExportConfig, run
+from draftsmith.serve.export.base import ExportError
+from draftsmith.serve.export.export_gguf import permute
+from draftsmith.serve.export.pipeline import export, validate
+from draftsmith.serve.models.target import target_id
+from helpers import DRAFT_V, FF, KV, H, Q, V, edit_gguf, export_drafters, save_tiny_gguf
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GGUF_SHAPES = {  # llama.cpp's ne order: the input dimension first
+    "fc.weight": [3 * H, H],
+    "blk.0.attn_norm.weight": [H],
+    "blk.0.attn_norm_2.weight": [H],
+    "blk.0.attn_q.weight": [2 * H, Q],
+    "blk.0.attn_k.weight": [2 * H, KV],
+    "blk.0.attn_v.weight": [2 * H, KV],
+    "blk.0.attn_output.weight": [Q, H],
+    "blk.0.ffn_norm.weight": [H],
+    "blk.0.ffn_gate.weight": [H, FF],
+    "blk.0.ffn_up.weight": [H, FF],
+    "blk.0.ffn_down.weight": [FF, H],
+    "output_norm.weight": [H],
+    "output.weight": [H, DRAFT_V],
+    "d2t": [DRAFT_V],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir, tmp_path_factory):
+    """The tiny target (tokenizer, drafters) and a GGUF of it."""
+    root = tmp_path_factory.mktemp("gguf")
+    tcfg, drafters, target = export_drafters(tiny_llama_dir("llama"), root)
+    return tcfg, drafters, target, save_tiny_gguf(Path(tcfg.path), root / "target.gguf")
+
+
+def gguf_export(tiny, out: Path, dtype: str = "fp32", **kw) -> Path:
+    tcfg, drafters, _, target_gguf = tiny
+    return export(kw.pop("drafter", drafters["eagle3"]), "gguf", out, tcfg, dtype, gguf_target=str(target_gguf), **kw)
+
+
+def test_gguf_export_is_llamacpps_eagle3_file(tiny, tmp_path):
+    out = gguf_export(tiny, tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "eagle3.gguf"]
+    r = gguf.GGUFReader(str(out / "eagle3.gguf"))
+    f = r.fields
+    assert f["general.architecture"].contents() == "eagle3"
+    assert f["eagle3.target_layers"].contents() == [0, 1, 2]
+    assert f["eagle3.target_layers"].types == [GGUFValueType.ARRAY, GGUFValueType.INT32]  # llama.cpp's get_arr
+    sizes = {
+        "target_hidden_size": H,
+        "embedding_length": H,
+        "block_count": 1,
+        "feed_forward_length": FF,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "vocab_size": V,
+        "context_length": 256,
+    }
+    assert {k: f[f"eagle3.{k}"].contents() for k in sizes} == sizes
+    assert f["eagle3.rope.freq_base"].contents() == 10000.0
+    target = gguf.GGUFReader(str(tiny[3]))
+    assert f["tokenizer.ggml.tokens"].contents() == target.fields["tokenizer.ggml.tokens"].contents()
+    assert {t.name: t.shape.tolist() for t in r.tensors} == GGUF_SHAPES
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["d2t"] == GGMLQuantizationType.I64 and types["fc.weight"] == GGMLQuantizationType.F32
+
+    mine = load_file(str(tiny[1]["eagle3"] / "model.safetensors"))
+    t = {x.name: x for x in r.tensors}
+    d2t = torch.from_numpy(t["d2t"].data.copy())
+    assert torch.equal(d2t, torch.arange(DRAFT_V) + mine["d2t"])  # absolute target ids, not offsets
+    q = torch.from_numpy(t["blk.0.attn_q.weight"].data.copy())
+    hf_q = mine["midlayer.self_attn.q_proj.weight"]
+    assert torch.equal(q[1], hf_q[8]) and torch.equal(q[2], hf_q[1])  # head 0: rows 0, 8, 1, 9, ... (dims 16)
+    assert torch.equal(q, permute(hf_q, 4))
+
+    card = (out / "README.md").read_text()
+    assert f"-md {out.resolve()}/eagle3.gguf --spec-type draft-eagle3" in card
+    assert f"-m {tiny[3].resolve()}" in card and "GGUF." in card and "convert_hf_to_gguf.py" in card
+
+
+def test_gguf_dtypes_keep_norms_in_float32(tiny, tmp_path):
+    for dtype, want, file_type in (("bf16", GGMLQuantizationType.BF16, 32), ("fp16", GGMLQuantizationType.F16, 1)):
+        r = gguf.GGUFReader(str(gguf_export(tiny, tmp_path / dtype, dtype) / "eagle3.gguf"))
+        types = {t.name: t.tensor_type for t in r.tensors}
+        assert types["blk.0.attn_q.weight"] == want and types["output.weight"] == want
+        assert types["blk.0.ffn_norm.weight"] == GGMLQuantizationType.F32 and types["d2t"] == GGMLQuantizationType.I64
+        assert r.fields["general.file_type"].contents() == file_type
+
+
+def unpermute_q(meta, tensors):
+    q = tensors["blk.0.attn_q.weight"]
+    tensors["blk.0.attn_q.weight"] = q.reshape(4, 8, 2, 2 * H).swapaxes(1, 2).reshape(q.shape)
+
+
+def shift_d2t(meta, tensors):
+    tensors["d2t"] = tensors["d2t"].roll(1)
+
+
+def other_token(meta, tensors):
+    tokens = list(meta["tokenizer.ggml.tokens"].value)
+    tokens[5] = "other"
+    meta["tokenizer.ggml.tokens"] = gguf.GGUFValue(tokens, GGUFValueType.ARRAY, GGUFValueType.STRING)
+
+
+def rename_norm(meta, tensors):
+    tensors["blk.0.hidden_norm.weight"] = tensors.pop("blk.0.attn_norm_2.weight")
+
+
+def scale_norm(meta, tensors):
+    tensors["output_norm.weight"] = tensors["output_norm.weight"] * 1.003
+
+
+def other_layers(meta, tensors):
+    meta["eagle3.target_layers"] = gguf.GGUFValue([0, 1, 1], GGUFValueType.ARRAY, GGUFValueType.INT32)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (unpermute_q, "forward differs from the drafter's: feature"),
+        (shift_d2t, "target ids off"),
+        (other_token, "tokenizer.ggml.tokens differs from the target GGUF's"),
+        (rename_norm, "missing key blk.0.attn_norm_2.weight"),
+        (scale_norm, "forward differs from the drafter's: logits"),
+        (other_layers, "eagle3.target_layers=[0, 1, 1], expected [0, 1, 2]"),
+    ],
+)
+def test_gguf_validator_catches(tiny, tmp_path, change, message):
+    out = gguf_export(tiny, tmp_path / "out")
+    tcfg, drafters, _, target_gguf = tiny
+    validate(drafters["eagle3"], "gguf", out, tcfg, str(target_gguf))
+    edit_gguf(out / "eagle3.gguf", change)
+    with pytest.raises(ExportError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate(drafters["eagle3"], "gguf", out, tcfg, str(target_gguf))
+
+
+def test_gguf_refuses_kinds_llamacpp_does_not_draft_with(tiny, tmp_path):
+    for kind in ("medusa", "eagle", "draft_model"):
+        with pytest.raises(ExportError, match=f"format=gguf cannot hold {kind} drafters"):
+            gguf_export(tiny, tmp_path / kind, drafter=tiny[1][kind])
+    tcfg, _, target, _ = tiny
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    for change, reason in ((dict(norm_output=True), "norm_output"), (dict(target_layers=(0, 2)), "exactly 3")):
+        cfg = Eagle3Config.from_target(target.config, draft_vocab_size=DRAFT_V, **change)
+        folder = save_drafter(Eagle3Head(cfg, target), cfg, "eagle3", info, Recipe(), tmp_path / reason)
+        with pytest.raises(ExportError, match=f"llama.cpp cannot run .* as an eagle3 draft: .*{reason}"):
+            gguf_export(tiny, tmp_path / f"out-{reason}", drafter=folder)
+    assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
+
+
+def test_gguf_refuses_a_target_gguf_that_is_not_the_drafters(tiny, tmp_path):
+    tcfg, drafters, _, _ = tiny
+    tdir = Path(tcfg.path)
+    vocab = [f"t{i}" for i in range(V)]
+    cases = {
+        "embedding": (save_tiny_gguf(tdir, tmp_path / "other.gguf", seed=7), "token embedding is .* away"),
+        "tokens": (
+            save_tiny_gguf(tdir, tmp_path / "tok.gguf", tokens=vocab[:9] + ["x"] + vocab[10:]),
+            "1 token strings differ .*id 9",
+        ),
+        "layers": (save_tiny_gguf(tdir, tmp_path / "deep.gguf", layers=4), "block_count=4"),
+        "missing": (tmp_path / "nowhere.gguf", "does not exist"),
+    }
+    (tmp_path / "cut.gguf").write_bytes(tiny[3].read_bytes()[:200])
+    cases["corrupt"] = (tmp_path / "cut.gguf", "not a readable GGUF file")
+    for name, (path, message) in cases.items():
+        with pytest.raises(ExportError, match=message):
+            export(drafters["eagle3"], "gguf", tmp_path / f"out-{name}", tcfg, "fp32", gguf_target=str(path))
+    with pytest.raises(ExportError, match="needs the target as a GGUF.*convert_hf_to_gguf.py.*gguf_target="):
+        export(drafters["eagle3"], "gguf", tmp_path / "out-none", tcfg, "fp32")
+    assert not any(p.name.startswith(("out", ".")) for p in tmp_path.iterdir())
+
+
+def test_gguf_export_command_and_check(tiny, tmp_path, capsys):
+    tcfg, drafters, _, target_gguf = tiny
+    cfg = ExportConfig(
+        str(drafters["eagle3"]), "gguf", str(tmp_path / "out"), tcfg, "bf16", gguf_target=str(target_gguf)
+    )
+    run(cfg)
+    run(replace(cfg, check=True))
+    assert "a valid gguf export" in capsys.readouterr().out
+    edit_gguf(tmp_path / "out" / "eagle3.gguf", scale_norm)
+    with pytest.raises(ExportError, match="fails validation"):
+        run(replace(cfg, check=True))
