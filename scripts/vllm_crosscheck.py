@@ -100,6 +100,9 @@ def vllm_server(job_file: Path) -> None:
         req = json.loads(line)
         sp = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"])
         prompt = TokensPrompt(prompt_token_ids=req["ids"])
+        if req.get("steps"):
+            replies.write(json.dumps(stepped(llm, prompt, sp)) + "\n")
+            continue
         before = counters_of(llm)
         begin = time.perf_counter()
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
@@ -107,6 +110,27 @@ def vllm_server(job_file: Path) -> None:
         after = counters_of(llm)
         grown = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
         replies.write(json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds, **grown}) + "\n")
+
+
+def stepped(llm, prompt, sp) -> dict:
+    """One request run step by step through vLLM's engine (what llm.generate does), reading the spec-decode
+    counters after each step: {"tokens", "steps": [[accepted, drafted], ...] per verification step, "seconds"
+    (the engine's steps alone, not the counter reads)}."""
+    engine, steps, seconds, tokens = llm.llm_engine, [], 0.0, []
+    engine.add_request("r", prompt, sp)
+    before = counters_of(llm)
+    while engine.has_unfinished_requests():
+        begin = time.perf_counter()
+        outs = engine.step()
+        seconds += time.perf_counter() - begin
+        after = counters_of(llm)
+        drafted = after.get("vllm:spec_decode_num_draft_tokens", 0) - before.get("vllm:spec_decode_num_draft_tokens", 0)
+        if drafted:
+            accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
+            steps.append([int(accepted), int(drafted)])
+        before = after
+        tokens = next((list(o.outputs[0].token_ids) for o in outs if o.finished), tokens)
+    return {"tokens": tokens, "steps": steps, "seconds": seconds}
 
 
 def speculators_check(folder: Path) -> None:
@@ -318,9 +342,10 @@ class VllmServer:
         self.load_s, self.version = ready["load_s"], ready["vllm"]  # load_s: torch.compile included when compiled
         time.sleep(SPIN_S)
 
-    def generate(self, ids: list[int], max_new: int) -> dict:
-        """{"tokens", "seconds" (llm.generate alone), and the spec-decode counters' growth}"""
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new}) + "\n")
+    def generate(self, ids: list[int], max_new: int, steps: bool = False) -> dict:
+        """{"tokens", "seconds" (llm.generate alone), and the spec-decode counters' growth}; steps=True: what
+        each verification step accepted instead (vllm_server's `stepped`)."""
+        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new, "steps": steps}) + "\n")
         self.proc.stdin.flush()
         reply = self.read()
         time.sleep(SPIN_S)
@@ -351,7 +376,7 @@ def vllm_tau(counters: dict, before: dict | None = None) -> tuple[float, int]:
     return (1.0 + accepted / drafts if drafts else float("nan")), int(drafts)
 
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")  # vllm_tau's
 
 
 def same(a: list[list[int]], b: list[list[int]]) -> int:

