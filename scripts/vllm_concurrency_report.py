@@ -1,0 +1,294 @@
+"""The statistics, table and plot of scripts/vllm_concurrency.py: plain vLLM against vLLM with a drafter, level by
+level of concurrency, from the blocks it measured (one block: one arm driven at one concurrency in one round).
+
+Throughput is output tokens over a block's wall time, pooled over rounds (sums, then ratios, as eval/stats.py
+pools); its interval and the speedup's are a bootstrap over rounds, the two arms' blocks of a round drawn together.
+TPOT is per request, (latency - TTFT) / (tokens - 1), and its mean's interval a bootstrap over requests; the TPOT
+speedup draws the same (round, prompt) pairs from both arms. τ = 1 + accepted / drafts from vLLM's counters.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from draftsmith.eval.plots import errors, save
+from draftsmith.eval.report import ci, table
+from draftsmith.eval.stats import Bootstrap, Interval, interval, ratio
+
+ARMS = ("plain", "spec")
+PLOT = "speedup_vs_concurrency.png"
+
+
+@dataclass
+class Request:
+    key: str  # "round/prompt id": the same request in the other arm
+    tokens: int
+    tpot_s: float | None  # None: under two tokens, no first-token time, or failed
+    text: str | None  # None: failed
+
+
+@dataclass
+class Block:
+    arm: str  # plain | spec
+    concurrency: int
+    round: int
+    wall_s: float  # the block's first send to its last answer
+    requests: list[Request]
+    drafts: float = 0.0  # growth of vLLM's spec-decode counters over the block
+    accepted: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds each server used during the block
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.requests)
+
+
+@dataclass
+class Level:
+    """One row of the table: both arms at one concurrency."""
+
+    concurrency: int
+    rounds: int
+    pairs: int  # requests with a TPOT in both arms
+    tok_s: dict[str, float | None]
+    tok_s_interval: dict[str, Interval]
+    throughput_speedup: float | None  # spec tok/s / plain tok/s
+    throughput_speedup_interval: Interval
+    tpot_ms: dict[str, float | None]
+    tpot_ms_interval: dict[str, Interval]
+    tpot_speedup: float | None  # plain TPOT / spec TPOT: above 1, spec answers each token sooner
+    tpot_speedup_interval: Interval
+    tau: float | None
+    tau_interval: Interval
+    identical: int  # spec's text equal to plain's on the same request
+    compared: int
+
+
+def tpot_s(latency_s: float | None, ttft_s: float | None, tokens: int | None) -> float | None:
+    if latency_s is None or ttft_s is None or not tokens or tokens < 2:
+        return None
+    return (latency_s - ttft_s) / (tokens - 1)
+
+
+def number(x: float | np.floating) -> float | None:
+    return float(x) if np.isfinite(x) else None
+
+
+def by_key(blocks: list[Block], attr: str) -> dict[str, dict[str, float | str]]:
+    """arm -> request key -> the request's `attr`, where it has one."""
+    found: dict[str, dict] = {a: {} for a in ARMS}
+    for b in blocks:
+        found[b.arm] |= {r.key: getattr(r, attr) for r in b.requests if getattr(r, attr) is not None}
+    return found
+
+
+def by_round(blocks: list[Block]) -> dict[str, dict[int, Block]]:
+    return {arm: {b.round: b for b in blocks if b.arm == arm} for arm in ARMS}
+
+
+def throughput(blocks: list[Block], seed: int) -> tuple[dict, dict, float | None, Interval]:
+    """Each arm's tok/s and interval, and spec / plain with its interval, over the rounds both arms ran."""
+    arms = by_round(blocks)
+    rounds = sorted(arms["plain"].keys() & arms["spec"].keys())
+    tables = {a: np.array([[arms[a][r].tokens, arms[a][r].wall_s] for r in rounds], float) for a in ARMS}
+    points = {a: ratio(*tables[a].sum(0)) if rounds else np.nan for a in ARMS}
+    boot = Bootstrap.over(map(str, rounds), seed)
+    samples = {a: ratio(*(boot.weights @ tables[a]).T) for a in ARMS} if boot.enough else {}
+    ivs = {a: interval(samples[a]) if samples else None for a in ARMS}
+    speedup_iv = interval(ratio(samples["spec"], samples["plain"])) if samples else None
+    return {a: number(points[a]) for a in ARMS}, ivs, number(ratio(points["spec"], points["plain"])), speedup_iv
+
+
+def tpot(blocks: list[Block], seed: int) -> tuple[int, dict, dict, float | None, Interval]:
+    """Mean TPOT (ms) of each arm over the requests both answered with a TPOT, its interval, and plain / spec."""
+    found = by_key(blocks, "tpot_s")
+    keys = sorted(found["plain"].keys() & found["spec"].keys())
+    ms = np.array([[1000 * found[a][k] for a in ARMS] for k in keys], float).reshape(-1, 2)
+    means = ms.mean(0) if keys else np.full(2, np.nan)
+    boot = Bootstrap.over(keys, seed)
+    drawn = boot.weights @ ms / max(len(keys), 1) if boot.enough else None  # resampled means, [RESAMPLES, 2]
+    ivs = {a: interval(drawn[:, i]) if drawn is not None else None for i, a in enumerate(ARMS)}
+    speedup_iv = interval(ratio(drawn[:, 0], drawn[:, 1])) if drawn is not None else None
+    points = {a: number(means[i]) for i, a in enumerate(ARMS)}
+    return len(keys), points, ivs, number(ratio(means[0], means[1])), speedup_iv
+
+
+def tau(blocks: list[Block], seed: int) -> tuple[float | None, Interval]:
+    spec = sorted((b for b in blocks if b.arm == "spec"), key=lambda b: b.round)
+    counts = np.array([[b.accepted, b.drafts] for b in spec], float).reshape(-1, 2)
+    point = 1 + ratio(*counts.sum(0)) if counts[:, 1].sum() > 0 else np.nan
+    boot = Bootstrap.over((str(b.round) for b in spec), seed)
+    if not boot.enough or not counts[:, 1].sum():
+        return number(point), None
+    return number(point), interval(1 + ratio(*(boot.weights @ counts).T))
+
+
+def identical(blocks: list[Block]) -> tuple[int, int]:
+    texts = by_key(blocks, "text")
+    keys = texts["plain"].keys() & texts["spec"].keys()
+    return sum(texts["plain"][k] == texts["spec"][k] for k in keys), len(keys)
+
+
+def level(blocks: list[Block], concurrency: int) -> Level:
+    mine = [b for b in blocks if b.concurrency == concurrency]
+    tok_s, tok_iv, speedup, speedup_iv = throughput(mine, seed=concurrency)
+    pairs, tpot_ms, tpot_iv, tpot_speedup, tpot_speedup_iv = tpot(mine, seed=concurrency)
+    rounds = len({b.round for b in mine if b.arm == "plain"} & {b.round for b in mine if b.arm == "spec"})
+    return Level(
+        concurrency,
+        rounds,
+        pairs,
+        tok_s,
+        tok_iv,
+        speedup,
+        speedup_iv,
+        tpot_ms,
+        tpot_iv,
+        tpot_speedup,
+        tpot_speedup_iv,
+        *tau(mine, seed=concurrency),
+        *identical(mine),
+    )
+
+
+def levels(blocks: list[Block]) -> list[Level]:
+    return [level(blocks, n) for n in sorted({b.concurrency for b in blocks})]
+
+
+def stops_paying(rows: list[Level]) -> tuple[int | None, str]:
+    """The smallest concurrency whose throughput speedup is no longer above 1: its interval reaches 1 or lies
+    below it (the point estimate where there is no interval), and how that was decided."""
+    for row in rows:
+        iv, point = row.throughput_speedup_interval, row.throughput_speedup
+        if iv is not None and iv[0] <= 1.0:
+            return row.concurrency, f"the interval of its throughput speedup, {ci(point, iv, unit='x')}, reaches 1"
+        if iv is None and point is not None and point <= 1.0:
+            return row.concurrency, f"its throughput speedup is {point:.2f}x (one round: no interval)"
+    return None, ""
+
+
+def verdict(rows: list[Level]) -> str:
+    n, why = stops_paying(rows)
+    top = max(r.concurrency for r in rows) if rows else 0
+    if n is None:
+        return f"**Speculation pays through N={top}** on this machine: every throughput speedup's interval is above 1."
+    slower = [r.concurrency for r in rows if r.throughput_speedup_interval and r.throughput_speedup_interval[1] < 1]
+    costs = f" It is significantly slower than plain decoding at N={', '.join(map(str, slower))}." if slower else ""
+    return f"**Speculation stops paying at N={n}** on this machine: {why}.{costs}"
+
+
+def row_cells(r: Level) -> list:
+    def arm(key: str, a: str, fmt: str) -> str:
+        return ci(getattr(r, key)[a], getattr(r, f"{key}_interval")[a], fmt)
+
+    return [
+        r.concurrency,
+        arm("tok_s", "plain", "{:.1f}"),
+        arm("tok_s", "spec", "{:.1f}"),
+        ci(r.throughput_speedup, r.throughput_speedup_interval, unit="x"),
+        arm("tpot_ms", "plain", "{:.1f}"),
+        arm("tpot_ms", "spec", "{:.1f}"),
+        ci(r.tpot_speedup, r.tpot_speedup_interval, unit="x"),
+        ci(r.tau, r.tau_interval, "{:.3f}"),
+        f"{r.identical}/{r.compared}",
+    ]
+
+
+def levels_table(rows: list[Level]) -> str:
+    header = ["N", "plain tok/s", "spec tok/s", "throughput speedup", "plain TPOT ms", "spec TPOT ms"]
+    header += ["TPOT speedup", "τ (spec)", "spec text == plain"]
+    return table(header, [row_cells(r) for r in rows])
+
+
+def speedup_plot(rows: list[Level], path: Path) -> Path:
+    fig = Figure(figsize=(10, 3.8))
+    left, right = fig.subplots(1, 2)
+    ns = [r.concurrency for r in rows]
+    series = (("throughput_speedup", "throughput (spec / plain)", 0.97), ("tpot_speedup", "TPOT (plain / spec)", 1.03))
+    for key, label, shift in series:  # shifted apart on the log axis so that the error bars do not overlap
+        keep = [r for r in rows if getattr(r, key) is not None]
+        ys, ivs = [getattr(r, key) for r in keep], [getattr(r, f"{key}_interval") for r in keep]
+        xs = [shift * r.concurrency for r in keep]
+        left.errorbar(xs, ys, yerr=errors(ys, ivs), marker="o", capsize=3, label=label)
+    left.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    left.set(xscale="log", xlabel="concurrent requests", ylabel="speedup", title="speculation's speedup (95% CI)")
+    for a in ARMS:
+        keep = [r for r in rows if r.tok_s[a] is not None]
+        ys, ivs = [r.tok_s[a] for r in keep], [r.tok_s_interval[a] for r in keep]
+        right.errorbar([r.concurrency for r in keep], ys, yerr=errors(ys, ivs), marker="o", capsize=3, label=a)
+    right.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens / s", title="throughput (95% CI)")
+    for ax in (left, right):
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.minorticks_off()
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return save(fig, path)
+
+
+def idle_cpu(blocks: list[Block]) -> str:
+    """CPU the idle server used while the other arm's blocks ran: whether an idle vLLM server spins."""
+    idle = sum(b.cpu_s.get("spec" if b.arm == "plain" else "plain", 0.0) for b in blocks)
+    busy = sum(b.cpu_s.get(b.arm, 0.0) for b in blocks)
+    wall = sum(b.wall_s for b in blocks)
+    if not wall:
+        return ""
+    return (
+        f"While one arm's blocks ran ({wall:.0f} s in all), its server used {busy:.0f} CPU s and the idle one "
+        f"{idle:.1f} CPU s ({100 * idle / wall:.1f}% of a core)."
+    )
+
+
+FEW_ROUNDS = 5
+
+
+def few_rounds(rows: list[Level]) -> str:
+    rounds = min((r.rounds for r in rows), default=0)
+    if rounds >= FEW_ROUNDS:
+        return ""
+    return (
+        f"Throughput intervals are over {rounds} round(s) only: under {FEW_ROUNDS} a bootstrap over rounds gives "
+        "intervals too narrow to trust (one round: none); run more `--rounds`."
+    )
+
+
+def failures(blocks: list[Block]) -> str:
+    failed = [b for b in blocks for r in b.requests if r.text is None]
+    if not failed:
+        return ""
+    where = sorted({(b.arm, b.concurrency) for b in failed})
+    return f"**{len(failed)} requests failed** (not counted), in " + ", ".join(f"{a} N={n}" for a, n in where) + "."
+
+
+def render(rows: list[Level], blocks: list[Block], meta: dict, plot: Path) -> str:
+    parts = [
+        "# Speculation under concurrency, through vLLM",
+        meta["setting"],
+        levels_table(rows),
+        verdict(rows),
+        few_rounds(rows),
+        failures(blocks),
+        "N: requests in flight (closed loop). tok/s: output tokens over the block's wall time, pooled over rounds. "
+        "TPOT: (latency - TTFT) / (tokens - 1) per request, streamed, mean over requests. Speedups: spec / plain for "
+        "throughput, plain / spec for TPOT (above 1: speculation helps). Brackets: 95% bootstrap intervals, over "
+        "rounds for throughput (both arms' blocks of a round drawn together), over (round, prompt) pairs for TPOT. "
+        "τ = 1 + accepted / drafts from vLLM's /metrics. Last column: greedy outputs whose text is equal.",
+        idle_cpu(blocks),
+        f"![speedup vs concurrency]({plot.name})",
+    ]
+    return "\n\n".join(p for p in parts if p) + "\n"
+
+
+def write_report(blocks: list[Block], meta: dict, out: Path) -> list[Level]:
+    rows = levels(blocks)
+    plot = speedup_plot(rows, out / PLOT)
+    n, why = stops_paying(rows)
+    result = {**meta, "levels": [asdict(r) for r in rows], "stops_paying_at": n, "stops_paying_because": why}
+    result["blocks"] = [asdict(b) | {"requests": [asdict(r) | {"text": None} for r in b.requests]} for b in blocks]
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "report.md").write_text(render(rows, blocks, meta, plot))
+    return rows
