@@ -80,6 +80,7 @@ class Arms:
         self.arms: list[tuple[Arm, Callable[[str, list[int]], Record]]] = []
         self.closers: list[Callable[[], None]] = []
         self.skipped: list[str] = []
+        self.notes: list[str] = []
 
     def add(self, engine: str, precision: str, method: str, run: Callable[[str, list[int]], Record]) -> None:
         self.arms.append((Arm(engine, precision, method), run))
@@ -184,7 +185,7 @@ def plot(rows: list[dict], k: int, path: Path) -> None:
     plt.close(fig)
 
 
-def report_text(args, rows, pairs, info, skipped: list[str], env: str) -> str:
+def report_text(args, rows, pairs, info, notes: list[str], env: str) -> str:
     lines = [
         f"# Acceptance across engines: {args.drafter}",
         "",
@@ -196,8 +197,7 @@ def report_text(args, rows, pairs, info, skipped: list[str], env: str) -> str:
         "",
         *(f"- {engine}: {how}" for engine, how in ENGINE_COUNTING.items()),
     ]
-    if skipped:
-        lines += ["", "Not run: " + "; ".join(skipped)]
+    lines += ["", *(f"- {note}" for note in notes)]
     return "\n".join(lines) + "\n"
 
 
@@ -219,6 +219,11 @@ def main(args) -> int:
         else:
             targets = llamacpp_targets(tcfg, tdir, hf, args.target)
             gguf_dir = export(drafter, "gguf", work / "eagle3-gguf", tcfg, "fp32", True, str(targets["f32"]))
+            theirs = lp.convert(vllm_dir, work / "eagle3-converter.gguf", "f32", tdir)
+            arms.notes.append(
+                f"llama.cpp's converter on the vllm export vs format=gguf: "
+                f"{lp.same_tensors(gguf_dir / 'eagle3.gguf', theirs)}"
+            )
             add_llamacpp(arms, targets, gguf_dir / "eagle3.gguf", args.k, args.max_new_tokens, work)
         print(f"{len(arms.arms)} arms; not run: {arms.skipped or 'none'}", flush=True)
         run_all(arms, prompts, args.warmup)
@@ -227,7 +232,7 @@ def main(args) -> int:
     done = [a for a, _ in arms.arms]
     rows, pairs, info = analyse(done, args.k, args.seed)
     env = describe(environment(torch.device("cpu"), torch.float32))
-    text = report_text(args, rows, pairs, info, arms.skipped, env)
+    text = report_text(args, rows, pairs, info, [f"not run: {x}" for x in arms.skipped] + arms.notes, env)
     (out / "report.md").write_text(text)
     results = {"args": vars(args), "machine": env, "rows": rows, "pairs": [asdict(p) for p in pairs + info]}
     results["outputs"] = {a.label: a.outputs() for a in done}

@@ -18,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from draftsmith.eval.cross_engine import recount
 from draftsmith.serve.engine.metrics import Metrics
 
@@ -33,21 +35,41 @@ def missing_build() -> str:
     return f"llama.cpp is not built ({server} is missing): run bash scripts/llamacpp_build.sh (about 10 minutes)"
 
 
-def converted_target(target_dir: Path, name: str, outtype: str = "f32") -> Path:
-    """The target's GGUF in `outtype` from the same HF weights draftsmith runs, made once with llama.cpp's own
-    converter (which needs sentencepiece) and kept beside the build."""
-    out = HOME / "targets" / f"{name}-{outtype}.gguf"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+def convert(folder: Path, out: Path, outtype: str = "f32", target_dir: Path | None = None) -> Path:
+    """llama.cpp's own converter on an HF folder (or, with target_dir, a format=vllm head export), written beside
+    `out` and renamed into place."""
     partial = out.with_suffix(".partial")
     env = os.environ | {"PYTHONPATH": str(HOME / "src" / "gguf-py")}
-    cmd = ["python", str(HOME / "src" / "convert_hf_to_gguf.py"), str(target_dir), "--outtype", outtype]
+    cmd = ["python", str(HOME / "src" / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype]
+    cmd += ["--target-model-dir", str(target_dir)] if target_dir else []
     done = subprocess.run([*cmd, "--outfile", str(partial)], env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"llama.cpp's converter failed on {target_dir}:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"llama.cpp's converter failed on {folder}:\n{done.stderr[-2000:]}")
     partial.rename(out)
     return out
+
+
+def converted_target(target_dir: Path, name: str, outtype: str = "f32") -> Path:
+    """The target's GGUF in `outtype` from the same HF weights draftsmith runs, made once and kept beside the
+    build."""
+    out = HOME / "targets" / f"{name}-{outtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        convert(target_dir, out, outtype)
+    return out
+
+
+def same_tensors(ours: Path, theirs: Path) -> str:
+    """Whether two GGUF files hold the same tensors, bit for bit, named alike; what differs where they do not."""
+    from draftsmith.serve.export.gguf_file import read_gguf
+
+    _, a = read_gguf(ours)
+    _, b = read_gguf(theirs)
+    if a.keys() != b.keys():
+        mine, theirs_only = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+        return f"different tensor names: only ours {mine}, only theirs {theirs_only}"
+    differ = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    return f"{len(a)} tensors, " + (f"{len(differ)} differ: {differ}" if differ else "all identical")
 
 
 def repack_flags() -> list[str]:

@@ -117,7 +117,7 @@ def stepped(llm, prompt, sp) -> dict:
     counters after each step: {"tokens", "steps": [[accepted, drafted], ...] per verification step, "seconds"
     (the engine's steps alone, not the counter reads)}."""
     engine, steps, seconds, tokens = llm.llm_engine, [], 0.0, []
-    engine.add_request("r", prompt, sp)
+    engine.add_request(f"r{time.monotonic_ns()}", prompt, sp)
     before = counters_of(llm)
     while engine.has_unfinished_requests():
         begin = time.perf_counter()
@@ -171,10 +171,11 @@ def counters_of(llm) -> dict:
     return {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
 
 
-def vllm_pass(llm, prompts: list, sp) -> tuple[list, dict]:
-    """Outputs of one pass over the prompts, one request at a time, and the counters (cumulative) after it."""
-    outputs = [list(llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids) for p in prompts]
-    return outputs, counters_of(llm)
+def vllm_pass(llm, prompts: list, sp) -> tuple[list, dict, list]:
+    """Outputs of one pass over the prompts, one request at a time, the counters (cumulative) after it, and each
+    prompt's (accepted, drafted) per verification step (for eval/cross_engine.recount)."""
+    runs = [stepped(llm, p, sp) for p in prompts]
+    return [r["tokens"] for r in runs], counters_of(llm), [r["steps"] for r in runs]
 
 
 def arctic_worker(job_file: Path, out_file: Path) -> None:
@@ -379,6 +380,17 @@ def vllm_tau(counters: dict, before: dict | None = None) -> tuple[float, int]:
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")  # vllm_tau's
 
 
+def recounted(steps: list, outputs: list[list[int]]) -> str:
+    """vLLM's steps counted as draftsmith's engine counts them (eval/cross_engine.py): τ and drafts."""
+    from draftsmith.eval.cross_engine import recount
+    from draftsmith.serve.engine.metrics import Metrics
+
+    total = Metrics(requests=0)
+    for s, out in zip(steps, outputs, strict=True):
+        total.merge(recount(s, len(out), 0.0, 0.0))
+    return f"{total.mean_acceptance_length:.3f} ({total.drafts} drafts)"
+
+
 def same(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
@@ -503,13 +515,14 @@ def suffix_rows(run: Runner) -> list[tuple]:
     vspec = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
     v = call_vllm(args, run.base_job | {"speculative_config": vspec, "passes": args.passes}, run.work, "suffix")
     rows, before = [], {}
-    for i, (outs, counters) in enumerate(v["per_pass"], 1):
+    for i, (outs, counters, steps) in enumerate(v["per_pass"], 1):
         ours, total = generate_all(engine, prompts, args.max_new_tokens)
         tau, drafts = vllm_tau(counters, before)
         before = counters
         mine = f"{total.mean_acceptance_length:.3f} ({total.drafts} drafts)"
         name = f"suffix (k={args.suffix_k}) pass {i}"
-        rows.append((name, f"{tau:.3f} ({drafts} drafts)", mine, same(outs, plain), outs))
+        theirs = f"{tau:.3f} ({drafts} drafts); recounted {recounted(steps, outs)}"
+        rows.append((name, theirs, mine, same(outs, plain), outs))
         print(f"[suffix pass {i}] draftsmith engine == plain: {same(ours, plain)}/{len(prompts)}", flush=True)
     print(draft_agreement(args, spec, prompts, plain, run.work), flush=True)
     return rows
