@@ -206,7 +206,10 @@ KIND = Kind(
     features=("hidden", "aux"),  # aux: the fused context; hidden: the loss's target distribution
     loss="draftsmith.train.loss_dflash:dflash_loss",
     proposer="draftsmith.serve.proposers.propose_dflash:dflash_proposer",
-    formats={"vllm": "draftsmith.serve.export.export_dflash:DFLASH_VLLM"},
+    formats={
+        "vllm": "draftsmith.serve.export.export_dflash:DFLASH_VLLM",
+        "gguf": "draftsmith.serve.export.export_dflash_gguf:DFLASH_GGUF",
+    },
     # a chain of the default block's 3 drafts (block_size 4): on a CPU one block forward costs about one EAGLE-3
     # level whatever B is (a few rows through weights read once), but each verified row costs ~0.04 of a
     # target step in fp32 and a quick drafter accepts little past position 3; conf/tuning/dflash-quick.yaml

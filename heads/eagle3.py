@@ -183,7 +183,7 @@ KIND = Kind(
         "vllm": "draftsmith.serve.export.export_eagle3:EAGLE3",
         "sglang": "draftsmith.serve.export.export_eagle3:EAGLE3",
         "speculators": "draftsmith.serve.export.speculators:SPECULATORS",
-        "gguf": "draftsmith.serve.export.export_gguf:EAGLE3_GGUF",
+        "gguf": "draftsmith.serve.export.export_eagle3_gguf:EAGLE3_GGUF",
     },
     draft_shape=DraftShape(num_tokens=5, topk=4, total_tokens=12),  # a GPU's: a dozen verify rows cost ~1 step
     draft_keys=("num_tokens", "topk", "total_tokens"),

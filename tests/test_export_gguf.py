@@ -1,11 +1,13 @@
-"""format=gguf (serve/export/export_gguf.py): an EAGLE-3 head as llama.cpp's `eagle3` GGUF beside a GGUF of its
-target. The file read back with the gguf package as llama.cpp reads it (names, ne order, types, absolute d2t,
-the target's tokenizer); the validator's llama.cpp-convention forward catching an unpermuted q, a renamed tensor,
-a shifted d2t and another tokenizer; refusals of kinds llama.cpp does not draft with and of a GGUF target that is
-not the drafter's. Running the file in llama.cpp is scripts/llamacpp_crosscheck.py (it needs a llama.cpp build)."""
+"""format=gguf: EAGLE-3 heads as llama.cpp's `eagle3` GGUF (serve/export/export_eagle3_gguf.py) and DFlash heads as
+its `dflash` GGUF (serve/export/export_dflash_gguf.py), beside a GGUF of their target. The files read back with the
+gguf package as llama.cpp reads them (names, ne order, types, absolute d2t, the target's tokenizer, DFlash's mask
+token); the validators' llama.cpp-convention forwards catching a wrongly permuted q, a renamed tensor, a shifted
+d2t, another tokenizer or mask token, a causal flag; refusals of what llama.cpp cannot run and of a GGUF target that
+is not the drafter's. Running the files in llama.cpp is scripts/engines_crosscheck.py (it needs a llama.cpp build)."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,14 +17,16 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType
 from safetensors.torch import load_file
 
+from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter_folder import Recipe, TargetInfo, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.export.__main__ import ExportConfig, run
 from draftsmith.serve.export.base import ExportError
-from draftsmith.serve.export.export_gguf import permute
+from draftsmith.serve.export.export_eagle3_gguf import permute
 from draftsmith.serve.export.pipeline import export, validate
-from draftsmith.serve.models.target import target_id
-from helpers import DRAFT_V, FF, KV, H, Q, V, edit_gguf, export_drafters, save_tiny_gguf
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import TargetConfig, target_id
+from helpers import DRAFT_V, FF, KV, H, Q, V, edit_gguf, export_drafters, save_tiny, save_tiny_gguf, save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,13 +161,19 @@ def test_gguf_refuses_kinds_llamacpp_does_not_draft_with(tiny, tmp_path):
     for kind in ("medusa", "eagle", "draft_model"):
         with pytest.raises(ExportError, match=f"format=gguf cannot hold {kind} drafters"):
             gguf_export(tiny, tmp_path / kind, drafter=tiny[1][kind])
+    cases = {"norm_output": dict(norm_output=True), "exactly 3": dict(target_layers=(0, 2))}
+    assert_refused(tiny, tmp_path, "eagle3", Eagle3Config, Eagle3Head, cases)
+
+
+def assert_refused(tiny, tmp_path: Path, kind: str, config, head, cases: dict[str, dict]) -> None:
+    """Each case's drafter (the kind's config with those changes) is refused, naming the reason; nothing written."""
     tcfg, _, target, _ = tiny
     info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
-    for change, reason in ((dict(norm_output=True), "norm_output"), (dict(target_layers=(0, 2)), "exactly 3")):
-        cfg = Eagle3Config.from_target(target.config, draft_vocab_size=DRAFT_V, **change)
-        folder = save_drafter(Eagle3Head(cfg, target), cfg, "eagle3", info, Recipe(), tmp_path / reason)
-        with pytest.raises(ExportError, match=f"llama.cpp cannot run .* as an eagle3 draft: .*{reason}"):
-            gguf_export(tiny, tmp_path / f"out-{reason}", drafter=folder)
+    for i, (reason, change) in enumerate(cases.items()):
+        cfg = config.from_target(target.config, draft_vocab_size=DRAFT_V, **change)
+        folder = save_drafter(head(cfg, target), cfg, kind, info, Recipe(), tmp_path / f"drafter-{i}")
+        with pytest.raises(ExportError, match=f"llama.cpp cannot run .* as an {kind} draft: .*{reason}"):
+            gguf_export(tiny, tmp_path / f"out-{i}", drafter=folder)
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
 
 
@@ -201,3 +211,159 @@ def test_gguf_export_command_and_check(tiny, tmp_path, capsys):
     edit_gguf(tmp_path / "out" / "eagle3.gguf", scale_norm)
     with pytest.raises(ExportError, match="fails validation"):
         run(replace(cfg, check=True))
+
+
+# ---------------------------------------------------------------- DFlash: llama.cpp's `dflash` architecture
+
+
+def dflash_layer(i: int) -> dict[str, list[int]]:
+    b = f"blk.{i}"
+    s = {f"{b}.attn_norm.weight": [H], f"{b}.attn_q.weight": [H, Q], f"{b}.attn_k.weight": [H, KV]}
+    s |= {f"{b}.attn_v.weight": [H, KV], f"{b}.attn_output.weight": [Q, H], f"{b}.attn_q_norm.weight": [16]}
+    s |= {f"{b}.attn_k_norm.weight": [16], f"{b}.ffn_norm.weight": [H], f"{b}.ffn_gate.weight": [H, FF]}
+    return s | {f"{b}.ffn_up.weight": [H, FF], f"{b}.ffn_down.weight": [FF, H]}
+
+
+DFLASH_SHAPES = {"fc.weight": [3 * H, H], "enc.output_norm.weight": [H], "output_norm.weight": [H]}
+DFLASH_SHAPES |= dflash_layer(0) | dflash_layer(1)
+DFLASH_VOCAB = {"output.weight": [H, DRAFT_V], "d2t": [DRAFT_V]}
+
+
+@pytest.fixture(scope="module")
+def dflash(tiny, tmp_path_factory):
+    """2-layer DFlash drafters of the tiny target: over a draft vocabulary, and over the full one."""
+    tcfg, _, target, _ = tiny
+    root = tmp_path_factory.mktemp("dflash")
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    full = DFlashHead(DFlashConfig.from_target(target.config, num_layers=2, draft_vocab_size=V), target)
+    with torch.no_grad():
+        for p in full.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    folder = save_drafter(full, full.config, "dflash", info, Recipe(), root / "full")
+    return {"draft-vocab": save_tiny("dflash", target, info, root / "draft-vocab"), "full-vocab": folder}
+
+
+def test_dflash_gguf_is_llamacpps_dflash_file(tiny, dflash, tmp_path):
+    out = gguf_export(tiny, tmp_path / "out", drafter=dflash["draft-vocab"])
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "dflash.gguf"]
+    r = gguf.GGUFReader(str(out / "dflash.gguf"))
+    f = r.fields
+    assert f["general.architecture"].contents() == "dflash"
+    assert f["dflash.target_layers"].contents() == [0, 1, 2]  # layer inputs, as llama_set_embeddings_layer_inp
+    assert f["dflash.target_layers"].types == [GGUFValueType.ARRAY, GGUFValueType.INT32]
+    sizes = {
+        "block_count": 2,
+        "block_size": 4,
+        "embedding_length": H,
+        "feed_forward_length": FF,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "attention.key_length": 16,
+        "context_length": 256,
+    }
+    assert {k: f[f"dflash.{k}"].contents() for k in sizes} == sizes
+    assert f["dflash.block_size"].types == [GGUFValueType.UINT32]
+    assert f["dflash.rope.freq_base"].contents() == 10000.0 and "dflash.attention.causal" not in f
+    assert f["tokenizer.ggml.mask_token_id"].contents() == 2  # the mask slots' token: llama_vocab_mask
+    assert f["tokenizer.ggml.mask_token_id"].types == [GGUFValueType.UINT32]
+    target = gguf.GGUFReader(str(tiny[3]))
+    assert f["tokenizer.ggml.tokens"].contents() == target.fields["tokenizer.ggml.tokens"].contents()
+    assert {t.name: t.shape.tolist() for t in r.tensors} == DFLASH_SHAPES | DFLASH_VOCAB
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["d2t"] == GGMLQuantizationType.I64 and types["blk.1.attn_q.weight"] == GGMLQuantizationType.F32
+
+    mine = load_file(str(dflash["draft-vocab"] / "model.safetensors"))
+    t = {x.name: torch.from_numpy(x.data.copy()) for x in r.tensors}
+    assert torch.equal(t["d2t"], torch.arange(DRAFT_V) + mine["d2t"])  # absolute target ids
+    hf = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+    for ours, theirs in hf.items():  # NEOX rope: HF's row order, nothing permuted
+        assert torch.equal(t[f"blk.1.{ours}.weight"], mine[f"layers.1.self_attn.{theirs}.weight"])
+    assert torch.equal(t["enc.output_norm.weight"], mine["hidden_norm.weight"])
+
+    card = (out / "README.md").read_text()
+    assert f"-md {out.resolve()}/dflash.gguf --spec-type draft-dflash --spec-draft-n-max 3" in card
+
+
+def test_dflash_gguf_over_the_full_vocabulary_uses_the_targets_output(tiny, dflash, tmp_path):
+    out = gguf_export(tiny, tmp_path / "out", "bf16", drafter=dflash["full-vocab"])
+    r = gguf.GGUFReader(str(out / "dflash.gguf"))
+    assert {t.name: t.shape.tolist() for t in r.tensors} == DFLASH_SHAPES  # no output, no d2t: llama.cpp's own
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert (
+        types["fc.weight"] == GGMLQuantizationType.BF16
+        and types["blk.0.attn_k_norm.weight"] == GGMLQuantizationType.F32
+    )
+
+
+def permute_q(meta, tensors):  # q rows as a NORM-rope (adjacent pairs) architecture wants them
+    tensors["blk.0.attn_q.weight"] = permute(tensors["blk.0.attn_q.weight"], 4)
+
+
+def other_mask(meta, tensors):
+    meta["tokenizer.ggml.mask_token_id"] = gguf.GGUFValue(5, GGUFValueType.UINT32)
+
+
+def no_mask(meta, tensors):
+    del meta["tokenizer.ggml.mask_token_id"]
+
+
+def causal(meta, tensors):
+    meta["dflash.attention.causal"] = gguf.GGUFValue(True, GGUFValueType.BOOL)
+
+
+def output_layers(meta, tensors):  # vLLM's target_layer_ids, not their + 1
+    meta["dflash.target_layers"] = gguf.GGUFValue([-1, 0, 1], GGUFValueType.ARRAY, GGUFValueType.INT32)
+
+
+def rename_hidden_norm(meta, tensors):
+    tensors["hidden_norm.weight"] = tensors.pop("enc.output_norm.weight")
+
+
+def scale_k_norm(meta, tensors):
+    tensors["blk.1.attn_k_norm.weight"] = tensors["blk.1.attn_k_norm.weight"] * 1.003
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (permute_q, "forward differs from the drafter's: hidden"),
+        (shift_d2t, "target ids off"),
+        (other_mask, "tokenizer.ggml.mask_token_id differs from the target GGUF's"),
+        (no_mask, "tokenizer.ggml.mask_token_id differs from the target GGUF's"),
+        (causal, "dflash.attention.causal is true"),
+        (output_layers, "dflash.target_layers=[-1, 0, 1], expected [0, 1, 2]"),
+        (rename_hidden_norm, "missing key enc.output_norm.weight"),
+        (scale_k_norm, "forward differs from the drafter's: hidden"),
+        (other_token, "tokenizer.ggml.tokens differs from the target GGUF's"),
+    ],
+)
+def test_dflash_gguf_validator_catches(tiny, dflash, tmp_path, change, message):
+    tcfg, _, _, target_gguf = tiny
+    out = gguf_export(tiny, tmp_path / "out", drafter=dflash["draft-vocab"])
+    validate(dflash["draft-vocab"], "gguf", out, tcfg, str(target_gguf))
+    edit_gguf(out / "dflash.gguf", change)
+    with pytest.raises(ExportError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate(dflash["draft-vocab"], "gguf", out, tcfg, str(target_gguf))
+
+
+def test_dflash_gguf_refuses_what_llamacpps_dflash_cannot_run(tiny, tmp_path):
+    cases = {  # layer 3: the tiny target's last layer's output, a layer input llama.cpp's graphs do not hand over
+        "its attention has biases": dict(attention_bias=True),
+        "it reads target layer 3 .the last layer's output.; .* layers 0..2 only": dict(target_layers=(1, 3)),
+    }
+    assert_refused(tiny, tmp_path, "dflash", DFlashConfig, DFlashHead, cases)
+
+
+def test_gguf_refuses_a_qwen2_target(tiny_llama_dir, tmp_path):
+    """llama.cpp's qwen2 graph sets no layer inputs (res->t_layer_inp): a head could not read its target there."""
+    tdir = tmp_path / "qwen2"
+    shutil.copytree(tiny_llama_dir("qwen2"), tdir)
+    save_tiny_tokenizer(tdir)
+    tcfg, target_gguf = TargetConfig(path=str(tdir)), str(save_tiny_gguf(tdir, tmp_path / "qwen2.gguf"))
+    info, target = TargetInfo(target_id(tcfg, tdir), H, V, 3), load_model(tdir)
+    for kind in ("eagle3", "dflash"):
+        folder = save_tiny(kind, target, info, tmp_path / kind)
+        refusal = f"model_type='qwen2'; format=gguf serves {kind} drafters for llama, mistral, qwen3 targets only"
+        with pytest.raises(ExportError, match=refusal):
+            export(folder, "gguf", tmp_path / f"out-{kind}", tcfg, "fp32", gguf_target=target_gguf)

@@ -17,6 +17,7 @@ transformers_utils/configs/eagle.py, v1/worker/gpu/spec_decode/eagle/eagle3_util
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -149,19 +150,33 @@ def dflash_forward(
     return hidden, hidden @ w["lm_head.weight"].T, torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
 
 
-def dflash_pairs(src: Source[DFlashHead], p: Probe[DFlashHead]) -> dict[str, tuple]:
-    """name -> (the export's output, the drafter's own drafting) on the same random context and block."""
-    head, c, start = p.head, src.head.config, 7
-    aux = torch.randn(start, len(c.target_layers) * c.hidden_size, generator=p.g)
-    block = head.block_tokens(p.tokens[0])
-    cfg = ModelConfig.from_hf(p.config | {"model_type": "qwen3"})
+Forward = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor | None, Tensor]]  # (aux, block, start) -> outputs
+
+
+def block_pairs(head: DFlashHead, g: torch.Generator, first: Tensor, forward: Forward) -> dict[str, tuple]:
+    """name -> (an export's forward, the drafter's own drafting) of the block from token `first` at position 7,
+    after a random context of 7 positions. forward(the context's target features [7, k*H], the block's tokens,
+    7) -> (the last hidden states after norm, the draft vocabulary's logits or None, each draft id's target id)."""
+    c, start = head.config, 7
+    aux = torch.randn(start, len(c.target_layers) * c.hidden_size, generator=g)
+    block = head.block_tokens(first)
     slots = start + c.block_size
     cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, slots, torch.float32, "cpu")
     head.write_context(head.target_features(None, aux), torch.arange(start), cache, 0)
     mine = head.draft(block, start, cache)
-    hidden, logits, ids = dflash_forward(p.w, cfg, aux, head.embed_tokens(block), start)
+    hidden, logits, ids = forward(aux, block, start)
     pairs = {"hidden": (hidden, head.norm(mine)), "target ids": (ids, head.vocab_ids)}
     return pairs | ({"logits": (logits, head.logits(mine))} if logits is not None else {})
+
+
+def dflash_pairs(src: Source[DFlashHead], p: Probe[DFlashHead]) -> dict[str, tuple]:
+    """name -> (vLLM's forward from the export, the drafter's own drafting) on the same random context and block."""
+    cfg = ModelConfig.from_hf(p.config | {"model_type": "qwen3"})
+
+    def forward(aux: Tensor, block: Tensor, start: int):
+        return dflash_forward(p.w, cfg, aux, p.head.embed_tokens(block), start)
+
+    return block_pairs(p.head, p.g, p.tokens[0], forward)
 
 
 # vLLM's DFlashDraftModel (dflash_config, non-causal block)
