@@ -3,7 +3,8 @@
 - heads/<kind>.py defines its module and config;
 - train/loss_<kind>.py its loss;
 - serve/proposers/propose_<kind>.py its proposer;
-- serve/export/export_<kind>.py its formats (EAGLE-3's speculators layout: serve/export/speculators.py);
+- serve/export/export_<kind>.py its formats, or export_<kind>_<format>.py one of them (EAGLE-3's and DFlash's
+  gguf; EAGLE-3's speculators layout: serve/export/speculators.py);
 - conf/head/<kind>.yaml, conf/spec/<spec>.yaml and conf/methods/<spec>.yaml.
 
 A kind whose config extends another kind's config may use that kind's proposer, loss or export file (EAGLE-3's
@@ -47,8 +48,9 @@ def misplaced(kind: Kind) -> list[str]:
         bad.append(f"{kind.name}: module {kind.module.__module__} is not draftsmith.heads.{kind.name}")
     check("loss", kind.loss, "draftsmith.train.loss_{}")
     check("proposer", kind.proposer, "draftsmith.serve.proposers.propose_{}")
-    for ref in kind.formats.values():
-        check("format", ref, "draftsmith.serve.export.export_{}", SHARED_FORMATS)
+    for fmt, ref in kind.formats.items():  # a format of its own file: export_<kind>_<format>.py (llama.cpp's gguf)
+        own = {f"draftsmith.serve.export.export_{n}_{fmt}" for n in names}
+        check("format", ref, "draftsmith.serve.export.export_{}", SHARED_FORMATS | own)
     if kind.config is not None and not (CONF / "head" / f"{kind.name}.yaml").is_file():
         bad.append(f"{kind.name}: no conf/head/{kind.name}.yaml")
     for group in ("spec", "methods"):
