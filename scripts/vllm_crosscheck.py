@@ -456,11 +456,11 @@ class Runner:
     def row(self, label: str, name: str, spec, job: dict) -> tuple:
         ours, m = run_draftsmith(self.target, spec, self.prompts, self.args.max_new_tokens, self.max_len)
         print(f"[{name}] draftsmith engine == plain: {same(ours, self.plain)}/{len(self.prompts)}", flush=True)
-        v = call_vllm(self.args, self.base_job | job, self.work, name)
+        v = call_vllm(self.args, self.base_job | {"passes": 1} | job, self.work, name)  # one prompt at a time
         tau, drafts = vllm_tau(v["counters"])
         return (
             label,
-            f"{tau:.3f} ({drafts} drafts)",
+            f"{tau:.3f} ({drafts} drafts); recounted {recounted(v['per_pass'][0][2], v['outputs'])}",
             f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts)",
             same(v["outputs"], self.plain),
             v["outputs"],
