@@ -109,6 +109,11 @@ class Parting:
 
 
 def parting(boot: Bootstrap, a: Arm, b: Arm, positions: int) -> Parting:
+    """Paired: both arms must have run the bootstrap's prompts, all of them (an unpaired difference would mix
+    prompt difficulty into the engines' difference)."""
+    for arm in (a, b):
+        if sorted(r.id for r in arm.records) != sorted(boot.ids):
+            raise ValueError(f"{arm.label} ran other prompts than the bootstrap's {len(boot.ids)}: not paired")
     ta, pa = tau_samples(boot, a, positions)
     tb, pb = tau_samples(boot, b, positions)
     diff = a.pooled().mean_acceptance_length - b.pooled().mean_acceptance_length

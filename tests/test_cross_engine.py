@@ -92,6 +92,9 @@ def test_parting_finds_the_position_where_two_engines_part():
     b = arm("B", "eagle3", cut)
     p = parting(boot, a, b, 3)
     assert p.parts and p.tau_diff > 0 and p.positions == [3]
+    fewer = Arm("B", "fp32", "eagle3", b.records[:20])
+    with pytest.raises(ValueError, match="ran other prompts"):  # an unpaired difference is no engines' difference
+        parting(boot, a, fewer, 3)
 
 
 def test_rows_and_report():

@@ -1,6 +1,7 @@
-"""EAGLE-3 heads out to llama.cpp: one GGUF of architecture `eagle3`, as llama.cpp's own converter writes it
-(convert_hf_to_gguf.py --target-model-dir on a format=vllm export; scripts/llamacpp_crosscheck.py compares the two
-files), with the target GGUF's tokenizer, which llama.cpp needs to pair the two models.
+"""EAGLE-3 heads out to llama.cpp: one GGUF of architecture `eagle3`, tensor for tensor and key for key what
+llama.cpp's own converter writes (convert_hf_to_gguf.py --target-model-dir on a format=vllm export;
+scripts/engines_crosscheck.py compares the two files), with the target GGUF's tokenizer, which llama.cpp needs to
+pair the two models.
 
 What llama.cpp changes from the HF layout: names (midlayer.* -> blk.0.*, norm -> output_norm, lm_head -> output),
 q/k rows permuted for its rope (pairs of adjacent dims, where HF rotates halves), d2t as absolute target ids.
@@ -19,7 +20,7 @@ from torch import Tensor
 
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.serve.export.base import Export, ExportError, Format, Source
-from draftsmith.serve.export.checks import Probe, Shapes, mlp, rms, rounded_head
+from draftsmith.serve.export.checks import Probe, Shapes, mlp, rms
 from draftsmith.serve.export.export_eagle3 import eagle3_table
 from draftsmith.serve.export.gguf_file import FILE_TYPES, gguf_value, plain, read_gguf, write_gguf
 from draftsmith.serve.export.gguf_target import check_target_gguf
@@ -155,17 +156,21 @@ def gguf_config(src: Source[Eagle3Head]) -> dict:
     }
 
 
-def tokenizer_problems(src: Source, folder: Path, config: dict) -> list[str]:
-    """The export's tokenizer is the target GGUF's, key for key: llama.cpp pairs draft and target by vocabulary."""
+def gguf_problems(src: Source, folder: Path, config: dict) -> list[str]:
+    """No architecture key the drafter does not imply (llama.cpp would read it); the tokenizer is the target
+    GGUF's, key for key (llama.cpp pairs draft and target by vocabulary)."""
+    expected = gguf_config(src)
+    problems = [
+        f"unexpected GGUF metadata {k}" for k in sorted(config) if k.startswith(f"{ARCH}.") and k not in expected
+    ]
     try:
         target = check_target_gguf(src.target_gguf, src.target_dir, src.target_hf)
     except ExportError as e:
-        return [str(e)]
+        return problems + [str(e)]
     want = plain(tokenizer_keys(target))
     ours = {k: v for k, v in config.items() if k.startswith("tokenizer.")}
-    return [
-        f"{k} differs from the target GGUF's" for k in sorted(want.keys() | ours.keys()) if want.get(k) != ours.get(k)
-    ]
+    keys = sorted(want.keys() | ours.keys())
+    return problems + [f"{k} differs from the target GGUF's" for k in keys if want.get(k) != ours.get(k)]
 
 
 def ggml_rope(x: Tensor, positions: Tensor, base: float, dims: int) -> Tensor:
@@ -210,7 +215,7 @@ def eagle3_ggml_forward(w: dict[str, Tensor], config: dict, embeds: Tensor, aux:
 
 def eagle3_gguf_pairs(src: Source[Eagle3Head], p: Probe[Eagle3Head]) -> dict[str, tuple]:
     c, n = src.head.config, p.tokens.numel()
-    head = rounded_head(src, p.dtype, vectors=False)  # llama.cpp keeps norms in float32, as written
+    head = p.head
     aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=p.g)
     embeds = head.embed_tokens(p.tokens)
     h, logits, ids = eagle3_ggml_forward(p.w, p.config, embeds, aux, p.positions)
@@ -223,7 +228,7 @@ EAGLE3_GGUF = Format(
     shapes=gguf_shapes,
     config=gguf_config,
     forward=eagle3_gguf_pairs,
-    problems=tokenizer_problems,
+    problems=gguf_problems,
     weights=FILE,
     torch_dtype=False,
     write_files=write_eagle3_gguf,
