@@ -29,9 +29,10 @@ ENGINE_COUNTING = {  # how each engine counts on its own, before the recount
 
 
 def recount(steps: Sequence[tuple[int, int]], tokens: int, prompt_s: float, total_s: float) -> Metrics:
-    """An engine's (accepted, drafted) per verification step, counted as draftsmith's engine counts (Engine.step):
-    the prefill emits the first of the output's `tokens`; a step with b tokens left to emit counts min(drafted, b)
-    drafted and min(accepted, b) accepted, and emits min(accepted + 1, b); steps past the output count nothing."""
+    """An engine's (accepted, drafted) for every step after the prefill, in order ((0, 0): a step without a
+    draft), counted as draftsmith's engine counts (Engine.step): the prefill emits the first of the output's
+    `tokens`; a step with b tokens left to emit counts min(drafted, b) drafted and min(accepted, b) accepted, and
+    emits min(accepted + 1, b); steps past the output count nothing."""
     m = Metrics(new_tokens=tokens, ttft_s=prompt_s, total_s=total_s)
     emitted = 1
     for accepted, drafted in steps:
@@ -108,6 +109,11 @@ class Parting:
 
 
 def parting(boot: Bootstrap, a: Arm, b: Arm, positions: int) -> Parting:
+    """Paired: both arms must have run the bootstrap's prompts, all of them (an unpaired difference would mix
+    prompt difficulty into the engines' difference)."""
+    for arm in (a, b):
+        if sorted(r.id for r in arm.records) != sorted(boot.ids):
+            raise ValueError(f"{arm.label} ran other prompts than the bootstrap's {len(boot.ids)}: not paired")
     ta, pa = tau_samples(boot, a, positions)
     tb, pb = tau_samples(boot, b, positions)
     diff = a.pooled().mean_acceptance_length - b.pooled().mean_acceptance_length

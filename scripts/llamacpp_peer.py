@@ -24,7 +24,8 @@ from draftsmith.eval.cross_engine import recount
 from draftsmith.serve.engine.metrics import Metrics
 
 HOME = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache/draftsmith/llama.cpp"))
-STEP = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens")
+# one line per verification step; a checkpoint restore logs its own line, then the replayed step logs again
+STEP = re.compile(r"accepted\s+(\d+)/\s*(\d+) draft tokens(?! \(restore checkpoint\))")
 
 
 def missing_build() -> str:
@@ -60,16 +61,23 @@ def converted_target(target_dir: Path, name: str, outtype: str = "f32") -> Path:
 
 
 def same_tensors(ours: Path, theirs: Path) -> str:
-    """Whether two GGUF files hold the same tensors, bit for bit, named alike; what differs where they do not."""
-    from draftsmith.serve.export.gguf_file import read_gguf
+    """Whether two GGUF files hold the same tensors, bit for bit, named alike, and the same architecture keys
+    (what llama.cpp's graph reads: layers, sizes, rope); what differs where they do not."""
+    from draftsmith.serve.export.gguf_file import plain, read_gguf
 
-    _, a = read_gguf(ours)
-    _, b = read_gguf(theirs)
+    meta_a, a = read_gguf(ours)
+    meta_b, b = read_gguf(theirs)
+    arch = meta_a["general.architecture"].value
+    ka, kb = ({k: v for k, v in plain(m).items() if k.startswith(f"{arch}.")} for m in (meta_a, meta_b))
+    found = [
+        f"{k}: ours {ka.get(k)}, theirs {kb.get(k)}" for k in sorted(ka.keys() | kb.keys()) if ka.get(k) != kb.get(k)
+    ]
     if a.keys() != b.keys():
-        mine, theirs_only = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
-        return f"different tensor names: only ours {mine}, only theirs {theirs_only}"
-    differ = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
-    return f"{len(a)} tensors, " + (f"{len(differ)} differ: {differ}" if differ else "all identical")
+        found.append(f"tensors only ours {sorted(a.keys() - b.keys())}, only theirs {sorted(b.keys() - a.keys())}")
+    differ = sorted(k for k in a.keys() & b.keys() if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k]))
+    if differ:
+        found.append(f"{len(differ)} tensors differ: {differ}")
+    return "; ".join(found) or f"{len(a)} tensors and every {arch}.* key identical"
 
 
 def repack_flags() -> list[str]:
@@ -93,6 +101,8 @@ class Reply:
     decode_s: float
 
     def metrics(self) -> Metrics:
+        """llama.cpp logs only the steps with a draft; with --spec-draft-p-min 0 a head drafts at every step but
+        the last (when one token is left), so no step without a draft sits between them."""
         return recount(self.steps, len(self.tokens), self.prompt_s, self.prompt_s + self.decode_s)
 
 

@@ -114,23 +114,27 @@ def vllm_server(job_file: Path) -> None:
 
 def stepped(llm, prompt, sp) -> dict:
     """One request run step by step through vLLM's engine (what llm.generate does), reading the spec-decode
-    counters after each step: {"tokens", "steps": [[accepted, drafted], ...] per verification step, "seconds"
-    (the engine's steps alone, not the counter reads)}."""
+    counters after each step: {"tokens", "steps": [[accepted, drafted], ...] for every step after the prefill
+    ([0, 0]: a step without a draft, as eval/cross_engine.recount takes them), "seconds" (the engine's steps
+    alone, not the counter reads)}."""
     engine, steps, seconds, tokens = llm.llm_engine, [], 0.0, []
     engine.add_request(f"r{time.monotonic_ns()}", prompt, sp)
     before = counters_of(llm)
     while engine.has_unfinished_requests():
+        prefilled = bool(tokens)
         begin = time.perf_counter()
         outs = engine.step()
         seconds += time.perf_counter() - begin
         after = counters_of(llm)
-        drafted = after.get("vllm:spec_decode_num_draft_tokens", 0) - before.get("vllm:spec_decode_num_draft_tokens", 0)
-        if drafted:
-            accepted = after["vllm:spec_decode_num_accepted_tokens"] - before["vllm:spec_decode_num_accepted_tokens"]
-            steps.append([int(accepted), int(drafted)])
+        grown = {k: after.get(k, 0) - before.get(k, 0) for k in DRAFT_COUNTERS}
         before = after
-        tokens = next((list(o.outputs[0].token_ids) for o in outs if o.finished), tokens)
+        tokens = next((list(o.outputs[0].token_ids) for o in outs), tokens)  # cumulative: all tokens so far
+        if prefilled:
+            steps.append([int(grown[k]) for k in DRAFT_COUNTERS])
     return {"tokens": tokens, "steps": steps, "seconds": seconds}
+
+
+DRAFT_COUNTERS = ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens")
 
 
 def speculators_check(folder: Path) -> None:
@@ -452,11 +456,11 @@ class Runner:
     def row(self, label: str, name: str, spec, job: dict) -> tuple:
         ours, m = run_draftsmith(self.target, spec, self.prompts, self.args.max_new_tokens, self.max_len)
         print(f"[{name}] draftsmith engine == plain: {same(ours, self.plain)}/{len(self.prompts)}", flush=True)
-        v = call_vllm(self.args, self.base_job | job, self.work, name)
+        v = call_vllm(self.args, self.base_job | {"passes": 1} | job, self.work, name)  # one prompt at a time
         tau, drafts = vllm_tau(v["counters"])
         return (
             label,
-            f"{tau:.3f} ({drafts} drafts)",
+            f"{tau:.3f} ({drafts} drafts); recounted {recounted(v['per_pass'][0][2], v['outputs'])}",
             f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts)",
             same(v["outputs"], self.plain),
             v["outputs"],

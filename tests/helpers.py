@@ -499,7 +499,12 @@ def sum_chats(folder: Path) -> str:
 
 
 def save_tiny_gguf(
-    target_dir: Path, path: Path, seed: int | None = None, tokens: list[str] | None = None, layers: int = 3
+    target_dir: Path,
+    path: Path,
+    seed: int | None = None,
+    tokens: list[str] | None = None,
+    layers: int = 3,
+    eos: int = 2,
 ) -> Path:
     """A GGUF of the tiny target as llama.cpp's converter lays one out, with what format=gguf checks: sizes, the
     tokenizer's tokens, the token embedding (seed: another random embedding, i.e. another model)."""
@@ -516,7 +521,7 @@ def save_tiny_gguf(
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens or hf_vocab(target_dir))
     w.add_token_types([1] * V)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos)
     w.add_tensor("token_embd.weight", embed.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -28,6 +28,9 @@ def test_recount_cuts_what_falls_past_the_output():
     # a step left with one token to emit drafted nothing that could be output: not a draft (vLLM drafts it anyway)
     assert recount([(0, 3), (3, 3)], tokens=2, prompt_s=0, total_s=1).drafts == 1
     assert recount([], tokens=5, prompt_s=0, total_s=1).mean_acceptance_length == 1.0
+    # a step without a draft (0, 0) still emits a token: the next step has one fewer left
+    m = recount([(3, 3), (0, 0), (3, 3)], tokens=7, prompt_s=0, total_s=1)
+    assert (m.drafts, m.draft_tokens, m.accepted_tokens, m.target_forward_passes) == (2, 4, 4, 3)
 
 
 class Oracle(Proposer):
@@ -43,13 +46,14 @@ class Oracle(Proposer):
     def propose(self, tokens, sp, budget):
         i = len(tokens) - self.prompt_len  # output tokens so far, the pending one included
         draft = list(self.greedy[i : i + 3])
+        if len(self.steps) % 4 == 2:  # now and then no draft at all
+            draft = []
         if len(self.steps) % 3 == 1 and len(draft) > 1:
             draft[1] = (draft[1] + 1) % 128
         return DraftTree.chain(torch.tensor(draft)) if draft else DraftTree.empty(tokens.device)
 
     def accept(self, tokens, tree, path, out) -> None:
-        if len(tree):
-            self.steps.append((len(path), len(tree)))
+        self.steps.append((len(path), len(tree)))  # (0, 0): a step without a draft
 
 
 def test_recount_matches_draftsmiths_engine(tiny_llama_dir):
@@ -88,6 +92,9 @@ def test_parting_finds_the_position_where_two_engines_part():
     b = arm("B", "eagle3", cut)
     p = parting(boot, a, b, 3)
     assert p.parts and p.tau_diff > 0 and p.positions == [3]
+    fewer = Arm("B", "fp32", "eagle3", b.records[:20])
+    with pytest.raises(ValueError, match="ran other prompts"):  # an unpaired difference is no engines' difference
+        parting(boot, a, fewer, 3)
 
 
 def test_rows_and_report():

@@ -97,7 +97,9 @@ def test_gguf_export_is_llamacpps_eagle3_file(tiny, tmp_path):
     assert torch.equal(q, permute(hf_q, 4))
 
     card = (out / "README.md").read_text()
-    assert f"-md {out.resolve()}/eagle3.gguf --spec-type draft-eagle3" in card
+    assert f"-md {out.resolve()}/eagle3.gguf --spec-type draft-eagle3" in card and "--no-repack" in card
+    spaced = gguf_export(tiny, tmp_path / "with space")
+    assert f"-md '{spaced.resolve()}/eagle3.gguf'" in (spaced / "README.md").read_text()
     assert f"-m {tiny[3].resolve()}" in card and "GGUF." in card and "convert_hf_to_gguf.py" in card
 
 
@@ -133,6 +135,10 @@ def scale_norm(meta, tensors):
     tensors["output_norm.weight"] = tensors["output_norm.weight"] * 1.003
 
 
+def extra_key(meta, tensors):
+    meta["eagle3.expert_count"] = gguf.GGUFValue(4, GGUFValueType.UINT32)
+
+
 def other_layers(meta, tensors):
     meta["eagle3.target_layers"] = gguf.GGUFValue([0, 1, 1], GGUFValueType.ARRAY, GGUFValueType.INT32)
 
@@ -145,7 +151,8 @@ def other_layers(meta, tensors):
         (other_token, "tokenizer.ggml.tokens differs from the target GGUF's"),
         (rename_norm, "missing key blk.0.attn_norm_2.weight"),
         (scale_norm, "forward differs from the drafter's: logits"),
-        (other_layers, "eagle3.target_layers=[0, 1, 1], expected [0, 1, 2]"),
+        (other_layers, "GGUF metadata eagle3.target_layers=[0, 1, 1], expected [0, 1, 2]"),
+        (extra_key, "unexpected GGUF metadata eagle3.expert_count"),
     ],
 )
 def test_gguf_validator_catches(tiny, tmp_path, change, message):
@@ -188,6 +195,7 @@ def test_gguf_refuses_a_target_gguf_that_is_not_the_drafters(tiny, tmp_path):
             "1 token strings differ .*id 9",
         ),
         "layers": (save_tiny_gguf(tdir, tmp_path / "deep.gguf", layers=4), "block_count=4"),
+        "eos": (save_tiny_gguf(tdir, tmp_path / "eos.gguf", eos=5), "its EOS token is 5, the target's 2"),
         "missing": (tmp_path / "nowhere.gguf", "does not exist"),
     }
     (tmp_path / "cut.gguf").write_bytes(tiny[3].read_bytes()[:200])
@@ -331,7 +339,7 @@ def scale_k_norm(meta, tensors):
         (shift_d2t, "target ids off"),
         (other_mask, "tokenizer.ggml.mask_token_id differs from the target GGUF's"),
         (no_mask, "tokenizer.ggml.mask_token_id differs from the target GGUF's"),
-        (causal, "dflash.attention.causal is true"),
+        (causal, "unexpected GGUF metadata dflash.attention.causal"),
         (output_layers, "dflash.target_layers=[-1, 0, 1], expected [0, 1, 2]"),
         (rename_hidden_norm, "missing key enc.output_norm.weight"),
         (scale_k_norm, "forward differs from the drafter's: hidden"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from shlex import quote
 from typing import TYPE_CHECKING
 
 from draftsmith.heads.drafter_folder import shape_text
@@ -54,15 +55,18 @@ def tgi_command(src: Source, out: Path) -> str:
 def llamacpp_text(src: Source, out: Path, spec_type: str, file: str) -> str:
     """llama-server and llama-speculative-simple drafting with the head beside the target's GGUF (llama.cpp runs
     the target from a GGUF, never from the HF folder); how to make an f32 GGUF of the same weights."""
-    target, k = src.target_gguf.resolve() if src.target_gguf else "TARGET.gguf", src.shape.num_tokens
-    flags = f"-m {target} -md {out}/{file} --spec-type {spec_type} --spec-draft-n-max {k}"
+    target = quote(str(src.target_gguf.resolve())) if src.target_gguf else "TARGET.gguf"
+    flags = (
+        f"-m {target} -md {quote(f'{out}/{file}')} --spec-type {spec_type} --spec-draft-n-max {src.shape.num_tokens}"
+    )
     return (
         f"**llama.cpp** (the target as the GGUF the head was exported against; `bash scripts/llamacpp_build.sh` "
-        f"builds llama.cpp from source):\n\n```bash\nllama-server {flags}\n"
+        f"builds llama.cpp from source into `~/.cache/draftsmith/llama.cpp/bin`):\n\n```bash\nllama-server {flags}\n"
         f'llama-speculative-simple {flags} --temp 0 -n 64 -p "Hello"\n```\n\n'
-        "The same target in float32, converted from the weights draftsmith ran (what makes greedy outputs match "
-        f"draftsmith's): `{LLAMACPP_CONVERT} {src.target_dir.resolve()} --outtype f32 --outfile target-f32.gguf`, "
-        "then `-m target-f32.gguf`.\n"
+        "On a CPU with AMX add `--no-repack`: the vendored llama.cpp (0.3.36) crashes in its AMX kernels on "
+        "quantized weights (a Q4_1 target) with repacking on. The same target in float32, converted from the "
+        f"weights draftsmith ran (what makes greedy outputs match draftsmith's): `{LLAMACPP_CONVERT} "
+        f"{quote(str(src.target_dir.resolve()))} --outtype f32 --outfile target-f32.gguf`, then `-m target-f32.gguf`.\n"
     )
 
 
@@ -130,11 +134,13 @@ def export_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | N
         f"{recipe.get('tokens', 0)} tokens {recipe.get('extra') or ''}\n\n"
         f"{measured(recipe)}\n\n"
         f"## Serve\n\n{serve_section(src, fmt, out, token_map)}\n"
-        f"Re-check this folder: `draftsmith-export drafter={src.folder.resolve()} format={fmt} out={out} "
-        f"target.path={src.target_dir.resolve()}{gguf_flag(src, fmt)} check=true`\n"
+        f"Re-check this folder: `draftsmith-export drafter={quote(str(src.folder.resolve()))} format={fmt} "
+        f"out={quote(str(out))} target.path={quote(str(src.target_dir.resolve()))}{gguf_flag(src, fmt)} check=true`\n"
     )
 
 
 def gguf_flag(src: Source, fmt: str) -> str:
     """The target GGUF the validator compares a GGUF export's tokenizer with; re-checked against the HF folder."""
-    return f" gguf_target={src.target_gguf.resolve()}" if src.formats[fmt].llamacpp and src.target_gguf else ""
+    return (
+        f" gguf_target={quote(str(src.target_gguf.resolve()))}" if src.formats[fmt].llamacpp and src.target_gguf else ""
+    )

@@ -61,8 +61,9 @@ def sizes_config(c) -> dict:
 
 
 def config_problems(src: Source, f: Format, folder: Path, config: dict) -> list[str]:
+    where = "GGUF metadata" if f.read_files else "config.json"
     problems = [
-        f"config.json {k}={config.get(k, '<missing>')!r}, expected {v!r}"
+        f"{where} {k}={config.get(k, '<missing>')!r}, expected {v!r}"
         for k, v in f.config(src).items()
         if config.get(k) != v
     ]
@@ -167,15 +168,13 @@ def mlp(x: Tensor, w: dict[str, Tensor], p: str) -> Tensor:
 # ---------------------------------------------------------------- comparing with the drafter's own forward
 
 
-def rounded_head(src: Source[H], dtype: torch.dtype, vectors: bool = True) -> H:
+def rounded_head(src: Source[H], dtype: torch.dtype) -> H:
     """A float32 copy of the drafter whose parameters carry the export's rounding (buffers such as the rope
-    tables stay float32), so only the format, not the dtype, can make the two forwards differ. vectors=False:
-    1-D parameters (norms) keep float32, as a GGUF writes them."""
+    tables stay float32), so only the format, not the dtype, can make the two forwards differ."""
     head = copy.deepcopy(src.head).float()
     with torch.no_grad():
         for p in head.parameters():
-            if vectors or p.dim() > 1:
-                p.copy_(p.to(dtype).float())
+            p.copy_(p.to(dtype).float())
     return head
 
 

@@ -25,8 +25,6 @@ loader reads for both.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
 import torch
 from torch import Tensor
@@ -34,15 +32,14 @@ from torch import Tensor
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.drafter_folder import own_state
 from draftsmith.serve.export.base import Export, Format, Source
-from draftsmith.serve.export.checks import Probe, Shapes, rms, rounded_head
+from draftsmith.serve.export.checks import Probe, Shapes, rms
 from draftsmith.serve.export.export_dflash import block_pairs, dflash_shapes
 from draftsmith.serve.export.ggml_ops import ggml_attend, ggml_mlp, ggml_rope
-from draftsmith.serve.export.gguf_export import LAYER, gguf_files, head_gguf, llama_metadata, tokenizer_problems
+from draftsmith.serve.export.gguf_export import LAYER, gguf_files, head_gguf, llama_metadata
 
 ARCH = "dflash"
 FILE = "dflash.gguf"
 MASK = "tokenizer.ggml.mask_token_id"
-CAUSAL = f"{ARCH}.attention.causal"
 TOP = {
     "fc.weight": "fc.weight",
     "hidden_norm.weight": "enc.output_norm.weight",
@@ -91,8 +88,12 @@ def dflash_tensors(src: Source[DFlashHead]) -> dict[str, Tensor]:
 def dflash_gguf(src: Source[DFlashHead]) -> Export:
     """The GGUF's tensors, the target GGUF's tokenizer and the mask token; refused when llama.cpp cannot run the
     head or the target GGUF is not the drafter's target."""
-    more = {MASK: src.head.config.mask_token_id}
-    return head_gguf(src, ARCH, FILE, unsupported(src), lambda: dflash_tensors(src), more)
+    return head_gguf(src, ARCH, FILE, unsupported(src), lambda: dflash_tensors(src), mask_key(src))
+
+
+def mask_key(src: Source[DFlashHead]) -> dict[str, int]:
+    """The tokenizer key llama.cpp reads the mask slots' token from (llama_vocab_mask)."""
+    return {MASK: src.head.config.mask_token_id}
 
 
 # ---------------------------------------------------------------- the validator's pieces
@@ -101,13 +102,6 @@ def dflash_gguf(src: Source[DFlashHead]) -> Export:
 def gguf_shapes(src: Source[DFlashHead], config: dict) -> Shapes:
     """The table of the vllm format (built from the drafter's config), in llama.cpp's names; no t2d."""
     return {gguf_name(k): s for k, s in dflash_shapes(src, {}).items() if k != "t2d"}
-
-
-def dflash_problems(src: Source[DFlashHead], folder: Path, config: dict) -> list[str]:
-    problems = tokenizer_problems(src, folder, config, {MASK: src.head.config.mask_token_id})
-    if config.get(CAUSAL):
-        problems.append(f"{CAUSAL} is true: llama.cpp would run the block causal; the head drafts it non-causal")
-    return problems
 
 
 def heads(h: Tensor, w: dict[str, Tensor], name: str, width: int, d: int) -> Tensor:
@@ -147,7 +141,7 @@ def dflash_ggml_forward(w: dict[str, Tensor], config: dict, aux: Tensor, embeds:
 def dflash_gguf_pairs(src: Source[DFlashHead], p: Probe[DFlashHead]) -> dict[str, tuple]:
     """name -> (llama.cpp's graph from the GGUF, the drafter's own drafting) on the same random context and
     block; llama.cpp's block holds the GGUF's mask token."""
-    head = rounded_head(src, p.dtype, vectors=False)  # llama.cpp keeps norms in float32, as written
+    head = p.head
 
     def forward(aux: Tensor, block: Tensor, start: int):
         block = torch.cat([block[:1], torch.full_like(block[1:], p.config[MASK])])
@@ -161,7 +155,6 @@ DFLASH_GGUF = Format(
     export=dflash_gguf,
     shapes=gguf_shapes,
     forward=dflash_gguf_pairs,
-    problems=dflash_problems,
     llamacpp="draft-dflash",
-    **gguf_files(ARCH, FILE, dflash_metadata),
+    **gguf_files(ARCH, FILE, dflash_metadata, mask_key),
 )

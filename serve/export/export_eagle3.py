@@ -42,6 +42,8 @@ def eagle3_vllm(src: Source[Eagle3Head]) -> Export:
     # EAGLE-3.1's switches where set (vLLM reads both at the top, norm_before_fc in eagle_config first; llama.cpp
     # reads norm_before_fc at the top): unset, the folder stays what engines without them load
     config |= {k: True for k in ("norm_before_fc", "norm_output") if getattr(c, k, False)}
+    # llama.cpp's converter reads the layer ids only at the top (else it assumes [2, L/2, L-3]); vLLM in eagle_config
+    config["eagle_aux_hidden_state_layer_ids"] = list(c.target_layers)
     return Export(config, {"model.safetensors": state})
 
 
@@ -74,6 +76,7 @@ def eagle3_config(src: Source[Eagle3Head]) -> dict:
     on = {k: True for k in EAGLE31_KEYS if getattr(c, k, False)}
     want = eagle_config(src, "LlamaForCausalLMEagle3") | on
     ids |= {k: v for k, v in on.items() if k == "norm_before_fc"}
+    want |= {"eagle_aux_hidden_state_layer_ids": list(c.target_layers)}
     return want | {"draft_vocab_size": c.draft_vocab_size, "target_hidden_size": c.hidden_size, "eagle_config": ids}
 
 

@@ -1,6 +1,7 @@
-"""EAGLE-3 heads out to llama.cpp: one GGUF of architecture `eagle3`, as llama.cpp's own converter writes it
-(convert_hf_to_gguf.py --target-model-dir on a format=vllm export; scripts/engines_crosscheck.py compares the two
-files), with the target GGUF's tokenizer, which llama.cpp needs to pair the two models.
+"""EAGLE-3 heads out to llama.cpp: one GGUF of architecture `eagle3`, tensor for tensor and key for key what
+llama.cpp's own converter writes (convert_hf_to_gguf.py --target-model-dir on a format=vllm export;
+scripts/engines_crosscheck.py compares the two files), with the target GGUF's tokenizer, which llama.cpp needs to
+pair the two models.
 
 What llama.cpp changes from the HF layout: names (midlayer.* -> blk.0.*, norm -> output_norm, lm_head -> output),
 q/k rows permuted for its rope (pairs of adjacent dims, where HF rotates halves), d2t as absolute target ids.
@@ -16,10 +17,10 @@ from torch import Tensor
 
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.serve.export.base import Export, Format, Source
-from draftsmith.serve.export.checks import Probe, Shapes, rms, rounded_head
+from draftsmith.serve.export.checks import Probe, Shapes, rms
 from draftsmith.serve.export.export_eagle3 import eagle3_table
 from draftsmith.serve.export.ggml_ops import ggml_attend, ggml_mlp, ggml_rope
-from draftsmith.serve.export.gguf_export import LAYER, gguf_files, head_gguf, llama_metadata, tokenizer_problems
+from draftsmith.serve.export.gguf_export import LAYER, gguf_files, head_gguf, llama_metadata
 
 ARCH = "eagle3"
 FILE = "eagle3.gguf"
@@ -117,7 +118,7 @@ def eagle3_ggml_forward(w: dict[str, Tensor], config: dict, embeds: Tensor, aux:
 
 def eagle3_gguf_pairs(src: Source[Eagle3Head], p: Probe[Eagle3Head]) -> dict[str, tuple]:
     c, n = src.head.config, p.tokens.numel()
-    head = rounded_head(src, p.dtype, vectors=False)  # llama.cpp keeps norms in float32, as written
+    head = p.head
     aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=p.g)
     embeds = head.embed_tokens(p.tokens)
     h, logits, ids = eagle3_ggml_forward(p.w, p.config, embeds, aux, p.positions)
@@ -129,7 +130,6 @@ EAGLE3_GGUF = Format(
     export=eagle3_gguf,
     shapes=gguf_shapes,
     forward=eagle3_gguf_pairs,
-    problems=tokenizer_problems,
     llamacpp="draft-eagle3",
     **gguf_files(ARCH, FILE, eagle3_metadata),
 )

@@ -101,22 +101,30 @@ def head_gguf(
     return Export(tokenizer_keys(target) | typed(more), {file: tensors()})
 
 
-def tokenizer_problems(src: Source, folder: Path, config: dict, more: dict | None = None) -> list[str]:
-    """The export's tokenizer is the target GGUF's key for key, with `more` keys (DFlash's mask token)."""
+def tokenizer_problems(src: Source, config: dict, more: dict[str, Any]) -> list[str]:
+    """The export's tokenizer is the target GGUF's key for key (llama.cpp pairs draft and target by vocabulary),
+    with `more` keys (DFlash's mask token)."""
     try:
         target = check_target_gguf(src.target_gguf, src.target_dir, src.target_hf)
     except ExportError as e:
         return [str(e)]
-    want = plain(tokenizer_keys(target)) | (more or {})
+    want = plain(tokenizer_keys(target)) | more
     ours = {k: v for k, v in config.items() if k.startswith("tokenizer.")}
-    return [
-        f"{k} differs from the target GGUF's" for k in sorted(want.keys() | ours.keys()) if want.get(k) != ours.get(k)
-    ]
+    keys = sorted(want.keys() | ours.keys())
+    return [f"{k} differs from the target GGUF's" for k in keys if want.get(k) != ours.get(k)]
 
 
-def gguf_files(arch: str, file: str, metadata: Metadata) -> dict[str, Any]:
+def no_keys(src: Source) -> dict[str, Any]:
+    return {}
+
+
+def gguf_files(
+    arch: str, file: str, metadata: Metadata, tokens: Callable[[Source], dict[str, Any]] = no_keys
+) -> dict[str, Any]:
     """A Format's fields for one GGUF file: its writer (the kind's keys, then the export's tokenizer keys), its
-    reader, and the keys the validator expects (general.file_type aside: it says the export's dtype)."""
+    reader, the keys the validator expects (general.file_type aside: it says the export's dtype) and its further
+    checks: no architecture key the drafter does not imply (llama.cpp would read it: dflash.attention.causal), the
+    target GGUF's tokenizer with the kind's `tokens` keys."""
 
     def write(exp: Export, src: Source, dtype: torch.dtype, folder: Path) -> None:
         write_gguf(folder / file, arch, metadata(src, dtype) | exp.config, exp.tensors[file], dtype)
@@ -135,10 +143,16 @@ def gguf_files(arch: str, file: str, metadata: Metadata) -> dict[str, Any]:
         keys = metadata(src, torch.float32)
         return {"general.architecture": arch} | {k: v.value for k, v in keys.items() if k != "general.file_type"}
 
+    def problems(src: Source, folder: Path, written: dict) -> list[str]:
+        expected = config(src)
+        unexpected = [k for k in sorted(written) if k.startswith(f"{arch}.") and k not in expected]
+        return [f"unexpected GGUF metadata {k}" for k in unexpected] + tokenizer_problems(src, written, tokens(src))
+
     return dict(
         write_files=write,
         read_files=read,
         config=config,
+        problems=problems,
         weights=file,
         torch_dtype=False,
         one_dtype=False,

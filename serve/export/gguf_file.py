@@ -2,7 +2,7 @@
 
 Metadata values keep their GGUF types (llama.cpp reads `eagle3.target_layers` as int32s and the sizes as uint32s);
 `gguf_value` types a plain Python value the way llama.cpp's converter does. Tensors are written as llama.cpp's
-converter writes them: vectors (norms) and integer tables at their own type, matrices in the export dtype.
+converter writes them: matrices in the export dtype, vectors (norms) rounded to it but stored as float32.
 """
 
 from __future__ import annotations
@@ -42,10 +42,11 @@ def gguf_value(value: Any) -> gguf.GGUFValue:
 
 
 def ggml_array(t: Tensor, dtype: torch.dtype) -> tuple[np.ndarray, GGMLQuantizationType]:
-    """A tensor as written: integer tables as int64, vectors as float32 (llama.cpp's norms), matrices in `dtype`."""
+    """A tensor as written: integer tables as int64, matrices in `dtype`, vectors (llama.cpp's norms) rounded to
+    `dtype` but stored as float32, as llama.cpp's converter stores them."""
     if not t.is_floating_point():
         return t.to(torch.int64).contiguous().numpy(), GGMLQuantizationType.I64
-    t = t.detach().float().contiguous()
+    t = t.detach().to(dtype).float().contiguous()
     if t.dim() <= 1 or dtype == torch.float32:
         return t.numpy(), GGMLQuantizationType.F32
     if dtype == torch.float16:

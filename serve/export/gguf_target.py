@@ -7,6 +7,7 @@ width and draft garbage, so a GGUF target that differs from the drafter's is ref
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -38,6 +39,28 @@ def hf_vocab(target_dir: Path) -> list[str] | None:
     for text, i in vocab.items():
         tokens[i] = text
     return tokens
+
+
+def hf_merges(target_dir: Path) -> list[str] | None:
+    """A BPE tokenizer's merges as GGUF writes them ("a b"), None for another tokenizer or none."""
+    path = target_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    merges = json.loads(path.read_text()).get("model", {}).get("merges")
+    if not isinstance(merges, list):
+        return None
+    return [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+
+def special_problems(meta: dict[str, gguf.GGUFValue], hf: dict) -> list[str]:
+    """BOS / EOS ids, which llama.cpp stops and starts with, against the target's config.json."""
+    problems = []
+    for name in ("bos", "eos"):
+        ours, theirs = hf.get(f"{name}_token_id"), meta.get(f"tokenizer.ggml.{name}_token_id")
+        ours = ours[0] if isinstance(ours, list) and ours else ours
+        if isinstance(ours, int) and theirs is not None and theirs.value != ours:
+            problems.append(f"its {name.upper()} token is {theirs.value}, the target's {ours}")
+    return problems
 
 
 def hf_embedding(target_dir: Path) -> torch.Tensor | None:
@@ -75,6 +98,11 @@ def mismatches(
                 f"{len(differ)} token strings differ from the target's tokenizer.json (id {i}: "
                 f"{tokens[i]!r} vs {vocab[i]!r})"
             )
+    merges = hf_merges(target_dir)
+    theirs = meta["tokenizer.ggml.merges"].value if "tokenizer.ggml.merges" in meta else None
+    if merges is not None and theirs is not None and list(theirs) != merges:
+        problems.append(f"its {len(theirs)} BPE merges differ from the target's {len(merges)} (tokenizer.json)")
+    problems += special_problems(meta, hf)
     ours = hf_embedding(target_dir)
     if embed is not None and ours is not None and embed.shape == ours.shape:
         off = ((embed - ours).norm() / ours.norm().clamp_min(1e-12)).item()
