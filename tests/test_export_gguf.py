@@ -179,7 +179,7 @@ def assert_refused(tiny, tmp_path: Path, kind: str, config, head, cases: dict[st
     for i, (reason, change) in enumerate(cases.items()):
         cfg = config.from_target(target.config, draft_vocab_size=DRAFT_V, **change)
         folder = save_drafter(head(cfg, target), cfg, kind, info, Recipe(), tmp_path / f"drafter-{i}")
-        with pytest.raises(ExportError, match=f"llama.cpp cannot run .* as an {kind} draft: .*{reason}"):
+        with pytest.raises(ExportError, match=f"llama.cpp cannot run .* as a draft \\({kind}\\): .*{reason}"):
             gguf_export(tiny, tmp_path / f"out-{i}", drafter=folder)
     assert not any(p.name.startswith("out") for p in tmp_path.iterdir())
 
@@ -293,6 +293,16 @@ def test_dflash_gguf_is_llamacpps_dflash_file(tiny, dflash, tmp_path):
     assert f"-md {out.resolve()}/dflash.gguf --spec-type draft-dflash --spec-draft-n-max 3" in card
 
 
+def test_dflash_card_asks_llamacpp_for_the_heads_whole_block(tiny, tmp_path):
+    """llama.cpp's block is n-max + 1 slots: a head of block_size 6 drafting 3 still needs n-max 5 there."""
+    tcfg, _, target, _ = tiny
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    head = DFlashHead(DFlashConfig.from_target(target.config, block_size=6, draft_vocab_size=V), target)
+    folder = save_drafter(head, head.config, "dflash", info, Recipe(), tmp_path / "b6")
+    card = (gguf_export(tiny, tmp_path / "out", drafter=folder) / "README.md").read_text()
+    assert "--spec-type draft-dflash --spec-draft-n-max 5" in card
+
+
 def test_dflash_gguf_over_the_full_vocabulary_uses_the_targets_output(tiny, dflash, tmp_path):
     out = gguf_export(tiny, tmp_path / "out", "bf16", drafter=dflash["full-vocab"])
     r = gguf.GGUFReader(str(out / "dflash.gguf"))
@@ -328,6 +338,14 @@ def rename_hidden_norm(meta, tensors):
     tensors["hidden_norm.weight"] = tensors.pop("enc.output_norm.weight")
 
 
+def mask_as_int32(meta, tensors):  # the right value, a type llama.cpp refuses to load
+    meta["tokenizer.ggml.mask_token_id"] = gguf.GGUFValue(2, GGUFValueType.INT32)
+
+
+def block_as_int32(meta, tensors):
+    meta["dflash.block_size"] = gguf.GGUFValue(4, GGUFValueType.INT32)
+
+
 def scale_k_norm(meta, tensors):
     tensors["blk.1.attn_k_norm.weight"] = tensors["blk.1.attn_k_norm.weight"] * 1.003
 
@@ -343,6 +361,8 @@ def scale_k_norm(meta, tensors):
         (output_layers, "dflash.target_layers=[-1, 0, 1], expected [0, 1, 2]"),
         (rename_hidden_norm, "missing key enc.output_norm.weight"),
         (scale_k_norm, "forward differs from the drafter's: hidden"),
+        (mask_as_int32, "tokenizer.ggml.mask_token_id is INT32, llama.cpp reads UINT32"),
+        (block_as_int32, "dflash.block_size is INT32, llama.cpp reads UINT32"),
         (other_token, "tokenizer.ggml.tokens differs from the target GGUF's"),
     ],
 )

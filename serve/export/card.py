@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from draftsmith.heads.drafter_folder import shape_text
 
 if TYPE_CHECKING:
-    from draftsmith.serve.export.base import Source
+    from draftsmith.serve.export.base import Format, Source
 
 EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "llamacpp": "llama.cpp"}
@@ -52,13 +52,12 @@ def tgi_command(src: Source, out: Path) -> str:
     return f"text-generation-launcher --model-id {out} --speculate {src.shape.num_tokens}"
 
 
-def llamacpp_text(src: Source, out: Path, spec_type: str, file: str) -> str:
+def llamacpp_text(src: Source, out: Path, f: Format) -> str:
     """llama-server and llama-speculative-simple drafting with the head beside the target's GGUF (llama.cpp runs
     the target from a GGUF, never from the HF folder); how to make an f32 GGUF of the same weights."""
     target = quote(str(src.target_gguf.resolve())) if src.target_gguf else "TARGET.gguf"
-    flags = (
-        f"-m {target} -md {quote(f'{out}/{file}')} --spec-type {spec_type} --spec-draft-n-max {src.shape.num_tokens}"
-    )
+    depth = f.llamacpp_depth(src) if f.llamacpp_depth else src.shape.num_tokens
+    flags = f"-m {target} -md {quote(f'{out}/{f.weights}')} --spec-type {f.llamacpp} --spec-draft-n-max {depth}"
     return (
         f"**llama.cpp** (the target as the GGUF the head was exported against; `bash scripts/llamacpp_build.sh` "
         f"builds llama.cpp from source into `~/.cache/draftsmith/llama.cpp/bin`):\n\n```bash\nllama-server {flags}\n"
@@ -93,7 +92,7 @@ def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None
         elif engine == "sglang" and f.sglang:
             lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, f.sglang, token_map)}\n```\n")
         elif engine == "llamacpp" and f.llamacpp:
-            lines.append(llamacpp_text(src, out, f.llamacpp, f.weights))
+            lines.append(llamacpp_text(src, out, f))
         elif engine == "tgi" and f.tgi:
             base = "`base_model_name_or_path` in config.json names the target; point it at the target's hub id"
             lines.append(f"**TGI** ({base} when serving elsewhere):\n\n```bash\n{tgi_command(src, out)}\n```\n")

@@ -151,8 +151,14 @@ def dflash_gguf_pairs(src: Source[DFlashHead], p: Probe[DFlashHead]) -> dict[str
 
 
 # llama.cpp's dflash (non-causal block, --spec-type draft-dflash)
+def block_drafts(src: Source[DFlashHead]) -> int:
+    """llama.cpp's dflash block is --spec-draft-n-max + 1 slots: the head's own block needs block_size - 1."""
+    return src.head.config.block_size - 1
+
+
 DFLASH_GGUF = Format(
     export=dflash_gguf,
+    llamacpp_depth=block_drafts,
     shapes=gguf_shapes,
     forward=dflash_gguf_pairs,
     llamacpp="draft-dflash",

@@ -96,7 +96,7 @@ def head_gguf(
     keys, then `more` tokenizer keys."""
     reasons = reasons + layer_problems(src, src.head.config.target_layers)
     if reasons:
-        raise ExportError(f"llama.cpp cannot run {src.folder} as an {arch} draft: " + "; ".join(reasons))
+        raise ExportError(f"llama.cpp cannot run {src.folder} as a draft ({arch}): " + "; ".join(reasons))
     target = check_target_gguf(src.target_gguf, src.target_dir, src.target_hf)
     return Export(tokenizer_keys(target) | typed(more), {file: tensors()})
 
@@ -112,6 +112,21 @@ def tokenizer_problems(src: Source, config: dict, more: dict[str, Any]) -> list[
     ours = {k: v for k, v in config.items() if k.startswith("tokenizer.")}
     keys = sorted(want.keys() | ours.keys())
     return [f"{k} differs from the target GGUF's" for k in keys if want.get(k) != ours.get(k)]
+
+
+def type_problems(path: Path, expected: dict[str, gguf.GGUFValue]) -> list[str]:
+    """Keys of the right value but another GGUF type: llama.cpp refuses to load them ("wrong type i32 but expected
+    type u32")."""
+    meta, _ = read_gguf(path, names=())
+    return [
+        f"GGUF metadata {k} is {kind(meta[k])}, llama.cpp reads {kind(v)}"
+        for k, v in expected.items()
+        if k in meta and (meta[k].type, meta[k].sub_type) != (v.type, v.sub_type)
+    ]
+
+
+def kind(v: gguf.GGUFValue) -> str:
+    return v.type.name + (f" of {v.sub_type.name}" if v.sub_type is not None else "")
 
 
 def no_keys(src: Source) -> dict[str, Any]:
@@ -146,7 +161,9 @@ def gguf_files(
     def problems(src: Source, folder: Path, written: dict) -> list[str]:
         expected = config(src)
         unexpected = [k for k in sorted(written) if k.startswith(f"{arch}.") and k not in expected]
-        return [f"unexpected GGUF metadata {k}" for k in unexpected] + tokenizer_problems(src, written, tokens(src))
+        typed_keys = metadata(src, torch.float32) | typed(tokens(src))
+        problems = [f"unexpected GGUF metadata {k}" for k in unexpected] + type_problems(folder / file, typed_keys)
+        return problems + tokenizer_problems(src, written, tokens(src))
 
     return dict(
         write_files=write,
