@@ -150,7 +150,8 @@ def arm_row(boot: Bootstrap, arm: Arm, plain: Arm | None, reference: Arm, positi
             "accepted_tokens": m.accepted_tokens,
         }
     if plain is not None and not arm.plain:
-        row["speedup"] = m.tokens_per_s / plain.pooled().tokens_per_s if plain.pooled().tokens_per_s else None
+        base = plain.pooled().tokens_per_s
+        row["speedup"] = m.tokens_per_s / base if base else None
         row["speedup_interval"] = speedup_interval(boot, arm.records, plain.records)
     return row
 

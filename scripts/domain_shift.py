@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from draftsmith.eval.prompts import Prompt  # noqa: E402
 from draftsmith.eval.suites import SuiteConfig, load_suite  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve import free_port  # noqa: E402
 from domain_shift_report import report  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -67,12 +67,6 @@ def split(n_stream: int, n_heldout: int) -> tuple[list[tuple[str, Prompt]], list
         rest = [p for i, p in enumerate(prompts) if i % 4]
         stream += [(domain, p) for p in rest[:n_stream]]
     return stream, heldout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 STARTED: list[subprocess.Popen] = []  # every server this run started: stopped at the end, whatever happens

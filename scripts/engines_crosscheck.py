@@ -46,6 +46,7 @@ from draftsmith.heads.drafter_folder import read_meta
 from draftsmith.serve.export.base import format_for
 from draftsmith.serve.export.gguf_target import check_target_gguf
 from draftsmith.serve.export.pipeline import export
+from draftsmith.serve.models.loader import read_hf_config
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, target_gguf
 
 
@@ -218,7 +219,7 @@ def main(args) -> int:
     work.mkdir(parents=True, exist_ok=True)
     tcfg = TargetConfig(name=args.target, dtype="float32", device="cpu")
     target, tdir, drafter = load_target(tcfg), resolve_target(tcfg), Path(args.drafter)
-    hf = json.loads((tdir / "config.json").read_text())
+    hf = read_hf_config(tdir)
     prompts = vc.prompts_for(target, args.prompts)
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
     arms = Arms()

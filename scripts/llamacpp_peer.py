@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_serve import free_port
 
 from draftsmith.eval.cross_engine import recount
 from draftsmith.serve.engine.metrics import Metrics
@@ -41,7 +42,7 @@ def convert(folder: Path, out: Path, outtype: str = "f32", target_dir: Path | No
     `out` and renamed into place."""
     partial = out.with_suffix(".partial")
     env = os.environ | {"PYTHONPATH": str(HOME / "src" / "gguf-py")}
-    cmd = ["python", str(HOME / "src" / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype]
+    cmd = [sys.executable, str(HOME / "src" / "convert_hf_to_gguf.py"), str(folder), "--outtype", outtype]
     cmd += ["--target-model-dir", str(target_dir)] if target_dir else []
     done = subprocess.run([*cmd, "--outfile", str(partial)], env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -85,12 +86,6 @@ def repack_flags() -> list[str]:
     shipped Q4_1 GGUF there (SIGSEGV on the first matmul; found with gdb). Elsewhere repacking stays on."""
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     return ["--no-repack"] if "amx_tile" in flags else []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

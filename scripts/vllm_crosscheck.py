@@ -386,12 +386,13 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_t
 
 def recounted(steps: list, outputs: list[list[int]]) -> str:
     """vLLM's steps counted as draftsmith's engine counts them (eval/cross_engine.py): τ and drafts."""
-    from draftsmith.eval.cross_engine import recount
-    from draftsmith.serve.engine.metrics import Metrics
+    from draftsmith.eval.cross_engine import Arm, Record, recount
 
-    total = Metrics(requests=0)
-    for s, out in zip(steps, outputs, strict=True):
-        total.merge(recount(s, len(out), 0.0, 0.0))
+    records = [
+        Record(str(i), recount(s, len(out), 0.0, 0.0), out)
+        for i, (s, out) in enumerate(zip(steps, outputs, strict=True))
+    ]
+    total = Arm("vLLM", "", "", records).pooled()
     return f"{total.mean_acceptance_length:.3f} ({total.drafts} drafts)"
 
 

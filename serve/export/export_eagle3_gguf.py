@@ -117,8 +117,7 @@ def eagle3_ggml_forward(w: dict[str, Tensor], config: dict, embeds: Tensor, aux:
 
 
 def eagle3_gguf_pairs(src: Source[Eagle3Head], p: Probe[Eagle3Head]) -> dict[str, tuple]:
-    c, n = src.head.config, p.tokens.numel()
-    head = p.head
+    c, n, head = src.head.config, p.tokens.numel(), p.head
     aux = torch.randn(n, len(c.target_layers) * c.hidden_size, generator=p.g)
     embeds = head.embed_tokens(p.tokens)
     h, logits, ids = eagle3_ggml_forward(p.w, p.config, embeds, aux, p.positions)

@@ -22,6 +22,12 @@ GGML_TYPES = {
     torch.float16: GGMLQuantizationType.F16,
     torch.bfloat16: GGMLQuantizationType.BF16,
 }
+PLAIN = {  # GGML tensor types numpy holds as they are
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.I64: np.int64,
+    GGMLQuantizationType.I32: np.int32,
+}
 FILE_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 32}  # general.file_type (llama_ftype)
 
 
@@ -86,17 +92,10 @@ def as_torch(t: gguf.ReaderTensor) -> Tensor:
     (a Q4_1 target's) dequantized to float32."""
     shape = tuple(int(n) for n in reversed(t.shape))
     kind = t.tensor_type
-    if kind == GGMLQuantizationType.F32:
-        return torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
-    if kind == GGMLQuantizationType.F16:
-        return torch.from_numpy(np.array(t.data, dtype=np.float16)).reshape(shape)
-    if kind == GGMLQuantizationType.BF16:
-        raw = np.array(t.data).view(np.int16)
-        return torch.from_numpy(raw.copy()).view(torch.bfloat16).reshape(shape)
-    if kind == GGMLQuantizationType.I64:
-        return torch.from_numpy(np.array(t.data, dtype=np.int64)).reshape(shape)
-    if kind == GGMLQuantizationType.I32:
-        return torch.from_numpy(np.array(t.data, dtype=np.int32)).reshape(shape)
+    if kind == GGMLQuantizationType.BF16:  # numpy has no bfloat16: its bits, viewed by torch
+        return torch.from_numpy(np.array(t.data).view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
+    if kind in PLAIN:
+        return torch.from_numpy(np.array(t.data, dtype=PLAIN[kind])).reshape(shape)
     return torch.from_numpy(gguf.quants.dequantize(t.data, kind).astype(np.float32)).reshape(shape)
 
 

@@ -71,9 +71,7 @@ def hf_embedding(target_dir: Path) -> torch.Tensor | None:
     return None
 
 
-def mismatches(
-    path: Path, meta: dict[str, gguf.GGUFValue], embed: torch.Tensor | None, target_dir: Path, hf: dict
-) -> list[str]:
+def mismatches(meta: dict[str, gguf.GGUFValue], embed: torch.Tensor | None, target_dir: Path, hf: dict) -> list[str]:
     arch = meta.get("general.architecture")
     if arch is None:
         return ["it has no general.architecture"]
@@ -124,7 +122,7 @@ def check_target_gguf(path: Path | None, target_dir: Path, hf: dict) -> dict[str
         meta, tensors = read_gguf(path, names=("token_embd.weight",))
     except ValueError as e:
         raise ExportError(f"gguf_target: {e}") from e
-    problems = mismatches(path, meta, tensors.get("token_embd.weight"), target_dir, hf)
+    problems = mismatches(meta, tensors.get("token_embd.weight"), target_dir, hf)
     if problems:
         raise ExportError(
             f"gguf_target={path} is not the drafter's target {target_dir}: "
