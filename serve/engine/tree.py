@@ -40,6 +40,7 @@ class DraftTree:
     tokens: Tensor  # [n] int64
     parents: Tensor  # [n] int64, -1 for children of the root
     draft_probs: Tensor | None = None  # [n, vocab] or None (then every node counts as one-hot)
+    accept_probs: Tensor | None = None  # [n]: each node's estimated chance of acceptance once its parent is accepted
 
     def __post_init__(self) -> None:
         self.depths = tree_depths(self.parents)
