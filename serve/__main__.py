@@ -40,7 +40,9 @@ def run(cfg: GenerateConfig) -> None:
         if cfg.chat
         else encode_raw(target.tokenizer, cfg.prompt)
     )
-    engine = build_engine(target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len, cfg.cuda_graphs)
+    engine = build_engine(
+        target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len, cfg.cuda_graphs, cache_dir=cfg.target.cache_dir
+    )
     g = engine.generate(ids, cfg.max_new_tokens, sp)
     m = g.metrics
     print(target.tokenizer.decode(g.output_ids, skip_special_tokens=True))
