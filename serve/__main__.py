@@ -49,7 +49,8 @@ def run(cfg: GenerateConfig) -> None:
     print(
         f"\n[{cfg.spec.name}] {m.new_tokens} tokens in {m.total_s:.2f} s: {m.tokens_per_s:.1f} tok/s, "
         f"TTFT {m.ttft_s * 1000:.0f} ms, TPOT {m.tpot_s * 1000:.1f} ms, "
-        f"tau {m.mean_acceptance_length:.2f}, target passes {m.target_forward_passes}, "
+        f"tau {m.mean_acceptance_length:.2f}, target passes {m.target_forward_passes} "
+        f"({m.mean_verify_rows:.2f} rows each, drafting {m.draft_ms_per_step:.1f} ms each), "
         f"device {engine.model.device}, dtype {str(engine.model.dtype).removeprefix('torch.')}"
     )
 

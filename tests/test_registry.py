@@ -25,6 +25,7 @@ from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.schedule import CostSchedule
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.export.base import Format
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
@@ -206,16 +207,20 @@ def small(tiny_llama_dir):
     )
 
 
-@pytest.mark.parametrize("verify", VERIFY)
-@pytest.mark.parametrize("kind", BUILTIN)
-def test_speculative_sampling_keeps_the_target_distribution(kind, verify, small, tmp_path):
-    target, joint = small
+def sampling_engine(kind: str, small, folder: Path, verify: str, chain: bool = False) -> Engine:
+    target = small[0]
     c = target.model.config
     info = TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
     head, config, _ = one_step(kind, target, seed=3)
-    folder = save_drafter(head, config, kind, info, Recipe(), tmp_path / kind, draft=SHAPE)
-    proposer = make_proposer(SpecConfig(kinds.get(kind).name, drafter=str(folder)), target)
-    engine = scheduled(Engine(target.model, proposer, max_seq_len=16), verify)
+    save_drafter(head, config, kind, info, Recipe(), folder, draft=SHAPE)
+    spec = SpecConfig(kinds.get(kind).name, drafter=str(folder))
+    if chain:
+        spec.tree = TreeConfig(1, 0)
+    return scheduled(Engine(target.model, make_proposer(spec, target), max_seq_len=16), verify)
+
+
+def check_sampling(kind: str, engine: Engine, joint: torch.Tensor) -> None:
+    """400 draws of 3 tokens against the exact joint, by pairs of positions (too few draws for all 512 cells)."""
     draws, accepted = [], 0
     for i in range(400):
         out = engine.generate(SMALL_PROMPT, 3, SamplingParams(temperature=1.0, seed=30_000 + i))
@@ -223,11 +228,29 @@ def test_speculative_sampling_keeps_the_target_distribution(kind, verify, small,
         accepted += out.metrics.accepted_tokens
     assert 0 < accepted  # drafts were accepted (and, with a random head, rejected): both branches ran
     x = torch.tensor(draws)
-    pvalues = (  # pairs: 400 draws fill too few of the 512 cells of all three
+    pvalues = (
         pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
         pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
     )
     assert min(pvalues) > 1e-4, (kind, pvalues)
+
+
+@pytest.mark.parametrize("verify", VERIFY)
+@pytest.mark.parametrize("kind", BUILTIN)
+def test_speculative_sampling_keeps_the_target_distribution(kind, verify, small, tmp_path):
+    check_sampling(kind, sampling_engine(kind, small, tmp_path / kind, verify), small[1])
+
+
+# kinds whose draft a tree topk shapes: with topk 1 under sampling they draw a chain, which the schedule may cut only
+# by what the levels above a level say (serve/engine/schedule.py)
+CHAINS = [k for k in BUILTIN if "topk" in kinds.get(k).draft_keys]
+
+
+@pytest.mark.parametrize("kind", CHAINS)
+def test_a_sampled_chain_cut_by_the_cost_schedule_keeps_the_target_distribution(kind, small, tmp_path):
+    engine = sampling_engine(kind, small, tmp_path / kind, "cost", chain=True)
+    engine.schedule = CostSchedule(lambda rows: 1.0 + 0.02 * rows)  # the second level left out of many steps
+    check_sampling(kind, engine, small[1])
 
 
 @pytest.mark.parametrize("kind,fmt", FORMATS)
