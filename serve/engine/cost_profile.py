@@ -34,6 +34,7 @@ log = logging.getLogger("draftsmith.serve.cost_profile")
 SCHEMA = 1  # bump when the file's shape or the way it is measured changes
 MAX_ROWS = 64  # rows past this are extrapolated from the last step (CostCurve)
 CONTEXT = 512  # the cached prefix a measured step attends to, at most
+ABSENT = "is absent"
 
 
 @dataclass
@@ -50,7 +51,7 @@ class CostCurve:
 
 @dataclass
 class ProfileSettings:
-    repeats: int = 5
+    repeats: int = 3
     warmup: int = 1
     context: int = CONTEXT
 
@@ -95,7 +96,8 @@ def load_or_measure(
     curve, why = read_profile(path, expected)
     if curve is not None:
         return curve
-    log.info("verify cost profile %s %s: measuring %d row counts", path, why, rows)
+    say = log.info if why == ABSENT else log.warning  # a file that cannot be trusted is worth a look
+    say("verify cost profile %s %s: measuring %d row counts", path, why, rows)
     curve = CostCurve(measure(engine, rows, context, settings))
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"fingerprint": expected, **asdict(curve)}, indent=1) + "\n")
@@ -105,7 +107,7 @@ def load_or_measure(
 def read_profile(path: Path, expected: dict[str, Any]) -> tuple[CostCurve | None, str]:
     """The cached curve, or None and why it cannot be used."""
     if not path.is_file():
-        return None, "is absent"
+        return None, ABSENT
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
