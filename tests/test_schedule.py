@@ -1,5 +1,6 @@
 """serve/engine/schedule.py: the cost-scheduled cut on hand-made trees, against brute force over every allowed cut;
-the sampling restrictions (whole levels; a drawn level never judged by its own draws); DraftTree.subtree."""
+the sampling restrictions (whole levels; a drawn level never judged by its own draws); DraftTree.subtree; the engine
+telling the proposer the accepted path in its own tree's indices."""
 
 from __future__ import annotations
 
@@ -7,8 +8,12 @@ import itertools
 
 import torch
 
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.schedule import CostSchedule, path_probs, stopped_levels
 from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.base import Proposer
 
 
 def linear(base: float, per_row: float):
@@ -135,3 +140,41 @@ def test_subtree_renumbers_and_carries_the_probabilities():
     assert s.depths.tolist() == [1, 2, 3]
     assert s.draft_probs.argmax(-1).tolist() == [0, 2, 4]
     assert torch.allclose(s.accept_probs, torch.tensor([0.1, 0.3, 0.5]))
+
+
+class PlantedProposer(Proposer):
+    """Drafts [a wrong token (unlikely), the right next token (likely) -> the right one after it (likely)] from a
+    known greedy continuation, and records what accept() is told."""
+
+    max_tree_size = 3
+
+    def __init__(self, full: list[int]) -> None:
+        self.full, self.told = full, []
+
+    def propose(self, tokens, sp, budget):
+        n = tokens.numel()
+        if n + 1 >= len(self.full) or budget < 2:
+            return DraftTree.empty()
+        right = self.full[n : n + 2]
+        return DraftTree(
+            torch.tensor([(right[0] + 1) % 128, *right]),
+            torch.tensor([-1, -1, 1]),
+            None,
+            torch.tensor([0.01, 0.9, 0.9]),
+        )
+
+    def accept(self, tokens, tree, path, out):
+        self.told.append((len(tree), tree.tokens[path].tolist(), tokens[-len(path) - 1 : -1].tolist()))
+
+
+def test_the_proposer_hears_the_path_in_the_indices_of_the_tree_it_drafted(tiny_llama_dir):
+    model = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+    prompt = [5, 6, 7, 8]
+    full = prompt + Engine(model, max_seq_len=64).generate(prompt, 12, SamplingParams()).output_ids
+    spy = PlantedProposer(full)
+    engine = Engine(model, spy, max_seq_len=64, schedule=CostSchedule(linear(1.0, 0.05)))
+    out = engine.generate(prompt, 12, SamplingParams())
+    assert prompt + out.output_ids == full
+    assert spy.told and all(size == 3 and drafted == emitted for size, drafted, emitted in spy.told), spy.told
+    assert out.metrics.accepted_tokens == 2 * out.metrics.drafts  # the wrong sibling was cut, the right path kept
+    assert out.metrics.verify_rows[2] == out.metrics.drafts  # 3 rows: the pending token and the two kept nodes
