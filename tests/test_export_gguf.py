@@ -242,16 +242,22 @@ DFLASH_VOCAB = {"output.weight": [H, DRAFT_V], "d2t": [DRAFT_V]}
 @pytest.fixture(scope="module")
 def dflash(tiny, tmp_path_factory):
     """2-layer DFlash drafters of the tiny target: over a draft vocabulary, and over the full one."""
-    tcfg, _, target, _ = tiny
-    root = tmp_path_factory.mktemp("dflash")
-    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    target = tiny[2]
     full = DFlashHead(DFlashConfig.from_target(target.config, num_layers=2, draft_vocab_size=V), target)
+    return two_vocabularies(tiny, tmp_path_factory.mktemp("dflash"), "dflash", full)
+
+
+def two_vocabularies(tiny, root: Path, kind: str, full) -> dict[str, Path]:
+    """The kind's tiny drafter over a draft vocabulary, and `full` (nudged off its initial weights) over the full
+    one."""
+    tcfg, _, target, _ = tiny
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
     with torch.no_grad():
         for p in full.parameters():
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
-    folder = save_drafter(full, full.config, "dflash", info, Recipe(), root / "full")
-    return {"draft-vocab": save_tiny("dflash", target, info, root / "draft-vocab"), "full-vocab": folder}
+    folder = save_drafter(full, full.config, kind, info, Recipe(), root / "full")
+    return {"draft-vocab": save_tiny(kind, target, info, root / "draft-vocab"), "full-vocab": folder}
 
 
 def test_dflash_gguf_is_llamacpps_dflash_file(tiny, dflash, tmp_path):
@@ -409,19 +415,11 @@ DSPARK_HEADS |= {"conf_proj.bias": [1]}
 def dspark(tiny, tmp_path_factory):
     """DSpark drafters of the tiny target: over a draft vocabulary, and over the full one with a block of 3 and a
     confidence head that reads h_k alone."""
-    tcfg, _, target, _ = tiny
-    root = tmp_path_factory.mktemp("dspark")
-    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    target = tiny[2]
     cfg = DSparkConfig.from_target(
         target.config, draft_vocab_size=V, markov_rank=8, block_size=3, confidence_with_markov=False
     )
-    full = DSparkHead(cfg, target)
-    with torch.no_grad():
-        for p in full.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    folder = save_drafter(full, full.config, "dspark", info, Recipe(), root / "full")
-    return {"draft-vocab": save_tiny("dspark", target, info, root / "draft-vocab"), "full-vocab": folder}
+    return two_vocabularies(tiny, tmp_path_factory.mktemp("dspark"), "dspark", DSparkHead(cfg, target))
 
 
 def test_dspark_gguf_is_llamacpps_dflash_file_with_its_markov_head(tiny, dspark, tmp_path):
