@@ -268,8 +268,9 @@ def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters
         assert steps + f"--speculative-num-draft-tokens {shape.draft_tokens() + 1}" in card
     if f.tgi:
         assert f"--speculate {shape.num_tokens}" in card
-    if f.llamacpp:  # llama.cpp's dflash block is n-max + 1 slots: the head's whole block, whatever it drafts here
-        depth = drafters(kind)[0].config.block_size - 1 if kind == "dflash" else shape.num_tokens
+    if f.llamacpp:  # llama.cpp's block is n-max + 1 slots for dflash, n-max for dspark: the head's whole block
+        block = getattr(drafters(kind)[0].config, "block_size", 0)
+        depth = {"dflash": block - 1, "dspark": block}.get(kind, shape.num_tokens)
         assert f"--spec-type {f.llamacpp} --spec-draft-n-max {depth}" in card
 
 
