@@ -3,7 +3,7 @@ the package registers itself with kinds.register when its module is imported (dr
 
 from __future__ import annotations
 
-from . import dflash, draft_model, eagle, eagle3, medusa, peagle, training_free
+from . import dflash, draft_model, dspark, eagle, eagle3, medusa, peagle, training_free
 from .kinds import Kind, register
 
 BUILTIN: tuple[Kind, ...] = (
@@ -15,6 +15,7 @@ BUILTIN: tuple[Kind, ...] = (
     training_free.SUFFIX,
     training_free.LAYERSKIP,
     dflash.KIND,
+    dspark.KIND,
     peagle.KIND,
 )
 

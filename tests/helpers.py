@@ -306,6 +306,7 @@ def tiny_head(kind: str, target):
     """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it."""
     from draftsmith.heads.dflash import DFlashConfig, DFlashHead
     from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
+    from draftsmith.heads.dspark import DSparkConfig, DSparkHead
     from draftsmith.heads.eagle import EagleHead
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
     from draftsmith.heads.head_base import EagleConfig
@@ -317,6 +318,9 @@ def tiny_head(kind: str, target):
         head.set_vocab(torch.rand(V))  # a draft vocabulary that is not the first DRAFT_V ids
     elif kind == "dflash":
         head = DFlashHead(DFlashConfig.from_target(c, num_layers=2, draft_vocab_size=DRAFT_V), target)
+        head.set_vocab(torch.rand(V))
+    elif kind == "dspark":
+        head = DSparkHead(DSparkConfig.from_target(c, num_layers=2, draft_vocab_size=DRAFT_V, markov_rank=8), target)
         head.set_vocab(torch.rand(V))
     elif kind == "eagle":
         head = EagleHead(EagleConfig.from_target(c), target)

@@ -16,7 +16,9 @@ from torch import Tensor
 from draftsmith.heads.dflash import DFlashHead
 
 from .batch import FeatureBatch
-from .losses import agreement, sharpened, weighted_mean
+from .losses import agreement, decay_weights, dpace_weights, sharpened, weighted_mean
+
+SLOT_WEIGHTS = ("decay", "dpace")
 
 
 def sample_anchors(loss_mask: Tensor, count: int) -> tuple[Tensor, Tensor]:
@@ -37,14 +39,13 @@ def dflash_loss(
     anchors: int = 64,
     decay_gamma: float = 4.0,
     target_temperature: float = 1.0,
+    slot_weights: str = "decay",
+    dpace_alpha: float = 0.5,
 ) -> tuple[Tensor, dict[str, float]]:
-    """anchors: blocks per sequence; decay_gamma: slot i's weight is exp(-(i-1) / decay_gamma);
-    target_temperature < 1 sharpens the target's distribution toward its top token, 0 is that token alone."""
-    if anchors < 1 or decay_gamma <= 0 or target_temperature < 0:
-        raise ValueError(
-            f"dflash loss options: anchors >= 1, decay_gamma > 0 and target_temperature >= 0, got {anchors}, "
-            f"{decay_gamma} and {target_temperature}"
-        )
+    """anchors: blocks per sequence; slot_weights: decay, slot i's weight exp(-(i-1) / decay_gamma), or dpace
+    (losses.dpace_weights, smoothing dpace_alpha); target_temperature < 1 sharpens the target's distribution toward
+    its top token, 0 is that token alone."""
+    check_block_options(anchors, decay_gamma, target_temperature, slot_weights, dpace_alpha)
     if batch.aux is None:
         raise ValueError(f"dflash_loss needs batch.aux: the target's inputs to layers {head.target_layers}")
     ids, n, s = batch.input_ids, batch.input_ids.shape[1], head.config.block_size
@@ -55,16 +56,37 @@ def dflash_loss(
     predicted = anchor[..., None] + torch.arange(1, s, device=ids.device)  # [b, A, B-1]: the token slot i drafts
     inside = predicted < n
     at = predicted.clamp(max=n - 1)
-    decay = torch.exp(-torch.arange(s - 1, device=ids.device) / decay_gamma)
-    w = batch.loss_mask.gather(1, at.flatten(1)).view_as(at) * inside * real[..., None] * decay
-    sel = w > 0
+    mask = batch.loss_mask.gather(1, at.flatten(1)).view_as(at) * inside * real[..., None]
+    sel = mask > 0
     rows = head.target_lm_head.weight[head.vocab_ids]  # [draft vocab, H]: never the full vocabulary
     with torch.no_grad():
         source = batch.hidden.gather(1, (at - 1).flatten(1)[..., None].expand(-1, -1, batch.hidden.shape[-1]))
         target = sharpened((source.view(*at.shape, -1)[sel].to(rows.dtype) @ rows.T).float(), target_temperature)
     logits = head.logits(out[sel]).float()
     ce = F.cross_entropy(logits, target, reduction="none")
+    w = block_weights(ce, mask, sel, slot_weights, decay_gamma, dpace_alpha)
     loss = weighted_mean(ce, w[sel])
     slot = torch.arange(1, s, device=ids.device).expand_as(at)[sel]
     logs = {f"acc_{i}": agreement(logits[slot == i], target[slot == i], w[sel][slot == i]) for i in range(1, s)}
     return loss, {"loss": loss.item(), **logs}
+
+
+def check_block_options(anchors: int, decay_gamma: float, target_temperature: float, slots: str, alpha: float) -> None:
+    """What DFlash's and DSpark's losses take."""
+    if anchors < 1 or decay_gamma <= 0 or target_temperature < 0 or not 0 <= alpha <= 1:
+        raise ValueError(
+            f"head.loss options: anchors >= 1, decay_gamma > 0, target_temperature >= 0 and dpace_alpha in [0, 1], got "
+            f"{anchors}, {decay_gamma}, {target_temperature} and {alpha}"
+        )
+    if slots not in SLOT_WEIGHTS:
+        raise ValueError(f"head.loss.slot_weights must be one of {', '.join(SLOT_WEIGHTS)}, got {slots!r}")
+
+
+def block_weights(ce: Tensor, mask: Tensor, sel: Tensor, slots: str, gamma: float, alpha: float) -> Tensor:
+    """Per-slot weights [.., B] of a block loss: the mask times exp(-k / gamma) (decay) or D-PACE's weights from
+    the selected slots' CE ce [sel.sum()] (dpace)."""
+    if slots == "decay":
+        return mask * decay_weights(mask.shape[-1], gamma, mask.device)
+    full = torch.zeros_like(mask, dtype=ce.dtype)
+    full[sel] = ce.detach()
+    return dpace_weights(full, mask, alpha)

@@ -33,9 +33,14 @@ class DFlashProposer(SlotProposer):
     def __init__(self, head: DFlashHead, num_tokens: int, tree: TreeConfig | None = None, generator=None) -> None:
         if num_tokens < 1:
             raise ValueError(f"spec.num_tokens must be >= 1, got {num_tokens}")
-        # one forward drafts block_size - 1 tokens: a deeper draft is capped there, as Medusa's at its heads
-        super().__init__(head, min(num_tokens, head.config.block_size - 1), tree, generator)
+        # one forward drafts a block's tokens: a deeper draft is capped there, as Medusa's at its heads
+        super().__init__(head, min(num_tokens, self.block_drafts(head)), tree, generator)
         self.cached = 0  # context slots [0, cached) are written
+
+    @staticmethod
+    def block_drafts(head: DFlashHead) -> int:
+        """Tokens one forward drafts: the mask slots (the pending token's slot drafts nothing)."""
+        return head.config.block_size - 1
 
     @property
     def slot_caches(self) -> list[SlotCache]:
@@ -64,9 +69,14 @@ class DFlashProposer(SlotProposer):
         if s + context.shape[0] != n - 1:
             raise RuntimeError(f"the drafter holds {s} tokens and got {context.shape[0]} more, the engine has {n}")
         self.head.write_context(context, torch.arange(s, n - 1, device=tokens.device), self.cache, s)
-        block = self.head.block_tokens(tokens[n - 1])
-        self.logits = self.head.logits(self.head.draft(block, n - 1, self.cache)[1:]).float()
         self.cached = n - 1
+        self.draft_block(tokens[n - 1])
+
+    def draft_block(self, pending: Tensor) -> None:
+        """The block [pending token, mask x (B-1)] from context slots [0, cached): each mask slot's logits."""
+        assert self.cache is not None, "reserve() comes first"
+        block = self.head.block_tokens(pending)
+        self.logits = self.head.logits(self.head.draft(block, self.cached, self.cache)[1:]).float()
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         if tokens.numel() != self.cached + 1:
