@@ -103,7 +103,7 @@ class DSparkProposer(DFlashProposer):
             return DraftTree.empty(pending.device)
         dev = pending.device
         scores = torch.tensor(cum, device=dev)
-        return rerank(torch.stack(toks), torch.tensor(parents, device=dev), scores, self.max_tree_size, None)
+        return rerank(DraftTree(torch.stack(toks), torch.tensor(parents, device=dev)), scores, self.max_tree_size)
 
 
 def dspark_proposer(spec: SpecConfig, target: LoadedTarget) -> DSparkProposer:
