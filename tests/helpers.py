@@ -299,8 +299,9 @@ def save_tiny_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(folder)
 
 
-def tiny_head(kind: str, target):
-    """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it."""
+def tiny_head(kind: str, target, **fields):
+    """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it; fields: a DSpark config's
+    own settings."""
     from draftsmith.heads.dflash import DFlashConfig, DFlashHead
     from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
     from draftsmith.heads.dspark import DSparkConfig, DSparkHead
@@ -317,7 +318,8 @@ def tiny_head(kind: str, target):
         head = DFlashHead(DFlashConfig.from_target(c, num_layers=2, draft_vocab_size=DRAFT_V), target)
         head.set_vocab(torch.rand(V))
     elif kind == "dspark":
-        head = DSparkHead(DSparkConfig.from_target(c, num_layers=2, draft_vocab_size=DRAFT_V, markov_rank=8), target)
+        fields = {"num_layers": 2, "draft_vocab_size": DRAFT_V, "markov_rank": 8} | fields
+        head = DSparkHead(DSparkConfig.from_target(c, **fields), target)
         head.set_vocab(torch.rand(V))
     elif kind == "eagle":
         head = EagleHead(EagleConfig.from_target(c), target)
@@ -329,12 +331,12 @@ def tiny_head(kind: str, target):
     return head, head.config
 
 
-def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
+def save_tiny(kind: str, target, info: TargetInfo, folder: Path, **fields) -> Path:
     """A saved drafter folder of `kind` for the tiny target, its weights nudged off their initial values."""
     from draftsmith.heads.drafter_folder import Recipe, save_drafter
 
     torch.manual_seed(1)
-    head, cfg = tiny_head(kind, target)
+    head, cfg = tiny_head(kind, target, **fields)
     with torch.no_grad():  # trained-looking weights: no zero blocks, a visible fc bias
         for p in head.parameters():
             if p.requires_grad:
@@ -342,9 +344,13 @@ def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
     return save_drafter(head, cfg, kind, info, Recipe(data="tiny", acceptance={"mean_acceptance_length": 2.5}), folder)
 
 
-def export_drafters(target_dir: Path, root: Path) -> tuple:
-    """In root: a copy of the tiny target_dir with a tokenizer, and one saved drafter folder per kind for it.
-    Returns the target's TargetConfig, the drafter folders by kind, and the loaded target."""
+EXPORTED = {kind: (kind, {}) for kind in ("eagle3", "eagle", "medusa", "draft_model")}
+
+
+def export_drafters(target_dir: Path, root: Path, made: dict[str, tuple[str, dict]] = EXPORTED) -> tuple:
+    """In root: a copy of the tiny target_dir with a tokenizer, and a saved drafter folder for it per entry of
+    `made` (name -> its kind and config fields; by default one per kind). Returns the target's TargetConfig, the
+    drafter folders by name, and the loaded target."""
     from draftsmith.heads.drafter_folder import TargetInfo
     from draftsmith.serve.models.loader import load_model
     from draftsmith.serve.models.target import TargetConfig, target_id
@@ -355,9 +361,7 @@ def export_drafters(target_dir: Path, root: Path) -> tuple:
     tcfg = TargetConfig(path=str(tdir))
     target = load_model(tdir)
     info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
-    drafters = {
-        kind: save_tiny(kind, target, info, root / kind) for kind in ("eagle3", "eagle", "medusa", "draft_model")
-    }
+    drafters = {name: save_tiny(kind, target, info, root / name, **fields) for name, (kind, fields) in made.items()}
     return tcfg, drafters, target
 
 

@@ -7,21 +7,15 @@ itself is scripts/vllm_crosscheck.py (its own environment)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file
 from test_export_dflash import DRAFT_V, KEYS, LAYERS, VOCAB_KEYS, H, V, set_config
 
-from draftsmith.heads.drafter_folder import Recipe, TargetInfo, save_drafter
-from draftsmith.heads.dspark import DSparkConfig, DSparkHead
 from draftsmith.serve.export.base import ExportError, format_for, read_source
 from draftsmith.serve.export.checks import TOLERANCE, forward_pairs, mismatch, read_export
 from draftsmith.serve.export.pipeline import export, validate
-from draftsmith.serve.models.loader import load_model
-from draftsmith.serve.models.target import TargetConfig, target_id
-from helpers import edit_weights, flip_ten, rename, save_tiny_tokenizer, scale
+from helpers import edit_weights, export_drafters, flip_ten, rename, scale
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,35 +23,18 @@ R = 8  # markov_rank
 HEAD_KEYS = {"markov_head.markov_w1.weight": (V, R), "markov_head.markov_w2.weight": (DRAFT_V, R)}
 HEAD_KEYS |= {"confidence_head.proj.weight": (1, H + R), "confidence_head.proj.bias": (1,)}
 DFLASH_CONFIG = {"mask_token_id": 2, "target_layer_ids": [-1, 0, 1], "block_size": 4}
-DRAFTERS = {  # name -> the config's own fields
-    "draft-vocab": {"draft_vocab_size": DRAFT_V},
-    "full-vocab": {"draft_vocab_size": V, "confidence_with_markov": False},
-    "gated": {"draft_vocab_size": DRAFT_V, "markov_type": "gated"},
-    "rnn": {"draft_vocab_size": DRAFT_V, "markov_type": "rnn"},
+DRAFTERS = {  # name -> (kind, the config's own fields)
+    "draft-vocab": ("dspark", {}),
+    "full-vocab": ("dspark", {"draft_vocab_size": V, "confidence_with_markov": False}),
+    "gated": ("dspark", {"markov_type": "gated"}),
+    "rnn": ("dspark", {"markov_type": "rnn"}),
 }
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir, tmp_path_factory):
     """The target's TargetConfig and dspark drafters with trained-looking weights (the Markov W2 not zero)."""
-    root = tmp_path_factory.mktemp("export-dspark")
-    tdir = root / "target"
-    shutil.copytree(tiny_llama_dir("llama"), tdir)
-    save_tiny_tokenizer(tdir)
-    tcfg = TargetConfig(path=str(tdir))
-    target = load_model(tdir)
-    info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
-    drafters = {}
-    for name, fields in DRAFTERS.items():
-        torch.manual_seed(1)
-        head = DSparkHead(DSparkConfig.from_target(target.config, num_layers=LAYERS, markov_rank=R, **fields), target)
-        head.set_vocab(torch.rand(V))  # a draft vocabulary that is not the first ids
-        with torch.no_grad():
-            for p in head.parameters():
-                if p.requires_grad:
-                    p.add_(0.05 * torch.randn_like(p))
-        recipe = Recipe(data="tiny", acceptance={"mean_acceptance_length": 2.5})
-        drafters[name] = save_drafter(head, head.config, "dspark", info, recipe, root / name)
+    tcfg, drafters, _ = export_drafters(tiny_llama_dir("llama"), tmp_path_factory.mktemp("export-dspark"), DRAFTERS)
     return tcfg, drafters
 
 

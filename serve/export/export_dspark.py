@@ -74,8 +74,8 @@ def dspark_shapes(src: Source[DSparkHead], config: dict) -> dict[str, tuple[int,
     return dflash_shapes(src, config) | heads | {f"{CONFIDENCE}.weight": (1, width), f"{CONFIDENCE}.bias": (1,)}
 
 
-KEYS = (*KEYS_READ, "block_size", "sample_from_anchor", "markov_rank", "markov_head_type")
-KEYS += ("enable_confidence_head", "confidence_head_with_markov")
+HEADS_READ = ("sample_from_anchor", "markov_rank", "markov_head_type", "enable_confidence_head")
+KEYS = (*KEYS_READ, "block_size", *HEADS_READ, "confidence_head_with_markov")  # what vLLM's dspark path reads
 
 
 def dspark_config(src: Source[DSparkHead]) -> dict:
