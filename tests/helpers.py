@@ -299,6 +299,27 @@ def save_tiny_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(folder)
 
 
+def dflash_layer_keys(i: int) -> dict:
+    p, d = f"layers.{i}", H // 4
+    s = {f"{p}.self_attn.q_proj.weight": (Q, H), f"{p}.self_attn.k_proj.weight": (KV, H)}
+    s |= {f"{p}.self_attn.v_proj.weight": (KV, H), f"{p}.self_attn.o_proj.weight": (H, Q)}
+    s |= {f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,)}
+    s |= {f"{p}.mlp.gate_proj.weight": (FF, H), f"{p}.mlp.up_proj.weight": (FF, H)}
+    s |= {f"{p}.mlp.down_proj.weight": (H, FF)}
+    return s | {f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,)}
+
+
+# what vLLM's DFlash (and DSpark) backbone loads for a tiny head of 2 layers over 3 target layers
+DFLASH_KEYS = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+DFLASH_KEYS |= {k: v for i in range(2) for k, v in dflash_layer_keys(i).items()}
+DFLASH_VOCAB_KEYS = {"lm_head.weight": (DRAFT_V, H), "d2t": (DRAFT_V,), "t2d": (V,)}
+
+
+def set_config(out: Path, **changes) -> None:
+    """An export's config.json with changes at its top level."""
+    edit_json(out / "config.json", lambda config: config.update(changes))
+
+
 def tiny_head(kind: str, target, **fields):
     """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it; fields: a DSpark config's
     own settings."""

@@ -10,12 +10,23 @@ import json
 
 import pytest
 from safetensors.torch import load_file
-from test_export_dflash import DRAFT_V, KEYS, LAYERS, VOCAB_KEYS, H, V, set_config
 
 from draftsmith.serve.export.base import ExportError, format_for, read_source
 from draftsmith.serve.export.checks import TOLERANCE, forward_pairs, mismatch, read_export
 from draftsmith.serve.export.pipeline import export, validate
-from helpers import edit_weights, export_drafters, flip_ten, rename, scale
+from helpers import (
+    DFLASH_KEYS,
+    DFLASH_VOCAB_KEYS,
+    DRAFT_V,
+    H,
+    V,
+    edit_weights,
+    export_drafters,
+    flip_ten,
+    rename,
+    scale,
+    set_config,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,12 +53,12 @@ def test_export_keys_shapes_config_and_card(tiny, tmp_path):
     tcfg, drafters = tiny
     out = export(drafters["draft-vocab"], "vllm", tmp_path / "out", tcfg, "fp32")
     tensors = load_file(str(out / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == KEYS | VOCAB_KEYS | HEAD_KEYS
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == DFLASH_KEYS | DFLASH_VOCAB_KEYS | HEAD_KEYS
     config = json.loads((out / "config.json").read_text())
     want = {
         "architectures": ["Qwen3DSparkModel"],
         "model_type": "qwen3",
-        "num_hidden_layers": LAYERS,
+        "num_hidden_layers": 2,
         "draft_vocab_size": DRAFT_V,
         "block_size": 4,
         "dflash_config": DFLASH_CONFIG,
@@ -67,7 +78,7 @@ def test_full_vocabulary_drafter_without_markov_confidence(tiny, tmp_path):
     tcfg, drafters = tiny
     out = export(drafters["full-vocab"], "vllm", tmp_path / "out", tcfg, "bf16")
     tensors = load_file(str(out / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == KEYS | {  # vLLM uses the target's lm_head
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == DFLASH_KEYS | {  # vLLM uses the target's lm_head
         "markov_head.markov_w1.weight": (V, R),
         "markov_head.markov_w2.weight": (V, R),
         "confidence_head.proj.weight": (1, H),
