@@ -315,6 +315,16 @@ DFLASH_KEYS |= {k: v for i in range(2) for k, v in dflash_layer_keys(i).items()}
 DFLASH_VOCAB_KEYS = {"lm_head.weight": (DRAFT_V, H), "d2t": (DRAFT_V,), "t2d": (V,)}
 
 
+def validation_failure(drafter: Path, fmt: str, out: Path, tcfg) -> str:
+    """The message of validate's refusal of the export at out (it must refuse)."""
+    from draftsmith.serve.export.base import ExportError
+    from draftsmith.serve.export.pipeline import validate
+
+    with pytest.raises(ExportError, match="fails validation") as e:
+        validate(drafter, fmt, out, tcfg)
+    return str(e.value)
+
+
 def set_config(out: Path, **changes) -> None:
     """An export's config.json with changes at its top level."""
     edit_json(out / "config.json", lambda config: config.update(changes))
