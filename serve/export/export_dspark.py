@@ -104,7 +104,9 @@ def speculator_block(config: dict, first: Tensor) -> tuple[Tensor, slice]:
     return block, slice(0 if anchored else 1, None)
 
 
-def markov_chain(w: dict[str, Tensor], config: dict, hidden: Tensor, logits: Tensor, ids: Tensor, first: Tensor):
+def markov_chain(
+    w: dict[str, Tensor], config: dict, hidden: Tensor, logits: Tensor, ids: Tensor, first: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """DSparkSpeculator._sample_sequential, greedy, and compute_confidence: from the anchor, slot k's logits plus
     W2 W1[prev], its argmax's target id the next prev. Returns (target ids [N], corrected logits [N, Vd],
     confidences [N])."""
@@ -147,7 +149,7 @@ def dspark_pairs(src: Source[DSparkHead], p: Probe[DSparkHead]) -> dict[str, tup
     pairs = {"hidden": (hidden, head.normed(out)), "target ids": (ids, head.vocab_ids)}
     # the chain reads a few rows of W1; vLLM may read any: every target id's Markov embedding
     every = torch.arange(head.config.vocab_size)
-    pairs["markov embeddings"] = (p.w[f"{MARKOV}1.weight"][every], head.markov_head.embed(every))
+    pairs["markov embeddings"] = (p.w[f"{MARKOV}1.weight"], head.markov_head.embed(every))
     names = ("draft tokens", "logits", "confidence")
     return pairs | {name: (a, b) for name, a, b in zip(names, theirs, mine, strict=True)}
 
