@@ -52,7 +52,7 @@ def print_headline(r: RunResult) -> None:
     for label, m in r.methods.items():
         lines.append(
             f"  {label:<13} {m.tokens_per_s:6.1f} tok/s  TPOT {m.tpot_ms:5.1f} ms  speedup {speedup_cell(m)}"
-            f"  tau {number(m, 'mean_acceptance_length')}"
+            f"  tau {number(m, 'mean_acceptance_length')}  rows/step {m.mean_verify_rows:.2f}"
         )
     lossless, cache = r.lossless, r.prefix_cache
     check = f"lossless: {lossless.identical}/{lossless.checked} identical"

@@ -49,6 +49,9 @@ def method_summary(name: str, m: Metrics) -> dict:
         "draft_tokens": m.draft_tokens,
         "accepted_tokens": m.accepted_tokens,
         "target_forward_passes": m.target_forward_passes,
+        "mean_verify_rows": m.mean_verify_rows,
+        "verify_rows": m.verify_rows,
+        "draft_ms_per_step": m.draft_ms_per_step,
         "requests": m.requests,
         "prefix_cache_hit_rate": m.prefix_hit_tokens / m.prefix_queried_tokens if m.prefix_queried_tokens else 0.0,
     }

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.serve.shared.cpu import cpu_name, cpuinfo
+
 from .results import Environment
 
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # CPU features that change matmul speed
@@ -31,25 +33,6 @@ def environment(device: torch.device, dtype: torch.dtype) -> Environment:
         cpu_count=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),  # usable
         commit=git_commit(),
     )
-
-
-def cpuinfo() -> dict[str, str]:
-    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break
-                name, _, value = line.partition(":")
-                info[name.strip()] = value.strip()
-    except OSError:
-        pass
-    return info
-
-
-def cpu_name() -> str:
-    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:

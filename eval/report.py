@@ -93,6 +93,22 @@ def acceptance(r: RunResult) -> str:
     return table(["method", *(str(i) for i in range(1, depth + 1))], rows) if depth else "(no drafts)"
 
 
+def verify_rows(r: RunResult) -> str:
+    """Rows a target pass verified (the pending token plus the draft nodes sent; spec.verify=cost cuts them) and the
+    proposer's time per pass."""
+    rows = [
+        [label, f"{m.mean_verify_rows:.2f}", f"{m.draft_ms_per_step:.2f}", rows_shares(m.verify_rows)]
+        for label, m in r.methods.items()
+    ]
+    return table(["method", "mean rows", "draft ms/step", "share of steps by rows"], rows)
+
+
+def rows_shares(counts: list[int]) -> str:
+    """'1: 10%, 4: 90%': each row count a step verified and its share of the steps."""
+    steps = sum(counts)
+    return ", ".join(f"{i + 1}: {c / steps:.0%}" for i, c in enumerate(counts) if c) if steps else "-"
+
+
 def lossless_line(r: RunResult) -> str:
     if r.temperature > 0:
         parts = [f"{label}: {lossless_cell(m)}" for label, m in r.methods.items()]
@@ -215,6 +231,7 @@ def render(r: RunResult, plots: list[Path]) -> str:
         "## Speedup by category\n\n" + category_table(r, "speedup", "{:.2f}x"),
         "## τ by category\n\n" + category_table(r, "mean_acceptance_length", "{:.2f}"),
         "## Per-position acceptance\n\n" + acceptance(r),
+        "## Verify rows per step\n\n" + verify_rows(r),
     ]
     if r.study:
         parts.append("## Prefix cache x speculation\n\n" + study(r.study))

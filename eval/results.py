@@ -16,7 +16,7 @@ from typing import Any
 
 # Bump it when results.json changes shape (a field added, renamed, moved or removed); a file of another version is
 # refused by load_results with the fix: re-run the eval.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: verify rows per step and draft time per step in every summary
 
 Interval = list[float] | None  # [low, high] of a 95% interval; None where there is none
 
@@ -38,6 +38,9 @@ class Summary:
     draft_tokens: int
     accepted_tokens: int
     target_forward_passes: int
+    mean_verify_rows: float  # rows per target pass: the pending token and the draft nodes verified
+    verify_rows: list[int]  # [i]: target passes that verified i + 1 rows (spec.verify=cost cuts drafts)
+    draft_ms_per_step: float  # time in the proposer (propose and accept) per target pass
     requests: int
     prefix_cache_hit_rate: float
     # number name -> its interval (acceptance_rate_per_position: one per position; speedup where compared); empty

@@ -96,7 +96,9 @@ def run_eval(cfg: EvalConfig) -> RunResult:
     prompts = pick_prompts(cfg)
     target = load_target(cfg.target)
     engines = {
-        arm: build_engine(target, spec_of(arm, methods), arm[1], cfg.max_seq_len, cfg.cuda_graphs)
+        arm: build_engine(
+            target, spec_of(arm, methods), arm[1], cfg.max_seq_len, cfg.cuda_graphs, cache_dir=cfg.target.cache_dir
+        )
         for arm in arms(cfg, methods)
     }
     check_first_turns_fit(prompts, target.tokenizer, cfg, min(e.max_seq_len for e in engines.values()))

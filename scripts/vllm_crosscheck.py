@@ -182,26 +182,13 @@ def dspark_load_check(job_file: Path) -> None:
     from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
-    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
-    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
 
     job = json.loads(job_file.read_text())
     target = ModelConfig(model=job["target"], dtype="float32", max_model_len=512)
     spec = SpeculativeConfig(
         method="dspark", model=job["model"], target_model_config=target, target_parallel_config=ParallelConfig()
     )
-    hf = spec.draft_model_config.hf_config
-    read = {
-        "method": spec.method,
-        "architectures": spec.draft_model_config.architectures,
-        "num_speculative_tokens (default)": spec.num_speculative_tokens,
-        "mask token": get_parallel_drafting_token_id(hf),
-        "target layers captured": list(get_eagle3_aux_layers_from_config(spec) or ()),
-        "non-causal": dflash_has_any_non_causal(hf),
-        "sample_from_anchor": getattr(hf, "sample_from_anchor", True),
-        "confidence_head_with_markov": getattr(hf, "confidence_head_with_markov", False),
-    }
+    read = dspark_config_read(spec)
     VllmConfig._validate_v1_model_runner = lambda self: None  # type: ignore[method-assign]
     vllm_config = VllmConfig(model_config=target, speculative_config=spec)
     with set_current_vllm_config(vllm_config):
@@ -213,22 +200,50 @@ def dspark_load_check(job_file: Path) -> None:
         w = load_file(str(Path(job["model"]) / "model.safetensors"))
         model.load_weights(w.items())
         process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
-        g = torch.Generator().manual_seed(0)
-        prev = torch.randint(0, hf.vocab_size, (8,), generator=g)
-        h = torch.randn(8, hf.hidden_size, generator=g)
-        e, w1, w2 = model.markov_embed(prev), w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
-        features = torch.cat([h, w1[prev]], -1) if read["confidence_head_with_markov"] else h
-        conf = torch.sigmoid(features @ w["confidence_head.proj.weight"].T + w["confidence_head.proj.bias"])[:, 0]
-        draft = torch.arange(w2.shape[0])
-        errors = {
-            "W1[prev]": (e - w1[prev]).abs().max().item(),
-            "bias": (model.markov_bias(e) - w1[prev] @ w2.T).abs().max().item(),
-            "confidence": (model.compute_confidence(h, e) - conf).abs().max().item(),
-            "d2t": float(not torch.equal(model.map_draft_to_target(draft), draft + w.get("d2t", 0 * draft))),
-        }
-        if "lm_head.weight" in w:
-            errors["logits"] = (model.compute_draft_logits(h) - h @ w["lm_head.weight"].T).abs().max().item()
+        errors = dspark_head_errors(model, w, spec.draft_model_config.hf_config, read["confidence_head_with_markov"])
     print(f"vLLM's own code reads the export: {read}; loads all {len(w)} tensors; max |diff| {errors}")
+
+
+def dspark_config_read(spec) -> dict:
+    """What vLLM's dspark path takes from the export's config.json (its own functions reading it)."""
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    hf = spec.draft_model_config.hf_config
+    return {
+        "method": spec.method,
+        "architectures": spec.draft_model_config.architectures,
+        "num_speculative_tokens (default)": spec.num_speculative_tokens,
+        "mask token": get_parallel_drafting_token_id(hf),
+        "target layers captured": list(get_eagle3_aux_layers_from_config(spec) or ()),
+        "non-causal": dflash_has_any_non_causal(hf),
+        "sample_from_anchor": getattr(hf, "sample_from_anchor", True),
+        "confidence_head_with_markov": getattr(hf, "confidence_head_with_markov", False),
+    }
+
+
+def dspark_head_errors(model, w: dict, hf, with_markov: bool) -> dict[str, float]:
+    """Max |diff| of vLLM's loaded Markov embedding and bias, confidence, d2t and draft logits against the same
+    products of the file's tensors, on random previous tokens and hidden states."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prev = torch.randint(0, hf.vocab_size, (8,), generator=g)
+    h = torch.randn(8, hf.hidden_size, generator=g)
+    e, w1, w2 = model.markov_embed(prev), w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    features = torch.cat([h, w1[prev]], -1) if with_markov else h
+    conf = torch.sigmoid(features @ w["confidence_head.proj.weight"].T + w["confidence_head.proj.bias"])[:, 0]
+    draft = torch.arange(w2.shape[0])
+    errors = {
+        "W1[prev]": (e - w1[prev]).abs().max().item(),
+        "bias": (model.markov_bias(e) - w1[prev] @ w2.T).abs().max().item(),
+        "confidence": (model.compute_confidence(h, e) - conf).abs().max().item(),
+        "d2t": float(not torch.equal(model.map_draft_to_target(draft), draft + w.get("d2t", 0 * draft))),
+    }
+    if "lm_head.weight" in w:
+        errors["logits"] = (model.compute_draft_logits(h) - h @ w["lm_head.weight"].T).abs().max().item()
+    return errors
 
 
 def counters_of(llm) -> dict:
@@ -384,13 +399,21 @@ def call_vllm(args, job: dict, work: Path, name: str, mode: str = "--vllm-job") 
     print(f"[{name}] vLLM running (log: {log})", flush=True)
     code = in_vllm_env(args, [mode, str(job_file), "--vllm-out", str(out_file)], log)
     if code != 0 or not out_file.is_file():
-        lines = log.read_text().splitlines()
-        refused = next((line.strip() for line in reversed(lines) if "Value error, " in line), None)  # VllmConfig
-        if refused:
-            raise VllmRefused(f"vLLM refuses the configuration ({refused}; log: {log})")
-        tail = "\n".join(lines[-25:])
+        reason = refusal(log)
+        if reason:
+            raise VllmRefused(f"{reason} (log: {log})")
+        tail = "\n".join(log.read_text().splitlines()[-25:])
         raise RuntimeError(f"vLLM failed for {name} (exit {code}); last lines of {log}:\n{tail}")
     return json.loads(out_file.read_text())
+
+
+def refusal(log: Path) -> str | None:
+    """Why vLLM refused its configuration (VllmConfig's validation, before anything runs), from its log."""
+    lines = log.read_text().splitlines() if log.is_file() else []
+    refused = next((line for line in reversed(lines) if "Value error, " in line), None)
+    if refused is None:
+        return None
+    return f"vLLM refuses the configuration: {refused.split('Value error, ', 1)[1].split(' [type=', 1)[0]}"
 
 
 class VllmRefused(RuntimeError):
@@ -547,7 +570,7 @@ class Runner:
     def row(self, label: str, name: str, spec, job: dict) -> tuple:
         ours, m = run_draftsmith(self.target, spec, self.prompts, self.args.max_new_tokens, self.max_len)
         print(f"[{name}] draftsmith engine == plain: {same(ours, self.plain)}/{len(self.prompts)}", flush=True)
-        mine = f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts){by_position(m.acceptance_rate_per_position())}"
+        mine = f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts){by_position(m.acceptance_rate_per_position)}"
         try:
             v = call_vllm(self.args, self.base_job | {"passes": 1} | job, self.work, name)  # one prompt at a time
         except VllmRefused as e:  # the rest of the table still runs

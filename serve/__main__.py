@@ -40,14 +40,17 @@ def run(cfg: GenerateConfig) -> None:
         if cfg.chat
         else encode_raw(target.tokenizer, cfg.prompt)
     )
-    engine = build_engine(target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len, cfg.cuda_graphs)
+    engine = build_engine(
+        target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len, cfg.cuda_graphs, cache_dir=cfg.target.cache_dir
+    )
     g = engine.generate(ids, cfg.max_new_tokens, sp)
     m = g.metrics
     print(target.tokenizer.decode(g.output_ids, skip_special_tokens=True))
     print(
         f"\n[{cfg.spec.name}] {m.new_tokens} tokens in {m.total_s:.2f} s: {m.tokens_per_s:.1f} tok/s, "
         f"TTFT {m.ttft_s * 1000:.0f} ms, TPOT {m.tpot_s * 1000:.1f} ms, "
-        f"tau {m.mean_acceptance_length:.2f}, target passes {m.target_forward_passes}, "
+        f"tau {m.mean_acceptance_length:.2f}, target passes {m.target_forward_passes} "
+        f"({m.mean_verify_rows:.2f} rows each, drafting {m.draft_ms_per_step:.1f} ms each), "
         f"device {engine.model.device}, dtype {str(engine.model.dtype).removeprefix('torch.')}"
     )
 

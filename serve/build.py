@@ -8,8 +8,10 @@ from pathlib import Path
 
 from draftsmith.heads.drafter_folder import read_meta
 from draftsmith.heads.kinds import DraftShape, by_spec, folder_shape, get, resolve
+from draftsmith.serve.engine.cost_profile import load_or_measure
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.export.foreign import (
     foreign_format,
@@ -122,10 +124,12 @@ def build_engine(
     max_seq_len: int,
     cuda_graphs: str = "auto",
     prefix_cache_bytes: int = 1 << 30,
+    cache_dir: str | None = None,
 ) -> Engine:
+    """cache_dir: the target's (target.cache_dir), where spec.verify=cost keeps this machine's verify cost curve."""
     spec = resolve_shape(spec)  # the salt names the shape drafted
     proposer = make_proposer(spec, target)
-    return Engine(
+    engine = Engine(
         target.model,
         proposer,
         PrefixCache(max_bytes=prefix_cache_bytes) if prefix_cache else None,
@@ -134,3 +138,6 @@ def build_engine(
         salt=engine_salt(target, spec),
         cuda_graphs=cuda_graphs,
     )
+    if spec.verify == "cost" and proposer is not None:
+        engine.schedule = CostSchedule(load_or_measure(engine, target.target_id, cache_dir))
+    return engine

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 from draftsmith.heads.kinds import KINDS, by_spec, specs
 from draftsmith.serve.engine.tree import TreeConfig
 
+VERIFY = ("fixed", "cost")
+
 
 @dataclass
 class SuffixConfig:
@@ -53,6 +55,10 @@ class SpecConfig:
     suffix: SuffixConfig = field(default_factory=SuffixConfig)  # suffix (and suffix_tokens): vLLM's suffix settings
     draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
+    # fixed: verify every draft whole | cost: verify the part that emits the most tokens per second, by the drafter's
+    # accept probabilities and this machine's measured verify cost (serve/engine/schedule.py); a draft without
+    # accept probabilities (n-gram, suffix) is verified whole
+    verify: str = "fixed"
 
     def __post_init__(self) -> None:  # checked when the config is built, before any model loads
         if self.name not in specs():
@@ -71,6 +77,8 @@ class SpecConfig:
             raise ValueError("spec.ngram_tokens and spec.suffix_tokens both set: pair the drafter with one lookup")
         if self.draft_vocab < 0:
             raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
+        if self.verify not in VERIFY:
+            raise ValueError(f"spec.verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
         if self.draft_vocab and self.name not in vocab_specs():
             raise ValueError(draft_vocab_refusal(self.name))
 

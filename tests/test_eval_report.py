@@ -62,7 +62,13 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
     out, results = evaluated
     path = write_report(out, results)
     text = path.read_text()
-    for heading in ("## Overall", "## Speedup by category", "## τ by category", "## Per-position acceptance"):
+    for heading in (
+        "## Overall",
+        "## Speedup by category",
+        "## τ by category",
+        "## Per-position acceptance",
+        "## Verify rows per step",
+    ):
         assert heading in text
     assert "| ngram |" in text and "| layerskip |" in text and "| method | rag | all |" in text
     assert "Greedy: 4/4 turns identical to plain decoding (lossless)." in text

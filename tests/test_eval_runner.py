@@ -18,7 +18,7 @@ from draftsmith.eval.journal import unfinished
 from draftsmith.eval.methods import drafter_params, resolve_methods
 from draftsmith.eval.prompts import Prompt
 from draftsmith.eval.report import study, write_report
-from draftsmith.eval.results import Effect, Identical, Lossless, dump, load_results, to_json
+from draftsmith.eval.results import SCHEMA_VERSION, Effect, Identical, Lossless, dump, load_results, to_json
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
 from draftsmith.heads.drafter_folder import Recipe, save_drafter
@@ -56,6 +56,7 @@ def prompts_file(tmp_path_factory):
 def two_methods(tiny_target, prompts_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("ev") / "ev"
     overrides = ["spec=ngram", "methods=[layerskip]", "methods.layerskip.layers=1", "repeats=2", "max_new_tokens=6"]
+    overrides.append("methods.layerskip.verify=cost")  # its drafts cut by this machine's verify cost
     return out, run_eval(eval_config(tiny_target, out, f"prompts={prompts_file}", *overrides))
 
 
@@ -72,6 +73,10 @@ def test_several_methods_and_repeats_keep_the_spec_keys_and_add_methods(two_meth
     assert r.lossless.checked == 16 == r.lossless.identical
     assert r.methods["ngram"].drafter_params == 0 and r.methods["layerskip"].drafter_params is None
     assert r.prefix_cache.hit_tokens > 0  # turn 2 of "a" reuses turn 1
+    for m in (r.baseline, *r.methods.values()):  # rows per step: plain decoding verifies the pending token alone
+        assert sum(m.verify_rows) == m.target_forward_passes and m.mean_verify_rows >= 1
+    assert r.baseline.verify_rows == [r.baseline.target_forward_passes]
+    assert r.methods["layerskip"].config["verify"] == "cost"
     assert written == to_json(r)
 
 
@@ -81,7 +86,7 @@ def test_results_json_round_trips_through_the_types(two_methods):
     text = (out / "results.json").read_text()
     loaded = load_results(out / "results.json")
     assert loaded == r and dump(loaded) == text
-    assert json.loads(text)["schema_version"] == 1 and text.count('"schema_version"') == 1
+    assert json.loads(text)["schema_version"] == SCHEMA_VERSION and text.count('"schema_version"') == 1
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""format=gguf: EAGLE-3 heads as llama.cpp's `eagle3` GGUF (serve/export/export_eagle3_gguf.py) and DFlash heads as
-its `dflash` GGUF (serve/export/export_dflash_gguf.py), beside a GGUF of their target. The files read back with the
+"""format=gguf: EAGLE-3 heads as llama.cpp's `eagle3` GGUF (serve/export/export_eagle3_gguf.py), DFlash heads as
+its `dflash` GGUF (serve/export/export_dflash_gguf.py) and DSpark heads as that with its Markov and confidence heads
+(serve/export/export_dspark_gguf.py), beside a GGUF of their target. The files read back with the
 gguf package as llama.cpp reads them (names, ne order, types, absolute d2t, the target's tokenizer, DFlash's mask
 token); the validators' llama.cpp-convention forwards catching a wrongly permuted q, a renamed tensor, a shifted
 d2t, another tokenizer or mask token, a causal flag; refusals of what llama.cpp cannot run and of a GGUF target that
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter_folder import Recipe, TargetInfo, save_drafter
+from draftsmith.heads.dspark import DSparkConfig, DSparkHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.export.__main__ import ExportConfig, run
 from draftsmith.serve.export.base import ExportError
@@ -240,16 +242,22 @@ DFLASH_VOCAB = {"output.weight": [H, DRAFT_V], "d2t": [DRAFT_V]}
 @pytest.fixture(scope="module")
 def dflash(tiny, tmp_path_factory):
     """2-layer DFlash drafters of the tiny target: over a draft vocabulary, and over the full one."""
-    tcfg, _, target, _ = tiny
-    root = tmp_path_factory.mktemp("dflash")
-    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
+    target = tiny[2]
     full = DFlashHead(DFlashConfig.from_target(target.config, num_layers=2, draft_vocab_size=V), target)
+    return two_vocabularies(tiny, tmp_path_factory.mktemp("dflash"), "dflash", full)
+
+
+def two_vocabularies(tiny, root: Path, kind: str, full) -> dict[str, Path]:
+    """The kind's tiny drafter over a draft vocabulary, and `full` (nudged off its initial weights) over the full
+    one."""
+    tcfg, _, target, _ = tiny
+    info = TargetInfo(target_id(tcfg, Path(tcfg.path)), H, V, 3)
     with torch.no_grad():
         for p in full.parameters():
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
-    folder = save_drafter(full, full.config, "dflash", info, Recipe(), root / "full")
-    return {"draft-vocab": save_tiny("dflash", target, info, root / "draft-vocab"), "full-vocab": folder}
+    folder = save_drafter(full, full.config, kind, info, Recipe(), root / "full")
+    return {"draft-vocab": save_tiny(kind, target, info, root / "draft-vocab"), "full-vocab": folder}
 
 
 def test_dflash_gguf_is_llamacpps_dflash_file(tiny, dflash, tmp_path):
@@ -395,3 +403,101 @@ def test_gguf_refuses_a_qwen2_target(tiny_llama_dir, tmp_path):
         refusal = f"model_type='qwen2'; format=gguf serves {kind} drafters for llama, mistral, qwen3 targets only"
         with pytest.raises(ExportError, match=refusal):
             export(folder, "gguf", tmp_path / f"out-{kind}", tcfg, "fp32", gguf_target=target_gguf)
+
+
+# ---------------------------------------------------------------- DSpark: `dflash` with the Markov and confidence heads
+
+DSPARK_HEADS = {"markov_w1.weight": [8, V], "markov_w2.weight": [8, DRAFT_V], "conf_proj.weight": [H + 8, 1]}
+DSPARK_HEADS |= {"conf_proj.bias": [1]}
+
+
+@pytest.fixture(scope="module")
+def dspark(tiny, tmp_path_factory):
+    """DSpark drafters of the tiny target: over a draft vocabulary, and over the full one with a block of 3 and a
+    confidence head that reads h_k alone."""
+    target = tiny[2]
+    cfg = DSparkConfig.from_target(
+        target.config, draft_vocab_size=V, markov_rank=8, block_size=3, confidence_with_markov=False
+    )
+    return two_vocabularies(tiny, tmp_path_factory.mktemp("dspark"), "dspark", DSparkHead(cfg, target))
+
+
+def test_dspark_gguf_is_llamacpps_dflash_file_with_its_markov_head(tiny, dspark, tmp_path):
+    out = gguf_export(tiny, tmp_path / "out", drafter=dspark["draft-vocab"])
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "dspark.gguf"]
+    r = gguf.GGUFReader(str(out / "dspark.gguf"))
+    f = r.fields
+    assert f["general.architecture"].contents() == "dflash" and f["dflash.block_size"].contents() == 4
+    for flag in ("dflash.sample_from_anchor", "dflash.has_confidence_head"):  # anchor-first, conf(i) computed
+        assert f[flag].contents() is True and f[flag].types == [GGUFValueType.BOOL]
+    assert {t.name: t.shape.tolist() for t in r.tensors} == DFLASH_SHAPES | DFLASH_VOCAB | DSPARK_HEADS
+    mine = load_file(str(dspark["draft-vocab"] / "model.safetensors"))
+    t = {x.name: torch.from_numpy(x.data.copy()) for x in r.tensors}
+    assert torch.equal(t["markov_w1.weight"], mine["markov_head.markov_w1.weight"])
+    assert torch.equal(t["conf_proj.bias"], mine["confidence_head.proj.bias"])
+    assert torch.equal(t["d2t"], torch.arange(DRAFT_V) + mine["d2t"])
+    card = (out / "README.md").read_text()
+    assert f"-md {out.resolve()}/dspark.gguf --spec-type draft-dspark --spec-draft-n-max 4" in card
+
+
+def test_dspark_gguf_over_the_full_vocabulary_pads_a_confidence_head_of_h_alone(tiny, dspark, tmp_path):
+    out = gguf_export(tiny, tmp_path / "out", drafter=dspark["full-vocab"])
+    t = {x.name: torch.from_numpy(x.data.copy()) for x in gguf.GGUFReader(str(out / "dspark.gguf")).tensors}
+    assert "output.weight" not in t and "d2t" not in t  # llama.cpp runs the target's output, as DFlash's
+    assert t["markov_w2.weight"].shape == (V, 8) and t["conf_proj.weight"].shape == (1, H + 8)
+    assert not t["conf_proj.weight"][:, H:].any()  # W1[x]'s columns: zero, conf reads h_k alone
+    assert "--spec-type draft-dspark --spec-draft-n-max 3" in (out / "README.md").read_text()
+
+
+def rename_markov(meta, tensors):
+    tensors["markov_head.markov_w1.weight"] = tensors.pop("markov_w1.weight")
+
+
+def drop_confidence(meta, tensors):
+    del tensors["conf_proj.weight"], tensors["conf_proj.bias"]
+
+
+def scale_markov(meta, tensors):
+    tensors["markov_w2.weight"] = tensors["markov_w2.weight"] * 1.5
+
+
+def shift_confidence(meta, tensors):
+    tensors["conf_proj.bias"] = tensors["conf_proj.bias"] + 0.1
+
+
+def bonus_anchor(meta, tensors):  # SpecForge's layout: slot 0 a bonus token, the drafts one later
+    meta["dflash.sample_from_anchor"] = gguf.GGUFValue(False, GGUFValueType.BOOL)
+
+
+def no_confidence_flag(meta, tensors):
+    del meta["dflash.has_confidence_head"]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (rename_markov, "missing key markov_w1.weight"),
+        (drop_confidence, "missing key conf_proj.weight"),
+        (shift_d2t, "target ids off"),
+        (scale_markov, "forward differs from the drafter's: markov logits"),
+        (shift_confidence, "forward differs from the drafter's: confidence"),
+        (bonus_anchor, "dflash.sample_from_anchor=False, expected True"),
+        (no_confidence_flag, "dflash.has_confidence_head='<missing>', expected True"),
+        (other_mask, "tokenizer.ggml.mask_token_id differs from the target GGUF's"),
+    ],
+)
+def test_dspark_gguf_validator_catches(tiny, dspark, tmp_path, change, message):
+    tcfg, _, _, target_gguf = tiny
+    out = gguf_export(tiny, tmp_path / "out", drafter=dspark["draft-vocab"])
+    edit_gguf(out / "dspark.gguf", change)
+    with pytest.raises(ExportError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validate(dspark["draft-vocab"], "gguf", out, tcfg, str(target_gguf))
+
+
+def test_dspark_gguf_refuses_sequential_heads_llamacpp_does_not_compute(tiny, tmp_path):
+    cases = {
+        "Markov head is 'gated'; .* vanilla head .*head.args.markov_type=vanilla": dict(markov_type="gated"),
+        "Markov head is 'rnn'": dict(markov_type="rnn"),
+        "its attention has biases": dict(attention_bias=True),
+    }
+    assert_refused(tiny, tmp_path, "dspark", DSparkConfig, DSparkHead, cases)

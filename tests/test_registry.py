@@ -1,14 +1,16 @@
 """Every registered drafter kind through the same checks, parametrized over the registry (heads/kinds.py), so a
 new kind gets them by registering: its references resolve and its spec and configs exist; one training step on a
 tiny target; save and load; greedy output equal to plain decoding from the saved folder, drafting the shape the
-folder records; speculative sampling keeping the target's distribution (chi-square on a vocabulary-8 target); and
-export + validation in every format it declares, the serve commands asking for the folder's shape."""
+folder records; speculative sampling keeping the target's distribution (chi-square on a vocabulary-8 target); both
+with each draft verified whole and cut by a cost schedule (spec.verify=cost); and export + validation in every
+format it declares, the serve commands asking for the folder's shape."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -22,11 +24,13 @@ from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.schedule import CostSchedule
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.export.base import Format
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_tokenizer, target_id
-from draftsmith.serve.spec import SpecConfig
+from draftsmith.serve.spec import VERIFY, SpecConfig
 from draftsmith.train.head import HeadConfig, build_head, trained_kind
 from draftsmith.train.trainer import feature_batch, loss_for
 from helpers import PROMPTS, SMALL, SMALL_PROMPT, exact_joint, pooled_chi2_pvalue, save_tiny_gguf, save_tiny_tokenizer
@@ -39,6 +43,14 @@ FORMATS = [(name, fmt) for name in BUILTIN for fmt in kinds.get(name).formats]
 # not any kind's default: the folder's shape must be what the engine and the export's commands use
 SHAPE = DraftShape(num_tokens=2, topk=2, total_tokens=3, choices=[[0], [1], [0, 0]])
 CONF = Path(draftsmith.conf.__path__[0])
+# a verify cost curve steep enough that a random head's drafts are cut often, and not always to nothing
+STEEP = CostSchedule(lambda rows: 1.0 + 0.01 * rows)
+
+
+def scheduled(engine: Engine, verify: str) -> Engine:
+    """The engine with spec.verify's schedule, on a made-up cost curve (the measured one: test_cost_profile.py)."""
+    engine.schedule = STEEP if verify == "cost" else None
+    return engine
 
 
 def test_every_reference_resolves_and_every_kind_has_its_configs():
@@ -137,22 +149,27 @@ def test_trains_one_step_then_saves_and_loads(kind, tiny, drafters):
     assert all(torch.equal(v, own_state(head)[k]) for k, v in own_state(loaded).items())
 
 
+@pytest.mark.parametrize("verify", VERIFY)
 @pytest.mark.parametrize("kind", BUILTIN)
-def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, tiny, drafters):
+def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, verify, tiny, drafters):
     target, (_, folder), spec_name = tiny[1], drafters(kind), kinds.get(kind).name
     spec = resolve_shape(SpecConfig(spec_name, drafter=str(folder)))
     shape = kinds.get(kind).shape(SHAPE)
     assert (spec.num_tokens, spec.tree.topk, spec.tree.total_tokens, spec.choices) == tuple(asdict(shape).values())
     assert resolve_shape(SpecConfig(spec_name, 1, drafter=str(folder))).num_tokens == 1  # the spec's own wins
-    engine = Engine(target.model, make_proposer(SpecConfig(spec_name, drafter=str(folder)), target), max_seq_len=96)
+    proposer = make_proposer(SpecConfig(spec_name, drafter=str(folder)), target)
+    engine = scheduled(Engine(target.model, proposer, max_seq_len=96), verify)
     plain = Engine(target.model, max_seq_len=96)
-    drafts = 0
+    drafts, rows = 0, Counter()
     for p in PROMPTS:
         out = engine.generate(p, 16, SamplingParams())
         assert out.output_ids == plain.generate(p, 16, SamplingParams()).output_ids, (kind, p)
         assert len(out.metrics.accepted_per_position) <= spec.num_tokens
         drafts += out.metrics.drafts
+        rows.update({i + 1: c for i, c in enumerate(out.metrics.verify_rows) if c})
     assert drafts > 0
+    if verify == "cost":  # every kind's drafts carry accept probabilities, and most steps were cut
+        assert rows[1 + proposer.max_tree_size] < drafts / 2, sorted(rows.items())
 
 
 @pytest.mark.parametrize("kind", BUILTIN)
@@ -190,15 +207,20 @@ def small(tiny_llama_dir):
     )
 
 
-@pytest.mark.parametrize("kind", BUILTIN)
-def test_speculative_sampling_keeps_the_target_distribution(kind, small, tmp_path):
-    target, joint = small
+def sampling_engine(kind: str, small, folder: Path, verify: str, chain: bool = False) -> Engine:
+    target = small[0]
     c = target.model.config
     info = TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
     head, config, _ = one_step(kind, target, seed=3)
-    folder = save_drafter(head, config, kind, info, Recipe(), tmp_path / kind, draft=SHAPE)
-    proposer = make_proposer(SpecConfig(kinds.get(kind).name, drafter=str(folder)), target)
-    engine = Engine(target.model, proposer, max_seq_len=16)
+    save_drafter(head, config, kind, info, Recipe(), folder, draft=SHAPE)
+    spec = SpecConfig(kinds.get(kind).name, drafter=str(folder))
+    if chain:
+        spec.tree = TreeConfig(1, 0)
+    return scheduled(Engine(target.model, make_proposer(spec, target), max_seq_len=16), verify)
+
+
+def check_sampling(kind: str, engine: Engine, joint: torch.Tensor) -> None:
+    """400 draws of 3 tokens against the exact joint, by pairs of positions (too few draws for all 512 cells)."""
     draws, accepted = [], 0
     for i in range(400):
         out = engine.generate(SMALL_PROMPT, 3, SamplingParams(temperature=1.0, seed=30_000 + i))
@@ -206,11 +228,29 @@ def test_speculative_sampling_keeps_the_target_distribution(kind, small, tmp_pat
         accepted += out.metrics.accepted_tokens
     assert 0 < accepted  # drafts were accepted (and, with a random head, rejected): both branches ran
     x = torch.tensor(draws)
-    pvalues = (  # pairs: 400 draws fill too few of the 512 cells of all three
+    pvalues = (
         pooled_chi2_pvalue(x[:, 0] * 8 + x[:, 1], joint.sum(2).flatten()),
         pooled_chi2_pvalue(x[:, 1] * 8 + x[:, 2], joint.sum(0).flatten()),
     )
     assert min(pvalues) > 1e-4, (kind, pvalues)
+
+
+@pytest.mark.parametrize("verify", VERIFY)
+@pytest.mark.parametrize("kind", BUILTIN)
+def test_speculative_sampling_keeps_the_target_distribution(kind, verify, small, tmp_path):
+    check_sampling(kind, sampling_engine(kind, small, tmp_path / kind, verify), small[1])
+
+
+# kinds whose draft a tree topk shapes: with topk 1 under sampling they draw a chain, which the schedule may cut only
+# by what the levels above a level say (serve/engine/schedule.py)
+CHAINS = [k for k in BUILTIN if "topk" in kinds.get(k).draft_keys]
+
+
+@pytest.mark.parametrize("kind", CHAINS)
+def test_a_sampled_chain_cut_by_the_cost_schedule_keeps_the_target_distribution(kind, small, tmp_path):
+    engine = sampling_engine(kind, small, tmp_path / kind, "cost", chain=True)
+    engine.schedule = CostSchedule(lambda rows: 1.0 + 0.02 * rows)  # the second level left out of many steps
+    check_sampling(kind, engine, small[1])
 
 
 @pytest.mark.parametrize("kind,fmt", FORMATS)
@@ -229,8 +269,9 @@ def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters
         assert steps + f"--speculative-num-draft-tokens {shape.draft_tokens() + 1}" in card
     if f.tgi:
         assert f"--speculate {shape.num_tokens}" in card
-    if f.llamacpp:  # llama.cpp's dflash block is n-max + 1 slots: the head's whole block, whatever it drafts here
-        depth = drafters(kind)[0].config.block_size - 1 if kind == "dflash" else shape.num_tokens
+    if f.llamacpp:  # llama.cpp's block is n-max + 1 slots for dflash, n-max for dspark: the head's whole block
+        block = getattr(drafters(kind)[0].config, "block_size", 0)
+        depth = {"dflash": block - 1, "dspark": block}.get(kind, shape.num_tokens)
         assert f"--spec-type {f.llamacpp} --spec-draft-n-max {depth}" in card
 
 

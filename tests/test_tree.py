@@ -170,7 +170,7 @@ def test_rerank_keeps_the_best_nodes_with_all_their_ancestors():
         parents, scores = random_scored_tree(g, n)
         keep = int(torch.randint(1, n + 2, (1,), generator=g))
         probs = torch.eye(n)  # row i names node i
-        tree = rerank(torch.arange(n) + 100, parents, scores, keep, probs)
+        tree = rerank(DraftTree(torch.arange(n) + 100, parents, probs), scores, keep)
         kept = (tree.tokens - 100).tolist()  # original index of each kept node
         assert len(kept) == min(keep, n) and kept == sorted(kept)
         assert tree.draft_probs.argmax(-1).tolist() == kept
@@ -188,5 +188,5 @@ def test_rerank_keeps_all_when_the_tree_fits():
     from draftsmith.serve.proposers.topk_trees import rerank
 
     tokens, parents = torch.tensor([5, 6, 7]), torch.tensor([-1, 0, 0])
-    tree = rerank(tokens, parents, torch.tensor([-1.0, -1.0, -3.0]), 3, None)
+    tree = rerank(DraftTree(tokens, parents), torch.tensor([-1.0, -1.0, -3.0]), 3)
     assert tree.tokens.equal(tokens) and tree.parents.equal(parents) and tree.draft_probs is None

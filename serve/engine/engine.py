@@ -1,6 +1,8 @@
-"""The speculative engine: prefill (with prefix cache), then propose -> verify -> keep, batch 1.
+"""The speculative engine: prefill (with prefix cache), then propose -> (cut) -> verify -> keep, batch 1.
 
-Plain decoding is the same loop with no proposer: every step verifies an empty tree.
+Plain decoding is the same loop with no proposer: every step verifies an empty tree. With a cost schedule
+(spec.verify=cost, serve/engine/schedule.py) a step verifies only the part of the draft worth its rows; the proposer
+still hears about the tree it drafted.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.observer import Observer
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams, pick
+from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.engine.verify import verify
 from draftsmith.serve.proposers.base import Proposer
@@ -33,7 +36,9 @@ class Engine:
     max_seq_len: int = 4096
     salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
     cuda_graphs: str = "auto"  # static-shape step (graphs.py): auto | graphs | eager | off
+    schedule: CostSchedule | None = None  # cut each draft to what pays for its verify rows (None: verify it whole)
     cache: KVCache = field(init=False, repr=False)
+    accept_s: float = field(init=False, default=0.0)  # the proposer's accept() last step: part of its cost per step
 
     def __post_init__(self) -> None:
         tree = self.proposer.max_tree_size if self.proposer else 0
@@ -156,7 +161,9 @@ class Engine:
         """One target pass over [pending token, draft tree]; returns the new sequence length.
         budget: how many more tokens the request may emit (the pending one counted as emitted)."""
         cached = n - 1
-        tree = self.proposer.propose(tokens[:n], sp, budget) if self.proposer else DraftTree.empty(tokens.device)
+        drafted, propose_s = self.propose(tokens[:n], sp, budget)
+        kept = self.schedule.cut(drafted, propose_s + self.accept_s, sp.greedy) if self.schedule else None
+        tree = drafted if kept is None else drafted.subtree(kept)
         size = len(tree)
         if size == 0:
             out = self.forward(tokens[cached:n], torch.arange(cached, n, device=tokens.device), cached, None)
@@ -171,17 +178,38 @@ class Engine:
             tokens[n : n + len(path)] = tree.tokens[nodes]
         end = n + len(path)
         reach = self.reach(tokens[n:end].tolist(), budget)
-        m.record_step(int((tree.depths <= reach).sum()), min(len(path), reach))
+        m.record_step(int((tree.depths <= reach).sum()), min(len(path), reach), size + 1)
         tokens[end] = verdict.next_token
         watching = observer if observer is not None and observer.wants_outputs else None
         if self.proposer or watching:
             rows = torch.tensor([0] + [i + 1 for i in path], device=tokens.device)
             verified = select_rows(out, rows)
             if self.proposer:
-                self.proposer.accept(tokens[: end + 1], tree, path, verified)
+                # the proposer's own node indices: it may keep state per node of the tree it drafted
+                drafted_path = path if kept is None else kept[path].tolist()
+                self.accept(tokens[: end + 1], drafted, drafted_path, verified)
             if watching:
                 watching.accept(tokens[: end + 1], path, verified)
+        m.draft_s += propose_s + self.accept_s
         return end + 1
+
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> tuple[DraftTree, float]:
+        """The proposer's draft (an empty one for plain decoding) and the seconds it took."""
+        if self.proposer is None:
+            return DraftTree.empty(tokens.device), 0.0
+        begin = time.perf_counter()
+        tree = self.proposer.propose(tokens, sp, budget)
+        if self.schedule is not None:
+            self.sync()
+        return tree, time.perf_counter() - begin
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
+        assert self.proposer is not None, "only a proposer is told what was accepted"
+        begin = time.perf_counter()
+        self.proposer.accept(tokens, tree, path, out)
+        if self.schedule is not None:
+            self.sync()
+        self.accept_s = time.perf_counter() - begin
 
     def forward(
         self, inputs: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None

@@ -12,6 +12,8 @@ class Metrics:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose depth i+1 was accepted
     target_forward_passes: int = 0
+    verify_rows: list[int] = field(default_factory=list)  # [i]: target passes that verified i + 1 rows
+    draft_s: float = 0.0  # seconds in the proposer (propose and accept), summed
     new_tokens: int = 0
     prompt_tokens: int = 0
     prefix_queried_tokens: int = 0
@@ -20,10 +22,13 @@ class Metrics:
     total_s: float = 0.0
     requests: int = 1  # pooled totals start from Metrics(requests=0)
 
-    def record_step(self, draft_size: int, accepted: int) -> None:
+    def record_step(self, draft_size: int, accepted: int, rows: int = 1) -> None:
         """One target pass. draft_size, accepted: drafted and accepted nodes within the output only (the engine
-        leaves out those past max_new_tokens or an accepted EOS), so tau never counts tokens that were cut."""
+        leaves out those past max_new_tokens or an accepted EOS), so tau never counts tokens that were cut.
+        rows: what the pass verified (the pending token and every node sent, within the output or not)."""
         self.target_forward_passes += 1
+        self.verify_rows += [0] * (rows - len(self.verify_rows))
+        self.verify_rows[rows - 1] += 1
         if draft_size == 0:
             return
         self.drafts += 1
@@ -37,8 +42,8 @@ class Metrics:
     def merge(self, other: Metrics) -> None:
         """Pool counters over requests (tau is pooled over drafts, not a mean of means)."""
         for name, value in vars(other).items():
-            if name == "accepted_per_position":
-                self.accepted_per_position = add_lists(self.accepted_per_position, value)
+            if isinstance(value, list):
+                setattr(self, name, add_lists(getattr(self, name), value))
             else:
                 setattr(self, name, getattr(self, name) + value)
 
@@ -53,6 +58,15 @@ class Metrics:
     @property
     def draft_acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_verify_rows(self) -> float:
+        steps = sum(self.verify_rows)
+        return sum((i + 1) * c for i, c in enumerate(self.verify_rows)) / steps if steps else 0.0
+
+    @property
+    def draft_ms_per_step(self) -> float:
+        return 1000 * self.draft_s / self.target_forward_passes if self.target_forward_passes else 0.0
 
     @property
     def mean_ttft_s(self) -> float:

@@ -3,7 +3,8 @@
 Node i has a token, a parent (-1 = the root, i.e. the pending token whose KV is not cached
 yet) and a depth (root children have depth 1). Nodes are topologically ordered (parent < i).
 For sampling, each node also carries the draft distribution its token was drawn from, given
-its earlier siblings; a deterministic choice (greedy, n-gram, top-k) is a one-hot row.
+its earlier siblings; a deterministic choice (greedy, n-gram, top-k) is a one-hot row. A drafter that knows how
+likely its nodes are also sets accept_probs, which the engine's cost schedule (serve/engine/schedule.py) cuts by.
 """
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ class DraftTree:
     tokens: Tensor  # [n] int64
     parents: Tensor  # [n] int64, -1 for children of the root
     draft_probs: Tensor | None = None  # [n, vocab] or None (then every node counts as one-hot)
-    accept_probs: Tensor | None = None  # [n]: each node's estimated chance of acceptance once its parent is accepted
+    # [n] float: each node's estimated chance of acceptance given its parent's (the draft's probability of its token
+    # under its parent's distribution); None: unknown, the tree is verified whole
+    accept_probs: Tensor | None = None
 
     def __post_init__(self) -> None:
         self.depths = tree_depths(self.parents)
 
     @classmethod
-    def chain(cls, tokens: Tensor, draft_probs: Tensor | None = None) -> DraftTree:
+    def chain(cls, tokens: Tensor, draft_probs: Tensor | None = None, accept_probs: Tensor | None = None) -> DraftTree:
         n = tokens.numel()
-        return cls(tokens, torch.arange(-1, n - 1, device=tokens.device), draft_probs)
+        return cls(tokens, torch.arange(-1, n - 1, device=tokens.device), draft_probs, accept_probs)
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
@@ -61,6 +64,17 @@ class DraftTree:
     @property
     def is_chain(self) -> bool:
         return bool((self.parents == torch.arange(-1, len(self) - 1, device=self.parents.device)).all())
+
+    def subtree(self, keep: Tensor) -> DraftTree:
+        """The nodes `keep` (ascending, prefix-closed: a kept node's parent is kept), renumbered 0.. in that order;
+        their draft and accept probabilities come along."""
+        new_index = torch.full_like(self.parents, -1)
+        new_index[keep] = torch.arange(keep.numel(), device=keep.device)
+        p = self.parents[keep]
+        parents = torch.where(p >= 0, new_index[p.clamp_min(0)], p)
+        draft = None if self.draft_probs is None else self.draft_probs[keep]
+        accept = None if self.accept_probs is None else self.accept_probs[keep]
+        return DraftTree(self.tokens[keep], parents, draft, accept)
 
     def children(self) -> list[list[int]]:
         """children()[0] are the root's, children()[i + 1] are node i's, in proposal order."""

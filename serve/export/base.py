@@ -115,6 +115,7 @@ class Format:
     hf: bool = False  # transformers loads it (assisted generation)
     llamacpp: str = ""  # llama.cpp's --spec-type for this file ("": llama.cpp does not load it)
     llamacpp_depth: Callable[[Source], int] | None = None  # its --spec-draft-n-max, where not the drafter's depth
+    llamacpp_note: str = ""  # the card's sentence on what else llama.cpp's drafting with it does
     # a format that is not config.json + safetensors (GGUF): its own writer (export, source, dtype, folder) and
     # reader (folder -> (metadata, tensors)); its tensors may mix dtypes (llama.cpp keeps norms in float32)
     write_files: Callable[[Export, Source, torch.dtype, Path], None] | None = None

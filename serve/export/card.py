@@ -70,6 +70,7 @@ def llamacpp_text(src: Source, out: Path, f: Format) -> str:
         "quantized weights (a Q4_1 target) with repacking on. The same target in float32, converted from the "
         f"weights draftsmith ran (what makes greedy outputs match draftsmith's): `{LLAMACPP_CONVERT} "
         f"{quote(str(src.target_dir.resolve()))} --outtype f32 --outfile target-f32.gguf`, then `-m target-f32.gguf`.\n"
+        + (f"\n{f.llamacpp_note}\n" if f.llamacpp_note else "")
     )
 
 

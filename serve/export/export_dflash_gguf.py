@@ -25,6 +25,8 @@ loader reads for both.
 
 from __future__ import annotations
 
+from typing import Any
+
 import gguf
 import torch
 from torch import Tensor
@@ -33,7 +35,7 @@ from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.drafter_folder import own_state
 from draftsmith.serve.export.base import Export, Format, Source
 from draftsmith.serve.export.checks import Probe, Shapes, rms
-from draftsmith.serve.export.export_dflash import block_pairs, dflash_shapes
+from draftsmith.serve.export.export_dflash import Forward, block_pairs, dflash_shapes
 from draftsmith.serve.export.ggml_ops import ggml_attend, ggml_mlp, ggml_rope
 from draftsmith.serve.export.gguf_export import LAYER, gguf_files, head_gguf, llama_metadata
 
@@ -70,10 +72,13 @@ def unsupported(src: Source[DFlashHead]) -> list[str]:
     return reasons
 
 
-def dflash_metadata(src: Source[DFlashHead], dtype: torch.dtype) -> dict[str, gguf.GGUFValue]:
+def dflash_metadata(
+    src: Source[DFlashHead], dtype: torch.dtype, more: dict[str, Any] | None = None
+) -> dict[str, gguf.GGUFValue]:
+    """The converter's keys; `more` after its own (DSpark's flags come after set_gguf_parameters' DFlash keys)."""
     c = src.head.config
     tail = {f"{ARCH}.block_size": c.block_size, f"{ARCH}.target_layers": list(c.target_layers)}
-    return llama_metadata(ARCH, src, c.num_layers, dtype, {}, tail)
+    return llama_metadata(ARCH, src, c.num_layers, dtype, {}, tail | (more or {}))
 
 
 def dflash_tensors(src: Source[DFlashHead]) -> dict[str, Tensor]:
@@ -88,7 +93,7 @@ def dflash_tensors(src: Source[DFlashHead]) -> dict[str, Tensor]:
 def dflash_gguf(src: Source[DFlashHead]) -> Export:
     """The GGUF's tensors, the target GGUF's tokenizer and the mask token; refused when llama.cpp cannot run the
     head or the target GGUF is not the drafter's target."""
-    return head_gguf(src, ARCH, FILE, unsupported(src), lambda: dflash_tensors(src), mask_key(src))
+    return head_gguf(src, FILE, unsupported(src), lambda: dflash_tensors(src), mask_key(src))
 
 
 def mask_key(src: Source[DFlashHead]) -> dict[str, int]:
@@ -138,16 +143,21 @@ def dflash_ggml_forward(w: dict[str, Tensor], config: dict, aux: Tensor, embeds:
     return hidden, hidden @ w["output.weight"].T, w["d2t"]
 
 
-def dflash_gguf_pairs(src: Source[DFlashHead], p: Probe[DFlashHead]) -> dict[str, tuple]:
-    """name -> (llama.cpp's graph from the GGUF, the drafter's own drafting) on the same random context and
-    block; llama.cpp's block holds the GGUF's mask token."""
-    head = p.head
+def gguf_forward(p: Probe[DFlashHead]) -> Forward:
+    """llama.cpp's dflash graph from the GGUF's tensors as block_pairs calls it; its block holds the GGUF's mask
+    token."""
 
     def forward(aux: Tensor, block: Tensor, start: int):
         block = torch.cat([block[:1], torch.full_like(block[1:], p.config[MASK])])
-        return dflash_ggml_forward(p.w, p.config, aux, head.embed_tokens(block), start)
+        return dflash_ggml_forward(p.w, p.config, aux, p.head.embed_tokens(block), start)
 
-    return block_pairs(head, p.g, p.tokens[0], forward)
+    return forward
+
+
+def dflash_gguf_pairs(src: Source[DFlashHead], p: Probe[DFlashHead]) -> dict[str, tuple]:
+    """name -> (llama.cpp's graph from the GGUF, the drafter's own drafting) on the same random context and
+    block."""
+    return block_pairs(p.head, p.g, p.tokens[0], gguf_forward(p))
 
 
 # llama.cpp's dflash (non-causal block, --spec-type draft-dflash)

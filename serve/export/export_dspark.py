@@ -122,17 +122,21 @@ def markov_chain(
     return torch.stack(tokens), torch.stack(rows), confidence
 
 
-def own_chain(head: DSparkHead, out: Tensor, first: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The drafter's greedy chain of its whole block, as the engine's proposer drafts it from the layers' output:
-    (target ids, each slot's corrected logits, confidences)."""
-    proposer = DSparkProposer(head, head.config.block_size)
-    proposer.hidden = head.normed(out)
-    proposer.logits = head.base_logits(proposer.hidden).float()
-    tree = proposer.chain(first, head.config.block_size, SamplingParams())
-    assert tree.accept_probs is not None, "a DSpark chain carries its confidences"
-    prev = torch.cat([first[None], tree.tokens[:-1]])
-    logits = torch.stack([proposer.slot(k, p, None)[0] for k, p in enumerate(prev)])
-    return tree.tokens, logits, tree.accept_probs
+def own_chain(head: DSparkHead, aux: Tensor, first: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
+    """DSparkProposer's greedy chain of the whole block after the context aux [start, k*H]: (drafts, each slot's
+    corrected logits [B, Vd], its confidence)."""
+    prop = DSparkProposer(head, head.config.block_size)
+    prop.reserve(start + 1)
+    assert prop.cache is not None
+    head.write_context(head.target_features(None, aux), torch.arange(start), prop.cache, 0)
+    prop.cached = start
+    prop.draft_block(first)
+    tokens = torch.cat([torch.zeros(start, dtype=torch.long), first[None]])
+    tree = prop.propose(tokens, SamplingParams(), head.config.block_size)
+    prevs = torch.cat([first[None], tree.tokens[:-1]])
+    rows = torch.stack([prop.slot(k, prev, None)[0] for k, prev in enumerate(prevs)])
+    assert tree.accept_probs is not None
+    return tree.tokens, rows, tree.accept_probs
 
 
 def dspark_pairs(src: Source[DSparkHead], p: Probe[DSparkHead]) -> dict[str, tuple]:
@@ -145,7 +149,7 @@ def dspark_pairs(src: Source[DSparkHead], p: Probe[DSparkHead]) -> dict[str, tup
     if logits is None:  # the full vocabulary: vLLM shares the target's lm_head, of which the drafter holds a copy
         logits = hidden @ head.lm_head.weight.T
     hidden, logits = hidden[sampled], logits[sampled]
-    theirs, mine = markov_chain(p.w, p.config, hidden, logits, ids, first), own_chain(head, out, first)
+    theirs, mine = markov_chain(p.w, p.config, hidden, logits, ids, first), own_chain(head, aux, first, start)
     pairs = {"hidden": (hidden, head.normed(out)), "target ids": (ids, head.vocab_ids)}
     # the chain reads a few rows of W1; vLLM may read any: every target id's Markov embedding
     every = torch.arange(head.config.vocab_size)

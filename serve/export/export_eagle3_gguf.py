@@ -79,7 +79,7 @@ def eagle3_tensors(src: Source[Eagle3Head]) -> dict[str, Tensor]:
 def eagle3_gguf(src: Source[Eagle3Head]) -> Export:
     """The GGUF's tensors and the target GGUF's tokenizer; refused when llama.cpp cannot run the head or the target
     GGUF is not the drafter's target."""
-    return head_gguf(src, ARCH, FILE, unsupported(src), lambda: eagle3_tensors(src), {})
+    return head_gguf(src, FILE, unsupported(src), lambda: eagle3_tensors(src), {})
 
 
 # ---------------------------------------------------------------- the validator's pieces

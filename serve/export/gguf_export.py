@@ -89,14 +89,14 @@ def tokenizer_keys(meta: dict[str, gguf.GGUFValue]) -> dict[str, gguf.GGUFValue]
 
 
 def head_gguf(
-    src: Source, arch: str, file: str, reasons: list[str], tensors: Callable[[], dict[str, Tensor]], more: dict
+    src: Source, file: str, reasons: list[str], tensors: Callable[[], dict[str, Tensor]], more: dict
 ) -> Export:
     """The export of a head llama.cpp can run (else ExportError naming every reason, the kind's and those of its
     target layers), beside a target GGUF that is the drafter's target: its config holds the target GGUF's tokenizer
     keys, then `more` tokenizer keys."""
     reasons = reasons + layer_problems(src, src.head.config.target_layers)
     if reasons:
-        raise ExportError(f"llama.cpp cannot run {src.folder} as a draft ({arch}): " + "; ".join(reasons))
+        raise ExportError(f"llama.cpp cannot run {src.folder} as a draft ({src.kind}): " + "; ".join(reasons))
     target = check_target_gguf(src.target_gguf, src.target_dir, src.target_hf)
     return Export(tokenizer_keys(target) | typed(more), {file: tensors()})
 

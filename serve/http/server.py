@@ -24,7 +24,13 @@ def build_backend(cfg: ServeConfig, observers: Sequence[Callable[[Job], Observer
     tokens and target features, and head versions swapped in between requests (serve/adapt/)."""
     target = load_target(cfg.target)
     engine = build_engine(
-        target, cfg.spec, cfg.prefix_cache, cfg.max_seq_len, cfg.cuda_graphs, int(cfg.prefix_cache_gb * 2**30)
+        target,
+        cfg.spec,
+        cfg.prefix_cache,
+        cfg.max_seq_len,
+        cfg.cuda_graphs,
+        int(cfg.prefix_cache_gb * 2**30),
+        cfg.target.cache_dir,
     )
     warm_up(engine, encode_chat(target.tokenizer, [{"role": "user", "content": "Hello"}]))
     name = cfg.model_name or target.target_id.split("@")[0]

@@ -58,19 +58,23 @@ class DraftModelProposer(Proposer):
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         ids, k = self.vocab_ids, min(self.cfg.num_tokens, budget)
         logits = self.run(tokens[self.cached :])
-        drafted, probs = [], []
+        drafted, probs, own = [], [], []
         for i in range(k):
             if sp.greedy:
+                p = torch.softmax(logits.float(), dim=-1)
                 pick = int(logits.argmax())
             else:
-                probs.append(probs_from_logits(logits, sp))
-                pick = sample(probs[-1], self.gen)
+                p = probs_from_logits(logits, sp)
+                probs.append(p)
+                pick = sample(p, self.gen)
+            own.append(float(p[pick]))
             drafted.append(pick if ids is None else int(ids[pick]))
             if i + 1 < k:
                 logits = self.run(torch.tensor(drafted[-1:], device=tokens.device))
         self.cached -= k - 1  # drafted KV stays in the slots, valid only once accepted
         draft_probs = widen(torch.stack(probs), ids, self.model.config.vocab_size) if probs else None
-        return DraftTree.chain(torch.tensor(drafted, device=tokens.device), draft_probs)
+        dev = tokens.device
+        return DraftTree.chain(torch.tensor(drafted, device=dev), draft_probs, torch.tensor(own, device=dev))
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         # slots hold the old pending token, then drafts 1..k-1 of this k-token chain; the accepted prefix is valid

@@ -6,7 +6,8 @@ token after the pending one's k-th successor. A chain: x_k = argmax(base_k + bia
 from that distribution, which verification is told); each token's confidence sigmoid(conf(h_k, W1[x_{k-1}])) goes
 to the engine as the node's accept_probs, for spec.verify=cost. A tree (topk > 1): each level expands its topk
 best nodes (cumulative log-prob) into their topk children under their own bias, then the best
-tree.total_tokens nodes are kept, as EAGLE-2's.
+tree.total_tokens nodes are kept, as EAGLE-2's; a tree node's accept estimate is its draft probability (the
+confidence head judges a slot's top token, not its runners-up).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class DSparkProposer(DFlashProposer):
         toks: list[Tensor] = []
         parents: list[int] = []
         cum: list[float] = []
+        own: list[float] = []  # each node's probability under its parent's distribution: its accept estimate
         for d in range(depth):
             children = []
             for node, prev, state, score in frontier:
@@ -98,12 +100,14 @@ class DSparkProposer(DFlashProposer):
                     toks.append(self.vocab_ids[i])
                     parents.append(node)
                     cum.append(score + logp)
+                    own.append(logp)
             frontier = sorted(children, key=lambda c: -c[3])[:k]
         if not toks:
             return DraftTree.empty(pending.device)
         dev = pending.device
-        scores = torch.tensor(cum, device=dev)
-        return rerank(torch.stack(toks), torch.tensor(parents, device=dev), scores, self.max_tree_size, None)
+        tree = DraftTree(torch.stack(toks), torch.tensor(parents, device=dev))
+        tree.accept_probs = torch.tensor(own, device=dev).exp()
+        return rerank(tree, torch.tensor(cum, device=dev), self.max_tree_size)
 
 
 def dspark_proposer(spec: SpecConfig, target: LoadedTarget) -> DSparkProposer:

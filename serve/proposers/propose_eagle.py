@@ -106,12 +106,14 @@ class EagleProposer(Proposer):
         toks: list[Tensor] = []
         parents: list[Tensor] = []
         cum: list[Tensor] = []
+        own: list[Tensor] = []  # each node's log-prob under its parent's distribution
         probs: list[Tensor] = []
         for d in range(1, depth + 1):
             logp, ids, p = self.children(logits, sp, sampled)  # [rows, k]
             first = sum(t.numel() for t in toks)
             toks.append(self.to_target(ids).flatten())
             parents.append(frontier.repeat_interleave(k))
+            own.append(logp.flatten())
             cum.append((scores[:, None] + logp).flatten())
             if p is not None:
                 probs.append(p)
@@ -122,7 +124,8 @@ class EagleProposer(Proposer):
             feats, logits, visible = self.run_level(feats[rows], toks[-1][best], visible[rows], n, d)
             scores, frontier = cum[-1][best], first + best
         draft_probs = self.to_target_probs(torch.cat(probs)) if probs else None
-        return rerank(torch.cat(toks), torch.cat(parents), torch.cat(cum), self.max_tree_size, draft_probs)
+        tree = DraftTree(torch.cat(toks), torch.cat(parents), draft_probs, torch.cat(own).exp())
+        return rerank(tree, torch.cat(cum), self.max_tree_size)
 
     def run_level(self, feats: Tensor, toks: Tensor, visible: Tensor, n: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
         """Run level d's expanded nodes (parent features, own tokens) through the head. visible: per node, the

@@ -70,10 +70,11 @@ class MedusaProposer(Proposer):
         n = self.sizes[depth]
         assert self.hidden is not None, "a draft follows prefill()"
         logits = self.heads(self.hidden.to(self.heads.linears()[0].weight.dtype), depth)  # [depth, V]
-        ranked = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
-        if self.heads.vocab_ids is not None:
-            ranked = self.heads.vocab_ids[ranked]
-        return DraftTree(ranked[self.head_of[:n], self.rank_of[:n]], self.parents[:n])
+        top = logits.topk(self.topk, dim=-1).indices  # [depth, topk]
+        probs = torch.softmax(logits.float(), dim=-1).gather(-1, top)
+        ranked = top if self.heads.vocab_ids is None else self.heads.vocab_ids[top]
+        at = (self.head_of[:n], self.rank_of[:n])
+        return DraftTree(ranked[at], self.parents[:n], accept_probs=probs[at])
 
 
 def medusa_proposer(spec: SpecConfig, target: LoadedTarget) -> MedusaProposer:

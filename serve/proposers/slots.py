@@ -36,7 +36,8 @@ class SlotProposer(Proposer):
         logits, k = self.logits[: min(self.depth, budget)], self.tree.width
         if k == 1 and not sp.greedy:
             p = probs_from_logits(logits, sp)
-            ids = torch.multinomial(p, 1, generator=self.gen)[:, 0]
-            return DraftTree.chain(self.vocab_ids[ids], widen(p, self.vocab_ids, self.head.config.vocab_size))
+            ids = torch.multinomial(p, 1, generator=self.gen)
+            draft = widen(p, self.vocab_ids, self.head.config.vocab_size)
+            return DraftTree.chain(self.vocab_ids[ids[:, 0]], draft, p.gather(-1, ids)[:, 0])
         top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)  # [depth, k]
         return slot_tree(self.vocab_ids[top.indices], top.values, self.max_tree_size)

@@ -1,0 +1,158 @@
+"""The verify cost curve: seconds of one target forward over 1..R rows, measured once per machine, cached.
+
+What a verify row costs depends on the CPU, its thread count, the target and its dtype, so the curve is measured
+where the engine runs, through the engine's own forward (the static step when it uses one), at a representative
+context length: after a warm-up pass, a few interleaved repeats of every row count, the median of each, made
+non-decreasing. The JSON file records a fingerprint of what it was measured on; a file whose fingerprint differs, or
+that is not a whole curve, is measured again and rewritten, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from itertools import accumulate
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from draftsmith.heads.files import write_text_atomic
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.target import keyed_cache_path
+from draftsmith.serve.shared.cpu import cpu_name
+
+if TYPE_CHECKING:
+    from draftsmith.serve.engine.engine import Engine
+
+log = logging.getLogger("draftsmith.serve.cost_profile")
+
+SCHEMA = 1  # bump when the file's shape or the way it is measured changes
+MAX_ROWS = 64  # rows past this are extrapolated from the last step (CostCurve)
+CONTEXT = 512  # the cached prefix a measured step attends to, at most
+ABSENT = "is absent"
+
+
+@dataclass
+class CostCurve:
+    seconds: list[float]  # [r - 1]: one verify forward over r rows
+
+    def __call__(self, rows: int) -> float:
+        s = self.seconds
+        if rows <= len(s):
+            return s[rows - 1]
+        step = s[-1] - s[-2] if len(s) > 1 else s[-1]
+        return s[-1] + step * (rows - len(s))
+
+
+@dataclass
+class ProfileSettings:
+    repeats: int = 3
+    warmup: int = 1
+    context: int = CONTEXT
+
+
+def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict[str, Any]:
+    """What a measured curve holds for: a file recording anything else is stale."""
+    return {
+        "schema": SCHEMA,
+        "target": target_id,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "device": str(engine.model.device),
+        "forward": "static" if engine.static is not None else "dynamic",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "rows": rows,
+        "context": context,
+    }
+
+
+def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:
+    """One file per target, dtype, device, forward path, thread count and row count; the torch version and CPU model
+    are checked inside it (a new one makes the old file stale rather than leaving it behind)."""
+    key = {k: print_[k] for k in ("target", "dtype", "device", "forward", "threads", "rows")}
+    return keyed_cache_path(cache_dir, "verify_cost", print_["target"], key, ".json")
+
+
+def verify_rows(engine: Engine) -> int:
+    """R: the pending token plus the largest draft the engine's proposer makes, bounded."""
+    tree = engine.proposer.max_tree_size if engine.proposer else 0
+    return max(1, min(tree + 1, MAX_ROWS))
+
+
+def load_or_measure(
+    engine: Engine, target_id: str, cache_dir: str | None = None, settings: ProfileSettings | None = None
+) -> CostCurve:
+    settings = settings or ProfileSettings()
+    rows = verify_rows(engine)
+    context = max(0, min(settings.context, engine.max_seq_len - 1))
+    expected = fingerprint(engine, target_id, rows, context)
+    path = profile_path(cache_dir, expected)
+    curve, why = read_profile(path, expected)
+    if curve is not None:
+        return curve
+    say = log.info if why == ABSENT else log.warning  # a file that cannot be trusted is worth a look
+    say("verify cost profile %s %s: measuring %d row counts", path, why, rows)
+    curve = CostCurve(measure(engine, rows, context, settings))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps({"fingerprint": expected, **asdict(curve)}, indent=1) + "\n")
+    return curve
+
+
+def read_profile(path: Path, expected: dict[str, Any]) -> tuple[CostCurve | None, str]:
+    """The cached curve, or None and why it cannot be used."""
+    if not path.is_file():
+        return None, ABSENT
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return None, f"is not JSON ({e})"
+    if not isinstance(data, dict) or not {"fingerprint", "seconds"} <= data.keys():
+        return None, "lacks its fingerprint or seconds"
+    if data["fingerprint"] != expected:
+        return None, f"is stale (measured for {data['fingerprint']})"
+    seconds = data["seconds"]
+    if not valid_seconds(seconds, expected["rows"]):
+        return None, "holds no valid curve (needs one positive, finite, non-decreasing time per row count)"
+    return CostCurve([float(s) for s in seconds]), ""
+
+
+def valid_seconds(seconds: Any, rows: int) -> bool:
+    if not isinstance(seconds, list) or len(seconds) != rows:
+        return False
+    if not all(isinstance(s, int | float) and not isinstance(s, bool) for s in seconds):
+        return False
+    return all(math.isfinite(s) and s > 0 for s in seconds) and seconds == sorted(seconds)
+
+
+def measure(engine: Engine, rows: int, context: int, settings: ProfileSettings) -> list[float]:
+    """Median seconds per row count over interleaved repeats, after a warm-up; non-decreasing (more rows never
+    cost less, whatever the noise said)."""
+    for _ in range(settings.warmup):
+        for r in range(1, rows + 1):
+            time_forward(engine, r, context)
+    times: list[list[float]] = [[] for _ in range(rows)]
+    for _ in range(settings.repeats):
+        for r in range(1, rows + 1):
+            times[r - 1].append(time_forward(engine, r, context))
+    return list(accumulate((statistics.median(t) for t in times), max))
+
+
+@torch.inference_mode()
+def time_forward(engine: Engine, rows: int, context: int) -> float:
+    """One verify forward of a chain of rows - 1 draft nodes after `context` cached tokens (their KV is scratch:
+    the next request's prefill writes over it)."""
+    device = engine.model.device
+    tree = DraftTree.chain(torch.zeros(rows - 1, dtype=torch.long, device=device))
+    inputs = torch.zeros(rows, dtype=torch.long, device=device)
+    mask = tree.attention_mask(context) if rows > 1 else None
+    engine.sync()
+    begin = time.perf_counter()
+    engine.forward(inputs, tree.positions(context), context, mask)
+    engine.sync()
+    return time.perf_counter() - begin

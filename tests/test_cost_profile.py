@@ -1,0 +1,141 @@
+"""serve/engine/cost_profile.py: the verify cost curve is measured once through the engine's forward, cached with its
+fingerprint and reused; a stale or corrupt file is measured again and rewritten, saying why. spec.verify=cost builds
+the schedule from it; a kind without accept probabilities then drafts as with verify=fixed. Behaviour only: no test
+asserts on a measured time."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from draftsmith.serve.build import build_engine
+from draftsmith.serve.engine import cost_profile
+from draftsmith.serve.engine.cost_profile import CostCurve, ProfileSettings, fingerprint, load_or_measure, profile_path
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import TargetConfig, load_target
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
+from draftsmith.serve.spec import SpecConfig
+from helpers import build_tiny_chat_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUICK = ProfileSettings(repeats=1, warmup=0, context=16)
+TARGET = "tiny@00000000"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    model = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+    return Engine(model, NgramProposer(NgramConfig(4)), max_seq_len=64)
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Counts the curve's measurements (the real ones still run)."""
+    calls = []
+    real = cost_profile.measure
+
+    def counting(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(cost_profile, "measure", counting)
+    return calls
+
+
+def path_of(engine, tmp_path):
+    return profile_path(str(tmp_path), fingerprint(engine, TARGET, 5, QUICK.context))
+
+
+def test_measured_once_then_read_back(engine, measured, tmp_path):
+    curve = load_or_measure(engine, TARGET, str(tmp_path), QUICK)
+    assert len(curve.seconds) == 5  # the pending token + the 4-token n-gram draft
+    assert all(s > 0 for s in curve.seconds) and curve.seconds == sorted(curve.seconds)
+    saved = json.loads(path_of(engine, tmp_path).read_text())
+    assert saved["fingerprint"] == fingerprint(engine, TARGET, 5, QUICK.context)
+    assert {"target", "dtype", "device", "torch", "threads", "cpu", "schema"} <= saved["fingerprint"].keys()
+    assert load_or_measure(engine, TARGET, str(tmp_path), QUICK) == curve
+    assert len(measured) == 1
+
+
+def stale(data):
+    data["fingerprint"]["torch"] = "0.0.1"
+
+
+def nan(data):
+    data["seconds"][2] = float("nan")
+
+
+def decreasing(data):
+    data["seconds"][-1] = data["seconds"][0] / 2
+
+
+@pytest.mark.parametrize(
+    "edit,why",
+    [
+        (stale, "is stale"),
+        (lambda d: d["fingerprint"].update(cpu="another CPU"), "is stale"),
+        (lambda d: d.pop("seconds"), "lacks"),
+        (nan, "no valid curve"),
+        (lambda d: d["seconds"].__setitem__(0, -1.0), "no valid curve"),
+        (lambda d: d["seconds"].__setitem__(0, 0), "no valid curve"),
+        (lambda d: d["seconds"].pop(), "no valid curve"),
+        (lambda d: d["seconds"].__setitem__(1, "fast"), "no valid curve"),
+        (decreasing, "no valid curve"),
+        (None, "is not JSON"),
+    ],
+)
+def test_a_stale_or_corrupt_profile_is_measured_again(engine, measured, tmp_path, caplog, edit, why):
+    load_or_measure(engine, TARGET, str(tmp_path), QUICK)
+    path = path_of(engine, tmp_path)
+    if edit is None:
+        path.write_text('{"fingerprint": ')
+    else:
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))
+    with caplog.at_level(logging.INFO, logger="draftsmith.serve.cost_profile"):
+        curve = load_or_measure(engine, TARGET, str(tmp_path), QUICK)
+    assert len(measured) == 2
+    assert [r.getMessage() for r in caplog.records if why in r.getMessage()]
+    assert len(caplog.records) == 1
+    assert json.loads(path.read_text()) == {
+        "fingerprint": fingerprint(engine, TARGET, 5, QUICK.context),
+        "seconds": curve.seconds,
+    }
+    load_or_measure(engine, TARGET, str(tmp_path), QUICK)
+    assert len(measured) == 2  # the rewritten file is trusted
+
+
+def test_rows_past_the_curve_extend_its_last_step():
+    curve = CostCurve([1.0, 1.5, 2.5])
+    assert (curve(1), curve(3), curve(5)) == (1.0, 2.5, 4.5)
+    assert CostCurve([2.0])(3) == 6.0
+
+
+@pytest.fixture(scope="module")
+def chat_target(smollm2_dir, tmp_path_factory):
+    return load_target(TargetConfig(path=str(build_tiny_chat_target(tmp_path_factory.mktemp("chat"), smollm2_dir))))
+
+
+def test_verify_cost_on_a_kind_without_accept_probs_drafts_as_fixed(chat_target, tmp_path):
+    """spec.verify=cost builds a schedule from this machine's curve (cached under the cache root); n-gram drafts
+    carry no accept probabilities, so every step verifies what verify=fixed verifies."""
+    fixed = build_engine(chat_target, SpecConfig("ngram", 3), False, 96)
+    cost = build_engine(chat_target, SpecConfig("ngram", 3, verify="cost"), False, 96, cache_dir=str(tmp_path))
+    assert fixed.schedule is None and cost.schedule is not None
+    assert len(list((tmp_path / "verify_cost").glob("*.json"))) == 1
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    a, b = (e.generate(prompt, 24, SamplingParams()) for e in (fixed, cost))
+    assert a.output_ids == b.output_ids
+    assert a.metrics.verify_rows == b.metrics.verify_rows and a.metrics.drafts == b.metrics.drafts
+
+
+def test_spec_verify_takes_fixed_or_cost():
+    with pytest.raises(ValueError, match="spec.verify must be one of fixed, cost, got 'always'"):
+        SpecConfig("ngram", verify="always")
