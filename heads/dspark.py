@@ -142,7 +142,10 @@ KIND = Kind(
     features=("hidden", "aux"),
     loss="draftsmith.train.loss_dspark:dspark_loss",
     proposer="draftsmith.serve.proposers.propose_dspark:dspark_proposer",
-    formats={"gguf": "draftsmith.serve.export.export_dspark_gguf:DSPARK_GGUF"},
+    formats={
+        "vllm": "draftsmith.serve.export.export_dspark:DSPARK_VLLM",
+        "gguf": "draftsmith.serve.export.export_dspark_gguf:DSPARK_GGUF",
+    },
     # a chain of the whole block (block_size 4: 4 drafts from one forward); the engine's spec.verify=cost verifies
     # only the prefix the confidence head says pays
     draft_shape=DraftShape(num_tokens=4, topk=1, total_tokens=0),

@@ -118,10 +118,20 @@ def add_vllm(arms: Arms, args, tdir: Path, spec: dict, method: str, max_len: int
         arms.skipped.append(f"vLLM: no venv at {args.vllm_python} (bash scripts/vllm_venv.sh makes it)")
         return
     job = {"target": str(tdir), "max_model_len": max_len + args.k + 16}
-    for label, config in (("plain", None), (method, spec)):
-        server = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, f"vllm-{label[:6]}")
-        arms.closers.append(server.close)
-        arms.add("vLLM", "fp32", label, vllm_runner(server, args.max_new_tokens))
+    servers = {}
+    for label, config in ((method, spec), ("plain", None)):  # the head first: vLLM may refuse its method
+        try:
+            name = f"vllm-{label[:6]}"
+            servers[label] = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, name)
+        except RuntimeError:
+            reason = vc.refusal(work / f"vllm-{name}.log")
+            if reason is None:
+                raise
+            arms.skipped.append(f"vLLM: {reason}")
+            return
+        arms.closers.append(servers[label].close)
+    for label in ("plain", method):
+        arms.add("vLLM", "fp32", label, vllm_runner(servers[label], args.max_new_tokens))
 
 
 def add_llamacpp(

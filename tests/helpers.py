@@ -302,8 +302,40 @@ def save_tiny_tokenizer(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(folder)
 
 
-def tiny_head(kind: str, target):
-    """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it."""
+def dflash_layer_keys(i: int) -> dict:
+    p, d = f"layers.{i}", H // 4
+    s = {f"{p}.self_attn.q_proj.weight": (Q, H), f"{p}.self_attn.k_proj.weight": (KV, H)}
+    s |= {f"{p}.self_attn.v_proj.weight": (KV, H), f"{p}.self_attn.o_proj.weight": (H, Q)}
+    s |= {f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,)}
+    s |= {f"{p}.mlp.gate_proj.weight": (FF, H), f"{p}.mlp.up_proj.weight": (FF, H)}
+    s |= {f"{p}.mlp.down_proj.weight": (H, FF)}
+    return s | {f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,)}
+
+
+# what vLLM's DFlash (and DSpark) backbone loads for a tiny head of 2 layers over 3 target layers
+DFLASH_KEYS = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+DFLASH_KEYS |= {k: v for i in range(2) for k, v in dflash_layer_keys(i).items()}
+DFLASH_VOCAB_KEYS = {"lm_head.weight": (DRAFT_V, H), "d2t": (DRAFT_V,), "t2d": (V,)}
+
+
+def validation_failure(drafter: Path, fmt: str, out: Path, tcfg) -> str:
+    """The message of validate's refusal of the export at out (it must refuse)."""
+    from draftsmith.serve.export.base import ExportError
+    from draftsmith.serve.export.pipeline import validate
+
+    with pytest.raises(ExportError, match="fails validation") as e:
+        validate(drafter, fmt, out, tcfg)
+    return str(e.value)
+
+
+def set_config(out: Path, **changes) -> None:
+    """An export's config.json with changes at its top level."""
+    edit_json(out / "config.json", lambda config: config.update(changes))
+
+
+def tiny_head(kind: str, target, **fields):
+    """(head, its config) of `kind` for the tiny target, as draftsmith-train builds it; fields: a DSpark config's
+    own settings."""
     from draftsmith.heads.dflash import DFlashConfig, DFlashHead
     from draftsmith.heads.draft_model import DraftModel, DraftModelConfig
     from draftsmith.heads.dspark import DSparkConfig, DSparkHead
@@ -320,7 +352,8 @@ def tiny_head(kind: str, target):
         head = DFlashHead(DFlashConfig.from_target(c, num_layers=2, draft_vocab_size=DRAFT_V), target)
         head.set_vocab(torch.rand(V))
     elif kind == "dspark":
-        head = DSparkHead(DSparkConfig.from_target(c, num_layers=2, draft_vocab_size=DRAFT_V, markov_rank=8), target)
+        fields = {"num_layers": 2, "draft_vocab_size": DRAFT_V, "markov_rank": 8} | fields
+        head = DSparkHead(DSparkConfig.from_target(c, **fields), target)
         head.set_vocab(torch.rand(V))
     elif kind == "eagle":
         head = EagleHead(EagleConfig.from_target(c), target)
@@ -332,12 +365,12 @@ def tiny_head(kind: str, target):
     return head, head.config
 
 
-def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
+def save_tiny(kind: str, target, info: TargetInfo, folder: Path, **fields) -> Path:
     """A saved drafter folder of `kind` for the tiny target, its weights nudged off their initial values."""
     from draftsmith.heads.drafter_folder import Recipe, save_drafter
 
     torch.manual_seed(1)
-    head, cfg = tiny_head(kind, target)
+    head, cfg = tiny_head(kind, target, **fields)
     with torch.no_grad():  # trained-looking weights: no zero blocks, a visible fc bias
         for p in head.parameters():
             if p.requires_grad:
@@ -345,9 +378,13 @@ def save_tiny(kind: str, target, info: TargetInfo, folder: Path) -> Path:
     return save_drafter(head, cfg, kind, info, Recipe(data="tiny", acceptance={"mean_acceptance_length": 2.5}), folder)
 
 
-def export_drafters(target_dir: Path, root: Path) -> tuple:
-    """In root: a copy of the tiny target_dir with a tokenizer, and one saved drafter folder per kind for it.
-    Returns the target's TargetConfig, the drafter folders by kind, and the loaded target."""
+EXPORTED = {kind: (kind, {}) for kind in ("eagle3", "eagle", "medusa", "draft_model")}
+
+
+def export_drafters(target_dir: Path, root: Path, made: dict[str, tuple[str, dict]] = EXPORTED) -> tuple:
+    """In root: a copy of the tiny target_dir with a tokenizer, and a saved drafter folder for it per entry of
+    `made` (name -> its kind and config fields; by default one per kind). Returns the target's TargetConfig, the
+    drafter folders by name, and the loaded target."""
     from draftsmith.heads.drafter_folder import TargetInfo
     from draftsmith.serve.models.loader import load_model
     from draftsmith.serve.models.target import TargetConfig, target_id
@@ -358,9 +395,7 @@ def export_drafters(target_dir: Path, root: Path) -> tuple:
     tcfg = TargetConfig(path=str(tdir))
     target = load_model(tdir)
     info = TargetInfo(target_id(tcfg, tdir), H, V, 3)
-    drafters = {
-        kind: save_tiny(kind, target, info, root / kind) for kind in ("eagle3", "eagle", "medusa", "draft_model")
-    }
+    drafters = {name: save_tiny(kind, target, info, root / name, **fields) for name, (kind, fields) in made.items()}
     return tcfg, drafters, target
 
 

@@ -18,27 +18,23 @@ from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
-from helpers import edit_weights, flip_ten, rename, save_tiny_tokenizer, scale
+from helpers import (
+    DFLASH_KEYS,
+    DFLASH_VOCAB_KEYS,
+    DRAFT_V,
+    H,
+    V,
+    edit_weights,
+    flip_ten,
+    rename,
+    save_tiny_tokenizer,
+    scale,
+    set_config,
+)
+
+LAYERS, D = 2, 16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-H, FF, Q, KV, D, V, DRAFT_V, LAYERS = 64, 128, 64, 32, 16, 128, 48, 2
-
-
-def layer_keys(i: int) -> dict:
-    p = f"layers.{i}"
-    s = {f"{p}.self_attn.q_proj.weight": (Q, H), f"{p}.self_attn.k_proj.weight": (KV, H)}
-    s |= {f"{p}.self_attn.v_proj.weight": (KV, H), f"{p}.self_attn.o_proj.weight": (H, Q)}
-    s |= {f"{p}.self_attn.q_norm.weight": (D,), f"{p}.self_attn.k_norm.weight": (D,)}
-    s |= {f"{p}.mlp.gate_proj.weight": (FF, H), f"{p}.mlp.up_proj.weight": (FF, H)}
-    s |= {f"{p}.mlp.down_proj.weight": (H, FF)}
-    return s | {f"{p}.input_layernorm.weight": (H,), f"{p}.post_attention_layernorm.weight": (H,)}
-
-
-# what vLLM's DFlashQwen3ForCausalLM.load_weights takes, for the tiny sizes
-KEYS = {"fc.weight": (H, 3 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
-KEYS |= {k: v for i in range(LAYERS) for k, v in layer_keys(i).items()}
-VOCAB_KEYS = {"lm_head.weight": (DRAFT_V, H), "d2t": (DRAFT_V,), "t2d": (V,)}
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +66,7 @@ def test_export_keys_shapes_config_and_card(tiny, tmp_path):
     tcfg, drafters = tiny
     out = export(drafters["draft-vocab"], "vllm", tmp_path / "out", tcfg, "fp32")
     tensors = load_file(str(out / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == KEYS | VOCAB_KEYS
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == DFLASH_KEYS | DFLASH_VOCAB_KEYS
     target_ids = torch.arange(DRAFT_V) + tensors["d2t"]  # vLLM's draft_id_to_target_id reading
     assert target_ids.unique().numel() == DRAFT_V and tensors["t2d"][target_ids].all()
     config = json.loads((out / "config.json").read_text())
@@ -98,14 +94,10 @@ def test_full_vocabulary_drafter_shares_the_targets_lm_head(tiny, tmp_path):
     tcfg, drafters = tiny
     out = export(drafters["full-vocab"], "vllm", tmp_path / "out", tcfg, "bf16")
     tensors = load_file(str(out / "model.safetensors"))
-    assert {k: tuple(v.shape) for k, v in tensors.items()} == KEYS  # no lm_head, d2t, t2d: vLLM uses the target's
+    # no lm_head, d2t, t2d: vLLM uses the target's
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == DFLASH_KEYS
     assert tensors["fc.weight"].dtype == torch.bfloat16
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == V
-
-
-def set_config(out, **changes) -> None:
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config | changes))
 
 
 @pytest.mark.parametrize(

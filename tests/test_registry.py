@@ -277,8 +277,9 @@ def test_exports_and_validates_in_each_declared_format(kind, fmt, tiny, drafters
     validate(folder, fmt, out, tcfg, tiny[3])
     card, f = (out / "README.md").read_text(), kinds.resolve(kinds.get(kind).formats[fmt])
     shape = kinds.get(kind).shape(SHAPE)
-    if f.vllm:
-        assert f'"num_speculative_tokens": {shape.num_tokens}' in card
+    if f.vllm:  # vLLM's dspark block is num_speculative_tokens slots: the head's whole block, as trained
+        depth = drafters(kind)[0].config.block_size if kind == "dspark" else shape.num_tokens
+        assert f'"num_speculative_tokens": {depth}' in card
     if f.sglang:
         steps = f"--speculative-num-steps {shape.num_tokens} --speculative-eagle-topk {shape.topk} "
         assert steps + f"--speculative-num-draft-tokens {shape.draft_tokens() + 1}" in card

@@ -108,6 +108,8 @@ class Format:
     vllm: str = ""  # vLLM's speculative method for this folder ("": vLLM does not load it)
     vllm_alone: bool = False  # the folder names its target and method: `vllm serve OUT` serves it (speculators)
     vllm_options: tuple[tuple[str, Any], ...] = ()  # more --speculative-config keys vLLM needs for it
+    vllm_depth: Callable[[Source], int] | None = None  # its num_speculative_tokens, where not the drafter's depth
+    vllm_variants: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()  # more commands: (what for, keys added)
     sglang: str = ""  # SGLang's --speculative-algorithm ("": SGLang does not load it)
     tgi: bool = False  # TGI loads it
     hf: bool = False  # transformers loads it (assisted generation)

@@ -17,22 +17,26 @@ ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "llamacpp": "llama.
 LLAMACPP_CONVERT = "python ~/.cache/draftsmith/llama.cpp/src/convert_hf_to_gguf.py"  # scripts/llamacpp_build.sh
 
 
-def vllm_command(src: Source, out: Path, method: str, options: tuple = ()) -> str:
-    spec = {"method": method, "model": str(out), "num_speculative_tokens": src.shape.num_tokens} | dict(options)
+def vllm_command(src: Source, out: Path, f: Format, options: tuple = ()) -> str:
+    depth = f.vllm_depth(src) if f.vllm_depth else src.shape.num_tokens
+    spec = {"method": f.vllm, "model": str(out), "num_speculative_tokens": depth} | dict(f.vllm_options + options)
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 
-def vllm_text(src: Source, out: Path, method: str, alone: bool, options: tuple = ()) -> str:
-    """alone: the folder names its target and method (speculators), so `vllm serve OUT` serves it too; given the
-    target as the model, vLLM needs the method (and options) spelled out (without it, it takes the folder for a
-    draft model)."""
-    command = f"```bash\n{vllm_command(src, out, method, options)}\n```\n"
-    if not alone:
-        return f"**vLLM**:\n\n{command}"
+def vllm_text(src: Source, out: Path, f: Format) -> str:
+    """f.vllm_alone: the folder names its target and method (speculators), so `vllm serve OUT` serves it too;
+    given the target as the model, vLLM needs the method (and options) spelled out (without it, it takes the folder
+    for a draft model). Then each of f.vllm_variants, with what it is for."""
+    command = f"```bash\n{vllm_command(src, out, f)}\n```\n"
+    variants = "".join(
+        f"\n{what}:\n\n```bash\n{vllm_command(src, out, f, options)}\n```\n" for what, options in f.vllm_variants
+    )
+    if not f.vllm_alone:
+        return f"**vLLM**:\n\n{command}{variants}"
     return (
         "**vLLM** (the folder names its target in `speculators_config.verifier.name_or_path`: point that at the "
         f"target's hub id when serving elsewhere):\n\n```bash\nvllm serve {out}\n```\n\n"
-        f'or, naming the target yourself (keep `"method": "{method}"`):\n\n{command}'
+        f'or, naming the target yourself (keep `"method": "{f.vllm}"`):\n\n{command}{variants}'
     )
 
 
@@ -89,7 +93,7 @@ def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None
     for engine, title in ENGINES.items():
         others = [name for name, g in formats.items() if getattr(g, engine)]
         if engine == "vllm" and f.vllm:
-            lines.append(vllm_text(src, out, f.vllm, f.vllm_alone, f.vllm_options))
+            lines.append(vllm_text(src, out, f))
         elif engine == "sglang" and f.sglang:
             lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, f.sglang, token_map)}\n```\n")
         elif engine == "llamacpp" and f.llamacpp:

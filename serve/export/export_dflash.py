@@ -41,18 +41,28 @@ from draftsmith.serve.export.checks import (
 
 
 def dflash_vllm(src: Source[DFlashHead]) -> Export:
+    return Export(expected_config(src), {"model.safetensors": vllm_state(src)})
+
+
+def vllm_state(src: Source[DFlashHead]) -> dict[str, Tensor]:
+    """The head's own tensors as vLLM's DFlash backbone loads them (DSpark's heads ride along by their names)."""
     c = src.head.config
     state = own_state(src.head)
     if c.draft_vocab_size == c.vocab_size:  # vLLM then uses the target's lm_head and needs no id map
         state = {k: v for k, v in state.items() if k not in ("lm_head.weight", "d2t", "t2d")}
     if c.attention_bias:  # vLLM's DFlash gives o_proj a bias whenever the attention has one
         state |= {f"layers.{i}.self_attn.o_proj.bias": torch.zeros(c.hidden_size) for i in range(c.num_layers)}
-    return Export(expected_config(src), {"model.safetensors": state})
+    return state
 
 
 def expected_config(src: Source[DFlashHead]) -> dict:
+    return backbone_config(src, "DFlashDraftModel")
+
+
+def backbone_config(src: Source[DFlashHead], arch: str) -> dict:
+    """A Qwen3 config of the draft layers under `arch`, with the block and the context's target layers."""
     c = src.head.config
-    config = llama_head_config(src, "DFlashDraftModel") | {"model_type": "qwen3", "num_hidden_layers": c.num_layers}
+    config = llama_head_config(src, arch) | {"model_type": "qwen3", "num_hidden_layers": c.num_layers}
     return config | {
         "draft_vocab_size": c.draft_vocab_size,
         "block_size": c.block_size,
@@ -153,17 +163,23 @@ def dflash_forward(
 Forward = Callable[[Tensor, Tensor, int], tuple[Tensor, Tensor | None, Tensor]]  # (aux, block, start) -> outputs
 
 
+def drafted_block(head: DFlashHead, g: torch.Generator, first: Tensor) -> tuple[Tensor, int, Tensor]:
+    """A random context of 7 positions (its target features [7, k*H]), where the block starts (7), and the
+    drafter's own layers' output [block_size, H] on the block from token `first` there."""
+    c, start = head.config, 7
+    aux = torch.randn(start, len(c.target_layers) * c.hidden_size, generator=g)
+    slots = start + c.block_size
+    cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, slots, torch.float32, "cpu")
+    head.write_context(head.target_features(None, aux), torch.arange(start), cache, 0)
+    return aux, start, head.draft(head.block_tokens(first), start, cache)
+
+
 def block_pairs(head: DFlashHead, g: torch.Generator, first: Tensor, forward: Forward) -> dict[str, tuple]:
     """name -> (an export's forward, the drafter's own drafting) of the block from token `first` at position 7,
     after a random context of 7 positions. forward(the context's target features [7, k*H], the block's tokens,
     7) -> (the last hidden states after norm, the draft vocabulary's logits or None, each draft id's target id)."""
-    c, start = head.config, 7
-    aux = torch.randn(start, len(c.target_layers) * c.hidden_size, generator=g)
+    aux, start, mine = drafted_block(head, g, first)
     block = head.block_tokens(first)
-    slots = start + c.block_size
-    cache = KVCache.allocate(c.num_layers, c.num_key_value_heads, c.head_dim, slots, torch.float32, "cpu")
-    head.write_context(head.target_features(None, aux), torch.arange(start), cache, 0)
-    mine = head.draft(block, start, cache)
     hidden, logits, ids = forward(aux, block, start)
     pairs = {"hidden": (hidden, head.norm(mine)), "target ids": (ids, head.vocab_ids)}
     return pairs | ({"logits": (logits, head.logits(mine))} if logits is not None else {})

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.dspark import DSparkHead
-from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.export.base import Export, Format, Source
 from draftsmith.serve.export.checks import Probe
 from draftsmith.serve.export.export_dflash import block_pairs
@@ -40,8 +39,8 @@ from draftsmith.serve.export.export_dflash_gguf import (
     mask_key,
     unsupported,
 )
+from draftsmith.serve.export.export_dspark import own_chain
 from draftsmith.serve.export.gguf_export import gguf_files, head_gguf
-from draftsmith.serve.proposers.propose_dspark import DSparkProposer
 
 FILE = "dspark.gguf"
 SEQUENTIAL = ("markov_head.", "confidence_head.")  # the head's own tensors beyond DFlash's
@@ -116,23 +115,6 @@ def ggml_markov_chain(w: dict[str, Tensor], hidden: Tensor, base: Tensor, d2t: T
 def scattered(logits: Tensor, d2t: Tensor, vocab: int) -> Tensor:
     """result_output: draft-vocabulary logits [B, Vd] at their target ids, -inf elsewhere."""
     return torch.full((logits.shape[0], vocab), float("-inf")).index_copy(1, d2t, logits)
-
-
-def own_chain(head: DSparkHead, aux: Tensor, first: Tensor, start: int) -> tuple[Tensor, Tensor, Tensor]:
-    """DSparkProposer's greedy chain of the whole block after the context aux [start, k*H]: (drafts, each slot's
-    corrected logits [B, Vd], its confidence)."""
-    prop = DSparkProposer(head, head.config.block_size)
-    prop.reserve(start + 1)
-    assert prop.cache is not None
-    head.write_context(head.target_features(None, aux), torch.arange(start), prop.cache, 0)
-    prop.cached = start
-    prop.draft_block(first)
-    tokens = torch.cat([torch.zeros(start, dtype=torch.long), first[None]])
-    tree = prop.propose(tokens, SamplingParams(), head.config.block_size)
-    prevs = torch.cat([first[None], tree.tokens[:-1]])
-    rows = torch.stack([prop.slot(k, prev, None)[0] for k, prev in enumerate(prevs)])
-    assert tree.accept_probs is not None
-    return tree.tokens, rows, tree.accept_probs
 
 
 def dspark_gguf_pairs(src: Source[DSparkHead], p: Probe[DSparkHead]) -> dict[str, tuple]:
