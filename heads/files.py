@@ -8,15 +8,17 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 
 def write_file_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """write(tmp) fills a temp file beside path, which then replaces path; on failure path is untouched."""
+    """write(tmp) fills a temp file beside path, which then replaces path; on failure path is untouched. The temp
+    name is unique, so two processes writing the same file (two servers measuring one profile) never share it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")  # write() creates it: umask's mode
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -139,3 +139,20 @@ def test_verify_cost_on_a_kind_without_accept_probs_drafts_as_fixed(chat_target,
 def test_spec_verify_takes_fixed_or_cost():
     with pytest.raises(ValueError, match="spec.verify must be one of fixed, cost, got 'always'"):
         SpecConfig("ngram", verify="always")
+    with pytest.raises(ValueError, match="spec=ar drafts nothing"):
+        SpecConfig("ar", verify="cost")
+
+
+def test_an_unwritable_cache_measures_and_uses_the_curve_from_memory(engine, measured, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with caplog.at_level(logging.WARNING):
+        curve = load_or_measure(engine, TARGET, str(blocker / "cache"), QUICK)
+    assert len(curve.seconds) == 5 and len(measured) == 1 and "not saved" in caplog.text
+
+
+def test_profiles_of_different_contexts_live_side_by_side(engine, measured, tmp_path):
+    short = ProfileSettings(repeats=1, warmup=0, context=8)
+    for settings in (QUICK, short, QUICK, short):
+        load_or_measure(engine, TARGET, str(tmp_path), settings)
+    assert len(measured) == 2

@@ -23,6 +23,20 @@ def test_a_failed_file_write_leaves_the_old_file_and_no_temp(tmp_path: Path):
     assert path.read_text() == "new"
 
 
+def test_two_writers_of_one_file_never_share_a_temp(tmp_path: Path):
+    """Two processes writing the same file each use their own temp: one's cleanup cannot remove the other's."""
+    path, temps = tmp_path / "profile.json", []
+
+    def outer(tmp: Path):
+        temps.append(tmp)
+        write_file_atomic(path, lambda inner: (temps.append(inner), inner.write_text("inner")))
+        tmp.write_text("outer")  # the inner write's cleanup must not have taken this one's temp
+
+    write_file_atomic(path, outer)
+    assert temps[0] != temps[1] and path.read_text() == "outer"
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
 def test_a_folder_replaces_the_old_one_only_when_finished(tmp_path: Path):
     out = tmp_path / "drafter"
     out.mkdir()

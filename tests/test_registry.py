@@ -169,7 +169,7 @@ def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, verify, tin
         drafts += out.metrics.drafts
         rows.update({i + 1: c for i, c in enumerate(out.metrics.verify_rows) if c})
     assert drafts > 0
-    if verify == "cost" and any(rated):  # drafts with accept probabilities (dspark's trees have none): most cut
+    if verify == "cost" and any(rated):  # drafts with accept probabilities: most cut
         assert rows[1 + proposer.max_tree_size] < drafts / 2, sorted(rows.items())
 
 

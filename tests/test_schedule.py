@@ -128,6 +128,13 @@ def test_no_accept_probs_means_no_cut():
     assert CostSchedule(linear(1.0, 10.0)).cut(DraftTree.empty(), 0.0, greedy=True) is None
 
 
+def test_non_finite_accept_probs_are_not_trusted_to_cut(caplog):
+    """A drafter with NaN weights (its confidence NaN) must not switch speculation off: the draft is verified whole."""
+    for bad in (float("nan"), float("inf")):
+        t = tree([-1, 0, 1], [0.9, bad, 0.1])
+        assert CostSchedule(linear(1.0, 10.0)).cut(t, 0.0, greedy=True) is None
+
+
 def test_subtree_renumbers_and_carries_the_probabilities():
     t = DraftTree(
         torch.tensor([10, 11, 12, 13, 14]),

@@ -54,8 +54,8 @@ def dspark_loss(
     if batch.aux is None:
         raise ValueError(f"dspark_loss needs batch.aux: the target's inputs to layers {head.target_layers}")
     ids, n, s = batch.input_ids, batch.input_ids.shape[1], head.config.block_size
-    if n < 2:
-        raise ValueError(f"DSpark needs sequences of >= 2 tokens (an anchor and a token after), got {n}")
+    if n < 3:
+        raise ValueError(f"DSpark needs sequences of >= 3 tokens (context, an anchor and a token after), got {n}")
     anchor, real = sample_anchors(batch.loss_mask, anchors)
     out = head.anchored(head.target_features(batch.hidden, batch.aux), ids, anchor)  # [b, A, B, H]
     predicted = anchor[..., None] + torch.arange(1, s + 1, device=ids.device)  # [b, A, B]: slot k drafts a+k+1

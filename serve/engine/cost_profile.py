@@ -73,9 +73,9 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
 
 
 def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:
-    """One file per target, dtype, device, forward path, thread count and row count; the torch version and CPU model
-    are checked inside it (a new one makes the old file stale rather than leaving it behind)."""
-    key = {k: print_[k] for k in ("target", "dtype", "device", "forward", "threads", "rows")}
+    """One file per target, dtype, device, forward path, thread count, row count and context; the torch version and CPU
+    model are checked inside it (a new one makes the old file stale rather than leaving it behind)."""
+    key = {k: print_[k] for k in ("target", "dtype", "device", "forward", "threads", "rows", "context")}
     return keyed_cache_path(cache_dir, "verify_cost", print_["target"], key, ".json")
 
 
@@ -99,8 +99,11 @@ def load_or_measure(
     say = log.info if why == ABSENT else log.warning  # a file that cannot be trusted is worth a look
     say("verify cost profile %s %s: measuring %d row counts", path, why, rows)
     curve = CostCurve(measure(engine, rows, context, settings))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps({"fingerprint": expected, **asdict(curve)}, indent=1) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"fingerprint": expected, **asdict(curve)}, indent=1) + "\n")
+    except OSError as e:  # a read-only cache costs a re-measure next time, not the engine
+        log.warning("verify cost profile not saved (%s): this engine uses it from memory", e)
     return curve
 
 

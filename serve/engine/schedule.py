@@ -14,6 +14,8 @@ levels < d say (a stopping rule); deterministic drafts (top-k, greedy) may look 
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -22,6 +24,8 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.engine.tree import DraftTree
+
+log = logging.getLogger(__name__)
 
 Cost = Callable[[int], float]  # seconds of one verify forward over this many rows
 
@@ -35,6 +39,9 @@ class CostSchedule:
     def cut(self, tree: DraftTree, draft_s: float, greedy: bool) -> Tensor | None:
         """The kept node indices (ascending); None: keep the whole tree (no accept_probs, or nothing to cut)."""
         if tree.accept_probs is None or not len(tree):
+            return None
+        if not bool(torch.isfinite(tree.accept_probs).all()):  # a broken estimate judges nothing: verify it all
+            warn_once("a draft's accept_probs are not finite (a drafter with NaN weights?): verified whole")
             return None
         a = tree.accept_probs.float().clamp(0.0, 1.0).tolist()
         parents, depths = tree.parents.tolist(), tree.depths.tolist()
@@ -108,3 +115,8 @@ def stopped_levels(P: list[float], depths: list[int], cost: Cost, draft_s: float
             break
         kept += 1
     return upto(depths, kept)
+
+
+@functools.cache
+def warn_once(message: str) -> None:
+    log.warning(message)
