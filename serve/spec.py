@@ -80,7 +80,7 @@ class SpecConfig:
         if self.verify not in VERIFY:
             raise ValueError(f"spec.verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
         if self.verify == "cost" and self.name == "ar":
-            raise ValueError("spec.verify=cost cuts drafts, and spec=ar drafts nothing: drop it or pick a drafting spec")
+            raise ValueError("spec.verify=cost cuts drafts and spec=ar drafts nothing: drop it or pick a drafting spec")
         if self.draft_vocab and self.name not in vocab_specs():
             raise ValueError(draft_vocab_refusal(self.name))
 
