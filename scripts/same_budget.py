@@ -38,6 +38,7 @@ ARMS = {
     "dspark_b4": ["head=dspark"],
     "dspark_b4_dpace": ["head=dspark", "head.loss.slot_weights=dpace"],
     "dspark_b4_ce": ["head=dspark", "head.loss.ce_weight=1.0", "head.loss.tv_weight=0.0"],
+    "dspark_b4_r16": ["head=dspark", "head.args.markov_rank=16"],
     "dflash_b4_dpace": ["head=dflash", "head.loss.slot_weights=dpace"],
 }
 PROBE_STEPS, PROBE_WINDOW = 12, 6
