@@ -53,15 +53,9 @@ def dflash_loss(
         raise ValueError(f"DFlash needs sequences of >= 3 tokens (context, an anchor and a token after), got {n}")
     anchor, real = sample_anchors(batch.loss_mask, anchors)
     out = head.anchored(head.target_features(batch.hidden, batch.aux), ids, anchor)[:, :, 1:]  # [b, A, B-1, H]
-    predicted = anchor[..., None] + torch.arange(1, s, device=ids.device)  # [b, A, B-1]: the token slot i drafts
-    inside = predicted < n
-    at = predicted.clamp(max=n - 1)
-    mask = batch.loss_mask.gather(1, at.flatten(1)).view_as(at) * inside * real[..., None]
+    at, mask = slot_targets(batch, anchor, real, s - 1)  # [b, A, B-1]: slot i drafts token a+i
     sel = mask > 0
-    rows = head.target_lm_head.weight[head.vocab_ids]  # [draft vocab, H]: never the full vocabulary
-    with torch.no_grad():
-        source = batch.hidden.gather(1, (at - 1).flatten(1)[..., None].expand(-1, -1, batch.hidden.shape[-1]))
-        target = sharpened((source.view(*at.shape, -1)[sel].to(rows.dtype) @ rows.T).float(), target_temperature)
+    target = sharpened(target_logits(head, batch, at, sel), target_temperature)
     logits = head.logits(out[sel]).float()
     ce = F.cross_entropy(logits, target, reduction="none")
     w = block_weights(ce, mask, sel, slot_weights, decay_gamma, dpace_alpha)
@@ -69,6 +63,24 @@ def dflash_loss(
     slot = torch.arange(1, s, device=ids.device).expand_as(at)[sel]
     logs = {f"acc_{i}": agreement(logits[slot == i], target[slot == i], w[sel][slot == i]) for i in range(1, s)}
     return loss, {"loss": loss.item(), **logs}
+
+
+def slot_targets(batch: FeatureBatch, anchor: Tensor, real: Tensor, slots: int) -> tuple[Tensor, Tensor]:
+    """Where the tokens 1..slots after each anchor [b, A] sit (clamped into the sequence) and which of them count:
+    at [b, A, slots], and their mask (loss_mask there, inside the sequence, of a real anchor)."""
+    n = batch.loss_mask.shape[1]
+    predicted = anchor[..., None] + torch.arange(1, slots + 1, device=anchor.device)
+    at = predicted.clamp(max=n - 1)
+    return at, batch.loss_mask.gather(1, at.flatten(1)).view_as(at) * (predicted < n) * real[..., None]
+
+
+@torch.no_grad()
+def target_logits(head: DFlashHead, batch: FeatureBatch, at: Tensor, sel: Tensor) -> Tensor:
+    """The target's logits over the draft vocabulary of the selected tokens at positions at [.., slots] (its lm_head
+    on hidden[at - 1]): [sel.sum(), draft vocab], float."""
+    rows = head.target_lm_head.weight[head.vocab_ids]  # [draft vocab, H]: never the full vocabulary
+    source = batch.hidden.gather(1, (at - 1).flatten(1)[..., None].expand(-1, -1, batch.hidden.shape[-1]))
+    return (source.view(*at.shape, -1)[sel].to(rows.dtype) @ rows.T).float()
 
 
 def check_block_options(anchors: int, decay_gamma: float, target_temperature: float, slots: str, alpha: float) -> None:

@@ -23,8 +23,8 @@ from torch import Tensor
 from draftsmith.heads.dspark import DSparkHead
 
 from .batch import FeatureBatch
-from .loss_dflash import block_weights, check_block_options, sample_anchors
-from .losses import agreement, decay_weights, weighted_mean
+from .loss_dflash import block_weights, check_block_options, sample_anchors, slot_targets, target_logits
+from .losses import agreement, decay_weights, sharpened, weighted_mean
 
 CONFIDENCE_TARGETS = ("greedy", "overlap")
 
@@ -58,22 +58,14 @@ def dspark_loss(
         raise ValueError(f"DSpark needs sequences of >= 3 tokens (context, an anchor and a token after), got {n}")
     anchor, real = sample_anchors(batch.loss_mask, anchors)
     out = head.anchored(head.target_features(batch.hidden, batch.aux), ids, anchor)  # [b, A, B, H]
-    predicted = anchor[..., None] + torch.arange(1, s + 1, device=ids.device)  # [b, A, B]: slot k drafts a+k+1
-    inside = predicted < n
-    at = predicted.clamp(max=n - 1)
-    mask = batch.loss_mask.gather(1, at.flatten(1)).view_as(at) * inside * real[..., None]
+    at, mask = slot_targets(batch, anchor, real, s)  # [b, A, B]: slot k drafts token a+k+1
     sel = mask > 0
     prev = ids.gather(1, (at - 1).flatten(1)).view_as(at)  # the true token before each slot
     logits, conf = head.teacher_forced(out, prev)
     logits, conf = logits[sel].float(), conf[sel]
-    rows = head.target_lm_head.weight[head.vocab_ids]  # [draft vocab, H]: never the full vocabulary
     with torch.no_grad():
-        source = batch.hidden.gather(1, (at - 1).flatten(1)[..., None].expand(-1, -1, batch.hidden.shape[-1]))
-        target_logits = (source.view(*at.shape, -1)[sel].to(rows.dtype) @ rows.T).float()
-        target = F.softmax(target_logits / target_temperature, -1) if target_temperature else None
-        p = F.softmax(target_logits, dim=-1)
-    if target is None:  # temperature 0: the target's top token
-        target = F.one_hot(target_logits.argmax(-1), target_logits.shape[-1]).float()
+        scores = target_logits(head, batch, at, sel)
+        target, p = sharpened(scores, target_temperature), F.softmax(scores, dim=-1)
     ce = F.cross_entropy(logits, target, reduction="none")
     tv = 0.5 * (F.softmax(logits, dim=-1) - p).abs().sum(-1)
     with torch.no_grad():

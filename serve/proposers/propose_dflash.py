@@ -79,9 +79,13 @@ class DFlashProposer(SlotProposer):
         self.logits = self.head.logits(self.head.draft(block, self.cached, self.cache)[1:]).float()
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        self.check_pending(tokens)
+        return self.draft_slots(sp, budget)
+
+    def check_pending(self, tokens: Tensor) -> None:
+        """The engine's sequence is the drafter's context plus the pending token."""
         if tokens.numel() != self.cached + 1:
             raise RuntimeError(f"the drafter holds {self.cached} tokens + the pending one, the engine {tokens.numel()}")
-        return self.draft_slots(sp, budget)
 
 
 def dflash_proposer(spec: SpecConfig, target: LoadedTarget) -> DFlashProposer:

@@ -45,8 +45,7 @@ class DSparkProposer(DFlashProposer):
         self.logits = self.head.base_logits(self.hidden).float()
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
-        if tokens.numel() != self.cached + 1:
-            raise RuntimeError(f"the drafter holds {self.cached} tokens + the pending one, the engine {tokens.numel()}")
+        self.check_pending(tokens)
         depth = min(self.depth, budget)
         if self.tree.width == 1:
             return self.chain(tokens[-1], depth, sp)
@@ -62,11 +61,11 @@ class DSparkProposer(DFlashProposer):
 
     def chain(self, pending: Tensor, depth: int, sp: SamplingParams) -> DraftTree:
         assert self.hidden is not None, "a draft follows a forward"
-        ids, rows, conf = [], [], []
+        ids, rows, embeds = [], [], []
         prev, state = pending, None
         for k in range(depth):
             logits, e, state = self.slot(k, prev, state)
-            conf.append(self.head.confidence(self.hidden[k], e))
+            embeds.append(e)
             if sp.greedy:
                 d = logits.argmax()
             else:
@@ -78,9 +77,8 @@ class DSparkProposer(DFlashProposer):
         if not ids:
             return DraftTree.empty(pending.device)
         probs = widen(torch.stack(rows), self.vocab_ids, self.head.config.vocab_size) if rows else None
-        tree = DraftTree.chain(torch.stack(ids), probs)
-        tree.accept_probs = torch.sigmoid(torch.stack(conf))
-        return tree
+        confidence = torch.sigmoid(self.head.confidence(self.hidden[:depth], torch.stack(embeds)))
+        return DraftTree.chain(torch.stack(ids), probs, confidence)
 
     def topk_tree(self, pending: Tensor, depth: int) -> DraftTree:
         """EAGLE-2's expand-and-rerank with each node's children under its own Markov bias."""
@@ -105,8 +103,8 @@ class DSparkProposer(DFlashProposer):
         if not toks:
             return DraftTree.empty(pending.device)
         dev = pending.device
-        tree = DraftTree(torch.stack(toks), torch.tensor(parents, device=dev))
-        tree.accept_probs = torch.tensor(own, device=dev).exp()
+        own_p = torch.tensor(own, device=dev).exp()
+        tree = DraftTree(torch.stack(toks), torch.tensor(parents, device=dev), None, own_p)
         return rerank(tree, torch.tensor(cum, device=dev), self.max_tree_size)
 
 
