@@ -71,7 +71,7 @@ class EvalConfig:
     seed: int = 0
     prefix_cache: bool = True
     max_seq_len: int = 4096
-    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | graphs | eager | off
+    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | compile | graphs | eager | off
     limit: int | None = None
     warmup: int = 1
     repeats: int = 1

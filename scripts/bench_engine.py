@@ -413,8 +413,10 @@ def plain_variants(args, ours, hf, tok, sections) -> list[Variant]:
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     variants: list[Variant] = []
     for dtype in ("float32", "bfloat16"):
-        plain = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len)
-        variants.append((f"ours {SHORT_NAMES[dtype]}", lambda ids, n, e=plain: run_engine(e, ids, n, ())))
+        for step in args.steps:
+            plain = TimedEngine(ours[dtype], max_seq_len=args.max_seq_len, cuda_graphs=step)
+            name = f"ours {SHORT_NAMES[dtype]}" + ("" if step == "auto" else f" {step}")
+            variants.append((name, lambda ids, n, e=plain: run_engine(e, ids, n, ())))
         if "hf" in sections:
             variants.append((f"HF {SHORT_NAMES[dtype]}", lambda ids, n, m=hf[dtype]: run_hf(m, ids, n, pad)))
     return variants
@@ -841,6 +843,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-repeats", type=int, default=3)
     p.add_argument("--prefix-dtypes", type=csv(str), default=["float32", "bfloat16"])
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine KV cache length")
+    p.add_argument(
+        "--steps",
+        type=csv(str),
+        default=["auto", "off"],
+        help="section 1: our engine's step per variant (cuda_graphs: auto compiles on a CPU, off is the eager forward)",
+    )
 
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,13 @@
 #!/usr/bin/env python
 """Where a decode step of the real SmolLM2-135M goes (CPU, batch 1), measured side by side in one process.
 
-1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: today's bit-exact bf16,
+1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: the eager bit-exact bf16,
    without the linear wrappers' checks, a 1-row linear run as one row (not bit-exact), the SDPA-style attention
-   instead of the batch-invariant one (not bit-exact), and fp32
-2. the linears alone: every layer's packed weights once, cold (as a step streams them), one row, bf16 and fp32
+   instead of the batch-invariant one (not bit-exact), and fp32; beside them the compiled step (the engine's default
+   on a CPU, serve/engine/compiled.py) in bf16 and fp32
+2. the linears alone: every layer's packed weights once, cold (as a step streams them), one row, bf16 and fp32,
+   beside this machine's memory bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step
+   against the bandwidth limit (every weight it reads, once per token)
 
   python scripts/bench_step_parts.py [--context 300] [--rounds 6]
 """
@@ -24,6 +27,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from draftsmith.heads import llama, packed  # noqa: E402
+from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
 from draftsmith.serve.models.target import (
     TargetConfig,  # noqa: E402
@@ -48,7 +52,7 @@ def one_row(x, weight, bias, out_features):
 
 
 VARIANTS = {
-    "today": [],
+    "eager": [],
     "linear wrappers without checks": [
         (packed.PackedLinear, "forward", lean_packed),
         (packed.FusedLinear, "forward", lean_fused),
@@ -65,34 +69,64 @@ def patched(patches) -> ExitStack:
     return stack
 
 
-def step_section(context: int, rounds: int) -> None:
+def step_section(context: int, rounds: int) -> dict[tuple[str, str], float]:
+    """-> the best step time (s) per (variant, dtype)."""
     models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in ("bfloat16", "float32")}
-    runs = {(name, "bfloat16"): patches for name, patches in VARIANTS.items()} | {("today", "float32"): []}
+    runs = {(name, "bfloat16"): patches for name, patches in VARIANTS.items()} | {("eager", "float32"): []}
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
-    caches, times = {}, {key: [] for key in runs}
+    steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():
         for key, patches in runs.items():
-            model = models[key[1]]
             with patched(patches):
-                caches[key] = model.new_cache(context + 64)
-                model(tokens[:context], torch.arange(context), caches[key], 0, causal_mask(0, context, "cpu"))
+                steps[key] = eager_step(models[key[1]], context + 64)
+                steps[key](tokens[:context], torch.arange(context), 0, causal_mask(0, context, "cpu"))
+        for dtype, model in models.items():
+            steps["compiled", dtype] = CompiledStep(model, model.new_cache(cache_slots(context + 64)))
+            begin = time.perf_counter()
+            steps["compiled", dtype](tokens[:context], torch.arange(context), 0, causal_mask(0, context, "cpu"))
+            print(
+                f"compiled step, {dtype}: first call (compile, or load from the cache, + prefill) "
+                f"{time.perf_counter() - begin:.1f} s"
+            )
         for r in range(rounds + 1):  # round 0 warms up
-            for key, patches in runs.items():
-                model = models[key[1]]
-                with patched(patches):
+            for key in times:
+                with patched(runs.get(key, [])):
                     for i in range(12):
                         p = context + i % 30
                         t = time.perf_counter()
-                        model(tokens[p : p + 1], torch.arange(p, p + 1), caches[key], p, None)
+                        steps[key](tokens[p : p + 1], torch.arange(p, p + 1), p, None)
                         if r:
                             times[key].append(time.perf_counter() - t)
-    base = min(times["today", "bfloat16"])
+    base = min(times["eager", "bfloat16"])
     print(f"decode step, {context} tokens in cache, min over {rounds * 12} interleaved steps (ms)")
     for (name, dtype), ts in times.items():
         print(f"  {dtype:9s} {name:34s} {min(ts) * 1e3:7.2f}  {min(ts) / base:5.2f}x")
+    return {key: min(ts) for key, ts in times.items()}
 
 
-def linears_section(rounds: int) -> None:
+def eager_step(model, slots: int):
+    cache = model.new_cache(slots)
+    return lambda tokens, positions, start, mask: model(tokens, positions, cache, start, mask)
+
+
+def bandwidth_gbs(rounds: int) -> float:
+    """This machine's read bandwidth: the best of rounds sums over a 512 MB tensor (far past every cache)."""
+    buf = torch.ones(1 << 27)
+    best = float("inf")
+    for _ in range(rounds * 2):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.nbytes / best / 1e9
+
+
+def weight_bytes(model) -> int:
+    """What a decode step streams: every linear's weight, the (tied) lm_head once."""
+    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, (packed.PackedLinear, torch.nn.Linear)))
+
+
+def linears_section(rounds: int) -> float:
+    """-> the bandwidth probe's GB/s."""
     cfg = load_target(TargetConfig(dtype="float32")).model.config
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]  # qkv, o, gate_up, down
@@ -113,6 +147,23 @@ def linears_section(rounds: int) -> None:
                         torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                 best = min(best, time.perf_counter() - t)
         print(f"  {str(dtype):15s} {best * 1e3:6.2f} ms for {mb:.0f} MB: {mb / best / 1e3:.1f} GB/s")
+    gbs = bandwidth_gbs(rounds)
+    print(f"  memory bandwidth probe (sum of a 512 MB fp32 tensor): {gbs:.1f} GB/s")
+    return gbs
+
+
+def limit_section(best: dict[tuple[str, str], float], gbs: float) -> None:
+    """The decode step against the bandwidth limit: one pass over the weights per token."""
+    print("decode step vs the bandwidth limit (every weight read once per token)")
+    for dtype in ("bfloat16", "float32"):
+        mb = weight_bytes(load_target(TargetConfig(dtype=dtype)).model) / 1e6
+        limit = mb / gbs / 1e3
+        for name in ("compiled", "eager"):
+            step = best[name, dtype]
+            print(
+                f"  {dtype:9s} {name:9s} {step * 1e3:6.2f} ms; limit {limit * 1e3:5.2f} ms ({mb:.0f} MB at "
+                f"{gbs:.1f} GB/s, {1 / limit:.0f} tok/s): {limit / step:.0%} of it"
+            )
 
 
 def main() -> None:
@@ -120,8 +171,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300, help="tokens in the cache when a step runs")
     p.add_argument("--rounds", type=int, default=6)
     args = p.parse_args()
-    step_section(args.context, args.rounds)
-    linears_section(args.rounds)
+    best = step_section(args.context, args.rounds)
+    limit_section(best, linears_section(args.rounds))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from draftsmith.heads.llama import ModelConfig, Transformer  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from draftsmith.heads.packed import pack_linears  # noqa: E402
 from draftsmith.serve.engine.engine import Engine  # noqa: E402
+from draftsmith.serve.engine.graphs import resolve_mode  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.engine.tree import (
     TreeConfig,  # noqa: E402
@@ -347,7 +348,7 @@ def timing(ts: list[float], one: float) -> dict:
 
 
 def drafter_section(args, model, shape: Shape, plist: list[Prompt], new: int) -> dict:
-    mode = "graphs" if model.device.type == "cuda" else "off"  # what cuda_graphs=auto picks
+    mode = resolve_mode("auto", model)  # graphs on a GPU, the compiled step on a CPU
     engines = {"plain (no drafter)": TimedEngine(model, max_seq_len=args.max_seq_len, cuda_graphs=mode)}
     for name, prop in proposers(model, shape).items():
         engines[name] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len, cuda_graphs=mode)

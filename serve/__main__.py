@@ -27,7 +27,7 @@ class GenerateConfig:
     seed: int = 0
     prefix_cache: bool = False
     max_seq_len: int = 4096
-    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | graphs | eager | off
+    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | compile | graphs | eager | off
 
 
 def run(cfg: GenerateConfig) -> None:

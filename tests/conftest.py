@@ -3,6 +3,8 @@ import os
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
+os.environ["DRAFTSMITH_COMPILE"] = "0"  # cuda_graphs=auto runs eagerly: compiling every test's engine would take hours;
+# tests/test_compiled_step.py and the lossless module ask for the compiled step by name
 
 from pathlib import Path  # noqa: E402
 

@@ -198,6 +198,26 @@ def greedy_continuations(target, plain: dict, max_seq_len: int) -> tuple[torch.T
 # ---------------------------------------------------------------- the engine's checks (test_engine and the drafters')
 
 
+def assert_same_bits(got, want, what: str) -> None:
+    """Rows of got and want carry identical bits (the batch-invariant runner's claim); names the rows that differ."""
+    differ = (got != want).flatten(1).any(-1).nonzero().flatten().tolist()
+    assert not differ, f"{what}: rows {differ} differ"
+
+
+def assert_same_kv(a, b, slots: slice) -> None:
+    for x, y in zip(a.k + a.v, b.k + b.v, strict=True):
+        assert torch.equal(x[:, :, slots], y[:, :, slots])
+
+
+def node_path(nodes, parents, i: int) -> list[int]:
+    """The tokens from a draft tree's root child down to node i."""
+    path = []
+    while i >= 0:
+        path.insert(0, int(nodes[i]))
+        i = int(parents[i])
+    return path
+
+
 def kv_prefix(engine: Engine, n: int) -> list[torch.Tensor]:
     return [t[:, :, :n].clone() for t in (*engine.cache.k, *engine.cache.v)]
 

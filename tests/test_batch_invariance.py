@@ -20,7 +20,7 @@ from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, Dra
 from draftsmith.serve.proposers.propose_eagle import EagleProposer
 from draftsmith.serve.proposers.propose_layerskip import layerskip_model
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
-from helpers import PROMPTS
+from helpers import PROMPTS, assert_same_bits, assert_same_kv, node_path
 
 pytestmark = [
     pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels"),
@@ -61,16 +61,6 @@ def prefilled(target, tokens, n: int):
     cache = target.new_cache(MAX_SEQ)
     run(target, cache, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu"))
     return cache
-
-
-def assert_same_bits(got, want, what: str) -> None:
-    differ = (got != want).flatten(1).any(-1).nonzero().flatten().tolist()
-    assert not differ, f"{what}: rows {differ} differ"
-
-
-def assert_same_kv(a, b, slots: slice) -> None:
-    for x, y in zip(a.k + a.v, b.k + b.v, strict=True):
-        assert torch.equal(x[:, :, slots], y[:, :, slots])
 
 
 def test_decode_steps_equal_the_whole_prefill(target, tokens, whole):
@@ -130,11 +120,7 @@ def assert_tree_rows_equal_own_paths(model, tokens, start: int, nodes, parents, 
     inputs = torch.cat([tokens[start : start + 1], nodes])
     out = run(model, prefilled(model, tokens, start), inputs, tree.positions(start), start, tree.attention_mask(start))
     for i in range(len(parents)):
-        path, j = [], i
-        while j >= 0:
-            path.insert(0, int(nodes[j]))
-            j = int(parents[j])
-        seq = torch.cat([tokens[: start + 1], torch.tensor(path)])
+        seq = torch.cat([tokens[: start + 1], torch.tensor(node_path(nodes, parents, i))])
         ref = run(model, model.new_cache(MAX_SEQ), seq, torch.arange(len(seq)), 0, causal_mask(0, len(seq), "cpu"))
         assert_same_bits(out.hidden[i + 1 : i + 2], ref.hidden[-1:], f"{what}, node {i}: hidden")
         assert_same_bits(out.logits[i + 1 : i + 2], ref.logits[-1:], f"{what}, node {i}: logits")

@@ -1,5 +1,6 @@
 """Greedy speculative output equals plain greedy output, token for token, on the real SmolLM2, in fp32 and in bf16
-(where the CPU has bf16 kernels: there the runner is bit-exact across row counts, heads/attention.py)."""
+(where the CPU has bf16 kernels: there the runner is bit-exact across row counts, heads/attention.py). The engines
+run the compiled step, the CPU's default (serve/engine/compiled.py); the rows check runs the eager forward."""
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from helpers import truncated_copy
 
 NEW_TOKENS = 64
 PROMPTS = 12  # every 7th MT-bench question: all 8 categories
+STEP = "compile"  # what cuda_graphs=auto picks on a CPU (the test suite switches auto's compiling off elsewhere)
 BF16 = pytest.param(
     "bfloat16", marks=pytest.mark.skipif(not native_bf16("cpu"), reason="bf16 is emulated on this CPU (no kernels)")
 )
@@ -35,7 +37,7 @@ def prompts(target) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def plain(target, prompts) -> list[list[int]]:
-    engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=1024)
+    engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=1024, cuda_graphs=STEP)
     return [engine.generate(ids, NEW_TOKENS, SamplingParams()).output_ids for ids in prompts]
 
 
@@ -51,7 +53,15 @@ def random_eagle3(target: LoadedTarget) -> Engine:
     model = target.model
     head = Eagle3Head(Eagle3Config.from_target(model.config), model).to(model.dtype).eval()
     proposer = EagleProposer(head, "eagle3", 2, TreeConfig(topk=3, total_tokens=8))
-    return Engine(model, proposer, PrefixCache(), eos_ids=eos_ids(target), max_seq_len=1024, salt="random-eagle3")
+    return Engine(
+        model,
+        proposer,
+        PrefixCache(),
+        eos_ids=eos_ids(target),
+        max_seq_len=1024,
+        salt="random-eagle3",
+        cuda_graphs=STEP,
+    )
 
 
 @pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip", "draft_model", "eagle3-random"])
@@ -65,7 +75,7 @@ def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain
             "layerskip": SpecConfig("layerskip", 2, layers=4),
             "draft_model": SpecConfig("draft_model", 3, drafter=str(draft_dir)),
         }[spec]
-        engine = build_engine(target, cfg, prefix_cache=True, max_seq_len=1024)
+        engine = build_engine(target, cfg, prefix_cache=True, max_seq_len=1024, cuda_graphs=STEP)
     accepted = drafted = 0
     for ids, expected in zip(prompts, plain, strict=True):
         g = engine.generate(ids, NEW_TOKENS, SamplingParams())

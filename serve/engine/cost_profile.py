@@ -63,7 +63,7 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "target": target_id,
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "device": str(engine.model.device),
-        "forward": "static" if engine.static is not None else "dynamic",
+        "forward": "dynamic" if engine.static is None else "compiled" if engine.static.prefill else "static",
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),

@@ -16,7 +16,7 @@ from torch import Tensor
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.serve.engine.generation import Generation
-from draftsmith.serve.engine.graphs import make_static_step
+from draftsmith.serve.engine.graphs import cache_len, make_static_step, resolve_mode
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.observer import Observer
 from draftsmith.serve.engine.prefix_cache import PrefixCache
@@ -35,7 +35,7 @@ class Engine:
     eos_ids: tuple[int, ...] = ()
     max_seq_len: int = 4096
     salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
-    cuda_graphs: str = "auto"  # static-shape step (graphs.py): auto | graphs | eager | off
+    cuda_graphs: str = "auto"  # static-shape step (graphs.py): auto | compile | graphs | eager | off
     schedule: CostSchedule | None = None  # cut each draft to what pays for its verify rows (None: verify it whole)
     cache: KVCache = field(init=False, repr=False)
     accept_s: float = field(init=False, default=0.0)  # the proposer's accept() last step: part of its cost per step
@@ -52,11 +52,12 @@ class Engine:
             )
         self.max_seq_len = min(self.max_seq_len, room + 1 - max(tree, 1))
         slots = self.max_seq_len + tree + 1
-        self.cache = self.model.new_cache(slots)
+        mode = resolve_mode(self.cuda_graphs, self.model, tree)
+        self.cache = self.model.new_cache(cache_len(mode, slots))
         if self.proposer:
             self.proposer.reserve(slots)
         self.target_layers = self.proposer.target_layers if self.proposer else ()  # hidden states the drafter reads
-        self.static = make_static_step(self.cuda_graphs, self.model, self.cache, self.target_layers)
+        self.static = make_static_step(mode, self.model, self.cache, self.target_layers)
 
     def replace_proposer(self, proposer: Proposer, salt: str) -> None:
         """Draft with another proposer from the next request on (a new version of the head): it must read the same
@@ -214,8 +215,8 @@ class Engine:
     def forward(
         self, inputs: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
     ) -> ForwardOut:
-        if self.static is not None and logit_rows is None:
-            return self.static(inputs, positions, start, mask)
+        if self.static is not None and (logit_rows is None or self.static.prefill):
+            return self.static(inputs, positions, start, mask, logit_rows)
         return self.model(inputs, positions, self.cache, start, mask, logit_rows, self.target_layers)
 
     def reach(self, accepted: list[int], budget: int) -> int:

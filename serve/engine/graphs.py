@@ -8,21 +8,25 @@ whole preallocated cache under a [n, max_len] mask (gpt-fast's design). One grap
 inputs; later steps copy their inputs into the graph's buffers and replay it. Prefill stays eager.
 
 On CPU the same static forward runs eagerly (`mode="eager"`), which is how the tests check its
-logic against the dynamic forward; `mode="graphs"` needs CUDA.
+logic against the dynamic forward; `mode="graphs"` needs CUDA. On CPU `auto` picks `compile`: every forward of the
+target, prefill included, runs heads/static_forward.py compiled by inductor (serve/engine/compiled.py).
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
+from draftsmith.heads.static_forward import MAX_TREE
+from draftsmith.serve.engine.compiled import CompiledStep, cache_slots, compile_available, compile_by_default
 
-MODES = ("auto", "graphs", "eager", "off")
+MODES = ("auto", "compile", "graphs", "eager", "off")
 WARMUP = 2  # eager runs on a side stream before capture (cuBLAS and allocator warm-up)
 
 
@@ -52,8 +56,11 @@ class StaticStep:
     target_layers: tuple[int, ...] = ()
     mode: str = "eager"  # "graphs" (CUDA) or "eager"
     graphs: dict[int, Captured] = field(default_factory=dict)
+    prefill: ClassVar[bool] = False  # decode and verify steps only: the prefill runs the dynamic forward
 
-    def __call__(self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None) -> ForwardOut:
+    def __call__(
+        self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
+    ) -> ForwardOut:
         n = tokens.numel()
         slots = torch.arange(start, start + n, device=tokens.device)
         wide = full_mask(mask, start, n, self.cache.max_len, tokens.device)
@@ -91,18 +98,43 @@ class StaticStep:
         return Captured(graph, tokens, positions, slots, mask, out)
 
 
-def make_static_step(
-    mode: str, model: Transformer, cache: KVCache, target_layers: tuple[int, ...]
-) -> StaticStep | None:
-    """auto: CUDA graphs on a GPU, the plain dynamic forward on CPU (where graphs do not exist and
-    attending over the whole cache would only add work)."""
+def resolve_mode(mode: str, model: Transformer, tree: int = 0) -> str:
+    """auto: CUDA graphs on a GPU; on CPU the compiled step where it can run (serve/engine/compiled.py: drafts of up
+    to MAX_TREE nodes), else the plain dynamic forward (`off`: attending over the whole cache eagerly would only add
+    work). tree: the most draft nodes a verify step holds."""
     if mode not in MODES:
         raise ValueError(f"unknown static-step mode {mode!r}; use one of {', '.join(MODES)}")
     cuda = model.device.type == "cuda"
     if mode == "auto":
-        mode = "graphs" if cuda else "off"
+        if cuda:
+            return "graphs"
+        return "compile" if compile_by_default() and compile_available(model) and tree <= MAX_TREE else "off"
+    if mode == "graphs" and not cuda:
+        raise ValueError("cuda_graphs=graphs needs the target on a CUDA device; use auto, compile, eager or off on CPU")
+    if mode == "compile" and not compile_available(model):
+        raise ValueError(
+            "cuda_graphs=compile needs a CPU target with oneDNN-packed linears (float32, or bfloat16/float16 where the "
+            "CPU has their kernels) and a C++ compiler; use auto or off"
+        )
+    if mode == "compile" and tree > MAX_TREE:
+        raise ValueError(
+            f"cuda_graphs=compile verifies drafts of at most {MAX_TREE} nodes, this one drafts {tree}: draft fewer "
+            "tokens (spec.tree.*) or use cuda_graphs=off"
+        )
+    return mode
+
+
+def cache_len(mode: str, slots: int) -> int:
+    """The KV slots to allocate for `slots` usable ones under `mode` (a resolved one)."""
+    return cache_slots(slots) if mode == "compile" else slots
+
+
+def make_static_step(
+    mode: str, model: Transformer, cache: KVCache, target_layers: tuple[int, ...]
+) -> StaticStep | CompiledStep | None:
+    """mode: a resolved one (resolve_mode)."""
     if mode == "off":
         return None
-    if mode == "graphs" and not cuda:
-        raise ValueError("cuda_graphs=graphs needs the target on a CUDA device; use auto, eager or off on CPU")
+    if mode == "compile":
+        return CompiledStep(model, cache, target_layers)
     return StaticStep(model, cache, target_layers, mode)

@@ -21,7 +21,7 @@ class ServeConfig:
     max_seq_len: int = 4096  # prompt + completion, capped by the model's context
     max_tokens: int | None = None  # a request's max_tokens when it sets none; None: what the context has left
     max_queue: int = 1024  # requests waiting for the engine past this are refused with 503
-    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | graphs | eager | off
+    cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | compile | graphs | eager | off
     log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug | trace
     adapt: bool = False  # capture the traffic and adapt the drafter to it (docs/serving.md); nothing is kept if false
     adaptation: AdaptConfig = field(default_factory=AdaptConfig)

@@ -1,0 +1,125 @@
+"""The target's forward compiled by torch.compile (inductor): prefill, decode and verify all run one compiled graph.
+
+heads/static_forward.py writes the forward with static shapes: rows x key blocks, each decoder layer one nested
+compile region (compiled once, called 30 times). Rows and key blocks are dynamic dimensions, so one graph serves
+every step: a prefill runs it in chunks of MAX_ROWS rows, a lone decode row is padded to two. A token's logits then
+carry the same bits in a decode, a verify and a prefill, in bf16 and in fp32, so speculative output equals plain
+output token for token and a prefix-cache hit equals a cold prefill.
+
+The eager forward (heads/llama.py) stays the reference and the fallback: a graph that fails to compile warns once
+and the engine runs eagerly from then on. Compiled code is cached on disk under `<cache root>/inductor` (inductor's
+FX graph cache), so a later process pays for tracing only; the first step's compile time is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from draftsmith.heads.attention import BLOCK
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut, Transformer
+from draftsmith.heads.packed import MAX_ROWS, can_pack
+from draftsmith.heads.static_forward import MIN_PREFIX, StaticInputs, min_rows, static_forward, static_inputs
+from draftsmith.serve.engine.tree import causal_mask
+from draftsmith.serve.models.target import cache_root
+
+DISABLE_ENV = "DRAFTSMITH_COMPILE"  # "0": cuda_graphs=auto runs the eager forward on CPU (the test suite's default)
+
+
+def compile_available(model: Transformer) -> bool:
+    """A CPU target whose linears are oneDNN-packed (the compiled graph calls their kernels) and a C++ compiler."""
+    if model.device.type != "cpu" or not can_pack(model.lm_head.weight):
+        return False
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except (RuntimeError, OSError):
+        return False
+    return True
+
+
+def compile_by_default() -> bool:
+    return os.environ.get(DISABLE_ENV, "1") != "0"
+
+
+def cache_slots(slots: int) -> int:
+    """The KV slots a compiled step needs for `slots` usable ones: a scratch slot for padded rows, and at least
+    the key blocks its prefix always reads."""
+    return max(slots + 1, MIN_PREFIX * BLOCK)
+
+
+def use_disk_cache(root: str) -> None:
+    """Keep inductor's compiled code under draftsmith's cache root (unless the user points it elsewhere)."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+
+
+@dataclass
+class CompiledStep:
+    """Called as the engine's forward: (tokens, positions, start, mask, logit_rows) -> ForwardOut."""
+
+    model: Transformer
+    cache: KVCache
+    target_layers: tuple[int, ...] = ()
+    compile_s: float = 0.0  # seconds the first call spent compiling (0 until then, or when cached graphs loaded)
+    failed: bool = False
+    graph: Callable[..., tuple[Tensor, list[Tensor]]] = field(init=False, repr=False)
+    prefill: ClassVar[bool] = True  # every forward of the target: a prefill's rows must carry a decode's bits
+
+    def __post_init__(self) -> None:
+        use_disk_cache(str(cache_root()))
+        self.graph = torch.compile(static_forward)
+        self.rows = min_rows(self.model.config)
+        self.scratch = self.cache.max_len - 1
+
+    def __call__(
+        self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
+    ) -> ForwardOut:
+        if self.failed:
+            return self.model(tokens, positions, self.cache, start, mask, logit_rows, self.target_layers)
+        hidden, aux = [], []
+        for begin in range(0, tokens.shape[0], MAX_ROWS):  # a prefill or a large tree in chunks of MAX_ROWS rows
+            end = min(begin + MAX_ROWS, tokens.shape[0])
+            chunk_mask = None if mask is None else mask[begin:end, : start + end]
+            h, a = self.chunk(tokens[begin:end], positions[begin:end], start + begin, chunk_mask, end - begin)
+            hidden.append(h)
+            aux.append(a)
+        h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+        layers = [torch.cat(parts) for parts in zip(*aux, strict=True)]
+        rows = h if logit_rows is None else h[logit_rows]
+        return ForwardOut(self.model.lm_head(rows).float(), h, layers)
+
+    def chunk(
+        self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, n: int
+    ) -> tuple[Tensor, list[Tensor]]:
+        inputs = static_inputs(tokens, positions, start, mask, max(n, self.rows), self.scratch)
+        mark_dynamic(inputs)
+        begin = time.perf_counter()
+        first = self.compile_s == 0.0
+        try:
+            hidden, aux = self.graph(self.model, inputs, self.cache, self.target_layers)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager forward, loudly
+            warnings.warn(
+                f"the compiled step failed ({type(e).__name__}: {e}); running eagerly from now on", stacklevel=3
+            )
+            self.failed = True
+            causal = mask if mask is not None or n == 1 else causal_mask(start, n, tokens.device)
+            out = self.model(tokens, positions, self.cache, start, causal, None, self.target_layers)
+            return out.hidden, out.aux
+        if first:
+            self.compile_s = time.perf_counter() - begin
+        return hidden[:n], [a[:n] for a in aux]
+
+
+def mark_dynamic(inputs: StaticInputs) -> None:
+    """Rows and key blocks vary from step to step: one graph for all of them."""
+    for t in (inputs.tokens, inputs.positions, inputs.slots, inputs.tail_slots, inputs.tail_unseen, inputs.prefix):
+        torch._dynamo.mark_dynamic(t, 0)

@@ -1,0 +1,211 @@
+"""The compiled step (serve/engine/compiled.py, heads/static_forward.py) keeps the engine's exactness: a token's
+hidden state, logits and KV carry the same bits in a 1-row decode, a chain or tree verify, a whole prefill and a
+chunked prefill after a prefix-cache hit, in bf16 and in fp32. So speculative output equals plain output token for
+token under the compiled step too. Its numbers are not the eager forward's (the compiler fuses the norms and the
+softmax), yet its logits are the eager forward's within rounding, and it falls back to the eager forward when the
+compiler fails."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.heads.attention import BLOCK
+from draftsmith.heads.llama import Transformer
+from draftsmith.heads.packed import MAX_ROWS, can_pack
+from draftsmith.heads.static_forward import MAX_TREE, min_rows
+from draftsmith.serve.engine import compiled
+from draftsmith.serve.engine.compiled import CompiledStep, cache_slots
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.graphs import resolve_mode
+from draftsmith.serve.engine.prefix_cache import PrefixCache
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree, causal_mask
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
+from helpers import PROMPTS, assert_same_bits, assert_same_kv, node_path
+
+SEQ = 2 * BLOCK + 30  # past two key blocks
+MAX_SEQ = SEQ + 40
+BF16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels"),
+)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module", params=[torch.float32, BF16], ids=["fp32", "bf16"])
+def target(request, tiny_llama_dir) -> Transformer:
+    # 3 query heads per KV head, as SmolLM2
+    folder = tiny_llama_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6)
+    return load_model(folder, request.param, "cpu")
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 128, (SEQ,), generator=torch.Generator().manual_seed(3))
+
+
+def new_step(target) -> CompiledStep:
+    return CompiledStep(target, target.new_cache(cache_slots(MAX_SEQ)))
+
+
+def run(step, tokens, positions, start, mask=None):
+    with torch.inference_mode():
+        return step(tokens, positions, start, mask)
+
+
+def prefilled(target, tokens, n: int) -> CompiledStep:
+    step = new_step(target)
+    run(step, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu"))
+    return step
+
+
+@pytest.fixture(scope="module")
+def whole(target, tokens):
+    """The reference: one prefill of the whole sequence (in chunks of MAX_ROWS rows)."""
+    step = new_step(target)
+    out = run(step, tokens, torch.arange(SEQ), 0, causal_mask(0, SEQ, "cpu"))
+    return out, step.cache
+
+
+def test_decode_steps_equal_the_whole_prefill(target, tokens, whole):
+    ref, cache_ref = whole
+    assert SEQ > MAX_ROWS  # the reference prefill ran in chunks
+    begin = BLOCK - 3
+    step = prefilled(target, tokens, begin)
+    for p in range(begin, SEQ):  # crosses two block boundaries
+        out = run(step, tokens[p : p + 1], torch.tensor([p]), p)
+        assert_same_bits(out.hidden, ref.hidden[p : p + 1], f"decode at {p}: hidden")
+        assert_same_bits(out.logits, ref.logits[p : p + 1], f"decode at {p}: logits")
+    assert_same_kv(step.cache, cache_ref, slice(0, SEQ))
+
+
+@pytest.mark.parametrize("start", [5, BLOCK - 2, 2 * BLOCK + 3])
+@pytest.mark.parametrize("k", [2, 5, 16])
+def test_chain_verify_equals_the_whole_prefill(target, tokens, whole, start, k):
+    ref, _ = whole
+    step = prefilled(target, tokens, start)
+    span = torch.arange(start, start + k)
+    out = run(step, tokens[start : start + k], span, start, causal_mask(start, k, "cpu"))
+    assert_same_bits(out.hidden, ref.hidden[start : start + k], f"verify {k} at {start}: hidden")
+    assert_same_bits(out.logits, ref.logits[start : start + k], f"verify {k} at {start}: logits")
+
+
+@pytest.mark.parametrize("hit", [1, BLOCK + 15, 2 * BLOCK])
+def test_chunked_prefill_after_a_prefix_hit_equals_the_whole_prefill(target, tokens, whole, hit):
+    ref, cache_ref = whole
+    step = prefilled(target, tokens, hit)
+    out = run(step, tokens[hit:], torch.arange(hit, SEQ), hit, causal_mask(hit, SEQ - hit, "cpu"))
+    assert_same_bits(out.hidden, ref.hidden[hit:], f"prefill after {hit}: hidden")
+    assert_same_kv(step.cache, cache_ref, slice(0, SEQ))
+
+
+TREES = {
+    "branches": [-1, -1, 0, 1, 1, 4, 2, 6],  # siblings and a deep branch beside a chain
+    "deep40": [-1, -1, -1, 0, *range(3, 39)],  # 40 nodes, two chunks of rows: the second chunk's drafts off position
+}
+
+
+@pytest.mark.parametrize("shape", TREES)
+@pytest.mark.parametrize("start", [20, BLOCK - 1, 2 * BLOCK - 2])
+def test_tree_verify_rows_equal_a_prefill_of_their_own_path(target, tokens, start, shape):
+    parents = torch.tensor(TREES[shape])
+    nodes = torch.randint(0, 128, (len(parents),), generator=torch.Generator().manual_seed(start))
+    tree = DraftTree(nodes, parents)
+    inputs = torch.cat([tokens[start : start + 1], nodes])
+    out = run(prefilled(target, tokens, start), inputs, tree.positions(start), start, tree.attention_mask(start))
+    for i in range(len(parents)):
+        seq = torch.cat([tokens[: start + 1], torch.tensor(node_path(nodes, parents, i))])
+        ref = run(new_step(target), seq, torch.arange(len(seq)), 0, causal_mask(0, len(seq), "cpu"))
+        assert_same_bits(out.hidden[i + 1 : i + 2], ref.hidden[-1:], f"node {i}: hidden")
+        assert_same_bits(out.logits[i + 1 : i + 2], ref.logits[-1:], f"node {i}: logits")
+
+
+def test_a_tree_deeper_than_the_tail_is_refused(target, tokens):
+    parents = torch.tensor([-1, -1, *range(1, MAX_TREE + 1)])  # a sibling, then a branch reaching past the tail
+    tree = DraftTree(torch.zeros(len(parents), dtype=torch.long), parents)
+    inputs = torch.cat([tokens[:1], tree.tokens])
+    with pytest.raises(ValueError, match="draft trees of at most"):
+        run(
+            prefilled(target, tokens, BLOCK - 1),
+            inputs,
+            tree.positions(BLOCK - 1),
+            BLOCK - 1,
+            tree.attention_mask(BLOCK - 1),
+        )
+
+
+def test_a_step_pads_to_the_rows_every_gemm_needs(target):
+    assert min_rows(target.config) == 2  # 3 heads per KV head: 2 rows give the prefix GEMM 6
+    one_kv = target.config.__class__(num_attention_heads=4, num_key_value_heads=4)
+    assert min_rows(one_kv) == 4  # 1 head per KV head: 4 rows
+
+
+# ---------------------------------------------------------------- the engine: speculative == plain, compiled
+
+
+def compiled_engine(target, proposer=None, **kw) -> Engine:
+    return Engine(target, proposer, max_seq_len=MAX_SEQ, cuda_graphs="compile", **kw)
+
+
+def test_compiled_speculation_equals_compiled_plain(target):
+    plain = compiled_engine(target)
+    assert isinstance(plain.static, CompiledStep)
+    want = {tuple(p): plain.generate(p, 40, SamplingParams()).output_ids for p in PROMPTS}
+    for proposer in (NgramProposer(NgramConfig(num_tokens=5)), DraftModelProposer(target, DraftChainConfig(6))):
+        engine = compiled_engine(target, proposer)
+        drafted = 0
+        for p in PROMPTS:
+            out = engine.generate(p, 40, SamplingParams())
+            assert out.output_ids == want[tuple(p)], (proposer.name, p)
+            drafted += out.metrics.draft_tokens
+        assert drafted > 0
+    assert not plain.static.failed
+
+
+def test_compiled_prefix_cache_hit_equals_a_cold_prefill(target):
+    prompt = PROMPTS[1] * 5  # 60 tokens: a 48-token hit in blocks of 16
+    want = compiled_engine(target).generate(prompt, 24, SamplingParams())
+    warm = compiled_engine(target, prefix_cache=PrefixCache(block_size=16))
+    warm.generate(prompt[:50], 1, SamplingParams())
+    got = warm.generate(prompt, 24, SamplingParams())
+    assert got.metrics.prefix_hit_tokens == 48
+    assert got.output_ids == want.output_ids
+
+
+def test_compiled_logits_match_the_eager_forward(target, tokens, whole):
+    """Other bits than the eager forward's (the compiler fuses the norms and the softmax), the same function."""
+    ref, _ = whole
+    with torch.inference_mode():
+        eager = target(tokens, torch.arange(SEQ), target.new_cache(MAX_SEQ), 0, causal_mask(0, SEQ, "cpu"))
+    tol = 1e-4 if target.dtype == torch.float32 else 0.05
+    torch.testing.assert_close(ref.logits, eager.logits, rtol=tol, atol=tol * eager.logits.abs().max().item())
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_forward(target, monkeypatch):
+    engine = compiled_engine(target)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(engine.static, "graph", broken)
+    eager = Engine(target, max_seq_len=MAX_SEQ, cuda_graphs="off")
+    with pytest.warns(UserWarning, match="compiled step failed"):
+        got = engine.generate(PROMPTS[0], 16, SamplingParams())
+    assert engine.static.failed
+    assert got.output_ids == eager.generate(PROMPTS[0], 16, SamplingParams()).output_ids
+
+
+def test_auto_compiles_on_cpu_unless_switched_off(target, monkeypatch):
+    monkeypatch.setenv(compiled.DISABLE_ENV, "1")
+    assert resolve_mode("auto", target) == "compile"
+    monkeypatch.setenv(compiled.DISABLE_ENV, "0")
+    assert resolve_mode("auto", target) == "off"
+    with pytest.raises(ValueError, match="unknown static-step mode"):
+        resolve_mode("fast", target)
+    monkeypatch.setenv(compiled.DISABLE_ENV, "1")
+    assert resolve_mode("auto", target, tree=MAX_TREE + 1) == "off"  # its deepest rows would overflow the tail
+    with pytest.raises(ValueError, match="at most"):
+        resolve_mode("compile", target, tree=MAX_TREE + 1)
