@@ -97,7 +97,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: StaticInputs)
     prefix = inputs.prefix.shape[0] * BLOCK
     keys, values = k_cache[0], v_cache[0]  # [kv, slots, d]
     q = (q.float() * d**-0.5).view(rows, kv, g, d).permute(1, 2, 0, 3).reshape(kv, g * rows, d)
-    s_pre = torch.bmm(q, keys[:, :prefix].transpose(1, 2)).view(kv, g, rows, prefix // BLOCK, BLOCK)
+    s_pre = torch.bmm(q, keys.narrow(1, 0, prefix).transpose(1, 2)).view(kv, g, rows, prefix // BLOCK, BLOCK)
     s_pre = s_pre.masked_fill(inputs.prefix[:, None], float("-inf")).view(kv, g, rows, prefix)
     heads = max(g, MIN_ROWS)  # one row's heads make the tail GEMM: at least MIN_ROWS rows
     q_row = q.view(kv, g, rows, d).transpose(1, 2)  # [kv, rows, g, d]
@@ -111,7 +111,8 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: StaticInputs)
     blocks = prefix // BLOCK
     p_blocks = p_pre.reshape(kv, g * rows, blocks, BLOCK).transpose(1, 2)  # [kv, blocks, g*rows, BLOCK]
     # one batched GEMM per KV head: the cache's blocks fold into a batch without a copy only head by head
-    o_pre = torch.stack([torch.bmm(p_blocks[i], values[i, :prefix].view(blocks, BLOCK, d)) for i in range(kv)])
+    v_pre = values.narrow(1, 0, prefix)
+    o_pre = torch.stack([torch.bmm(p_blocks[i], v_pre[i].view(blocks, BLOCK, d)) for i in range(kv)])
     o_pre = o_pre.view(kv, blocks, g, rows, d).permute(0, 2, 3, 1, 4)  # [kv, g, rows, blocks, d]
     v_tail = values.index_select(1, inputs.tail_slots.flatten()).view(kv, rows, TAIL, BLOCK, d)
     p_tail = torch.cat([p_tail, p_tail[:, :, -1:].expand(kv, rows, heads - g, -1)], 2)
@@ -124,22 +125,19 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: StaticInputs)
     return out.permute(2, 0, 1, 3).reshape(rows, h * d)
 
 
-def static_forward(
-    model: Transformer, inputs: StaticInputs, cache: KVCache, target_layers: tuple[int, ...]
-) -> tuple[Tensor, list[Tensor]]:
-    """-> the final normed hidden states [rows, H] and the residual stream entering each of target_layers."""
+def static_forward(model: Transformer, inputs: StaticInputs, cache: KVCache) -> tuple[Tensor, list[Tensor]]:
+    """-> the final normed hidden states [rows, H] and the residual stream entering every layer, then the last
+    layer's output (L + 1 of them: a drafter picks its target layers from these). Every caller gets the same graph:
+    another graph may round a row differently."""
     backbone = model.model
     x = backbone.embed_tokens(inputs.tokens)
     cos = model.cos[inputs.positions].to(x.dtype)[:, None]
     sin = model.sin[inputs.positions].to(x.dtype)[:, None]
-    aux = []
+    streams = []
     for i, layer in enumerate(backbone.layers):
-        if i in target_layers:
-            aux.append(x)
+        streams.append(x)
         x = decoder_layer(layer, x, cos, sin, cache.k[i], cache.v[i], inputs)
-    if len(backbone.layers) in target_layers:
-        aux.append(x)
-    return backbone.norm(x), aux
+    return backbone.norm(x), [*streams, x]
 
 
 @torch.compiler.nested_compile_region  # compiled once, called for every layer

@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftsmith.serve.build import build_engine
+from draftsmith.serve.engine.compiled import CompiledStep
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.target import TargetConfig, encode_chat, encode_raw, load_target
 from draftsmith.serve.shared.cli import typed_or_exit
@@ -53,6 +54,11 @@ def run(cfg: GenerateConfig) -> None:
         f"({m.mean_verify_rows:.2f} rows each, drafting {m.draft_ms_per_step:.1f} ms each), "
         f"device {engine.model.device}, dtype {str(engine.model.dtype).removeprefix('torch.')}"
     )
+    if isinstance(engine.static, CompiledStep) and engine.static.compile_s:
+        print(
+            f"(the compiled step's first call took {engine.static.compile_s:.1f} s: compiling, or loading the cached "
+            "graph, is inside this request's TTFT; later requests of a process skip it)"
+        )
 
 
 @hydra.main(config_path="../conf", config_name="generate", version_base=None)

@@ -7,6 +7,8 @@ compiler fails."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -22,6 +24,7 @@ from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import cache_root
 from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS, assert_same_bits, assert_same_kv, node_path
@@ -124,17 +127,35 @@ def test_tree_verify_rows_equal_a_prefill_of_their_own_path(target, tokens, star
 
 
 def test_a_tree_deeper_than_the_tail_is_refused(target, tokens):
-    parents = torch.tensor([-1, -1, *range(1, MAX_TREE + 1)])  # a sibling, then a branch reaching past the tail
+    """After 62 tokens the tail starts at position 0 and holds 128: a branch 66 deep reaches position 128."""
+    start = BLOCK - 2
+    parents = torch.tensor([-1, -1, *range(1, MAX_TREE + 2)])  # a sibling, then a branch MAX_TREE + 2 deep
     tree = DraftTree(torch.zeros(len(parents), dtype=torch.long), parents)
-    inputs = torch.cat([tokens[:1], tree.tokens])
+    inputs = torch.cat([tokens[start : start + 1], tree.tokens])
+    step = prefilled(target, tokens, start)
     with pytest.raises(ValueError, match="draft trees of at most"):
-        run(
-            prefilled(target, tokens, BLOCK - 1),
-            inputs,
-            tree.positions(BLOCK - 1),
-            BLOCK - 1,
-            tree.attention_mask(BLOCK - 1),
-        )
+        run(step, inputs, tree.positions(start), start, tree.attention_mask(start))
+
+
+def test_steps_of_other_cache_lengths_and_target_layers_share_the_bits(target, tokens):
+    """One graph for every engine of a model: another would round a row differently (in bf16 it does)."""
+    n = BLOCK + 5
+
+    def prefill(slots: int, layers: tuple[int, ...]):
+        step = CompiledStep(target, target.new_cache(cache_slots(slots)), layers)
+        return run(step, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu"))
+
+    first = prefill(MAX_SEQ, ())
+    for slots, layers in ((MAX_SEQ + 37, (0, 1)), (MAX_SEQ, ()), (2 * MAX_SEQ, (1,))):
+        out = prefill(slots, layers)
+        assert_same_bits(out.hidden, first.hidden, f"{slots} slots, layers {layers}")
+        assert len(out.aux) == len(layers)
+
+
+def test_a_short_context_compiles(target):
+    engine = compiled_engine_of(target, max_seq_len=20)
+    engine.generate(PROMPTS[0][:8], 8, SamplingParams())
+    assert not engine.static.failed
 
 
 def test_a_step_pads_to_the_rows_every_gemm_needs(target):
@@ -148,6 +169,10 @@ def test_a_step_pads_to_the_rows_every_gemm_needs(target):
 
 def compiled_engine(target, proposer=None, **kw) -> Engine:
     return Engine(target, proposer, max_seq_len=MAX_SEQ, cuda_graphs="compile", **kw)
+
+
+def compiled_engine_of(target, max_seq_len: int) -> Engine:
+    return Engine(target, max_seq_len=max_seq_len, cuda_graphs="compile")
 
 
 def test_compiled_speculation_equals_compiled_plain(target):
@@ -192,10 +217,17 @@ def test_a_compiler_failure_falls_back_to_the_eager_forward(target, monkeypatch)
 
     monkeypatch.setattr(engine.static, "graph", broken)
     eager = Engine(target, max_seq_len=MAX_SEQ, cuda_graphs="off")
-    with pytest.warns(UserWarning, match="compiled step failed"):
-        got = engine.generate(PROMPTS[0], 16, SamplingParams())
-    assert engine.static.failed
-    assert got.output_ids == eager.generate(PROMPTS[0], 16, SamplingParams()).output_ids
+    prompt = (PROMPTS[0] * 10)[:70]  # a prefill of three chunks: one warning, one attempt
+    with pytest.warns(UserWarning, match="compiled step failed") as caught:
+        got = engine.generate(prompt, 16, SamplingParams())
+    assert engine.static.failed and len(caught) == 1
+    assert got.output_ids == eager.generate(prompt, 16, SamplingParams()).output_ids
+
+
+def test_compiled_code_is_cached_under_the_cache_root(target, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    compiled.compile_available(target)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache_root() / "inductor")
 
 
 def test_auto_compiles_on_cpu_unless_switched_off(target, monkeypatch):

@@ -4,7 +4,10 @@ heads/static_forward.py writes the forward with static shapes: rows x key blocks
 compile region (compiled once, called 30 times). Rows and key blocks are dynamic dimensions, so one graph serves
 every step: a prefill runs it in chunks of MAX_ROWS rows, a lone decode row is padded to two. A token's logits then
 carry the same bits in a decode, a verify and a prefill, in bf16 and in fp32, so speculative output equals plain
-output token for token and a prefix-cache hit equals a cold prefill.
+output token for token and a prefix-cache hit equals a cold prefill. That holds within one graph (two graphs of the
+same forward round a bf16 row differently), so every engine of a model must run the same one: the cache length is a
+dynamic dimension from the first call, and the graph returns every layer's residual stream (a drafter picks its
+target layers outside it) rather than taking them as a constant.
 
 The eager forward (heads/llama.py) stays the reference and the fallback: a graph that fails to compile warns once
 and the engine runs eagerly from then on. Compiled code is cached on disk under `<cache root>/inductor` (inductor's
@@ -38,6 +41,7 @@ def compile_available(model: Transformer) -> bool:
     """A CPU target whose linears are oneDNN-packed (the compiled graph calls their kernels) and a C++ compiler."""
     if model.device.type != "cpu" or not can_pack(model.lm_head.weight):
         return False
+    use_disk_cache(str(cache_root()))  # before inductor's first look at the environment, which sets its own default
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     try:
@@ -58,8 +62,13 @@ def cache_slots(slots: int) -> int:
 
 
 def use_disk_cache(root: str) -> None:
-    """Keep inductor's compiled code under draftsmith's cache root (unless the user points it elsewhere)."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+    """Keep inductor's compiled code under draftsmith's cache root, unless the user points it elsewhere (inductor
+    writes its own default into the environment the first time it looks, so that one is replaced too)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
 
 
 @dataclass
@@ -79,13 +88,16 @@ class CompiledStep:
         self.graph = torch.compile(static_forward)
         self.rows = min_rows(self.model.config)
         self.scratch = self.cache.max_len - 1
+        for t in (*self.cache.k, *self.cache.v):  # every engine's cache length runs the same graph
+            torch._dynamo.mark_dynamic(t, 2)
 
     def __call__(
         self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
     ) -> ForwardOut:
         if self.failed:
             return self.model(tokens, positions, self.cache, start, mask, logit_rows, self.target_layers)
-        hidden, aux = [], []
+        hidden: list[Tensor] = []
+        aux: list[list[Tensor]] = []
         for begin in range(0, tokens.shape[0], MAX_ROWS):  # a prefill or a large tree in chunks of MAX_ROWS rows
             end = min(begin + MAX_ROWS, tokens.shape[0])
             chunk_mask = None if mask is None else mask[begin:end, : start + end]
@@ -100,23 +112,25 @@ class CompiledStep:
     def chunk(
         self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, n: int
     ) -> tuple[Tensor, list[Tensor]]:
-        inputs = static_inputs(tokens, positions, start, mask, max(n, self.rows), self.scratch)
-        mark_dynamic(inputs)
-        begin = time.perf_counter()
-        first = self.compile_s == 0.0
-        try:
-            hidden, aux = self.graph(self.model, inputs, self.cache, self.target_layers)
-        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager forward, loudly
-            warnings.warn(
-                f"the compiled step failed ({type(e).__name__}: {e}); running eagerly from now on", stacklevel=3
-            )
-            self.failed = True
-            causal = mask if mask is not None or n == 1 else causal_mask(start, n, tokens.device)
-            out = self.model(tokens, positions, self.cache, start, causal, None, self.target_layers)
-            return out.hidden, out.aux
-        if first:
-            self.compile_s = time.perf_counter() - begin
-        return hidden[:n], [a[:n] for a in aux]
+        if not self.failed:
+            inputs = static_inputs(tokens, positions, start, mask, max(n, self.rows), self.scratch)
+            mark_dynamic(inputs)
+            begin = time.perf_counter()
+            first = self.compile_s == 0.0
+            try:
+                hidden, streams = self.graph(self.model, inputs, self.cache)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager forward, loudly
+                warnings.warn(
+                    f"the compiled step failed ({type(e).__name__}: {e}); running eagerly from now on", stacklevel=3
+                )
+                self.failed = True
+            else:
+                if first:
+                    self.compile_s = time.perf_counter() - begin
+                return hidden[:n], [streams[i][:n] for i in self.target_layers]
+        causal = mask if mask is not None or n == 1 else causal_mask(start, n, tokens.device)
+        out = self.model(tokens, positions, self.cache, start, causal, None, self.target_layers)
+        return out.hidden, out.aux
 
 
 def mark_dynamic(inputs: StaticInputs) -> None:
