@@ -17,6 +17,7 @@ FX graph cache), so a later process pays for tracing only; the first step's comp
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -117,6 +118,13 @@ class CompiledStep:
             mark_dynamic(inputs)
             begin = time.perf_counter()
             first = self.compile_s == 0.0
+            if first:
+                print(
+                    "draftsmith: compiling the target's forward (torch.compile; minutes the first time on a machine, "
+                    f"seconds once cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             try:
                 hidden, streams = self.graph(self.model, inputs, self.cache)
             except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager forward, loudly
