@@ -53,7 +53,10 @@ def compile_available(model: Transformer) -> bool:
 
 
 def compile_by_default() -> bool:
-    return os.environ.get(DISABLE_ENV, "1") != "0"
+    """What cuda_graphs=auto picks on this CPU: the compiled step where it pays and its exactness is tested, AVX-512
+    (with or without AMX). On AVX2 the target runs fp32 (bf16 is emulated), which the compiled step does not speed up
+    (bandwidth-bound), and MKL's AVX2 kernels are not the ones its row invariance was measured on."""
+    return os.environ.get(DISABLE_ENV, "1") != "0" and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 def cache_slots(slots: int) -> int:
