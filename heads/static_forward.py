@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from .attention import BLOCK, MIN_ROWS, tail_slots, visible_slots
 from .kv_cache import KVCache
-from .llama import MLP, Attention, DecoderLayer, ModelConfig, Transformer
+from .llama import MLP, Attention, DecoderLayer, ModelConfig, Transformer, apply_rope
 from .packed import FusedLinear, PackedLinear, fused_linear, packed_linear
 
 MIN_PREFIX = 2  # torch.compile specializes a dimension of 0 or 1: the prefix never has fewer blocks (masked ones)
@@ -67,11 +67,6 @@ def linear(module: nn.Module, x: Tensor) -> Tensor:
     return module(x)
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 def projections(attn: Attention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """x [rows, in] -> q [rows, heads, d], k and v [rows, kv, d], rope applied."""
     rows = x.shape[0]
@@ -83,7 +78,7 @@ def projections(attn: Attention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[T
     q, k, v = q.view(rows, h, d), k.view(rows, kv, d), v.view(rows, kv, d)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
-    return rope(q, cos, sin), rope(k, cos, sin), v
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: StaticInputs) -> Tensor:
