@@ -64,9 +64,8 @@ def make_plan(visible: Tensor, group: int) -> BlockPlan:
     visible = visible[:, : int(used[-1]) + 1]
     count = visible.sum(-1)  # a row at position p sees p + 1 slots
     blocks = (int(count.max()) - 1) // BLOCK + 1
-    slots = torch.arange(visible.shape[1], device=visible.device)
-    off = (visible != (slots < count[:, None])).any(0).nonzero()  # slots where some row's view is not 0..p
-    in_place = blocks if off.numel() == 0 else min(int(off[0]) // BLOCK, blocks)
+    off = first_off_slot(visible, count)
+    in_place = blocks if off is None else min(off // BLOCK, blocks)
     padded = max(n, -(-MIN_ROWS // group))
     seen = pad_columns(visible[:, : in_place * BLOCK], in_place * BLOCK)
     seen = torch.cat([seen, seen[-1:].expand(padded - n, -1)])
@@ -77,6 +76,14 @@ def make_plan(visible: Tensor, group: int) -> BlockPlan:
     if plan.tail:
         plan.tail_slots, plan.tail_unseen = tail_slots(visible, count, in_place * BLOCK, plan.tail)
     return plan
+
+
+def first_off_slot(visible: Tensor, count: Tensor) -> int | None:
+    """The first slot where some row's view is not positions 0..p (a tree's sibling onwards); None if none is.
+    count: slots each row sees (a row at position p sees p + 1)."""
+    slots = torch.arange(visible.shape[1], device=visible.device)
+    off = (visible != (slots < count[:, None])).any(0).nonzero()
+    return int(off[0]) if off.numel() else None
 
 
 def tail_slots(visible: Tensor, count: Tensor, first: int, tail: int) -> tuple[Tensor, Tensor]:

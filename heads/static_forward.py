@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .attention import BLOCK, MIN_ROWS, tail_slots, visible_slots
+from .attention import BLOCK, MIN_ROWS, first_off_slot, tail_slots, visible_slots
 from .kv_cache import KVCache
 from .llama import MLP, Attention, DecoderLayer, ModelConfig, Transformer, apply_rope
 from .packed import FusedLinear, PackedLinear, fused_linear, packed_linear
@@ -170,7 +170,8 @@ def static_inputs(
     n = tokens.shape[0]
     visible = visible_slots(mask, start, n, tokens.device)
     count = visible.sum(-1)  # a row at position p sees p + 1 slots
-    first = min(start, first_off_position(visible, count)) // BLOCK * BLOCK
+    off = first_off_slot(visible, count)
+    first = (start if off is None else min(start, off)) // BLOCK * BLOCK
     if int(count.max()) > first + TAIL * BLOCK:
         raise ValueError(
             f"a step reaching position {int(count.max()) - 1} from key block {first // BLOCK} overflows the compiled "
@@ -187,13 +188,6 @@ def static_inputs(
         pad_last(slots.view(n, -1), pad).clone(),
         pad_last(beyond.view(n, -1), pad).clone(),
     )
-
-
-def first_off_position(visible: Tensor, count: Tensor) -> int:
-    """The first slot where some row's view is not positions 0..p (a tree's sibling onwards); its width if none."""
-    slots = torch.arange(visible.shape[1], device=visible.device)
-    off = (visible != (slots < count[:, None])).any(0).nonzero()
-    return int(off[0]) if off.numel() else visible.shape[1]
 
 
 def pad_last(t: Tensor, pad: int) -> Tensor:

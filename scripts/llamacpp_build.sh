@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 VERSION=0.3.36
 DEST=${LLAMACPP_DIR:-${DRAFTSMITH_CACHE:-$HOME/.cache/draftsmith}/llama.cpp}
 TOOLS=(llama-cli llama-server llama-speculative-simple llama-quantize)
+# llama.cpp's converter imports sentencepiece for a llama-architecture target, whatever its tokenizer
+python -m pip install -q --disable-pip-version-check --no-deps sentencepiece==0.2.3 || echo "sentencepiece failed to install: llama.cpp's converter will not run" >&2
 if [ -x "$DEST/bin/llama-speculative-simple" ]; then
   echo "llama.cpp is built in $DEST (delete it to rebuild)"
   exit 0
