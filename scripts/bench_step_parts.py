@@ -9,7 +9,9 @@
    beside this machine's memory bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step
    against the bandwidth limit (every weight it reads, once per token)
 
-  python scripts/bench_step_parts.py [--context 300] [--rounds 6]
+bf16 runs where the CPU has oneDNN bf16 kernels (AVX512-BF16, AMX); on AVX2, where it is emulated, fp32 alone.
+
+  python scripts/bench_step_parts.py [--context 300] [--rounds 6] [--dtypes bfloat16,float32]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from draftsmith.heads import llama, packed  # noqa: E402
+from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
 from draftsmith.serve.models.target import (
@@ -69,10 +72,10 @@ def patched(patches) -> ExitStack:
     return stack
 
 
-def step_section(context: int, rounds: int) -> dict[tuple[str, str], float]:
-    """-> the best step time (s) per (variant, dtype)."""
-    models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in ("bfloat16", "float32")}
-    runs = {(name, "bfloat16"): patches for name, patches in VARIANTS.items()} | {("eager", "float32"): []}
+def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str, str], float]:
+    """-> the best step time (s) per (variant, dtype); bf16 runs every variant, fp32 the eager step."""
+    models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in dtypes}
+    runs = {(name, d): patches for d in dtypes for name, patches in VARIANTS.items() if d == "bfloat16" or not patches}
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():
@@ -97,7 +100,7 @@ def step_section(context: int, rounds: int) -> dict[tuple[str, str], float]:
                         steps[key](tokens[p : p + 1], torch.arange(p, p + 1), p, None)
                         if r:
                             times[key].append(time.perf_counter() - t)
-    base = min(times["eager", "bfloat16"])
+    base = min(times["eager", dtypes[0]])
     print(f"decode step, {context} tokens in cache, min over {rounds * 12} interleaved steps (ms)")
     for (name, dtype), ts in times.items():
         print(f"  {dtype:9s} {name:34s} {min(ts) * 1e3:7.2f}  {min(ts) / base:5.2f}x")
@@ -125,13 +128,13 @@ def weight_bytes(model) -> int:
     return sum(m.weight.nbytes for m in model.modules() if isinstance(m, (packed.PackedLinear, torch.nn.Linear)))
 
 
-def linears_section(rounds: int) -> float:
+def linears_section(rounds: int, dtypes: list[str]) -> float:
     """-> the bandwidth probe's GB/s."""
     cfg = load_target(TargetConfig(dtype="float32")).model.config
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]  # qkv, o, gate_up, down
     print(f"the {cfg.num_hidden_layers} layers' packed linears, one row, cold weights (ms per step)")
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (getattr(torch, d) for d in dtypes):
         weights = [
             [packed.pack_weight(torch.randn(o, n, dtype=dtype) * 0.02) for o, n in shapes]
             for _ in range(cfg.num_hidden_layers)
@@ -152,10 +155,10 @@ def linears_section(rounds: int) -> float:
     return gbs
 
 
-def limit_section(best: dict[tuple[str, str], float], gbs: float) -> None:
+def limit_section(best: dict[tuple[str, str], float], gbs: float, dtypes: list[str]) -> None:
     """The decode step against the bandwidth limit: one pass over the weights per token."""
     print("decode step vs the bandwidth limit (every weight read once per token)")
-    for dtype in ("bfloat16", "float32"):
+    for dtype in dtypes:
         mb = weight_bytes(load_target(TargetConfig(dtype=dtype)).model) / 1e6
         limit = mb / gbs / 1e3
         for name in ("compiled", "eager"):
@@ -170,9 +173,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=300, help="tokens in the cache when a step runs")
     p.add_argument("--rounds", type=int, default=6)
+    p.add_argument(
+        "--dtypes",
+        type=lambda s: s.split(","),
+        default=["bfloat16", "float32"] if can_pack(torch.zeros(0, dtype=torch.bfloat16)) else ["float32"],
+        help="default: bfloat16,float32, or float32 alone where bf16 is emulated (no oneDNN bf16 kernels)",
+    )
     args = p.parse_args()
-    best = step_section(args.context, args.rounds)
-    limit_section(best, linears_section(args.rounds))
+    best = step_section(args.context, args.rounds, args.dtypes)
+    limit_section(best, linears_section(args.rounds, args.dtypes), args.dtypes)
 
 
 if __name__ == "__main__":

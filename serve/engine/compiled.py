@@ -53,9 +53,9 @@ def compile_available(model: Transformer) -> bool:
 
 
 def compile_by_default() -> bool:
-    """What cuda_graphs=auto picks on this CPU: the compiled step where it pays and its exactness is tested, AVX-512
-    (with or without AMX). On AVX2 the target runs fp32 (bf16 is emulated), which the compiled step does not speed up
-    (bandwidth-bound), and MKL's AVX2 kernels are not the ones its row invariance was measured on."""
+    """What cuda_graphs=auto picks on this CPU: the compiled step where it pays, AVX-512 (with or without AMX). On
+    AVX2 the target runs fp32 (bf16 is emulated), which compiling barely speeds up (its linears are bandwidth-bound;
+    docs/benchmarks.md); the compiled step stays exact there too (tests/test_compiled_step.py runs its fp32 cases)."""
     return os.environ.get(DISABLE_ENV, "1") != "0" and torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
