@@ -162,7 +162,7 @@ def test_steps_of_other_cache_lengths_and_target_layers_share_the_bits(target, t
 
 
 def test_a_short_context_compiles(target):
-    engine = compiled_engine_of(target, max_seq_len=20)
+    engine = compiled_engine(target, max_seq_len=20)
     engine.generate(PROMPTS[0][:8], 8, SamplingParams())
     assert not engine.static.failed
 
@@ -176,12 +176,8 @@ def test_a_step_pads_to_the_rows_every_gemm_needs(target):
 # ---------------------------------------------------------------- the engine: speculative == plain, compiled
 
 
-def compiled_engine(target, proposer=None, **kw) -> Engine:
-    return Engine(target, proposer, max_seq_len=MAX_SEQ, cuda_graphs="compile", **kw)
-
-
-def compiled_engine_of(target, max_seq_len: int) -> Engine:
-    return Engine(target, max_seq_len=max_seq_len, cuda_graphs="compile")
+def compiled_engine(target, proposer=None, max_seq_len: int = MAX_SEQ, **kw) -> Engine:
+    return Engine(target, proposer, max_seq_len=max_seq_len, cuda_graphs="compile", **kw)
 
 
 def test_compiled_speculation_equals_compiled_plain(target):

@@ -32,7 +32,6 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.packed import MAX_ROWS, can_pack
 from draftsmith.heads.static_forward import MIN_PREFIX, StaticInputs, min_rows, static_forward, static_inputs
-from draftsmith.serve.engine.tree import causal_mask
 from draftsmith.serve.models.target import cache_root
 
 DISABLE_ENV = "DRAFTSMITH_COMPILE"  # "0": cuda_graphs=auto runs the eager forward on CPU (the test suite's default)
@@ -98,50 +97,58 @@ class CompiledStep:
     def __call__(
         self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
     ) -> ForwardOut:
-        if self.failed:
-            return self.model(tokens, positions, self.cache, start, mask, logit_rows, self.target_layers)
+        if not self.failed:
+            out = self.compiled(tokens, positions, start, mask)
+            if out is not None:
+                h, layers = out
+                rows = h if logit_rows is None else h[logit_rows]
+                return ForwardOut(self.model.lm_head(rows).float(), h, layers)
+        # the eager forward: after a compile failure, this call's chunks already written are simply written again
+        return self.model(tokens, positions, self.cache, start, mask, logit_rows, self.target_layers)
+
+    def compiled(
+        self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None
+    ) -> tuple[Tensor, list[Tensor]] | None:
+        """Hidden states and target-layer streams, in chunks of MAX_ROWS rows (a prefill, a large tree); None once the
+        compiler failed."""
         hidden: list[Tensor] = []
         aux: list[list[Tensor]] = []
-        for begin in range(0, tokens.shape[0], MAX_ROWS):  # a prefill or a large tree in chunks of MAX_ROWS rows
+        for begin in range(0, tokens.shape[0], MAX_ROWS):
             end = min(begin + MAX_ROWS, tokens.shape[0])
             chunk_mask = None if mask is None else mask[begin:end, : start + end]
-            h, a = self.chunk(tokens[begin:end], positions[begin:end], start + begin, chunk_mask, end - begin)
-            hidden.append(h)
-            aux.append(a)
+            out = self.chunk(tokens[begin:end], positions[begin:end], start + begin, chunk_mask, end - begin)
+            if out is None:
+                return None
+            hidden.append(out[0])
+            aux.append(out[1])
         h = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
-        layers = [torch.cat(parts) for parts in zip(*aux, strict=True)]
-        rows = h if logit_rows is None else h[logit_rows]
-        return ForwardOut(self.model.lm_head(rows).float(), h, layers)
+        return h, [torch.cat(parts) for parts in zip(*aux, strict=True)]
 
     def chunk(
         self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, n: int
-    ) -> tuple[Tensor, list[Tensor]]:
-        if not self.failed:
-            inputs = static_inputs(tokens, positions, start, mask, max(n, self.rows), self.scratch)
-            mark_dynamic(inputs)
-            begin = time.perf_counter()
-            first = self.compile_s == 0.0
-            if first:
-                print(
-                    "draftsmith: compiling the target's forward (torch.compile; minutes the first time on a machine, "
-                    f"seconds once cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            try:
-                hidden, streams = self.graph(self.model, inputs, self.cache)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager forward, loudly
-                warnings.warn(
-                    f"the compiled step failed ({type(e).__name__}: {e}); running eagerly from now on", stacklevel=3
-                )
-                self.failed = True
-            else:
-                if first:
-                    self.compile_s = time.perf_counter() - begin
-                return hidden[:n], [streams[i][:n] for i in self.target_layers]
-        causal = mask if mask is not None or n == 1 else causal_mask(start, n, tokens.device)
-        out = self.model(tokens, positions, self.cache, start, causal, None, self.target_layers)
-        return out.hidden, out.aux
+    ) -> tuple[Tensor, list[Tensor]] | None:
+        inputs = static_inputs(tokens, positions, start, mask, max(n, self.rows), self.scratch)
+        mark_dynamic(inputs)
+        first = self.compile_s == 0.0
+        if first:
+            print(
+                "draftsmith: compiling the target's forward (torch.compile; minutes the first time on a machine, "
+                f"seconds once cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})",
+                file=sys.stderr,
+                flush=True,
+            )
+        begin = time.perf_counter()
+        try:
+            hidden, streams = self.graph(self.model, inputs, self.cache)
+        except Exception as e:  # noqa: BLE001 - any compiler failure: fall back to the eager forward, loudly
+            warnings.warn(
+                f"the compiled step failed ({type(e).__name__}: {e}); running eagerly from now on", stacklevel=4
+            )
+            self.failed = True
+            return None
+        if first:
+            self.compile_s = time.perf_counter() - begin
+        return hidden[:n], [streams[i][:n] for i in self.target_layers]
 
 
 def mark_dynamic(inputs: StaticInputs) -> None:
