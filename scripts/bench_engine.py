@@ -782,7 +782,7 @@ def peer_pair(args, name: str, engine: TimedEngine, starts: dict[str, Callable[[
             try:
                 peers[label] = start()
                 first = peers[label].generate(prompts[0].ids, args.warmup).total_s
-            except RuntimeError as e:
+            except (RuntimeError, OSError) as e:  # OSError: a server gone (urllib, a closed pipe)
                 print(f"[{name}] {label} failed: {e}")
                 out[label] = {"error": str(e)}
                 if label in peers:
@@ -791,11 +791,13 @@ def peer_pair(args, name: str, engine: TimedEngine, starts: dict[str, Callable[[
             p = peers[label]
             print(f"[{name}] {label} {p.version}: start {p.start_s:.1f} s, first request {first:.1f} s")
             out[label] = {"version": p.version, "start_s": p.start_s, "first_request_s": first}
+        if not peers:  # every peer failed to start: nothing to time draftsmith against
+            return out
         variants: list[Variant] = [(f"draftsmith {name}", lambda ids, n: run_engine(engine, ids, n, eos))]
         variants += [(f"{label} {name}", p.generate) for label, p in peers.items()]
-        desc = f"{name}: draftsmith vs {', '.join(peers) or 'nothing'}"
+        desc = f"{name}: draftsmith vs {', '.join(peers)}"
         res = interleave(desc, variants, prompts, args.repeats, args.max_new_tokens, args.warmup)
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         print(f"[{name}] failed: {e}")
         return {label: out.get(label, {}) | {"error": str(e)} for label in starts}
     finally:
