@@ -14,6 +14,10 @@ import torch  # noqa: E402
 from draftsmith.serve.models.target import DEFAULT_CACHE, TargetConfig, resolve_target  # noqa: E402
 from helpers import build_tiny  # noqa: E402
 
+workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if workers:  # pytest-xdist's workers share the cores
+    torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def own_cache(tmp_path_factory) -> Path:

@@ -40,7 +40,7 @@ from .distill_file import (
 )
 from .features import source_stamp
 from .fidelity import check_fidelity
-from .regen_backends import Generate, describe, open_backend
+from .regen_backends import Backend, Generate, describe, open_backend
 from .turns import Chat, answer_text, ended, next_prompt, prepare
 from .vllm_backend import VllmUnavailable, find_vllm_python
 
@@ -123,7 +123,10 @@ def generate_into(
     show: bool,
     cache_dir: str | None = None,
     say: Callable[[str], None] = print,
+    then: Callable[[Backend], None] = lambda _: None,
 ) -> Regenerated:
+    """The answers to `todo` appended to `path`; `then` runs on the backend once all are written, before it
+    closes (the fidelity check asks the same vLLM)."""
     with locked_output(path) as (f, rows):
         todo = [(chat, ids) for chat, ids in todo if chat.id not in rows]
         if not todo:
@@ -146,10 +149,23 @@ def generate_into(
                     done.seconds = time.perf_counter() - began
                     bar.set_postfix(tok_s=f"{done.tokens / done.seconds:.0f}", refresh=False)
                     bar.update(len(finished))
+            say(str(done))
+            then(backend)
         finally:
             backend.close()
-        say(str(done))
         return done
+
+
+def fidelity_check(
+    target: LoadedTarget, convs: list[Conversation], cfg: DistillConfig, out: Path, cache_dir: str | None, say
+) -> Callable[[Backend], None]:
+    """The fidelity check, run on the regeneration's backend before it closes: vLLM's answers only."""
+
+    def check(backend: Backend) -> None:
+        if cfg.fidelity and backend.generator.get("engine") == "vllm":
+            say(str(check_fidelity(target, convs, cfg, out, cache_dir, backend.worker)))
+
+    return check
 
 
 # ---- entry points
@@ -197,9 +213,9 @@ def distill(
     there = read_rows(path)
     mine = [t for t in mine if t[0].id not in there]
     if mine:
-        done = generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, say if rank == 0 else lambda _: None)
-        if cfg.fidelity and done.generator.get("engine") == "vllm":
-            say(str(check_fidelity(target, convs, cfg, own.with_suffix(".fidelity.json"), cache_dir)))
+        quiet = say if rank == 0 else lambda _: None
+        check = fidelity_check(target, convs, cfg, own.with_suffix(".fidelity.json"), cache_dir, say)
+        generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, quiet, check)
     if world > 1:
         barrier()
         if rank == 0 and split:

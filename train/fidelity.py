@@ -63,25 +63,35 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def check_fidelity(
-    loaded: LoadedTarget, convs: list[Conversation], cfg: DistillConfig, out: Path, cache_dir: str | None = None
+    loaded: LoadedTarget,
+    convs: list[Conversation],
+    cfg: DistillConfig,
+    out: Path,
+    cache_dir: str | None = None,
+    regenerating: VllmWorker | None = None,
 ) -> Fidelity:
     """data.distill.fidelity first turns of `convs`, both engines in fp32 (the target read again from its folder);
-    the result is also written to `out` (JSON)."""
+    the result is also written to `out` (JSON). `regenerating`: the vLLM worker that wrote the answers, asked
+    instead of starting another where it runs the target in fp32 (then the prompts are those that fit its
+    context)."""
     n, max_new_tokens = cfg.fidelity, cfg.fidelity_tokens
     target = load_target(TargetConfig(path=str(loaded.folder), dtype="float32", cache_dir=cache_dir))
-    limit = target.model.config.max_position_embeddings - max_new_tokens
-    prompts = first_prompts(convs, target.tokenizer, n, limit)
+    reuse = regenerating if regenerating is not None and regenerating.job.dtype == "float32" else None
+    context = reuse.job.max_model_len if reuse else target.model.config.max_position_embeddings
+    prompts = first_prompts(convs, target.tokenizer, n, context - max_new_tokens)
     if not prompts:
         raise ValueError("the fidelity check found no conversation with a first user turn that fits the context")
-    engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=limit + max_new_tokens)
+    engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=context)
     ours = [engine.generate(p, max_new_tokens, SamplingParams()).output_ids for p in prompts]
-    python = find_vllm_python(cfg.vllm_python, cache_dir)
-    job = VllmJob(str(target.folder), "float32", limit + max_new_tokens, dict(cfg.engine_args))
-    with VllmWorker(python, job, out.with_suffix(".vllm.log")) as worker:
-        batch = {"prompts": prompts, "max_tokens": [max_new_tokens] * len(prompts), "seeds": [0] * len(prompts)}
-        batch |= {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": list(eos_ids(target))}
-        theirs = worker.generate(batch)["outputs"]
-        version = worker.version
+    batch = {"prompts": prompts, "max_tokens": [max_new_tokens] * len(prompts), "seeds": [0] * len(prompts)}
+    batch |= {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": list(eos_ids(target))}
+    if reuse:
+        theirs, version = reuse.generate(batch)["outputs"], reuse.version
+    else:
+        python = find_vllm_python(cfg.vllm_python, cache_dir)
+        job = VllmJob(str(target.folder), "float32", context, dict(cfg.engine_args))
+        with VllmWorker(python, job, out.with_suffix(".vllm.log")) as worker:
+            theirs, version = worker.generate(batch)["outputs"], worker.version
     differences = [d for a, b in zip(ours, theirs, strict=True) if (d := first_difference(a, b)) is not None]
     result = Fidelity(len(prompts), max_new_tokens, version, len(prompts) - len(differences), differences)
     write_file_atomic(out, lambda tmp: tmp.write_text(json.dumps(asdict(result), indent=1) + "\n"))

@@ -32,6 +32,7 @@ class Backend:
     batch_size: int  # conversations in flight (a kill loses at most their work)
     close: Callable[[], None] = lambda: None
     start_s: float = 0.0  # seconds this backend took to start (vLLM's engine and its compile)
+    worker: VllmWorker | None = None  # vLLM's, while open: the fidelity check asks it too where it runs fp32
 
 
 def generator_record(engine: str, engine_version: str, dtype: str, cfg: DistillConfig, target_id: str) -> dict:
@@ -74,7 +75,8 @@ def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path
         return worker.generate(batch | {"temperature": cfg.temperature, "top_p": cfg.top_p})["outputs"]
 
     record = generator_record("vllm", worker.version, vllm_dtype(cfg.dtype), cfg, target.target_id)
-    return Backend(generate, record, cfg.batch_size or VLLM_BATCH, worker.close, time.perf_counter() - began)
+    batch = cfg.batch_size or VLLM_BATCH
+    return Backend(generate, record, batch, worker.close, time.perf_counter() - began, worker)
 
 
 def vllm_dtype(name: str) -> str:

@@ -101,7 +101,7 @@ class VllmWorker:
     """The parent's end of train/vllm_worker.py: started once, one batch of prompts per call."""
 
     def __init__(self, python: str, job: VllmJob, log: Path) -> None:
-        self.log = log
+        self.job, self.log = job, log
         log.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(job.as_json(), f)
@@ -129,7 +129,7 @@ class VllmWorker:
         assert self.proc.stdout is not None, "opened with PIPE"
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         if not ready:
-            self.close()
+            self.close(grace_s=0)  # a hung worker reads no more input: nothing to wait for
             raise VllmUnavailable(f"vLLM's worker did not {doing} within {timeout:.0f} s (its log: {self.log})")
         line = self.proc.stdout.readline()
         if not line:  # end of its output: it exited
@@ -140,12 +140,13 @@ class VllmWorker:
             raise VllmUnavailable(f"vLLM's worker failed to {doing} ({how}): {cause} (whole log: {self.log})")
         return json.loads(line)
 
-    def close(self) -> None:
-        """End the worker (its loop ends at end of input), then whatever of its engine is left."""
+    def close(self, grace_s: float = 60) -> None:
+        """End the worker (its loop ends at end of input; it has grace_s to shut its engine down), then whatever of
+        its engine is left."""
         if self.proc.stdin and not self.proc.stdin.closed:
             self.proc.stdin.close()
         try:
-            self.proc.wait(timeout=60)
+            self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             pass
         for sig in (signal.SIGTERM, signal.SIGKILL):
