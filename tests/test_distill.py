@@ -387,6 +387,70 @@ def test_a_failed_vllm_leaves_no_process_behind_and_a_hung_one_times_out(target,
     assert any("did not start within 3 s" in line for line in lines)
 
 
+# A vLLM that answers zeros and logs each engine it starts: its dtype, context, and the engines still running then
+COUNTING_VLLM = """
+import json, os
+__version__ = "0.0-counting"
+LOG = {log!r}
+
+
+def started():
+    with open(LOG) as f:
+        return [json.loads(line) for line in f]
+
+
+class SamplingParams:
+    def __init__(self, max_tokens=16, **kw):
+        self.max_tokens = max_tokens
+
+
+class Out:
+    def __init__(self, n):
+        self.token_ids, self.finish_reason = [0] * n, "length"
+
+
+class Request:
+    def __init__(self, n):
+        self.outputs = [Out(n)]
+
+
+class LLM:
+    def __init__(self, model, dtype, max_model_len, **kw):
+        alive = [e["pid"] for e in started() if os.path.exists(f"/proc/{{e['pid']}}")]
+        with open(LOG, "a") as f:
+            f.write(json.dumps({{"pid": os.getpid(), "dtype": dtype, "context": max_model_len, "alive": alive}}))
+            f.write("\\n")
+
+    def generate(self, prompts, params, use_tqdm=False):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return [Request(p.max_tokens) for p in params]
+"""
+
+
+@pytest.mark.parametrize(
+    "dtype, max_length, fidelity_tokens, engines",
+    [
+        ("float32", 512, 8, ["float32"]),  # the fp32 worker that regenerated answers the check too
+        ("bfloat16", 512, 8, ["bfloat16", "float32"]),  # an fp32 one, started once the bf16 one has ended
+        ("float32", 96, 80, ["float32", "float32"]),  # no first turn fits its context with 80 tokens to answer
+    ],
+)
+def test_the_fidelity_check_asks_the_vllm_that_regenerated_where_it_can(
+    target, tmp_path, dtype, max_length, fidelity_tokens, engines
+):
+    log = tmp_path / "engines.jsonl"
+    log.touch()
+    python = fake_vllm_python(tmp_path, COUNTING_VLLM.format(log=str(log)))
+    (tmp_path / "fake" / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {}\n")
+    c = cfg(backend="vllm", vllm_python=python, dtype=dtype, fidelity=3, fidelity_tokens=fidelity_tokens)
+    lines = []
+    distill(CONVS, target, c, tmp_path / "a.jsonl", max_length, Skipped(), say=lines.append)
+    starts = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [e["dtype"] for e in starts] == engines
+    assert all(e["alive"] == [] for e in starts)  # never two engines at once
+    assert any(line.startswith("fidelity (fp32 greedy, 3 first turns") for line in lines), lines
+
+
 def test_answers_generated_by_another_target_are_refused_naming_both(target_dir, tmp_path):
     source = tmp_path / "theirs.jsonl"
     row = {"id": "x", "messages": [user("Hi"), said("Hello!")], "generator": {"engine": "vllm", "target": "big@1"}}

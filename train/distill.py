@@ -39,10 +39,10 @@ from .distill_file import (
     shards_beside,
 )
 from .features import source_stamp
-from .fidelity import check_fidelity
-from .regen_backends import Backend, Generate, describe, open_backend
+from .fidelity import FidelityCheck
+from .regen_backends import Generate, describe, open_backend
 from .turns import Chat, answer_text, ended, next_prompt, prepare
-from .vllm_backend import VllmUnavailable, find_vllm_python
+from .vllm_backend import VllmUnavailable, VllmWorker, find_vllm_python
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
 
@@ -123,10 +123,10 @@ def generate_into(
     show: bool,
     cache_dir: str | None = None,
     say: Callable[[str], None] = print,
-    then: Callable[[Backend], None] = lambda _: None,
+    then: Callable[[dict, VllmWorker | None], None] = lambda *_: None,
 ) -> Regenerated:
-    """The answers to `todo` appended to `path`; `then` runs on the backend once all are written, before it
-    closes (the fidelity check asks the same vLLM)."""
+    """The answers to `todo` appended to `path`; `then(generator, vLLM worker)` runs once all are written, before
+    the backend closes (the fidelity check may ask the same vLLM)."""
     with locked_output(path) as (f, rows):
         todo = [(chat, ids) for chat, ids in todo if chat.id not in rows]
         if not todo:
@@ -150,22 +150,10 @@ def generate_into(
                     bar.set_postfix(tok_s=f"{done.tokens / done.seconds:.0f}", refresh=False)
                     bar.update(len(finished))
             say(str(done))
-            then(backend)
+            then(backend.generator, backend.worker)
         finally:
             backend.close()
         return done
-
-
-def fidelity_check(
-    target: LoadedTarget, convs: list[Conversation], cfg: DistillConfig, out: Path, cache_dir: str | None, say
-) -> Callable[[Backend], None]:
-    """The fidelity check, run on the regeneration's backend before it closes: vLLM's answers only."""
-
-    def check(backend: Backend) -> None:
-        if cfg.fidelity and backend.generator.get("engine") == "vllm":
-            say(str(check_fidelity(target, convs, cfg, out, cache_dir, backend.worker)))
-
-    return check
 
 
 # ---- entry points
@@ -214,8 +202,9 @@ def distill(
     mine = [t for t in mine if t[0].id not in there]
     if mine:
         quiet = say if rank == 0 else lambda _: None
-        check = fidelity_check(target, convs, cfg, own.with_suffix(".fidelity.json"), cache_dir, say)
-        generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, quiet, check)
+        check = FidelityCheck(target, convs, cfg, own.with_suffix(".fidelity.json"), cache_dir, say)
+        done = generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, quiet, check.on_worker)
+        check.after(done.generator)
     if world > 1:
         barrier()
         if rank == 0 and split:

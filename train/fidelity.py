@@ -6,6 +6,7 @@ a weight that loads differently)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -71,22 +72,24 @@ def check_fidelity(
     regenerating: VllmWorker | None = None,
 ) -> Fidelity:
     """data.distill.fidelity first turns of `convs`, both engines in fp32 (the target read again from its folder);
-    the result is also written to `out` (JSON). `regenerating`: the vLLM worker that wrote the answers, asked
-    instead of starting another where it runs the target in fp32 (then the prompts are those that fit its
-    context)."""
+    the result is also written to `out` (JSON). `regenerating`: the fp32 vLLM worker that wrote the answers, asked
+    instead of starting another (`asks_the_same`)."""
     n, max_new_tokens = cfg.fidelity, cfg.fidelity_tokens
     target = load_target(TargetConfig(path=str(loaded.folder), dtype="float32", cache_dir=cache_dir))
-    reuse = regenerating if regenerating is not None and regenerating.job.dtype == "float32" else None
-    context = reuse.job.max_model_len if reuse else target.model.config.max_position_embeddings
+    context = regenerating.job.max_model_len if regenerating else target.model.config.max_position_embeddings
     prompts = first_prompts(convs, target.tokenizer, n, context - max_new_tokens)
     if not prompts:
-        raise ValueError("the fidelity check found no conversation with a first user turn that fits the context")
+        raise ValueError(
+            f"the fidelity check found no conversation whose first user turn fits {context} tokens with "
+            f"data.distill.fidelity_tokens={max_new_tokens} to answer: lower it, or skip the check "
+            "(data.distill.fidelity=0)"
+        )
     engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=context)
     ours = [engine.generate(p, max_new_tokens, SamplingParams()).output_ids for p in prompts]
     batch = {"prompts": prompts, "max_tokens": [max_new_tokens] * len(prompts), "seeds": [0] * len(prompts)}
     batch |= {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": list(eos_ids(target))}
-    if reuse:
-        theirs, version = reuse.generate(batch)["outputs"], reuse.version
+    if regenerating:
+        theirs, version = regenerating.generate(batch)["outputs"], regenerating.version
     else:
         python = find_vllm_python(cfg.vllm_python, cache_dir)
         job = VllmJob(str(target.folder), "float32", context, dict(cfg.engine_args))
@@ -96,3 +99,47 @@ def check_fidelity(
     result = Fidelity(len(prompts), max_new_tokens, version, len(prompts) - len(differences), differences)
     write_file_atomic(out, lambda tmp: tmp.write_text(json.dumps(asdict(result), indent=1) + "\n"))
     return result
+
+
+def asks_the_same(worker: VllmWorker, loaded: LoadedTarget, convs: list[Conversation], cfg: DistillConfig) -> bool:
+    """Can the worker that regenerated answer the check: it runs the target in fp32, and its context holds as many
+    first turns as a fresh worker's would (the regeneration's max_length may be shorter than the target's)."""
+    if worker.job.dtype != "float32":
+        return False
+    n, room, tok = cfg.fidelity, cfg.fidelity_tokens, loaded.tokenizer
+    fresh = loaded.model.config.max_position_embeddings - room
+    return len(first_prompts(convs, tok, n, worker.job.max_model_len - room)) == len(
+        first_prompts(convs, tok, n, fresh)
+    )
+
+
+@dataclass
+class FidelityCheck:
+    """The check after a regeneration through vLLM: on the worker that regenerated, before it closes, where it
+    can answer (`asks_the_same`); else on a fresh fp32 worker once that one has closed (two engines at once could
+    exceed the memory of a GPU that holds one)."""
+
+    target: LoadedTarget
+    convs: list[Conversation]
+    cfg: DistillConfig
+    out: Path
+    cache_dir: str | None
+    say: Callable[[str], None]
+    done: bool = False
+
+    def wanted(self, generator: dict) -> bool:
+        return bool(self.cfg.fidelity) and generator.get("engine") == "vllm" and not self.done
+
+    def on_worker(self, generator: dict, worker: VllmWorker | None) -> None:
+        """Called with the regeneration's backend still open."""
+        if self.wanted(generator) and worker and asks_the_same(worker, self.target, self.convs, self.cfg):
+            self.run(worker)
+
+    def after(self, generator: dict) -> None:
+        """Called once the regeneration's backend has closed."""
+        if self.wanted(generator):
+            self.run(None)
+
+    def run(self, worker: VllmWorker | None) -> None:
+        self.say(str(check_fidelity(self.target, self.convs, self.cfg, self.out, self.cache_dir, worker)))
+        self.done = True
