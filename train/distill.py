@@ -123,9 +123,9 @@ def generate_into(
     show: bool,
     cache_dir: str | None = None,
     say: Callable[[str], None] = print,
-    then: Callable[[dict, VllmWorker | None], None] = lambda *_: None,
+    then: Callable[[VllmWorker | None], None] = lambda _: None,
 ) -> Regenerated:
-    """The answers to `todo` appended to `path`; `then(generator, vLLM worker)` runs once all are written, before
+    """The answers to `todo` appended to `path`; `then(its vLLM worker or None)` runs once all are written, before
     the backend closes (the fidelity check may ask the same vLLM)."""
     with locked_output(path) as (f, rows):
         todo = [(chat, ids) for chat, ids in todo if chat.id not in rows]
@@ -150,7 +150,7 @@ def generate_into(
                     bar.set_postfix(tok_s=f"{done.tokens / done.seconds:.0f}", refresh=False)
                     bar.update(len(finished))
             say(str(done))
-            then(backend.generator, backend.worker)
+            then(backend.worker)
         finally:
             backend.close()
         return done

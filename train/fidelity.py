@@ -63,32 +63,39 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def check_prompts(loaded: LoadedTarget, convs: list[Conversation], cfg: DistillConfig) -> list[list[int]]:
+    """The first turns the check answers: data.distill.fidelity of them that fit the target's context with
+    data.distill.fidelity_tokens to answer."""
+    context = loaded.model.config.max_position_embeddings
+    prompts = first_prompts(convs, loaded.tokenizer, cfg.fidelity, context - cfg.fidelity_tokens)
+    if not prompts:
+        raise ValueError(
+            f"the fidelity check found no conversation whose first user turn fits {context} tokens with "
+            f"data.distill.fidelity_tokens={cfg.fidelity_tokens} to answer: lower it, or skip the check "
+            "(data.distill.fidelity=0)"
+        )
+    return prompts
+
+
 def check_fidelity(
     loaded: LoadedTarget,
-    convs: list[Conversation],
+    prompts: list[list[int]],
     cfg: DistillConfig,
     out: Path,
     cache_dir: str | None = None,
     regenerating: VllmWorker | None = None,
 ) -> Fidelity:
-    """data.distill.fidelity first turns of `convs`, both engines in fp32 (the target read again from its folder);
-    the result is also written to `out` (JSON). `regenerating`: the fp32 vLLM worker that wrote the answers, asked
-    instead of starting another (`asks_the_same`)."""
-    n, max_new_tokens = cfg.fidelity, cfg.fidelity_tokens
+    """`prompts` answered by both engines in fp32 (the target read again from its folder); the result is also
+    written to `out` (JSON). `regenerating`: the fp32 vLLM worker that wrote the answers, asked instead of starting
+    another (`FidelityCheck`)."""
+    max_new_tokens = cfg.fidelity_tokens
     target = load_target(TargetConfig(path=str(loaded.folder), dtype="float32", cache_dir=cache_dir))
-    context = regenerating.job.max_model_len if regenerating else target.model.config.max_position_embeddings
-    prompts = first_prompts(convs, target.tokenizer, n, context - max_new_tokens)
-    if not prompts:
-        raise ValueError(
-            f"the fidelity check found no conversation whose first user turn fits {context} tokens with "
-            f"data.distill.fidelity_tokens={max_new_tokens} to answer: lower it, or skip the check "
-            "(data.distill.fidelity=0)"
-        )
+    context = target.model.config.max_position_embeddings
     engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=context)
     ours = [engine.generate(p, max_new_tokens, SamplingParams()).output_ids for p in prompts]
     batch = {"prompts": prompts, "max_tokens": [max_new_tokens] * len(prompts), "seeds": [0] * len(prompts)}
     batch |= {"temperature": 0.0, "top_p": 1.0, "stop_token_ids": list(eos_ids(target))}
-    if regenerating:
+    if regenerating is not None:
         theirs, version = regenerating.generate(batch)["outputs"], regenerating.version
     else:
         python = find_vllm_python(cfg.vllm_python, cache_dir)
@@ -101,23 +108,12 @@ def check_fidelity(
     return result
 
 
-def asks_the_same(worker: VllmWorker, loaded: LoadedTarget, convs: list[Conversation], cfg: DistillConfig) -> bool:
-    """Can the worker that regenerated answer the check: it runs the target in fp32, and its context holds as many
-    first turns as a fresh worker's would (the regeneration's max_length may be shorter than the target's)."""
-    if worker.job.dtype != "float32":
-        return False
-    n, room, tok = cfg.fidelity, cfg.fidelity_tokens, loaded.tokenizer
-    fresh = loaded.model.config.max_position_embeddings - room
-    return len(first_prompts(convs, tok, n, worker.job.max_model_len - room)) == len(
-        first_prompts(convs, tok, n, fresh)
-    )
-
-
 @dataclass
 class FidelityCheck:
-    """The check after a regeneration through vLLM: on the worker that regenerated, before it closes, where it
-    can answer (`asks_the_same`); else on a fresh fp32 worker once that one has closed (two engines at once could
-    exceed the memory of a GPU that holds one)."""
+    """The check after a regeneration through vLLM: on the worker that regenerated, before it closes, where that
+    one runs the target in fp32 and every checked turn fits its context (the regeneration's max_length may be
+    shorter than the target's); else on a fresh fp32 worker once it has closed (two engines at once could exceed
+    the memory of a GPU that holds one). The same turns either way."""
 
     target: LoadedTarget
     convs: list[Conversation]
@@ -127,19 +123,19 @@ class FidelityCheck:
     say: Callable[[str], None]
     done: bool = False
 
-    def wanted(self, generator: dict) -> bool:
-        return bool(self.cfg.fidelity) and generator.get("engine") == "vllm" and not self.done
-
-    def on_worker(self, generator: dict, worker: VllmWorker | None) -> None:
-        """Called with the regeneration's backend still open."""
-        if self.wanted(generator) and worker and asks_the_same(worker, self.target, self.convs, self.cfg):
-            self.run(worker)
+    def on_worker(self, worker: VllmWorker | None) -> None:
+        """Called with the regeneration's backend still open (its vLLM worker, None for draftsmith's own)."""
+        if worker is None or not self.cfg.fidelity or worker.job.dtype != "float32":
+            return
+        prompts = check_prompts(self.target, self.convs, self.cfg)
+        if max(map(len, prompts)) + self.cfg.fidelity_tokens <= worker.job.max_model_len:
+            self.run(prompts, worker)
 
     def after(self, generator: dict) -> None:
         """Called once the regeneration's backend has closed."""
-        if self.wanted(generator):
-            self.run(None)
+        if self.cfg.fidelity and generator.get("engine") == "vllm" and not self.done:
+            self.run(check_prompts(self.target, self.convs, self.cfg), None)
 
-    def run(self, worker: VllmWorker | None) -> None:
-        self.say(str(check_fidelity(self.target, self.convs, self.cfg, self.out, self.cache_dir, worker)))
+    def run(self, prompts: list[list[int]], worker: VllmWorker | None) -> None:
+        self.say(str(check_fidelity(self.target, prompts, self.cfg, self.out, self.cache_dir, worker)))
         self.done = True
