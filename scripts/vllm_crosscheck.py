@@ -22,6 +22,7 @@ One command: bash scripts/vllm_crosscheck.sh [--drafter eagle3=DIR ...] [--fresh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -478,7 +479,8 @@ class VllmServer:
         return json.loads(line)
 
     def close(self) -> None:
-        self.proc.stdin.close()  # the worker's loop ends at end of input
+        with contextlib.suppress(BrokenPipeError):  # a worker already gone leaves its unsent request unflushable
+            self.proc.stdin.close()  # the worker's loop ends at end of input
         try:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:

@@ -229,6 +229,22 @@ def test_a_compiler_failure_falls_back_to_the_eager_forward(target, monkeypatch)
     assert got.output_ids == eager.generate(prompt, 16, SamplingParams()).output_ids
 
 
+def test_after_a_compiler_failure_no_mask_still_means_causal_rows(target, tokens):
+    """A step's mask None means causal rows from its start, compiled or not (the eager forward's own None means
+    causal from position 0 only)."""
+    steps = [prefilled_eagerly(target, tokens) for _ in range(2)]
+    rows = torch.arange(8, 12)
+    none, causal = run(steps[0], tokens[rows], rows, 8), run(steps[1], tokens[rows], rows, 8, causal_mask(8, 4, "cpu"))
+    assert torch.equal(none.logits, causal.logits)
+
+
+def prefilled_eagerly(target, tokens) -> CompiledStep:
+    step = new_step(target)
+    step.failed = True  # as after a compiler failure
+    run(step, tokens[:8], torch.arange(8), 0, causal_mask(0, 8, "cpu"))
+    return step
+
+
 def test_compiled_code_is_cached_under_the_cache_root(target, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     compiled.compile_available(target)

@@ -449,6 +449,7 @@ def test_the_fidelity_check_asks_the_vllm_that_regenerated_where_it_can(
     assert [e["dtype"] for e in starts] == engines
     assert all(e["alive"] == [] for e in starts)  # never two engines at once
     assert any(line.startswith("fidelity (fp32 greedy, 3 first turns") for line in lines), lines
+    assert json.loads((tmp_path / "a.fidelity.json").read_text())["reused_worker"] == (len(engines) == 1)
 
 
 def test_answers_generated_by_another_target_are_refused_naming_both(target_dir, tmp_path):

@@ -31,6 +31,7 @@ class Fidelity:
     vllm_version: str
     identical: int
     first_differences: list[int]  # per differing prompt: the index of its first differing token
+    reused_worker: bool = False  # vLLM's answers came from the worker that regenerated (its prefix cache warm)
 
     def __str__(self) -> str:
         head = f"fidelity (fp32 greedy, {self.prompts} first turns x {self.max_new_tokens} tokens): "
@@ -103,7 +104,8 @@ def check_fidelity(
         with VllmWorker(python, job, out.with_suffix(".vllm.log")) as worker:
             theirs, version = worker.generate(batch)["outputs"], worker.version
     differences = [d for a, b in zip(ours, theirs, strict=True) if (d := first_difference(a, b)) is not None]
-    result = Fidelity(len(prompts), max_new_tokens, version, len(prompts) - len(differences), differences)
+    reused = regenerating is not None
+    result = Fidelity(len(prompts), max_new_tokens, version, len(prompts) - len(differences), differences, reused)
     write_file_atomic(out, lambda tmp: tmp.write_text(json.dumps(asdict(result), indent=1) + "\n"))
     return result
 

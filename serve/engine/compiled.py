@@ -32,6 +32,7 @@ from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.packed import MAX_ROWS, can_pack
 from draftsmith.heads.static_forward import MIN_PREFIX, StaticInputs, min_rows, static_forward, static_inputs
+from draftsmith.serve.engine.tree import causal_mask
 from draftsmith.serve.models.target import cache_root
 
 DISABLE_ENV = "DRAFTSMITH_COMPILE"  # "0": cuda_graphs=auto runs the eager forward on CPU (the test suite's default)
@@ -103,8 +104,11 @@ class CompiledStep:
                 h, layers = out
                 rows = h if logit_rows is None else h[logit_rows]
                 return ForwardOut(self.model.lm_head(rows).float(), h, layers)
-        # the eager forward: after a compile failure, this call's chunks already written are simply written again
-        return self.model(tokens, positions, self.cache, start, mask, logit_rows, self.target_layers)
+        # the eager forward: after a compile failure, this call's chunks already written are simply written again.
+        # mask None means causal rows from `start` here (as static_inputs reads it); the eager forward's only from 0
+        n = tokens.shape[0]
+        causal = mask if mask is not None or n == 1 else causal_mask(start, n, tokens.device)
+        return self.model(tokens, positions, self.cache, start, causal, logit_rows, self.target_layers)
 
     def compiled(
         self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None
