@@ -13,6 +13,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+DEFAULT_CACHE = "~/.cache/draftsmith"
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Where converted targets, feature caches, self-distilled answers and built kernels go: target.cache_dir when
+    set, else $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
+    return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE") or DEFAULT_CACHE).expanduser()
+
 
 def write_file_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """write(tmp) fills a temp file beside path, which then replaces path; on failure path is untouched. The temp

@@ -11,6 +11,8 @@ unchanged) plus the packed copy, rebuilt when the weight is edited in place. Onl
 on CPU in the packed dtype take the packed path; anything else (autograd, autocast to another
 dtype) runs F.linear on the original weight. The packed copy costs a second set of linear weights
 in memory.
+fp32 linears take draftsmith's own panel kernel instead where it runs (heads/panels.py: it streams a decode
+step's weights faster and gives a row the same bits whatever the row count).
 Linears that read the same input (q/k/v, gate/up: a module's `FUSED` map) then run as one GEMM over their
 concatenated weights (`FusedLinear`): a decode step makes 4 weight calls per layer instead of 7, and one long
 GEMM streams its weights faster than three short ones.
@@ -23,6 +25,8 @@ from typing import ClassVar, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from . import panels
 
 NATIVE = {  # does this CPU's oneDNN have kernels for the dtype
     torch.float32: lambda: True,
@@ -69,12 +73,18 @@ def fresh(stamped: list[tuple[Tensor, int]], tensors: list[Tensor]) -> bool:
 
 
 def pack_weight(weight: Tensor) -> Tensor:
-    """oneDNN's blocked layout of a [out, in] weight, chosen for ROWS_HINT rows."""
+    """A [out, in] weight packed for its kernel: fp32 in panels where heads/panels.py's kernel runs (a 3-D
+    [panels, in, PANEL] tensor), else oneDNN's blocked layout, chosen for ROWS_HINT rows."""
+    if weight.dtype == torch.float32 and panels.available():
+        return panels.pack_panels(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROWS_HINT)
 
 
 def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    """x @ packed.T + bias on oneDNN; half precision runs 2 to MAX_ROWS rows per GEMM (see MAX_ROWS)."""
+    """x @ packed.T + bias on the kernel pack_weight packed for: fp32 panels, else oneDNN, whose half precision
+    runs 2 to MAX_ROWS rows per GEMM (see MAX_ROWS)."""
+    if packed.dim() == 3:
+        return panels.panel_linear(x, packed, bias, out_features)
     n = x.numel() // x.shape[-1]
     if x.dtype == torch.float32 or n == 0 or 2 <= n <= MAX_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

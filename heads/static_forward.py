@@ -9,7 +9,7 @@ The same arithmetic as heads/attention.py's batch-invariant attention, in shapes
   from there are gathered per row into position order (a tree row's ancestors sit at slots that are not their
   positions). Each block is a GEMM of one fixed shape, and the blocks are added in position order by a cumsum, so
   masked blocks add exact zeros: a row's bits depend neither on the row count nor on where its step started.
-The linears are one opaque op (`draftsmith::packed_linear`) calling the packed oneDNN kernels the eager forward
+The linears are one opaque op (`draftsmith::packed_linear`) calling the packed kernels the eager forward
 runs: the compiler neither repacks their weights nor fuses into them. The rest (norms, rope, softmax, residuals) is
 the compiler's: its fused loops give a row the same bits whatever the row count, but not the eager forward's bits,
 so a compiled engine runs every forward of the target through this graph.

@@ -3,15 +3,16 @@
 
 1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: the eager bit-exact bf16,
    without the linear wrappers' checks, a 1-row linear run as one row (not bit-exact), the SDPA-style attention
-   instead of the batch-invariant one (not bit-exact), and fp32; beside them the compiled step (the engine's default
-   on a CPU, serve/engine/compiled.py) in bf16 and fp32
-2. the linears alone: every layer's packed weights once, cold (as a step streams them), one row, bf16 and fp32,
-   beside this machine's memory bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step
-   against the bandwidth limit (every weight it reads, once per token)
+   instead of the batch-invariant one (not bit-exact), and fp32 (also on oneDNN's linears where heads/panels.py's
+   kernel runs); beside them the compiled step (serve/engine/compiled.py) in bf16 and fp32
+2. the linears alone: every layer's packed weights once, cold (as a step streams them), 1 to 32 rows, bf16 and fp32
+   (fp32 on heads/panels.py's kernel and on oneDNN's where the panel kernel runs), beside this machine's memory
+   bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step against the bandwidth limit
+   (every weight it reads, once per token)
 
 bf16 runs where the CPU has oneDNN bf16 kernels (AVX512-BF16, AMX); on AVX2, where it is emulated, fp32 alone.
 
-  python scripts/bench_step_parts.py [--context 300] [--rounds 6] [--dtypes bfloat16,float32]
+  python scripts/bench_step_parts.py [--context 300] [--rounds 6] [--dtypes bfloat16,float32] [--rows 1,2,4,8,32]
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.heads import llama, packed  # noqa: E402
+from draftsmith.heads import llama, packed, panels  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
@@ -72,16 +73,29 @@ def patched(patches) -> ExitStack:
     return stack
 
 
+ONEDNN = "eager, fp32 linears on oneDNN"  # the eager step without heads/panels.py's kernel
+
+
+def onednn_model():
+    """The fp32 target packed for oneDNN's kernels, as before the panel kernel."""
+    with mock.patch.dict(os.environ, {panels.ENV: "0"}):
+        return load_target(TargetConfig(dtype="float32")).model
+
+
 def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str, str], float]:
-    """-> the best step time (s) per (variant, dtype); bf16 runs every variant, fp32 the eager step."""
+    """-> the best step time (s) per (variant, dtype); bf16 runs every variant, fp32 the eager step (and the eager
+    step on oneDNN's linears where the panel kernel runs)."""
     models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in dtypes}
     runs = {(name, d): patches for d in dtypes for name, patches in VARIANTS.items() if d == "bfloat16" or not patches}
+    if "float32" in dtypes and panels.available():
+        runs[ONEDNN, "float32"] = []
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():
         for key, patches in runs.items():
             with patched(patches):
-                steps[key] = eager_step(models[key[1]], context + 64)
+                model = onednn_model() if key[0] == ONEDNN else models[key[1]]
+                steps[key] = eager_step(model, context + 64)
                 steps[key](tokens[:context], torch.arange(context), 0, causal_mask(0, context, "cpu"))
         for dtype, model in models.items():
             steps["compiled", dtype] = CompiledStep(model, model.new_cache(cache_slots(context + 64)))
@@ -128,31 +142,45 @@ def weight_bytes(model) -> int:
     return sum(m.weight.nbytes for m in model.modules() if isinstance(m, (packed.PackedLinear, torch.nn.Linear)))
 
 
-def linears_section(rounds: int, dtypes: list[str]) -> float:
+def linears_section(rounds: int, dtypes: list[str], rows: list[int]) -> float:
     """-> the bandwidth probe's GB/s."""
     cfg = load_target(TargetConfig(dtype="float32")).model.config
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]  # qkv, o, gate_up, down
-    print(f"the {cfg.num_hidden_layers} layers' packed linears, one row, cold weights (ms per step)")
-    for dtype in (getattr(torch, d) for d in dtypes):
-        weights = [
-            [packed.pack_weight(torch.randn(o, n, dtype=dtype) * 0.02) for o, n in shapes]
-            for _ in range(cfg.num_hidden_layers)
-        ]
-        xs = [torch.randn(1, n, dtype=dtype) for _, n in shapes]
+    print(f"the {cfg.num_hidden_layers} layers' packed linears, cold weights (ms per step; GB/s of weights read)")
+    kernels = [(d, "panels" if d == "float32" and panels.available() else "oneDNN") for d in dtypes]
+    kernels += [("float32", "oneDNN")] if ("float32", "panels") in kernels else []
+    for name, kernel in kernels:
+        dtype = getattr(torch, name)
+        with mock.patch.dict(os.environ, {panels.ENV: "1" if kernel == "panels" else "0"}):
+            weights = [
+                [packed.pack_weight(torch.randn(o, n, dtype=dtype) * 0.02) for o, n in shapes]
+                for _ in range(cfg.num_hidden_layers)
+            ]
         mb = sum(o * n for o, n in shapes) * cfg.num_hidden_layers * (2 if dtype == torch.bfloat16 else 4) / 1e6
-        best = float("inf")
-        with torch.inference_mode():
-            for _ in range(rounds * 2):
-                t = time.perf_counter()
-                for layer in weights:
-                    for x, w in zip(xs, layer, strict=True):
-                        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                best = min(best, time.perf_counter() - t)
-        print(f"  {str(dtype):15s} {best * 1e3:6.2f} ms for {mb:.0f} MB: {mb / best / 1e3:.1f} GB/s")
+        for n_rows in rows:
+            best = time_linears(weights, shapes, dtype, n_rows, rounds)
+            print(
+                f"  {name:9s} {kernel:7s} {n_rows:3d} row(s) {best * 1e3:7.2f} ms for {mb:.0f} MB: "
+                f"{mb / best / 1e3:.1f} GB/s"
+            )
     gbs = bandwidth_gbs(rounds)
     print(f"  memory bandwidth probe (sum of a 512 MB fp32 tensor): {gbs:.1f} GB/s")
     return gbs
+
+
+def time_linears(weights: list[list[torch.Tensor]], shapes, dtype: torch.dtype, rows: int, rounds: int) -> float:
+    """The best time of one pass of `rows` rows through every layer's packed linears."""
+    xs = [torch.randn(rows, n, dtype=dtype) for _, n in shapes]
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(rounds * 2):
+            t = time.perf_counter()
+            for layer in weights:
+                for x, w, (o, _) in zip(xs, layer, shapes, strict=True):
+                    packed.packed_linear(x, w, None, o)
+            best = min(best, time.perf_counter() - t)
+    return best
 
 
 def limit_section(best: dict[tuple[str, str], float], gbs: float, dtypes: list[str]) -> None:
@@ -179,9 +207,15 @@ def main() -> None:
         default=["bfloat16", "float32"] if can_pack(torch.zeros(0, dtype=torch.bfloat16)) else ["float32"],
         help="default: bfloat16,float32, or float32 alone where bf16 is emulated (no oneDNN bf16 kernels)",
     )
+    p.add_argument(
+        "--rows",
+        type=lambda s: [int(n) for n in s.split(",")],
+        default=[1, 2, 4, 8, 32],
+        help="row counts for the linears alone (1: a decode step; a few: a verify; 32: a prefill chunk)",
+    )
     args = p.parse_args()
     best = step_section(args.context, args.rounds, args.dtypes)
-    limit_section(best, linears_section(args.rounds, args.dtypes), args.dtypes)
+    limit_section(best, linears_section(args.rounds, args.dtypes, args.rows), args.dtypes)
 
 
 if __name__ == "__main__":

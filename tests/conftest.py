@@ -11,7 +11,8 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from draftsmith.serve.models.target import DEFAULT_CACHE, TargetConfig, resolve_target  # noqa: E402
+from draftsmith.heads.files import DEFAULT_CACHE  # noqa: E402
+from draftsmith.serve.models.target import TargetConfig, resolve_target  # noqa: E402
 from helpers import build_tiny  # noqa: E402
 
 workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))

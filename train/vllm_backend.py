@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.serve.models.target import DEFAULT_CACHE, cache_root
+from draftsmith.heads.files import DEFAULT_CACHE
+from draftsmith.serve.models.target import cache_root
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 VENV_PYTHON = Path("vllm-venv") / "bin" / "python"

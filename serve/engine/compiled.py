@@ -39,7 +39,8 @@ DISABLE_ENV = "DRAFTSMITH_COMPILE"  # "0": cuda_graphs=auto runs the eager forwa
 
 
 def compile_available(model: Transformer) -> bool:
-    """A CPU target whose linears are oneDNN-packed (the compiled graph calls their kernels) and a C++ compiler."""
+    """A CPU target whose linears are packed (heads/packed.py; the compiled graph calls their kernels) and a C++
+    compiler."""
     if model.device.type != "cpu" or not can_pack(model.lm_head.weight):
         return False
     use_disk_cache(str(cache_root()))  # before inductor's first look at the environment, which sets its own default

