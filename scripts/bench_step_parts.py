@@ -3,8 +3,9 @@
 
 1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: the eager bit-exact bf16,
    without the linear wrappers' checks, a 1-row linear run as one row (not bit-exact), the SDPA-style attention
-   instead of the batch-invariant one (not bit-exact), and fp32 (also on oneDNN's linears where heads/panels.py's
-   kernel runs); beside them the compiled step (serve/engine/compiled.py) in bf16 and fp32
+   instead of the batch-invariant one (not bit-exact), and fp32 (also on torch's kernels, oneDNN's linears and
+   SDPA, where heads/kernels.py's library runs); beside them the compiled step (serve/engine/compiled.py) in bf16
+   and fp32
 2. the linears alone: every layer's packed weights once, cold (as a step streams them), 1 to 32 rows, bf16 and fp32
    (fp32 on heads/panels.py's kernel and on oneDNN's where the panel kernel runs), beside this machine's memory
    bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step against the bandwidth limit
@@ -29,7 +30,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.heads import llama, packed, panels  # noqa: E402
+from draftsmith.heads import kernels, llama, packed, panels, rope_attention  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
@@ -73,22 +74,23 @@ def patched(patches) -> ExitStack:
     return stack
 
 
-ONEDNN = "eager, fp32 linears on oneDNN"  # the eager step without heads/panels.py's kernel
+ONEDNN = "eager, fp32 on torch's kernels"  # oneDNN's linears and SDPA, without heads/kernels.py's library
+TORCH_ATTENTION = [(rope_attention, "takes", lambda x, mask: False)]
 
 
 def onednn_model():
-    """The fp32 target packed for oneDNN's kernels, as before the panel kernel."""
-    with mock.patch.dict(os.environ, {panels.ENV: "0"}):
+    """The fp32 target packed for oneDNN's kernels, as before draftsmith's own."""
+    with mock.patch.dict(os.environ, {kernels.ENV: "0"}):
         return load_target(TargetConfig(dtype="float32")).model
 
 
 def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str, str], float]:
     """-> the best step time (s) per (variant, dtype); bf16 runs every variant, fp32 the eager step (and the eager
-    step on oneDNN's linears where the panel kernel runs)."""
+    step on torch's kernels where draftsmith's own run)."""
     models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in dtypes}
     runs = {(name, d): patches for d in dtypes for name, patches in VARIANTS.items() if d == "bfloat16" or not patches}
     if "float32" in dtypes and panels.available():
-        runs[ONEDNN, "float32"] = []
+        runs[ONEDNN, "float32"] = TORCH_ATTENTION
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():
@@ -148,11 +150,11 @@ def linears_section(rounds: int, dtypes: list[str], rows: list[int]) -> float:
     h, i, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
     shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]  # qkv, o, gate_up, down
     print(f"the {cfg.num_hidden_layers} layers' packed linears, cold weights (ms per step; GB/s of weights read)")
-    kernels = [(d, "panels" if d == "float32" and panels.available() else "oneDNN") for d in dtypes]
-    kernels += [("float32", "oneDNN")] if ("float32", "panels") in kernels else []
-    for name, kernel in kernels:
+    runs = [(d, "panels" if d == "float32" and panels.available() else "oneDNN") for d in dtypes]
+    runs += [("float32", "oneDNN")] if ("float32", "panels") in runs else []
+    for name, kernel in runs:
         dtype = getattr(torch, name)
-        with mock.patch.dict(os.environ, {panels.ENV: "1" if kernel == "panels" else "0"}):
+        with mock.patch.dict(os.environ, {kernels.ENV: "1" if kernel == "panels" else "0"}):
             weights = [
                 [packed.pack_weight(torch.randn(o, n, dtype=dtype) * 0.02) for o, n in shapes]
                 for _ in range(cfg.num_hidden_layers)

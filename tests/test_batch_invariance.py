@@ -1,12 +1,14 @@
-"""bf16 on CPU is bit-exact across row counts (heads/attention.py, heads/packed.py): the same token at the same
-position gives identical hidden states, logits and KV in a 1-row decode, a k-row verify (chain or tree), a whole
-prefill and a chunked prefill after a prefix-cache hit. So bf16 speculative output equals bf16 plain output."""
+"""The CPU forward is bit-exact across row counts, in bf16 (heads/attention.py, heads/packed.py) and in fp32 where
+draftsmith's own kernels run (heads/panels.py, heads/rope_attention.py): the same token at the same position gives
+identical hidden states, logits and KV in a 1-row decode, a k-row verify (chain or tree), a whole prefill and a
+chunked prefill after a prefix-cache hit. So speculative output equals plain output, and a hit equals a cold run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from draftsmith.heads import panels, rope_attention
 from draftsmith.heads.attention import BLOCK, make_plans
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.llama import Transformer
@@ -22,19 +24,30 @@ from draftsmith.serve.proposers.propose_layerskip import layerskip_model
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS, assert_same_bits, assert_same_kv, node_path
 
-pytestmark = [
-    pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels"),
-    pytest.mark.usefixtures("one_thread"),
+pytestmark = pytest.mark.usefixtures("one_thread")
+DTYPES = [
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels"),
+        id="bf16",
+    ),
+    pytest.param(
+        torch.float32,
+        marks=pytest.mark.skipif(
+            not (panels.available() and rope_attention.available()), reason="draftsmith's fp32 kernels run on AVX2"
+        ),
+        id="fp32",
+    ),
 ]
 SEQ = 3 * BLOCK + 14  # past three key blocks
 MAX_SEQ = SEQ + 50
 
 
-@pytest.fixture(scope="module")
-def target(tiny_llama_dir) -> Transformer:
+@pytest.fixture(scope="module", params=DTYPES)
+def target(tiny_llama_dir, request) -> Transformer:
     # 3 query heads per KV head, as SmolLM2: a decode step's 3 rows are below MKL's 4-row kernel
     return load_model(
-        tiny_llama_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6), torch.bfloat16, "cpu"
+        tiny_llama_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6), request.param, "cpu"
     )
 
 
@@ -139,7 +152,7 @@ def test_plans_read_in_place_until_the_first_draft_off_its_position():
     assert make_plans(None, 0, 1, 3, "cpu")[0].padded == 2  # 3 heads x 1 row -> 2 rows: MKL's 4-row kernel
 
 
-# ---------------------------------------------------------------- the engine in bf16: speculative == plain
+# ---------------------------------------------------------------- the engine: speculative == plain
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +163,12 @@ def plain(target):
 
 def eagle3_proposer(target):
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.from_target(target.config), target).to(torch.bfloat16).eval()
+    head = Eagle3Head(Eagle3Config.from_target(target.config), target).to(target.dtype).eval()
     return EagleProposer(head, "eagle3", 3, TreeConfig(topk=2, total_tokens=6))
 
 
 @pytest.mark.parametrize("name", ["ngram", "eagle3-tree", "layerskip", "draft-self"])
-def test_bf16_greedy_speculation_equals_bf16_plain(name, target, plain):
+def test_greedy_speculation_equals_plain(name, target, plain):
     proposer = {
         "ngram": lambda: NgramProposer(NgramConfig(num_tokens=5)),
         "eagle3-tree": lambda: eagle3_proposer(target),
@@ -171,7 +184,7 @@ def test_bf16_greedy_speculation_equals_bf16_plain(name, target, plain):
     assert drafted > 0
 
 
-def test_bf16_prefix_cache_hit_equals_a_cold_prefill(target):
+def test_a_prefix_cache_hit_equals_a_cold_prefill(target):
     prompt = PROMPTS[1] * 5  # 60 tokens: a 48-token hit in blocks of 16
     cold = Engine(target, max_seq_len=MAX_SEQ)
     want = cold.generate(prompt, 24, SamplingParams())
@@ -186,8 +199,9 @@ def test_bf16_prefix_cache_hit_equals_a_cold_prefill(target):
 # ---------------------------------------------------------------- several threads, a single KV head
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [1, 6])
-def test_a_single_kv_head_keeps_its_bits_under_two_threads(tiny_llama_dir, heads):
+def test_a_single_kv_head_keeps_its_bits_under_two_threads(tiny_llama_dir, heads, dtype):
     """With 2+ threads MKL splits a lone GEMM's rows between them, and a piece under 4 rows rounds differently: with
     one KV head (MQA) the per-head score GEMM is alone, so every attention GEMM runs in a batch of two or more."""
     folder = tiny_llama_dir(
@@ -198,7 +212,7 @@ def test_a_single_kv_head_keeps_its_bits_under_two_threads(tiny_llama_dir, heads
         num_key_value_heads=1,
         head_dim=64,
     )
-    mqa = load_model(folder, torch.bfloat16, "cpu")
+    mqa = load_model(folder, dtype, "cpu")
     seq = torch.randint(0, 128, (2 * BLOCK + 30,), generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

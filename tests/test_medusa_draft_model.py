@@ -119,7 +119,8 @@ def test_draft_model_init_from_target(target):
     full = DraftModel(DraftModelConfig(num_layers=0), target)  # all sizes the target's, every layer copied
     x = torch.randint(0, 128, (1, 9))
     with torch.no_grad():
-        assert torch.allclose(full.hidden_states(x)[0], target.hidden_states(x)[0])
+        # the same numbers up to fp32 rounding: the target's linears are packed, the copy's are not
+        torch.testing.assert_close(full.hidden_states(x)[0], target.hidden_states(x)[0])
 
     narrow = DraftModel(DraftModelConfig(num_layers=1, intermediate_size=32), target)  # layers cannot be copied
     assert torch.equal(narrow.model.embed_tokens.weight, target.model.embed_tokens.weight)

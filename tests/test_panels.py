@@ -3,15 +3,12 @@ tile or the thread count, and oneDNN's kernels where it is off or cannot be buil
 
 from __future__ import annotations
 
-import ctypes.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads import panels
+from draftsmith.heads import kernels, panels
 from draftsmith.heads.packed import PackedLinear, can_pack, pack_weight, packed_linear
 
 needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
@@ -84,97 +81,12 @@ def test_packed_linears_take_the_panels_for_fp32_and_keep_their_parameters():
 def test_turned_off_fp32_packs_for_onednn(monkeypatch):
     if not can_pack(torch.zeros(1)):
         pytest.skip("no oneDNN on this CPU build")
-    monkeypatch.setenv(panels.ENV, "0")
+    monkeypatch.setenv(kernels.ENV, "0")
     w, b = weights(70, 50)
     packed = pack_weight(w)
     assert packed.dim() == 2  # oneDNN's blocked layout
     x = torch.randn(3, 50)
     torch.testing.assert_close(packed_linear(x, packed, b, 70), F.linear(x, w, b))
-
-
-@pytest.mark.parametrize(
-    ("capability", "setting", "wanted"),
-    [
-        ("AVX2", "", True),
-        ("AVX2", "0", False),
-        ("AVX2", "off", False),
-        ("AVX2", "False", False),
-        ("AVX512", "on", True),
-        ("AVX512", "", False),  # measured on AVX2 only: oneDNN stays the default there
-        ("AVX512", "1", True),
-        ("DEFAULT", "1", False),  # no AVX2, no kernel
-        ("NO AVX", "", False),
-    ],
-)
-def test_where_the_kernel_is_wanted(monkeypatch, capability, setting, wanted):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    monkeypatch.setenv(panels.ENV, setting)
-    assert panels.wanted() is wanted
-
-
-def test_a_kernel_that_cannot_be_built_warns_once_and_leaves_onednn(monkeypatch, tmp_path):
-    if not panels.wanted():
-        pytest.skip("the panel kernel is not wanted on this CPU")
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    panels.kernel.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="could not build or load the fp32 panel kernel.*DRAFTSMITH_PANELS=0"):
-            assert not panels.available()
-        assert not panels.available()  # said once: the result is kept
-        assert pack_weight(torch.randn(8, 4)).dim() == 2
-    finally:
-        panels.kernel.cache_clear()
-    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
-
-
-@needs_kernel
-def test_the_built_kernel_is_kept_and_named_for_its_compiler(monkeypatch, tmp_path):
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-    first = panels.built_library()
-    built = first.stat().st_mtime_ns
-    assert panels.built_library() == first and first.stat().st_mtime_ns == built  # not built twice
-    names = sorted(p.name for p in first.parent.iterdir())
-    assert names == [first.name, panels.digest_path(first).name]  # its digest, and no temp file left beside it
-
-
-def test_a_setting_that_means_nothing_is_refused_by_name(monkeypatch):
-    monkeypatch.setenv(panels.ENV, "fast")
-    with pytest.raises(ValueError, match="DRAFTSMITH_PANELS='fast'.*use 1 \\(on\\), 0 \\(off\\)"):
-        panels.wanted()
-
-
-def test_cxx_may_carry_a_launcher(monkeypatch):
-    monkeypatch.setenv("CXX", "ccache g++ ")
-    assert panels.compiler_command() == ["ccache", "g++"]
-
-
-@needs_kernel
-def test_a_damaged_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path):
-    """A truncated shared library crashes the loader (SIGBUS): its bytes are checked against the digest first."""
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
-    path = panels.built_library()
-    whole = path.read_bytes()
-    path.write_bytes(whole[:4096])
-    assert panels.built_library() == path and path.read_bytes() == whole
-    panels.digest_path(path).unlink()  # a library without its digest is not trusted either
-    before = path.stat().st_mtime_ns
-    assert panels.built_library() == path and path.stat().st_mtime_ns != before and panels.intact(path)
-
-
-def test_a_library_without_the_kernel_warns_and_leaves_onednn(monkeypatch):
-    if not panels.wanted():
-        pytest.skip("the panel kernel is not wanted on this CPU")
-    libm = ctypes.util.find_library("m")
-    if libm is None:
-        pytest.skip("no libm to stand in for a wrong library")
-    monkeypatch.setattr(panels, "built_library", lambda: Path(libm))
-    panels.kernel.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="could not build or load the fp32 panel kernel.*panel_linear"):
-            assert not panels.available()
-    finally:
-        panels.kernel.cache_clear()
 
 
 @needs_kernel

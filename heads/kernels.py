@@ -1,0 +1,126 @@
+"""draftsmith's own fp32 CPU kernels (heads/panels.cpp: the linears; heads/rope_attention.cpp: rope, cache write and
+attention; heads/layer_ops.cpp: RMSNorm and SwiGLU), built once with the system's C++ compiler into one shared
+library and loaded with ctypes.
+
+Why: on a CPU whose best torch kernels are AVX2, a batch-1 decode step is a pass over the weights plus a few hundred
+small ops; these kernels stream the weights near the memory's pace and fold the attention's ops into one call, and
+each gives a row the same bits whatever the rows around it (docs/benchmarks.md).
+
+Where they run: fp32 on a CPU with AVX2 and FMA, by default where torch's best kernels are AVX2 (measured there);
+DRAFTSMITH_KERNELS=1 turns them on on an AVX-512 CPU as well, =0 off (oneDNN's linears and torch's attention). If
+the library cannot be built or loaded, one warning says why and torch's kernels run. The built library sits under
+the cache root beside its sha256; a damaged or half-copied one is rebuilt, never loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import torch
+
+from .files import cache_root, write_file_atomic, write_text_atomic
+
+ENV = "DRAFTSMITH_KERNELS"
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("panels.cpp", "rope_attention.cpp", "layer_ops.cpp"))
+HEADERS = (Path(__file__).with_name("vec.h"),)
+EXPORTS = ("panel_linear", "rope_attention", "rms_norm", "silu_mul")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+SETTINGS = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
+
+
+def wanted() -> bool:
+    """Whether fp32 layers should run here: off under DRAFTSMITH_KERNELS=0, and only on AVX2 or AVX-512 CPUs."""
+    setting = setting_from_env()
+    capability = torch.backends.cpu.get_cpu_capability()
+    if setting is False or capability not in ("AVX2", "AVX512"):
+        return False
+    return setting is True or capability == "AVX2"
+
+
+def setting_from_env() -> bool | None:
+    """DRAFTSMITH_KERNELS as on, off, or None where unset."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value and value not in SETTINGS:
+        raise ValueError(f"{ENV}={value!r} is not a setting: use 1 (on), 0 (off), or leave it unset (the default)")
+    return SETTINGS.get(value)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None after one warning naming why it cannot be built or loaded."""
+    try:
+        lib = ctypes.CDLL(str(built_library()))  # torch is loaded: the library shares its OpenMP runtime
+        for name in EXPORTS:
+            getattr(lib, name)
+    except (OSError, AttributeError, subprocess.CalledProcessError) as e:
+        warn_unusable(e, getattr(e, "stderr", b"") or b"")
+        return None
+    return lib
+
+
+def warn_unusable(problem: Exception, detail: bytes = b"") -> None:
+    warnings.warn(
+        f"draftsmith: could not build or load its fp32 CPU kernels ({problem}; "
+        f"{detail.decode(errors='replace')[-400:]}); torch's kernels run instead (set {ENV}=0 to skip the attempt)",
+        stacklevel=3,
+    )
+
+
+def bind(name: str, argtypes: list) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """A C function of the library with its argument types, or None where the library is not usable."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
+def built_library() -> Path:
+    """The shared library under the cache root, named for its sources, flags and compiler; built (into a temp file,
+    then renamed) where this machine has no intact copy of that one yet."""
+    compiler = compiler_command()
+    version = subprocess.run([*compiler, "--version"], capture_output=True, check=True).stdout
+    sources = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version).hexdigest()[:16]
+    path = cache_root() / "kernels" / f"draftsmith-{key}.so"
+    if not intact(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, lambda tmp: compile_into(compiler, tmp))
+        write_text_atomic(digest_path(path), file_digest(path))
+    return path
+
+
+def compiler_command() -> list[str]:
+    """$CXX (which may carry a launcher: "ccache g++"), else g++ or c++ from PATH."""
+    command = shlex.split(os.environ.get("CXX", ""))
+    found = command or [c for c in (shutil.which("g++") or shutil.which("c++"),) if c]
+    if not found:
+        raise OSError("no C++ compiler (g++ or $CXX) on PATH")
+    return found
+
+
+def intact(path: Path) -> bool:
+    """The library is there and its bytes are the ones built (a truncated library would crash the loader)."""
+    digest = digest_path(path)
+    return path.exists() and digest.exists() and digest.read_text() == file_digest(path)
+
+
+def digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def compile_into(compiler: list[str], out: Path) -> None:
+    subprocess.run([*compiler, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True, check=True)

@@ -1,0 +1,73 @@
+"""A Llama layer's fp32 element-wise parts on CPU in one call each (heads/layer_ops.cpp): RMSNorm, and SwiGLU's
+silu(gate) * up on the fused gate-up rows.
+
+Why: PyTorch 2.13 runs an fp32 RMSNorm as some eight small ops on CPU (about 35 us for one SmolLM2 row, 61 of them a
+decode step), and the gate's silu, product and split as four more; one call each costs a few microseconds. Each row
+is computed on its own in a fixed order, so, like the panel linears and the one-call attention, a row's bits do not
+depend on the rows around it. Where it runs: heads/kernels.py (fp32, AVX2 CPUs by default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import Tensor
+
+from . import kernels
+
+P, I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def takes(x: Tensor) -> bool:
+    """A no-grad fp32 CPU call where the kernels are built; training, other dtypes and a forward being compiled
+    (inductor fuses these ops itself, and cannot trace a ctypes call) keep torch's ops."""
+    eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return x.dtype == torch.float32 and x.is_cpu and eager and takes_anything()
+
+
+def takes_anything() -> bool:
+    """Whether fp32 calls may take the kernels here at all (the CPU and DRAFTSMITH_KERNELS)."""
+    return kernels.wanted() and built()
+
+
+@functools.cache
+def built() -> bool:
+    return kernels.library() is not None
+
+
+@functools.cache
+def rms_norm_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return kernels.bind("rms_norm", [P, I64, I64, P, ctypes.c_float, P])
+
+
+@functools.cache
+def silu_mul_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return kernels.bind("silu_mul", [P, I64, I64, P])
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
+    dim = x.shape[-1]
+    if weight.shape != (dim,) or weight.dtype != torch.float32:
+        raise ValueError(f"an RMSNorm over {dim} features needs an fp32 weight of ({dim},), got {tuple(weight.shape)}")
+    rows, w = x.contiguous(), weight.contiguous()  # held in names: their memory must outlive the call
+    out = torch.empty_like(rows)
+    fn = rms_norm_kernel()
+    assert fn is not None, "takes() said the library is built"
+    fn(rows.data_ptr(), rows.numel() // max(dim, 1), dim, w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(h: Tensor) -> Tensor:
+    """silu(gate) * up for h = [..., gate | up]."""
+    if h.shape[-1] % 2:
+        raise ValueError(f"fused gate-up rows have an even width, got {h.shape[-1]}")
+    width = h.shape[-1] // 2
+    rows = h.contiguous()
+    out = rows.new_empty(*h.shape[:-1], width)
+    fn = silu_mul_kernel()
+    assert fn is not None, "takes() said the library is built"
+    fn(rows.data_ptr(), rows.numel() // max(2 * width, 1), width, out.data_ptr())
+    return out

@@ -1,0 +1,119 @@
+"""fp32 CPU attention for a batch-1 cached forward in one call (heads/rope_attention.cpp): rope on q and k, k and v
+into the cache, and each query row's softmax over the cache slots it may see.
+
+Why: in eager PyTorch these are some twenty small ops per layer (views, rope's halves, two cache writes, SDPA),
+whose dispatch costs more than their arithmetic in a decode step. And SDPA's bits for a row change with the rows
+around it; here a row reads its visible slots one at a time in slot order, so it gets the same bits decoded alone,
+verified among k rows (chain or tree) or prefilled, and with the panel linears (heads/panels.py) the whole fp32
+forward is row-invariant. Where it runs: heads/kernels.py (fp32, AVX2 CPUs by default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import Tensor
+
+from . import kernels
+
+P, I64 = ctypes.c_void_p, ctypes.c_int64
+ARGS = [P, I64, I64, I64, I64, P, P, P, P, I64, I64, P, I64, P]
+
+
+def available() -> bool:
+    return kernels.wanted() and kernel() is not None
+
+
+@functools.cache
+def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return kernels.bind("rope_attention", ARGS)
+
+
+def takes(x: Tensor, mask: object) -> bool:
+    """A no-grad fp32 CPU batch-1 step whose mask is None (causal) or a bool tensor, where the kernel is built."""
+    plain_mask = mask is None or (isinstance(mask, Tensor) and mask.dtype == torch.bool)
+    return (
+        x.dtype == torch.float32
+        and x.is_cpu
+        and x.shape[0] == 1
+        and plain_mask
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()  # inductor cannot trace a ctypes call
+        and available()
+    )
+
+
+def rope_attention(
+    qkv: Tensor, cos: Tensor, sin: Tensor, caches: tuple[Tensor, Tensor], start: int, mask: Tensor | None, heads: int
+) -> Tensor:
+    """qkv [1, n, (heads + 2 kv) d] from the fused projection; cos, sin [n, d]; caches [1, kv, max_len, d] each,
+    written at slots start .. start+n-1; mask bool [.., n, cols] (True = may see) or None: row r sees slots up to
+    start + r. Returns the attention output [1, n, heads d]."""
+    k_cache, v_cache = caches
+    _, kv, max_len, d = k_cache.shape
+    n = qkv.shape[1]
+    check_operands(qkv, cos, sin, caches, start, heads)
+    rows = qkv.reshape(n, -1).contiguous()
+    cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
+    if mask is not None and (mask.dim() < 2 or mask.shape[-2] != n or mask.numel() != n * mask.shape[-1]):
+        raise ValueError(f"mask {tuple(mask.shape)} must hold one row of slots per query row ({n})")
+    seen = None if mask is None else mask.reshape(n, -1).contiguous()
+    if seen is not None and not start + n <= seen.shape[1] <= max_len:
+        raise ValueError(
+            f"mask has {seen.shape[1]} slots; rows at {start}..{start + n - 1} need {start + n}..{max_len}"
+        )
+    out = qkv.new_empty(1, n, heads * d)
+    fn = kernel()
+    assert fn is not None, "takes() said the kernel is built"
+    mask_ptr, cols = (None, 0) if seen is None else (seen.data_ptr(), seen.shape[1])
+    fn(
+        rows.data_ptr(),
+        n,
+        heads,
+        kv,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        max_len,
+        start,
+        mask_ptr,
+        cols,
+        out.data_ptr(),
+    )
+    return out
+
+
+def check_operands(
+    qkv: Tensor, cos: Tensor, sin: Tensor, caches: tuple[Tensor, Tensor], start: int, heads: int
+) -> None:
+    """The kernel reads and writes raw fp32 memory: shapes are checked here, where a mistake can still be named."""
+    k_cache, v_cache = caches
+    _, kv, max_len, d = k_cache.shape
+    n = qkv.shape[1]
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k cache", k_cache), ("v cache", v_cache)):
+        if t.dtype != torch.float32 or not t.is_cpu:
+            raise ValueError(f"{name} must be fp32 on the CPU, got {t.dtype} on {t.device}")
+    if (
+        v_cache.shape != k_cache.shape
+        or k_cache.shape[0] != 1
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        raise ValueError(
+            f"caches must be contiguous [1, kv, max_len, d] pairs, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if (
+        heads % kv
+        or qkv.shape[0] != 1
+        or qkv.shape[-1] != (heads + 2 * kv) * d
+        or cos.numel() != n * d
+        or sin.numel() != n * d
+    ):
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)} does not hold {heads} q heads and {kv} kv heads of {d}, or rope tables miss rows"
+        )
+    if not 0 <= start <= start + n <= max_len:
+        raise ValueError(f"rows at slots {start}..{start + n - 1} do not fit a cache of {max_len} slots")

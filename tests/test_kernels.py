@@ -1,0 +1,105 @@
+"""draftsmith's own fp32 CPU kernels as a library (heads/kernels.py): where they are wanted, built once and kept
+with their digest, rebuilt when damaged, and torch's kernels (one warning) where they cannot be built or loaded."""
+
+from __future__ import annotations
+
+import ctypes.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.heads import kernels, panels, rope_attention
+from draftsmith.heads.packed import pack_weight
+
+needs_kernels = pytest.mark.skipif(not kernels.wanted() or kernels.library() is None, reason="fp32 AVX2 CPUs")
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    """Forget the loaded library before and after: each test sees its own build."""
+    forget = (kernels.library, panels.kernel, rope_attention.kernel)
+    for f in forget:
+        f.cache_clear()
+    yield
+    for f in forget:
+        f.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("capability", "setting", "wanted"),
+    [
+        ("AVX2", "", True),
+        ("AVX2", "0", False),
+        ("AVX2", "off", False),
+        ("AVX2", "False", False),
+        ("AVX512", "", False),  # measured on AVX2 only: torch's kernels stay the default there
+        ("AVX512", "1", True),
+        ("AVX512", "on", True),
+        ("DEFAULT", "1", False),  # no AVX2, no kernel
+        ("NO AVX", "", False),
+    ],
+)
+def test_where_the_kernels_are_wanted(monkeypatch, capability, setting, wanted):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setenv(kernels.ENV, setting)
+    assert kernels.wanted() is wanted
+
+
+def test_a_setting_that_means_nothing_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(kernels.ENV, "fast")
+    with pytest.raises(ValueError, match="DRAFTSMITH_KERNELS='fast'.*use 1 \\(on\\), 0 \\(off\\)"):
+        kernels.wanted()
+
+
+def test_cxx_may_carry_a_launcher(monkeypatch):
+    monkeypatch.setenv("CXX", "ccache g++ ")
+    assert kernels.compiler_command() == ["ccache", "g++"]
+
+
+def test_kernels_that_cannot_be_built_warn_once_and_leave_torch(monkeypatch, tmp_path, fresh):
+    if not kernels.wanted():
+        pytest.skip("the kernels are not wanted on this CPU")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(UserWarning, match="could not build or load its fp32 CPU kernels.*DRAFTSMITH_KERNELS=0"):
+        assert not panels.available()
+    assert not panels.available() and not rope_attention.available()  # said once: the result is kept
+    assert pack_weight(torch.randn(8, 4)).dim() == 2
+    assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
+
+
+def test_a_library_without_the_kernels_warns_and_leaves_torch(monkeypatch, fresh):
+    if not kernels.wanted():
+        pytest.skip("the kernels are not wanted on this CPU")
+    libm = ctypes.util.find_library("m")
+    if libm is None:
+        pytest.skip("no libm to stand in for a wrong library")
+    monkeypatch.setattr(kernels, "built_library", lambda: Path(libm))
+    with pytest.warns(UserWarning, match="could not build or load its fp32 CPU kernels.*panel_linear"):
+        assert not panels.available()
+    assert not rope_attention.available()
+
+
+@needs_kernels
+def test_the_built_library_is_kept_with_its_digest(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    first = kernels.built_library()
+    built = first.stat().st_mtime_ns
+    assert kernels.built_library() == first and first.stat().st_mtime_ns == built  # not built twice
+    names = sorted(p.name for p in first.parent.iterdir())
+    assert names == [first.name, kernels.digest_path(first).name]  # its digest, and no temp file left beside it
+
+
+@needs_kernels
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path):
+    """A truncated shared library crashes the loader (SIGBUS): its bytes are checked against the digest first."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    path = kernels.built_library()
+    whole = path.read_bytes()
+    path.write_bytes(whole[:4096])
+    assert kernels.built_library() == path and path.read_bytes() == whole
+    kernels.digest_path(path).unlink()  # a library without its digest is not trusted either
+    before = path.stat().st_mtime_ns
+    assert kernels.built_library() == path and path.stat().st_mtime_ns != before and kernels.intact(path)
