@@ -32,7 +32,9 @@ ENV = "DRAFTSMITH_KERNELS"
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("panels.cpp", "rope_attention.cpp", "layer_ops.cpp"))
 HEADERS = (Path(__file__).with_name("vec.h"),)
 EXPORTS = ("panel_linear", "rope_attention", "rms_norm", "silu_mul")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: g++ would fuse a scalar a * b + c into an FMA on one code path and not another, and a row's
+# bits would then depend on the path (masked or causal) that computed it
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 SETTINGS = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
 
 
@@ -90,7 +92,7 @@ def built_library() -> Path:
     compiler = compiler_command()
     version = subprocess.run([*compiler, "--version"], capture_output=True, check=True).stdout
     sources = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(sources + " ".join(FLAGS).encode() + version).hexdigest()[:16]
+    key = hashlib.sha256(sources + " ".join([*compiler, *FLAGS]).encode() + version).hexdigest()[:16]
     path = cache_root() / "kernels" / f"draftsmith-{key}.so"
     if not intact(path):
         path.parent.mkdir(parents=True, exist_ok=True)

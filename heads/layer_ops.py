@@ -21,9 +21,10 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 def takes(x: Tensor) -> bool:
-    """A no-grad fp32 CPU call where the kernels are built; training, other dtypes and a forward being compiled
-    (inductor fuses these ops itself, and cannot trace a ctypes call) keep torch's ops."""
-    eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    """A no-grad fp32 CPU call where the kernels are built; training, autocast (the linears then give bf16), other
+    dtypes and a forward being compiled (inductor fuses these ops itself, and cannot trace a ctypes call) keep
+    torch's ops."""
+    eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
     return x.dtype == torch.float32 and x.is_cpu and eager and takes_anything()
 
 
@@ -50,7 +51,8 @@ def silu_mul_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x / sqrt(mean(x^2) + eps) * weight over the last dimension."""
     dim = x.shape[-1]
-    if weight.shape != (dim,) or weight.dtype != torch.float32:
+    check_input(x)
+    if weight.shape != (dim,) or weight.dtype != torch.float32 or not weight.is_cpu:
         raise ValueError(f"an RMSNorm over {dim} features needs an fp32 weight of ({dim},), got {tuple(weight.shape)}")
     rows, w = x.contiguous(), weight.contiguous()  # held in names: their memory must outlive the call
     out = torch.empty_like(rows)
@@ -62,6 +64,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def silu_mul(h: Tensor) -> Tensor:
     """silu(gate) * up for h = [..., gate | up]."""
+    check_input(h)
     if h.shape[-1] % 2:
         raise ValueError(f"fused gate-up rows have an even width, got {h.shape[-1]}")
     width = h.shape[-1] // 2
@@ -71,3 +74,9 @@ def silu_mul(h: Tensor) -> Tensor:
     assert fn is not None, "takes() said the library is built"
     fn(rows.data_ptr(), rows.numel() // max(2 * width, 1), width, out.data_ptr())
     return out
+
+
+def check_input(x: Tensor) -> None:
+    """The kernels read raw fp32 memory: anything else is refused by name before they run."""
+    if x.dtype != torch.float32 or not x.is_cpu:
+        raise ValueError(f"the fp32 layer kernels take fp32 CPU tensors, got {x.dtype} on {x.device}")

@@ -69,7 +69,10 @@ def fresh(stamped: list[tuple[Tensor, int]], tensors: list[Tensor]) -> bool:
     """Still the same tensors, unedited: a parameter replaced or edited in place makes a packed copy stale."""
     if len(stamped) != len(tensors):
         return False
-    return all(s is t and v == version(t) for (s, v), t in zip(stamped, tensors, strict=True))
+    for (s, v), t in zip(stamped, tensors, strict=True):  # a plain loop: this runs before every packed linear
+        if s is not t or v != version(t):
+            return False
+    return True
 
 
 def pack_weight(weight: Tensor) -> Tensor:
@@ -102,12 +105,7 @@ def invariant_rows(rows: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 
 def takes_packed(x: Tensor, dtype: torch.dtype) -> bool:
     """Only no-grad CPU calls in the packed dtype: autograd and autocast need the plain weight."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype == dtype
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")
-    )
+    return x.is_cpu and x.dtype == dtype and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
 
 
 class PackedLinear(nn.Module):

@@ -63,17 +63,17 @@ def pack_panels(weight: Tensor) -> Tensor:
 def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
     """x @ W.T + bias for W packed by pack_panels; x fp32 [..., in]."""
     check_operands(x, panels, bias, out_features)
-    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
-    if not len(rows) or not rows.shape[1]:  # nothing to multiply: the kernel is not called
-        y = x.new_zeros(len(rows), out_features) + (0 if bias is None else bias)
-        return y.view(*x.shape[:-1], out_features)
-    y = x.new_empty(len(rows), out_features)
+    inp = x.shape[-1]
+    x = x if x.is_contiguous() else x.contiguous()  # held in a name: its memory must outlive the call
+    y = x.new_empty(*x.shape[:-1], out_features)
+    rows = x.numel() // inp if inp else math.prod(x.shape[:-1])
+    if not rows or not inp:  # nothing to multiply: the kernel is not called
+        return y.zero_() if bias is None else y.copy_(bias.expand_as(y))
+    b = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     fn = kernel()
     assert fn is not None, "panels are only packed where the kernel is built"
-    b = None if bias is None else bias.contiguous()  # held in a name: its memory must outlive the call
-    b_ptr = None if b is None else b.data_ptr()
-    fn(rows.data_ptr(), len(rows), rows.shape[1], panels.data_ptr(), out_features, b_ptr, y.data_ptr())
-    return y.view(*x.shape[:-1], out_features)
+    fn(x.data_ptr(), rows, inp, panels.data_ptr(), out_features, None if b is None else b.data_ptr(), y.data_ptr())
+    return y
 
 
 def check_operands(x: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> None:

@@ -70,9 +70,16 @@ static void attend_row(const float* q, const float* k, const float* v, int64_t d
   for (; j + 4 <= end; j += 4) dot4(q, k + j * d, d, e + j);
   for (; j < end; ++j) e[j] = dot(q, k + j * d, d);
   float top = -INFINITY;
+  bool any = false;
   for (j = 0; j < end; ++j) {
     e[j] *= scale;
-    if (!seen || seen[j]) top = e[j] > top ? e[j] : top;
+    if (seen && !seen[j]) continue;
+    any = true;
+    top = e[j] > top ? e[j] : top;
+  }
+  if (!any) {  // a row that may see nothing attends to nothing: zeros, as torch's SDPA gives
+    for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
+    return;
   }
   for (j = end; j % 8; ++j) e[j] = top;  // padding: exp8 reads whole lanes
   const __m256 top8 = _mm256_set1_ps(top);
@@ -117,7 +124,8 @@ extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t k
     for (int64_t p = 0; p < n * h; ++p) {
       const int64_t r = p / h, hd = p % h, g = hd / group;
       const uint8_t* seen = mask ? mask + r * cols : nullptr;
-      const int64_t end = mask ? cols : start + r + 1;
+      int64_t end = mask ? cols : start + r + 1;
+      while (seen && end > 0 && !seen[end - 1]) --end;  // a causal row's future slots are not read
       attend_row(q.data() + p * d, k_cache + g * max_len * d, v_cache + g * max_len * d, d, end, seen, scale,
                  scores.data(), out + r * h * d + hd * d);
     }

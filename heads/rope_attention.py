@@ -40,6 +40,7 @@ def takes(x: Tensor, mask: object) -> bool:
         and x.shape[0] == 1
         and plain_mask
         and not torch.is_grad_enabled()
+        and not torch.is_autocast_enabled("cpu")  # the qkv projection would give bf16
         and not torch.compiler.is_compiling()  # inductor cannot trace a ctypes call
         and available()
     )

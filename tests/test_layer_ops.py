@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads import layer_ops
-from draftsmith.heads.llama import RMSNorm
+from draftsmith.heads.llama import MLP, ModelConfig, RMSNorm
+from draftsmith.heads.packed import pack_linears
 
 needs_kernels = pytest.mark.skipif(not layer_ops.takes_anything(), reason="draftsmith's fp32 kernels run on AVX2 CPUs")
 
@@ -71,3 +72,16 @@ def test_bad_operands_are_named():
         layer_ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
     with torch.no_grad(), pytest.raises(ValueError, match="even width, got 7"):
         layer_ops.silu_mul(torch.randn(2, 7))
+
+
+@needs_kernels
+def test_autocast_keeps_torchs_ops():
+    """Under CPU autocast the fused linears give bf16: the fp32 kernels must not read it as fp32."""
+    mlp = MLP(ModelConfig(hidden_size=32, intermediate_size=48))
+    pack_linears(mlp)
+    x = torch.randn(2, 32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not layer_ops.takes(x)
+        assert mlp(x).dtype == torch.bfloat16
+    with torch.no_grad(), pytest.raises(ValueError, match="fp32 CPU tensors, got torch.bfloat16"):
+        layer_ops.silu_mul(torch.randn(2, 8).bfloat16())

@@ -99,3 +99,28 @@ def test_operands_that_do_not_fit_are_named(change, problem):
     cos, sin = tables(d)
     with pytest.raises(ValueError, match=problem.replace("(", "\\(").replace(")", "\\)")):
         rope_attention.rope_attention(qkv, cos[:2], sin[:2], caches, start, change.get("mask"), heads)
+
+
+@pytest.mark.parametrize("d", [12, 20, 64])
+def test_masked_and_causal_rows_agree_bit_for_bit(d):
+    """A chunk after a prefix (masked) and a prefill from 0 (causal) compute a row on two code paths; the compiler
+    must not fuse one path's scalar tail into an FMA and not the other's (a head_dim that is not a multiple of 8)."""
+    heads, kv = 4, 2
+    qkv = torch.randn(1, 30, (heads + 2 * kv) * d, generator=torch.Generator().manual_seed(d))
+    whole = run(qkv, torch.arange(30), filled_caches(kv, d, 1), 0, None, heads)
+    caches = filled_caches(kv, d, 1)
+    run(qkv[:, :12], torch.arange(12), caches, 0, None, heads)
+    mask = torch.ones(18, 30, dtype=torch.bool).tril(12)
+    assert torch.equal(run(qkv[:, 12:], torch.arange(12, 30), caches, 12, mask, heads), whole[:, 12:])
+
+
+def test_non_finite_values_are_not_hidden():
+    heads, kv, d = 2, 1, 16
+    qkv = torch.randn(1, 2, (heads + 2 * kv) * d)
+    caches = filled_caches(kv, d, 2)
+    blind = torch.ones(2, 12, dtype=torch.bool)
+    blind[1] = False  # a row that may see nothing attends to nothing, as in torch's SDPA
+    out = run(qkv, torch.arange(10, 12), caches, 10, blind, heads)
+    assert out[0, 0].isfinite().all() and torch.equal(out[0, 1], torch.zeros(heads * d))
+    caches[0][0, 0, 3] = float("nan")  # a NaN key poisons the rows that read it
+    assert run(qkv[:, :1], torch.tensor([10]), caches, 10, None, heads).isnan().all()
