@@ -120,7 +120,7 @@ extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t k
 #pragma omp parallel
   {
     std::vector<float> scores((slots + 7) / 8 * 8);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1)  // round robin: a causal prefill's late rows read the most slots
     for (int64_t p = 0; p < n * h; ++p) {
       const int64_t r = p / h, hd = p % h, g = hd / group;
       const uint8_t* seen = mask ? mask + r * cols : nullptr;
