@@ -126,6 +126,7 @@ extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t k
       const uint8_t* seen = mask ? mask + r * cols : nullptr;
       int64_t end = mask ? cols : start + r + 1;
       while (seen && end > 0 && !seen[end - 1]) --end;  // a causal row's future slots are not read
+      if (seen && !memchr(seen, 0, end)) seen = nullptr;  // every slot below end visible (a chain): no per-slot test
       attend_row(q.data() + p * d, k_cache + g * max_len * d, v_cache + g * max_len * d, d, end, seen, scale,
                  scores.data(), out + r * h * d + hd * d);
     }
