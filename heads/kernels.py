@@ -29,9 +29,11 @@ import torch
 from .files import cache_root, write_file_atomic, write_text_atomic
 
 ENV = "DRAFTSMITH_KERNELS"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("panels.cpp", "rope_attention.cpp", "layer_ops.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(f"{name}.cpp") for name in ("panels", "rope_attention", "layer_ops", "decoder_layer")
+)
 HEADERS = (Path(__file__).with_name("vec.h"),)
-EXPORTS = ("panel_linear", "rope_attention", "rms_norm", "silu_mul")
+EXPORTS = ("panel_linear", "rope_attention", "rms_norm", "silu_mul", "decoder_layer")
 # -ffp-contract=off: g++ would fuse a scalar a * b + c into an FMA on one code path and not another, and a row's
 # bits would then depend on the path (masked or causal) that computed it
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")

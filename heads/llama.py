@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import layer_ops, rope_attention
+from . import decoder_layer, layer_ops, rope_attention
 from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
 from .packed import fused_linear
@@ -281,6 +281,8 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor | None, vc: Tensor | None, start: int, mask
     ) -> Tensor:
+        if plan := decoder_layer.takes(self, x, (kc, vc), start, mask):  # fp32 CPU: one call, the same bits
+            return decoder_layer.run(plan, x, (cos, sin), (kc, vc), start, mask)  # type: ignore[arg-type]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kc, vc, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -126,12 +126,16 @@ class PackedLinear(nn.Module):
         """Drop the packed copy (a FusedLinear holds this weight now); it is rebuilt if this linear runs alone."""
         self.packed, self.stamp = None, []
 
+    def current(self) -> Tensor:
+        """The packed weight, repacked first if it was released (stamp []), edited or replaced."""
+        if not fresh(self.stamp, [self.weight]):
+            self.repack()
+        assert self.packed is not None  # repack() made it
+        return self.packed
+
     def forward(self, x: Tensor) -> Tensor:
         if takes_packed(x, self.dtype):
-            if not fresh(self.stamp, [self.weight]):  # released (stamp []), edited or replaced
-                self.repack()
-            assert self.packed is not None  # repack() made it
-            return packed_linear(x, self.packed, self.bias, self.out_features)
+            return packed_linear(x, self.current(), self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -163,15 +167,24 @@ class FusedLinear(nn.Module):
         self.bias = torch.cat([p.bias.detach() for p in self.parts]) if has_bias else None
         self.stamp = stamp(self.sources())
 
+    def current(self) -> Tensor:
+        """The packed weight, repacked first if a part's weight or bias was edited or replaced."""
+        if not fresh(self.stamp, self.sources()):
+            self.repack()
+        return self.packed
+
     def forward(self, x: Tensor) -> Tensor:
         if takes_packed(x, self.dtype):
-            if not fresh(self.stamp, self.sources()):
-                self.repack()
-            return packed_linear(x, self.packed, self.bias, self.out_features)
+            return packed_linear(x, self.current(), self.bias, self.out_features)
         return torch.cat([p(x) for p in self.parts], -1)
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, packed={self.dtype}"
+
+
+def current_packed(module: nn.Module) -> Tensor | None:
+    """A PackedLinear's or FusedLinear's up-to-date packed weight; None for a plain linear."""
+    return module.current() if isinstance(module, (PackedLinear, FusedLinear)) else None
 
 
 class Fuses(Protocol):

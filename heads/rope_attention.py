@@ -58,13 +58,7 @@ def rope_attention(
     check_operands(qkv, cos, sin, caches, start, heads)
     rows = qkv.reshape(n, -1).contiguous()
     cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
-    if mask is not None and (mask.dim() < 2 or mask.shape[-2] != n or mask.numel() != n * mask.shape[-1]):
-        raise ValueError(f"mask {tuple(mask.shape)} must hold one row of slots per query row ({n})")
-    seen = None if mask is None else mask.reshape(n, -1).contiguous()
-    if seen is not None and not start + n <= seen.shape[1] <= max_len:
-        raise ValueError(
-            f"mask has {seen.shape[1]} slots; rows at {start}..{start + n - 1} need {start + n}..{max_len}"
-        )
+    seen = visible_rows(mask, n, start, max_len)
     out = qkv.new_empty(1, n, heads * d)
     fn = kernel()
     assert fn is not None, "takes() said the kernel is built"
@@ -88,16 +82,41 @@ def rope_attention(
     return out
 
 
+def visible_rows(mask: Tensor | None, n: int, start: int, max_len: int) -> Tensor | None:
+    """The mask as contiguous [n, cols] bytes, checked against the rows and the cache; None stays None (causal)."""
+    if mask is None:
+        return None
+    if mask.dim() < 2 or mask.shape[-2] != n or mask.numel() != n * mask.shape[-1] or mask.dtype != torch.bool:
+        raise ValueError(f"mask {tuple(mask.shape)} must hold one bool row of slots per query row ({n})")
+    seen = mask.reshape(n, -1).contiguous()
+    if not start + n <= seen.shape[1] <= max_len:
+        raise ValueError(
+            f"mask has {seen.shape[1]} slots; rows at {start}..{start + n - 1} need {start + n}..{max_len}"
+        )
+    return seen
+
+
 def check_operands(
     qkv: Tensor, cos: Tensor, sin: Tensor, caches: tuple[Tensor, Tensor], start: int, heads: int
 ) -> None:
     """The kernel reads and writes raw fp32 memory: shapes are checked here, where a mistake can still be named."""
-    k_cache, v_cache = caches
-    _, kv, max_len, d = k_cache.shape
-    n = qkv.shape[1]
-    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k cache", k_cache), ("v cache", v_cache)):
+    check_fp32((("qkv", qkv), ("cos", cos), ("sin", sin), ("k cache", caches[0]), ("v cache", caches[1])))
+    check_layout(tuple(qkv.shape), cos, sin, caches, start, heads)
+
+
+def check_fp32(named: tuple[tuple[str, Tensor], ...]) -> None:
+    for name, t in named:
         if t.dtype != torch.float32 or not t.is_cpu:
             raise ValueError(f"{name} must be fp32 on the CPU, got {t.dtype} on {t.device}")
+
+
+def check_layout(
+    qkv: tuple[int, ...], cos: Tensor, sin: Tensor, caches: tuple[Tensor, Tensor], start: int, heads: int
+) -> None:
+    """qkv: the shape of the fused projection's rows, [1, n, (heads + 2 kv) d]."""
+    k_cache, v_cache = caches
+    _, kv, max_len, d = k_cache.shape
+    n = qkv[1]
     if (
         v_cache.shape != k_cache.shape
         or k_cache.shape[0] != 1
@@ -106,15 +125,7 @@ def check_operands(
         raise ValueError(
             f"caches must be contiguous [1, kv, max_len, d] pairs, got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
-    if (
-        heads % kv
-        or qkv.shape[0] != 1
-        or qkv.shape[-1] != (heads + 2 * kv) * d
-        or cos.numel() != n * d
-        or sin.numel() != n * d
-    ):
-        raise ValueError(
-            f"qkv {tuple(qkv.shape)} does not hold {heads} q heads and {kv} kv heads of {d}, or rope tables miss rows"
-        )
+    if heads % kv or qkv[0] != 1 or qkv[-1] != (heads + 2 * kv) * d or cos.numel() != n * d or sin.numel() != n * d:
+        raise ValueError(f"qkv {qkv} does not hold {heads} q heads and {kv} kv heads of {d}, or rope tables miss rows")
     if not 0 <= start <= start + n <= max_len:
         raise ValueError(f"rows at slots {start}..{start + n - 1} do not fit a cache of {max_len} slots")

@@ -1,0 +1,80 @@
+"""A whole fp32 decoder layer in one call (heads/decoder_layer.py): the same bits as the layer's modules run one by
+one, a plan rebuilt when a weight changes, and the modules wherever a layer does not fit the kernel."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+
+from draftsmith.heads import decoder_layer
+from draftsmith.serve.engine.tree import DraftTree, causal_mask
+from draftsmith.serve.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(decoder_layer.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def target(tiny_llama_dir, request):
+    return load_model(tiny_llama_dir(request.param, hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+
+
+def steps(model) -> list:
+    """A prefill, a decode, a chain verify and a tree verify; (logits, hidden, K and V) of each."""
+    tokens = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(64)
+    tree = DraftTree(torch.zeros(5, dtype=torch.long), torch.tensor([-1, -1, 0, 1, 2]))
+    calls = [
+        (tokens[:30], torch.arange(30), 0, causal_mask(0, 30, "cpu")),
+        (tokens[30:31], torch.tensor([30]), 30, None),
+        (tokens[31:35], torch.arange(31, 35), 31, causal_mask(31, 4, "cpu")),
+        (tokens[35:41], tree.positions(35), 35, tree.attention_mask(35)),
+    ]
+    with torch.inference_mode():
+        outs = [model(t, p, cache, s, m) for t, p, s, m in calls]
+    return [(o.logits, o.hidden) for o in outs] + [torch.stack(cache.k), torch.stack(cache.v)]
+
+
+def test_one_call_gives_the_modules_bits(target):
+    layer = target.model.layers[0]
+    with torch.inference_mode():
+        assert decoder_layer.takes(layer, torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1)), 0, None)
+    one_call = steps(target)
+    with mock.patch.object(decoder_layer, "takes", lambda *args: None):
+        modules = steps(target)
+    for got, want in zip(one_call, modules, strict=True):
+        for g, w in zip(got, want, strict=True) if isinstance(got, tuple) else [(got, want)]:
+            assert torch.equal(g, w)
+
+
+def test_an_edited_weight_is_replanned(tiny_llama_dir):
+    model = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+    before = steps(model)[1][0]
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(0.5)  # in place: the packed copy and the plan are stale
+        model.model.layers[0].input_layernorm.weight.add_(0.1)
+    after = steps(model)[1][0]
+    with mock.patch.object(decoder_layer, "takes", lambda *args: None):
+        modules = steps(model)[1][0]
+    assert not torch.equal(after, before) and torch.equal(after, modules)
+
+
+def test_a_deep_copy_plans_its_own_weights(tiny_llama_dir):
+    model = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+    want = steps(model)[1][0]
+    twin = copy.deepcopy(model)
+    del model  # the copy must not point into the original's freed tensors
+    assert torch.equal(steps(twin)[1][0], want)
+
+
+def test_layers_that_do_not_fit_take_the_modules(tiny_llama_dir):
+    qwen3 = load_model(tiny_llama_dir("qwen3", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+    x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
+    with torch.inference_mode():
+        assert decoder_layer.takes(qwen3.model.layers[0], x, caches, 0, None) is None  # q/k norms
+        llama = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+        assert decoder_layer.takes(llama.model.layers[0], x, caches, torch.tensor([0]), None) is None  # slot tensors
+        assert decoder_layer.takes(llama.model.layers[0], x.double(), caches, 0, None) is None
+    assert decoder_layer.takes(llama.model.layers[0], x, caches, 0, None) is None  # gradients flow
