@@ -30,7 +30,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.heads import kernels, llama, packed, panels, rope_attention  # noqa: E402
+from draftsmith.heads import kernels, layer_ops, llama, packed, panels, rope_attention  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
@@ -75,7 +75,7 @@ def patched(patches) -> ExitStack:
 
 
 ONEDNN = "eager, fp32 on torch's kernels"  # oneDNN's linears and SDPA, without heads/kernels.py's library
-TORCH_ATTENTION = [(rope_attention, "takes", lambda x, mask: False)]
+TORCH_OPS = [(rope_attention, "takes", lambda x, mask: False), (layer_ops, "takes", lambda x: False)]
 
 
 def onednn_model():
@@ -90,7 +90,7 @@ def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str
     models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in dtypes}
     runs = {(name, d): patches for d in dtypes for name, patches in VARIANTS.items() if d == "bfloat16" or not patches}
     if "float32" in dtypes and panels.available():
-        runs[ONEDNN, "float32"] = TORCH_ATTENTION
+        runs[ONEDNN, "float32"] = TORCH_OPS
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():
