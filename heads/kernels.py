@@ -1,6 +1,6 @@
 """draftsmith's own fp32 CPU kernels (heads/panels.cpp: the linears; heads/rope_attention.cpp: rope, cache write and
-attention; heads/layer_ops.cpp: RMSNorm and SwiGLU), built once with the system's C++ compiler into one shared
-library and loaded with ctypes.
+attention; heads/layer_ops.cpp: RMSNorm and SwiGLU; heads/decoder_layer.cpp: a whole layer from them), built once
+with the system's C++ compiler into one shared library and loaded with ctypes.
 
 Why: on a CPU whose best torch kernels are AVX2, a batch-1 decode step is a pass over the weights plus a few hundred
 small ops; these kernels stream the weights near the memory's pace and fold the attention's ops into one call, and
