@@ -86,7 +86,10 @@ def test_a_row_reads_the_same_bits_alone_or_among_others():
         ({"start": 79}, "rows at slots 79..80 do not fit a cache of 80 slots"),
         ({"heads": 5}, "does not hold 5 q heads and 3 kv heads"),
         ({"mask": torch.ones(2, 31, dtype=torch.bool)}, "mask has 31 slots; rows at 30..31 need 32..80"),
-        ({"mask": torch.ones(1, 64, dtype=torch.bool)}, "mask (1, 64) must hold one bool row of slots per query row (2)"),
+        (
+            {"mask": torch.ones(1, 64, dtype=torch.bool)},
+            "mask (1, 64) must hold one bool row of slots per query row (2)",
+        ),
         ({"dtype": torch.float64}, "qkv must be fp32 on the CPU, got torch.float64"),
         ({"cache": torch.zeros(1, 3, SLOTS, 64)[..., ::2]}, "caches must be contiguous"),
     ],
