@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import kernels, rope_attention
-from .packed import current_packed, fresh, fused_linear, stamp
+from .packed import current_packed, fused_linear
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -46,12 +46,12 @@ Caches = tuple[Tensor | None, Tensor | None]
 
 @dataclass
 class Plan:
-    """A layer's weights as the kernel reads them, with what they were made from: rebuilt once a source tensor is
-    replaced or edited in place (a repack), so each step checks versions instead of rebuilding."""
+    """A layer's weights as the kernel reads them. It is kept while the layer's modules hand out the same tensors:
+    a packed linear repacks itself when a weight is replaced or edited in place (heads/packed.py), and a new packed
+    tensor makes a new plan."""
 
     weights: LAYER
-    held: list[Tensor]  # the tensors the struct points into, kept alive
-    stamp: list[tuple[Tensor, int]]  # every source tensor and its in-place version
+    held: list[Tensor]  # the tensors the struct points into (kept alive): 4 packed weights, 2 norms, the qkv bias
     width: int  # the fused qkv projection's outputs
 
 
@@ -68,45 +68,43 @@ def takes(layer: Any, x: Tensor, caches: Caches, start: object, mask: object) ->
 
 def plan(layer: Any) -> Plan | None:
     """The layer's current plan, or None where the layer does not fit the kernel."""
+    held = current_tensors(layer)
     kept = PLANS.get(layer)
-    if kept is not None and fresh(kept.stamp, sources(layer)):
-        return kept
-    made = make_plan(layer)
-    if made is None:
+    if held is None:
         PLANS.pop(layer, None)
-    else:
-        PLANS[layer] = made
-    return made
+        return None
+    if kept is None or len(kept.held) != len(held) or any(a is not b for a, b in zip(kept.held, held, strict=True)):
+        kept = PLANS[layer] = make_plan(layer, held)
+    return kept
 
 
-def sources(layer: Any) -> list[Tensor]:
-    """Every tensor a plan is made from: the norms' weights, and the linears' weights and biases."""
-    attn, mlp = layer.self_attn, layer.mlp
-    modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    return tensors + [t for m in modules for t in (m.weight, m.bias) if t is not None]
-
-
-def make_plan(layer: Any) -> Plan | None:
+def current_tensors(layer: Any) -> list[Tensor] | None:
+    """What the kernel reads of the layer, up to date (a stale packed linear repacks here); None where a norm or a
+    projection does not fit: q/k norms, an Identity norm (EAGLE-1), two eps, linears not packed in fp32 panels."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if hasattr(attn, "q_norm") or getattr(norms[0], "eps", None) != getattr(norms[1], "eps", 0):  # Identity: no eps
+    if hasattr(attn, "q_norm") or getattr(norms[0], "eps", None) != getattr(norms[1], "eps", 0):
         return None
     qkv, gate_up = fused_linear(attn, "qkv_proj"), fused_linear(mlp, "gate_up_proj")
     if qkv is None or gate_up is None:
         return None
-    packs = [current_packed(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)]  # repacked if stale
+    packs = [current_packed(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)]
     hidden, inter, d = norms[0].weight.shape[0], mlp.down_proj.in_features, attn.head_dim
     expected = ((hidden, qkv.out_features), (attn.n_heads * d, hidden), (hidden, 2 * inter), (inter, hidden))
     if not all(fits(p, i, o) for p, (i, o) in zip(packs, expected, strict=True)):
         return None
-    held = [t for t in (*packs, *(n.weight for n in norms), qkv.bias) if t is not None]
-    pointers = [p.data_ptr() for p in held[:4]]
-    bias = None if qkv.bias is None else qkv.bias.data_ptr()
-    weights = LAYER(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), pointers[0], bias, *pointers[1:])
-    weights.hidden, weights.intermediate, weights.heads, weights.kv_heads = hidden, inter, attn.n_heads, attn.n_kv
-    weights.head_dim, weights.eps = d, norms[0].eps
-    return Plan(weights, held, stamp(sources(layer)), qkv.out_features)
+    return [t for t in (*packs, *(n.weight for n in norms), qkv.bias) if t is not None]
+
+
+def make_plan(layer: Any, held: list[Tensor]) -> Plan:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv_bias = held[6].data_ptr() if len(held) > 6 else None
+    weights = LAYER(held[4].data_ptr(), held[5].data_ptr(), held[0].data_ptr(), qkv_bias, held[1].data_ptr())
+    weights.gate_up, weights.down = held[2].data_ptr(), held[3].data_ptr()
+    weights.hidden, weights.intermediate = held[4].shape[0], mlp.down_proj.in_features
+    weights.heads, weights.kv_heads, weights.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
+    weights.eps = layer.input_layernorm.eps
+    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim)
 
 
 def fits(packed: Tensor | None, inp: int, out: int) -> bool:
@@ -122,12 +120,9 @@ def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor
     n, (k_cache, v_cache) = x.shape[1], caches
     max_len, d = k_cache.shape[2], k_cache.shape[3]
     rows = x if x.is_contiguous() else x.contiguous()
-    cos, sin = (t if t.is_contiguous() else t.contiguous() for t in rope)
     if rows.shape[-1] != made.weights.hidden:
         raise ValueError(f"input has {rows.shape[-1]} features, the layer {made.weights.hidden}")
-    rope_attention.check_fp32((("cos", cos), ("sin", sin), ("k cache", k_cache), ("v cache", v_cache)))
-    rope_attention.check_layout((1, n, made.width), cos, sin, caches, start, made.weights.heads)
-    seen = rope_attention.visible_rows(mask, n, start, max_len)
+    cos, sin, seen = rope_attention.step_operands((1, n, made.width), rope, caches, start, mask, made.weights.heads)
     step = STEP(cos.data_ptr(), sin.data_ptr(), max_len, start, 0 if seen is None else seen.shape[1])
     step.mask = None if seen is None else seen.data_ptr()
     w = made.weights

@@ -25,6 +25,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from .files import cache_root, write_file_atomic, write_text_atomic
 
@@ -47,6 +48,19 @@ def wanted() -> bool:
     if setting is False or capability not in ("AVX2", "AVX512"):
         return False
     return setting is True or capability == "AVX2"
+
+
+def usable() -> bool:
+    """Wanted here, and the library built and loaded."""
+    return wanted() and library() is not None
+
+
+def takes(x: Tensor) -> bool:
+    """A no-grad fp32 CPU call where the kernels are usable. Training, autocast (the linears then give bf16), other
+    dtypes and a forward being compiled (inductor fuses these ops itself, and cannot trace a ctypes call) keep
+    torch's ops."""
+    eager = not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+    return x.dtype == torch.float32 and x.is_cpu and eager and usable()
 
 
 def setting_from_env() -> bool | None:

@@ -4,7 +4,7 @@ silu(gate) * up on the fused gate-up rows.
 Why: PyTorch 2.13 runs an fp32 RMSNorm as some eight small ops on CPU (about 35 us for one SmolLM2 row, 61 of them a
 decode step), and the gate's silu, product and split as four more; one call each costs a few microseconds. Each row
 is computed on its own in a fixed order, so, like the panel linears and the one-call attention, a row's bits do not
-depend on the rows around it. Where it runs: heads/kernels.py (fp32, AVX2 CPUs by default).
+depend on the rows around it. Where it runs: kernels.takes (fp32, AVX2 CPUs by default).
 """
 
 from __future__ import annotations
@@ -18,24 +18,6 @@ from torch import Tensor
 from . import kernels
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
-
-
-def takes(x: Tensor) -> bool:
-    """A no-grad fp32 CPU call where the kernels are built; training, autocast (the linears then give bf16), other
-    dtypes and a forward being compiled (inductor fuses these ops itself, and cannot trace a ctypes call) keep
-    torch's ops."""
-    eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
-    return x.dtype == torch.float32 and x.is_cpu and eager and takes_anything()
-
-
-def takes_anything() -> bool:
-    """Whether fp32 calls may take the kernels here at all (the CPU and DRAFTSMITH_KERNELS)."""
-    return kernels.wanted() and built()
-
-
-@functools.cache
-def built() -> bool:
-    return kernels.library() is not None
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import decoder_layer, layer_ops, rope_attention
+from . import decoder_layer, kernels, layer_ops, rope_attention
 from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
 from .packed import fused_linear
@@ -88,7 +88,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if layer_ops.takes(x):  # fp32 CPU inference: one call, row-invariant
+        if kernels.takes(x):  # fp32 CPU inference: one call, row-invariant
             return layer_ops.rms_norm(x, self.weight, self.eps)
         # HF's order: normalize in fp32, round to the input's dtype, then scale
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
@@ -219,10 +219,10 @@ class Attention(nn.Module):
         slots a tensor `start` [n] names, attending then over every cache slot that `mask` [.., n, max_len] allows.
         mask as plans (Transformer.layers_forward, CPU bf16/fp16): batch-invariant attention, same bits per row."""
         b, n, _ = x.shape
-        fused = fused_linear(self, "qkv_proj")
         cached = k_cache is not None and v_cache is not None and isinstance(start, int)
-        if fused is not None and cached and not isinstance(mask, list) and not hasattr(self, "q_norm"):
-            if rope_attention.takes(x, mask):  # fp32 CPU: rope, cache write and attention in one call, row-invariant
+        if cached and not hasattr(self, "q_norm") and rope_attention.takes(x, mask):
+            # fp32 CPU: rope, cache write and attention in one call, row-invariant
+            if (fused := fused_linear(self, "qkv_proj")) is not None:
                 caches = (k_cache, v_cache)
                 out = rope_attention.rope_attention(fused(x), cos, sin, caches, start, mask, self.n_heads)  # type: ignore[arg-type]
                 return self.o_proj(out)
@@ -261,7 +261,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if (fused := fused_linear(self, "gate_up_proj")) is not None:
-            if layer_ops.takes(x):  # fp32 CPU inference: silu(gate) * up in one call
+            if kernels.takes(x):  # fp32 CPU inference: silu(gate) * up in one call
                 return self.down_proj(layer_ops.silu_mul(fused(x)))
             gate, up = fused(x).chunk(2, -1)
         else:

@@ -22,10 +22,6 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 ARGS = [P, I64, I64, I64, I64, P, P, P, P, I64, I64, P, I64, P]
 
 
-def available() -> bool:
-    return kernels.wanted() and kernel() is not None
-
-
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return kernels.bind("rope_attention", ARGS)
@@ -34,16 +30,7 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 def takes(x: Tensor, mask: object) -> bool:
     """A no-grad fp32 CPU batch-1 step whose mask is None (causal) or a bool tensor, where the kernel is built."""
     plain_mask = mask is None or (isinstance(mask, Tensor) and mask.dtype == torch.bool)
-    return (
-        x.dtype == torch.float32
-        and x.is_cpu
-        and x.shape[0] == 1
-        and plain_mask
-        and not torch.is_grad_enabled()
-        and not torch.is_autocast_enabled("cpu")  # the qkv projection would give bf16
-        and not torch.compiler.is_compiling()  # inductor cannot trace a ctypes call
-        and available()
-    )
+    return x.shape[0] == 1 and plain_mask and kernels.takes(x)
 
 
 def rope_attention(
@@ -55,10 +42,9 @@ def rope_attention(
     k_cache, v_cache = caches
     _, kv, max_len, d = k_cache.shape
     n = qkv.shape[1]
-    check_operands(qkv, cos, sin, caches, start, heads)
+    check_fp32((("qkv", qkv),))
+    cos, sin, seen = step_operands(tuple(qkv.shape), (cos, sin), caches, start, mask, heads)
     rows = qkv.reshape(n, -1).contiguous()
-    cos, sin = cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous()
-    seen = visible_rows(mask, n, start, max_len)
     out = qkv.new_empty(1, n, heads * d)
     fn = kernel()
     assert fn is not None, "takes() said the kernel is built"
@@ -82,6 +68,17 @@ def rope_attention(
     return out
 
 
+def step_operands(
+    qkv: tuple[int, ...], rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask, heads: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """A step's rope rows, cache and mask checked against the fused qkv rows' shape [1, n, width], as the kernel
+    reads them: contiguous cos and sin [n, d], and the mask as [n, cols] bytes (None: causal)."""
+    cos, sin = (t if t.is_contiguous() else t.contiguous() for t in rope)
+    check_fp32((("cos", cos), ("sin", sin), ("k cache", caches[0]), ("v cache", caches[1])))
+    check_layout(qkv, cos, sin, caches, start, heads)
+    return cos, sin, visible_rows(mask, qkv[1], start, caches[0].shape[2])
+
+
 def visible_rows(mask: Tensor | None, n: int, start: int, max_len: int) -> Tensor | None:
     """The mask as contiguous [n, cols] bytes, checked against the rows and the cache; None stays None (causal)."""
     if mask is None:
@@ -94,14 +91,6 @@ def visible_rows(mask: Tensor | None, n: int, start: int, max_len: int) -> Tenso
             f"mask has {seen.shape[1]} slots; rows at {start}..{start + n - 1} need {start + n}..{max_len}"
         )
     return seen
-
-
-def check_operands(
-    qkv: Tensor, cos: Tensor, sin: Tensor, caches: tuple[Tensor, Tensor], start: int, heads: int
-) -> None:
-    """The kernel reads and writes raw fp32 memory: shapes are checked here, where a mistake can still be named."""
-    check_fp32((("qkv", qkv), ("cos", cos), ("sin", sin), ("k cache", caches[0]), ("v cache", caches[1])))
-    check_layout(tuple(qkv.shape), cos, sin, caches, start, heads)
 
 
 def check_fp32(named: tuple[tuple[str, Tensor], ...]) -> None:

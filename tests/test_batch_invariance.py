@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.heads import panels, rope_attention
+from draftsmith.heads import kernels, panels
 from draftsmith.heads.attention import BLOCK, make_plans
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.llama import Transformer
@@ -34,7 +34,7 @@ DTYPES = [
     pytest.param(
         torch.float32,
         marks=pytest.mark.skipif(
-            not (panels.available() and rope_attention.available()), reason="draftsmith's fp32 kernels run on AVX2"
+            not (panels.available() and kernels.usable()), reason="draftsmith's fp32 kernels run on AVX2"
         ),
         id="fp32",
     ),

@@ -65,7 +65,7 @@ def test_kernels_that_cannot_be_built_warn_once_and_leave_torch(monkeypatch, tmp
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.warns(UserWarning, match="could not build or load its fp32 CPU kernels.*DRAFTSMITH_KERNELS=0"):
         assert not panels.available()
-    assert not panels.available() and not rope_attention.available()  # said once: the result is kept
+    assert not panels.available() and not kernels.usable()  # said once: the result is kept
     assert pack_weight(torch.randn(8, 4)).dim() == 2
     assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
 
@@ -79,7 +79,7 @@ def test_a_library_without_the_kernels_warns_and_leaves_torch(monkeypatch, fresh
     monkeypatch.setattr(kernels, "built_library", lambda: Path(libm))
     with pytest.warns(UserWarning, match="could not build or load its fp32 CPU kernels.*panel_linear"):
         assert not panels.available()
-    assert not rope_attention.available()
+    assert not kernels.usable()
 
 
 @needs_kernels

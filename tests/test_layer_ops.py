@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads import layer_ops
+from draftsmith.heads import kernels, layer_ops
 from draftsmith.heads.llama import MLP, ModelConfig, RMSNorm
 from draftsmith.heads.packed import pack_linears
 
-needs_kernels = pytest.mark.skipif(not layer_ops.takes_anything(), reason="draftsmith's fp32 kernels run on AVX2 CPUs")
+needs_kernels = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 CPUs")
 
 
 @needs_kernels
@@ -50,9 +50,9 @@ def test_norm_modules_take_the_call_only_in_fp32_inference():
     torch.nn.init.normal_(norm.weight)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
-        assert layer_ops.takes(x) and not layer_ops.takes(x.bfloat16()) and not layer_ops.takes(x.double())
+        assert kernels.takes(x) and not kernels.takes(x.bfloat16()) and not kernels.takes(x.double())
         torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))
-    assert not layer_ops.takes(x)  # gradients flow: torch's ops, which autograd knows
+    assert not kernels.takes(x)  # gradients flow: torch's ops, which autograd knows
     norm(x.requires_grad_()).sum().backward()
     assert x.grad is not None
 
@@ -81,7 +81,7 @@ def test_autocast_keeps_torchs_ops():
     pack_linears(mlp)
     x = torch.randn(2, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not layer_ops.takes(x)
+        assert not kernels.takes(x)
         assert mlp(x).dtype == torch.bfloat16
     with torch.no_grad(), pytest.raises(ValueError, match="fp32 CPU tensors, got torch.bfloat16"):
         layer_ops.silu_mul(torch.randn(2, 8).bfloat16())

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads import rope_attention
+from draftsmith.heads import kernels, rope_attention
 from draftsmith.heads.llama import ModelConfig, apply_rope, rope_tables
 from draftsmith.serve.engine.tree import DraftTree
 
-pytestmark = pytest.mark.skipif(not rope_attention.available(), reason="draftsmith's fp32 kernels run on AVX2")
+pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2")
 SLOTS = 80
 
 
