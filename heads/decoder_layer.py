@@ -53,6 +53,7 @@ class Plan:
     weights: LAYER
     held: list[Tensor]  # the tensors the struct points into (kept alive): 4 packed weights, 2 norms, the qkv bias
     width: int  # the fused qkv projection's outputs
+    key: tuple  # where each held tensor's data lives, and the eps: a norm's storage can move under the same object
 
 
 # beside the layers, not on them: a deep copy of a layer must not carry pointers into the original's tensors
@@ -73,9 +74,15 @@ def plan(layer: Any) -> Plan | None:
     if held is None:
         PLANS.pop(layer, None)
         return None
-    if kept is None or len(kept.held) != len(held) or any(a is not b for a, b in zip(kept.held, held, strict=True)):
+    if kept is None or kept.key != plan_key(layer, held):
         kept = PLANS[layer] = make_plan(layer, held)
     return kept
+
+
+def plan_key(layer: Any, held: list[Tensor]) -> tuple:
+    """Where the kernel would read each tensor, and the eps it would use (.data swaps, set_, model.to and
+    share_memory move a norm weight's storage and keep the Parameter)."""
+    return (*(t.data_ptr() for t in held), layer.input_layernorm.eps)
 
 
 def current_tensors(layer: Any) -> list[Tensor] | None:
@@ -85,11 +92,16 @@ def current_tensors(layer: Any) -> list[Tensor] | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if hasattr(attn, "q_norm") or getattr(norms[0], "eps", None) != getattr(norms[1], "eps", 0):
         return None
+    hidden = norms[0].weight.shape[0]
+    if not all(
+        n.weight.dtype == torch.float32 and n.weight.is_contiguous() and n.weight.shape == (hidden,) for n in norms
+    ):
+        return None  # the modules run it (and name a wrong dtype)
     qkv, gate_up = fused_linear(attn, "qkv_proj"), fused_linear(mlp, "gate_up_proj")
     if qkv is None or gate_up is None:
         return None
     packs = [current_packed(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)]
-    hidden, inter, d = norms[0].weight.shape[0], mlp.down_proj.in_features, attn.head_dim
+    inter, d = mlp.down_proj.in_features, attn.head_dim
     expected = ((hidden, qkv.out_features), (attn.n_heads * d, hidden), (hidden, 2 * inter), (inter, hidden))
     if not all(fits(p, i, o) for p, (i, o) in zip(packs, expected, strict=True)):
         return None
@@ -104,7 +116,7 @@ def make_plan(layer: Any, held: list[Tensor]) -> Plan:
     weights.hidden, weights.intermediate = held[4].shape[0], mlp.down_proj.in_features
     weights.heads, weights.kv_heads, weights.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
     weights.eps = layer.input_layernorm.eps
-    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim)
+    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, plan_key(layer, held))
 
 
 def fits(packed: Tensor | None, inp: int, out: int) -> bool:

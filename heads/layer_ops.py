@@ -35,7 +35,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     dim = x.shape[-1]
     check_input(x)
     if weight.shape != (dim,) or weight.dtype != torch.float32 or not weight.is_cpu:
-        raise ValueError(f"an RMSNorm over {dim} features needs an fp32 weight of ({dim},), got {tuple(weight.shape)}")
+        raise ValueError(
+            f"an RMSNorm over {dim} features needs an fp32 weight of ({dim},), got {weight.dtype} {tuple(weight.shape)}"
+        )
     rows, w = x.contiguous(), weight.contiguous()  # held in names: their memory must outlive the call
     out = torch.empty_like(rows)
     fn = rms_norm_kernel()

@@ -78,3 +78,29 @@ def test_layers_that_do_not_fit_take_the_modules(tiny_llama_dir):
         assert decoder_layer.takes(llama.model.layers[0], x, caches, torch.tensor([0]), None) is None  # slot tensors
         assert decoder_layer.takes(llama.model.layers[0], x.double(), caches, 0, None) is None
     assert decoder_layer.takes(llama.model.layers[0], x, caches, 0, None) is None  # gradients flow
+
+
+def test_a_norm_moved_or_changed_under_the_same_parameter_is_replanned(tiny_llama_dir):
+    """The plan points into the norms' storage: a .data swap moves it, and eps lives on the module."""
+    model = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+    steps(model)
+    layer = model.model.layers[0]
+    layer.input_layernorm.weight.data = layer.input_layernorm.weight.detach().clone() * 1.5
+    layer.input_layernorm.eps = layer.post_attention_layernorm.eps = 0.5
+    after = steps(model)
+    with mock.patch.object(decoder_layer, "takes", lambda *args: None):
+        modules = steps(model)
+    assert torch.equal(after[1][0], modules[1][0])
+
+
+def test_a_norm_the_kernel_cannot_read_takes_the_modules(tiny_llama_dir):
+    model = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+    norm = model.model.layers[0].input_layernorm
+    w = norm.weight.detach()
+    norm.weight = torch.nn.Parameter(torch.stack([w * 2, w], 1)[:, 1])  # the same values, every other float
+    x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
+    with torch.inference_mode():
+        assert decoder_layer.takes(model.model.layers[0], x, caches, 0, None) is None
+    norm.weight = torch.nn.Parameter(w.double())
+    with torch.inference_mode():
+        assert decoder_layer.takes(model.model.layers[0], x, caches, 0, None) is None
