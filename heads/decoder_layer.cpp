@@ -1,7 +1,7 @@
 // A whole fp32 Llama decoder layer for n rows of a batch-1 cached forward, in one call: the same kernels, in the
 // same order, as the layer's modules run them one by one (heads/decoder_layer.py), so the bits are the same; what
 // goes is the Python between them, which costs more than the layer's arithmetic besides its weights.
-#include <stdint.h>
+#include "decoder_layer.h"
 
 extern "C" void panel_linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
                              const float* bias, float* y);
@@ -11,23 +11,10 @@ extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t k
 extern "C" void rms_norm(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* out);
 extern "C" void silu_mul(const float* h, int64_t rows, int64_t width, float* out);
 
-struct LayerWeights {  // heads/decoder_layer.py's LAYER, field for field
-  const float *input_norm, *post_norm, *qkv, *qkv_bias, *o, *gate_up, *down;
-  int64_t hidden, intermediate, heads, kv_heads, head_dim;
-  float eps;
-};
-
-struct Step {  // heads/decoder_layer.py's STEP
-  const float *cos, *sin;
-  int64_t max_len, start, cols;
-  const uint8_t* mask;
-};
-
 static void add(const float* a, const float* b, int64_t count, float* out) {
   for (int64_t i = 0; i < count; ++i) out[i] = a[i] + b[i];
 }
 
-// x [n][hidden] in, out [n][hidden]; work holds n * (3 hidden + qkv width + heads * head_dim + 3 intermediate) floats
 extern "C" void decoder_layer(const float* x, int64_t n, const LayerWeights* w, const Step* s, float* k_cache,
                               float* v_cache, float* work, float* out) {
   const int64_t H = w->hidden, I = w->intermediate, A = w->heads * w->head_dim;

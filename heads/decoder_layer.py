@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import kernels, rope_attention
 from .packed import current_packed, fused_linear
+from .watch import Watch
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -46,18 +47,29 @@ Caches = tuple[Tensor | None, Tensor | None]
 
 @dataclass
 class Plan:
-    """A layer's weights as the kernel reads them. It is kept while the layer's modules hand out the same tensors:
-    a packed linear repacks itself when a weight is replaced or edited in place (heads/packed.py), and a new packed
-    tensor makes a new plan."""
+    """A layer's weights as the kernel reads them, kept while its watch holds: the links from the layer to each
+    module, parameter and eps the plan read, and those tensors unedited where they were (heads/watch.py)."""
 
     weights: LAYER
     held: list[Tensor]  # the tensors the struct points into (kept alive): 4 packed weights, 2 norms, the qkv bias
     width: int  # the fused qkv projection's outputs
-    key: tuple  # where each held tensor's data lives, and the eps: a norm's storage can move under the same object
+    watch: Watch
 
 
 # beside the layers, not on them: a deep copy of a layer must not carry pointers into the original's tensors
 PLANS: weakref.WeakKeyDictionary[Any, Plan] = weakref.WeakKeyDictionary()
+# what a plan reads of a layer; a packed linear's copy is current while its parts' weights and biases are
+READS = (
+    "input_layernorm.weight",
+    "input_layernorm.eps",
+    "post_attention_layernorm.weight",
+    "post_attention_layernorm.eps",
+    "self_attn.q_norm",
+    "self_attn.qkv_proj",
+    *(f"self_attn.{part}.{p}" for part in ("q_proj", "k_proj", "v_proj", "o_proj") for p in ("weight", "bias")),
+    "mlp.gate_up_proj",
+    *(f"mlp.{part}.{p}" for part in ("gate_proj", "up_proj", "down_proj") for p in ("weight", "bias")),
+)
 
 
 def takes(layer: Any, x: Tensor, caches: Caches, start: object, mask: object) -> Plan | None:
@@ -69,20 +81,22 @@ def takes(layer: Any, x: Tensor, caches: Caches, start: object, mask: object) ->
 
 def plan(layer: Any) -> Plan | None:
     """The layer's current plan, or None where the layer does not fit the kernel."""
-    held = current_tensors(layer)
     kept = PLANS.get(layer)
+    if kept is not None and kept.watch.holds():
+        return kept
+    held = current_tensors(layer)  # a stale packed linear repacks here
     if held is None:
         PLANS.pop(layer, None)
         return None
-    if kept is None or kept.key != plan_key(layer, held):
-        kept = PLANS[layer] = make_plan(layer, held)
+    kept = PLANS[layer] = make_plan(layer, held)
     return kept
 
 
-def plan_key(layer: Any, held: list[Tensor]) -> tuple:
-    """Where the kernel would read each tensor, and the eps it would use (.data swaps, set_, model.to and
-    share_memory move a norm weight's storage and keep the Parameter)."""
-    return (*(t.data_ptr() for t in held), layer.input_layernorm.eps)
+def watch(layer: Any) -> Watch:
+    seen = Watch()
+    for path in READS:
+        seen.follow(layer, path)
+    return seen
 
 
 def current_tensors(layer: Any) -> list[Tensor] | None:
@@ -116,7 +130,7 @@ def make_plan(layer: Any, held: list[Tensor]) -> Plan:
     weights.hidden, weights.intermediate = held[4].shape[0], mlp.down_proj.in_features
     weights.heads, weights.kv_heads, weights.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
     weights.eps = layer.input_layernorm.eps
-    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, plan_key(layer, held))
+    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, watch(layer))
 
 
 def fits(packed: Tensor | None, inp: int, out: int) -> bool:

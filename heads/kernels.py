@@ -1,5 +1,6 @@
 """draftsmith's own fp32 CPU kernels (heads/panels.cpp: the linears; heads/rope_attention.cpp: rope, cache write and
-attention; heads/layer_ops.cpp: RMSNorm and SwiGLU; heads/decoder_layer.cpp: a whole layer from them), built once
+attention; heads/layer_ops.cpp: RMSNorm and SwiGLU; heads/decoder_layer.cpp: a whole layer from them;
+heads/decoder_stack.cpp: a model's layers one after another), built once
 with the system's C++ compiler into one shared library and loaded with ctypes.
 
 Why: on a CPU whose best torch kernels are AVX2, a batch-1 decode step is a pass over the weights plus a few hundred
@@ -31,10 +32,11 @@ from .files import cache_root, write_file_atomic, write_text_atomic
 
 ENV = "DRAFTSMITH_KERNELS"
 SOURCES = tuple(
-    Path(__file__).with_name(f"{name}.cpp") for name in ("panels", "rope_attention", "layer_ops", "decoder_layer")
+    Path(__file__).with_name(f"{name}.cpp")
+    for name in ("panels", "rope_attention", "layer_ops", "decoder_layer", "decoder_stack")
 )
-HEADERS = (Path(__file__).with_name("vec.h"),)
-EXPORTS = ("panel_linear", "rope_attention", "rms_norm", "silu_mul", "decoder_layer")
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "decoder_layer.h"))
+EXPORTS = ("panel_linear", "rope_attention", "rms_norm", "silu_mul", "decoder_layer", "stack_work", "decoder_stack")
 # -ffp-contract=off: g++ would fuse a scalar a * b + c into an FMA on one code path and not another, and a row's
 # bits would then depend on the path (masked or causal) that computed it
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -92,13 +94,13 @@ def warn_unusable(problem: Exception, detail: bytes = b"") -> None:
     )
 
 
-def bind(name: str, argtypes: list) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """A C function of the library with its argument types, or None where the library is not usable."""
+def bind(name: str, argtypes: list, restype: type | None = None) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """A C function of the library with its argument and result types, or None where the library is not usable."""
     lib = library()
     if lib is None:
         return None
     fn = getattr(lib, name)
-    fn.argtypes, fn.restype = argtypes, None
+    fn.argtypes, fn.restype = argtypes, restype
     return fn
 
 

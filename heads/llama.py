@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import decoder_layer, kernels, layer_ops, rope_attention
+from . import decoder_layer, decoder_stack, kernels, layer_ops, rope_attention
 from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
 from .packed import fused_linear
@@ -375,6 +375,9 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, list[Tensor]]:
         x = self.model.embed_tokens(tokens)
         cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
+        if stack := decoder_stack.takes(self.model.layers, x, cache, start, mask):  # fp32 CPU: one call, same bits
+            assert cache is not None and isinstance(start, int), "takes() checked"
+            return decoder_stack.run(stack, x, (cos, sin), cache, start, mask, target_layers)
         if cache is not None and batch_invariant(x):
             assert isinstance(start, int), "slot tensors (CUDA graphs) never take the CPU plans"
             c = self.config

@@ -60,17 +60,18 @@ def version(t: Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def stamp(tensors: list[Tensor]) -> list[tuple[Tensor, int]]:
-    """Which tensors, at which in-place version, a packed copy was made from."""
-    return [(t, version(t)) for t in tensors]
+def stamp(tensors: list[Tensor]) -> list[tuple[Tensor, int, int]]:
+    """Which tensors, at which in-place version and data address, a packed copy was made from."""
+    return [(t, version(t), t.data_ptr()) for t in tensors]
 
 
-def fresh(stamped: list[tuple[Tensor, int]], tensors: list[Tensor]) -> bool:
-    """Still the same tensors, unedited: a parameter replaced or edited in place makes a packed copy stale."""
+def fresh(stamped: list[tuple[Tensor, int, int]], tensors: list[Tensor]) -> bool:
+    """Still the same tensors, unedited: a parameter replaced, edited in place or given new data (a `.data` swap keeps
+    the version) makes a packed copy stale."""
     if len(stamped) != len(tensors):
         return False
-    for (s, v), t in zip(stamped, tensors, strict=True):  # a plain loop: this runs before every packed linear
-        if s is not t or v != version(t):
+    for (s, v, address), t in zip(stamped, tensors, strict=True):  # a plain loop: this runs before every linear
+        if s is not t or v != version(t) or address != t.data_ptr():
             return False
     return True
 

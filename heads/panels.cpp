@@ -40,7 +40,9 @@ static void wide(const float* x, int64_t in, const float* w, const float* bias, 
   }
 }
 
-// R rows (up to 6) x 16 outputs from panel column c: 2R chains, a compute-bound tile for verify and prefill
+// R rows (up to 6) x 16 outputs from panel column c: 2R chains, a compute-bound tile for verify and prefill rows
+// past the first two. Its two passes over a panel read every other 64 bytes: from memory that halves the
+// stream's pace, so it reads a panel the two-row pass has just brought into cache
 template <int R>
 static void tall(const float* x, int64_t in, const float* w, int c, const float* bias, float* y, int64_t out,
                  int valid) {
@@ -75,7 +77,9 @@ static void tall_panel(const float* x, int64_t in, const float* w, const float* 
 
 static void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y,
                        int64_t out, int valid) {
-  int64_t r = 0;
+  if (rows < 2) return rows == 1 ? wide<1>(x, in, w, bias, y, out, valid) : void();
+  wide<2>(x, in, w, bias, y, out, valid);
+  int64_t r = 2;
   for (; r + 6 <= rows; r += 6) tall_panel<6>(x + r * in, in, w, bias, y + r * out, out, valid);
   x += r * in, y += r * out;
   switch (rows - r) {

@@ -4,8 +4,8 @@
 1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: the eager bit-exact bf16,
    without the linear wrappers' checks, a 1-row linear run as one row (not bit-exact), the SDPA-style attention
    instead of the batch-invariant one (not bit-exact), and fp32 (also on torch's kernels, oneDNN's linears and
-   SDPA, where heads/kernels.py's library runs); beside them the compiled step (serve/engine/compiled.py) in bf16
-   and fp32
+   SDPA, where heads/kernels.py's library runs, and with its layers one call each instead of the whole stack in one);
+   beside them the compiled step (serve/engine/compiled.py) in bf16 and fp32
 2. the linears alone: every layer's packed weights once, cold (as a step streams them), 1 to 32 rows, bf16 and fp32
    (fp32 on heads/panels.py's kernel and on oneDNN's where the panel kernel runs), beside this machine's memory
    bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step against the bandwidth limit
@@ -30,7 +30,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.heads import kernels, llama, packed, panels  # noqa: E402
+from draftsmith.heads import decoder_stack, kernels, llama, packed, panels  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
@@ -76,6 +76,8 @@ def patched(patches) -> ExitStack:
 
 ONEDNN = "eager, fp32 on torch's kernels"  # oneDNN's linears and SDPA, without heads/kernels.py's library
 TORCH_OPS = [(kernels, "wanted", lambda: False)]  # every one of draftsmith's kernels steps aside
+LAYER_BY_LAYER = "eager, fp32 one call per layer"  # the layers as one call each, not the whole stack in one
+ONE_CALL_PER_LAYER = [(decoder_stack, "takes", lambda *args: None)]
 
 
 def onednn_model():
@@ -91,6 +93,7 @@ def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str
     runs = {(name, d): patches for d in dtypes for name, patches in VARIANTS.items() if d == "bfloat16" or not patches}
     if "float32" in dtypes and panels.available():
         runs[ONEDNN, "float32"] = TORCH_OPS
+        runs[LAYER_BY_LAYER, "float32"] = ONE_CALL_PER_LAYER
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():

@@ -63,6 +63,23 @@ def test_an_in_place_weight_edit_repacks():
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_data_under_the_same_parameter_repacks(dtype):
+    """A `.data` swap (or model.to and back) keeps the Parameter and its version counter; the data address moves."""
+    if not can_pack(torch.zeros(1, dtype=dtype)):
+        pytest.skip(f"no oneDNN {dtype} kernels on this CPU")
+    lin = PackedLinear(nn.Linear(16, 8).to(dtype))
+    fused = FusedLinear([PackedLinear(nn.Linear(16, 8).to(dtype)), PackedLinear(nn.Linear(16, 4).to(dtype))])
+    x = torch.randn(2, 16, dtype=dtype)
+    with torch.no_grad():
+        lin(x), fused(x)
+        lin.weight.data = torch.randn(8, 16, dtype=dtype)
+        fused.parts[1].bias.data = torch.randn(4, dtype=dtype)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        want = torch.cat([F.linear(x, p.weight, p.bias) for p in fused.parts], -1)
+        torch.testing.assert_close(fused(x), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("k", "n"), [(1536, 576), (576, 960), (576, 3072)])  # SmolLM2's down, qkv, gate_up
 def test_a_half_precision_row_gets_the_same_bits_alone_as_among_other_rows(k, n, dtype):

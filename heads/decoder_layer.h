@@ -1,0 +1,25 @@
+// The weights and step operands a whole fp32 decoder layer reads (heads/decoder_layer.py's LAYER and STEP, field for
+// field), shared by the one-layer call (decoder_layer.cpp) and the stack of layers (decoder_stack.cpp).
+#pragma once
+#include <stdint.h>
+
+struct LayerWeights {
+  const float *input_norm, *post_norm, *qkv, *qkv_bias, *o, *gate_up, *down;
+  int64_t hidden, intermediate, heads, kv_heads, head_dim;
+  float eps;
+};
+
+struct Step {
+  const float *cos, *sin;
+  int64_t max_len, start, cols;
+  const uint8_t* mask;
+};
+
+// x [n][hidden] in, out [n][hidden]; work holds layer_work(w) floats per row
+extern "C" void decoder_layer(const float* x, int64_t n, const LayerWeights* w, const Step* s, float* k_cache,
+                              float* v_cache, float* work, float* out);
+
+inline int64_t layer_work(const LayerWeights* w) {
+  const int64_t qkv_width = (w->heads + 2 * w->kv_heads) * w->head_dim;
+  return 3 * w->hidden + qkv_width + w->heads * w->head_dim + 3 * w->intermediate;
+}

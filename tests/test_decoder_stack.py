@@ -1,0 +1,163 @@
+"""A model's whole stack of fp32 layers in one call (heads/decoder_stack.py): the bits of the layers run one call
+each and of their modules, the residual taps the drafters read, a stack replanned when any layer changes, and the
+layer-by-layer road wherever a layer does not fit."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from draftsmith.heads import decoder_layer, decoder_stack
+from draftsmith.serve.engine.tree import DraftTree, causal_mask
+from draftsmith.serve.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(decoder_stack.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
+TAPS = (0, 2, 2, 3, 9, -1)  # as EAGLE-3 asks: the first layer's input, a middle one, the output; repeats, strays
+
+
+def tiny(model_type: str, tiny_llama_dir):
+    return load_model(tiny_llama_dir(model_type, hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+
+
+@contextmanager
+def without(*modules):
+    """The given one-call roads switched off."""
+    with mock.patch.object(modules[0], "takes", lambda *args: None):
+        if len(modules) > 1:
+            with without(*modules[1:]):
+                yield
+        else:
+            yield
+
+
+def steps(model, cache=None) -> list:
+    """A prefill, a decode, a chain verify and a tree verify; their logits, hidden states and taps, then K and V."""
+    tokens = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(0))
+    cache = cache or model.new_cache(64)
+    tree = DraftTree(torch.zeros(5, dtype=torch.long), torch.tensor([-1, -1, 0, 1, 2]))
+    calls = [
+        (tokens[:30], torch.arange(30), 0, causal_mask(0, 30, "cpu")),
+        (tokens[30:31], torch.tensor([30]), 30, None),
+        (tokens[31:35], torch.arange(31, 35), 31, causal_mask(31, 4, "cpu")),
+        (tokens[35:41], tree.positions(35), 35, tree.attention_mask(35)),
+    ]
+    with torch.inference_mode():
+        outs = [model(t, p, cache, s, m, target_layers=TAPS) for t, p, s, m in calls]
+    return [t for o in outs for t in (o.logits, o.hidden, *o.aux)] + [torch.stack(cache.k), torch.stack(cache.v)]
+
+
+def same(got: list, want: list) -> bool:
+    return len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_the_stack_gives_the_layers_bits_and_taps(model_type, tiny_llama_dir):
+    model = tiny(model_type, tiny_llama_dir)
+    with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
+        stacked = steps(model)
+    assert ran.call_count == 4
+    with without(decoder_stack):
+        layer_by_layer = steps(model)
+    with without(decoder_stack, decoder_layer):
+        modules = steps(model)
+    assert len(stacked) == 4 * (2 + 3) + 2  # taps 0, 2 and 3 (the output), each once
+    assert same(stacked, layer_by_layer) and same(stacked, modules)
+
+
+def edit_in_place(model) -> None:
+    with torch.no_grad():
+        model.model.layers[2].mlp.down_proj.weight.mul_(0.5)
+
+
+def swap_data(model) -> None:
+    o = model.model.layers[1].self_attn.o_proj
+    o.weight.data = o.weight.detach() * 1.5
+
+
+def replace_parameter(model) -> None:
+    k = model.model.layers[0].self_attn.k_proj
+    k.weight = nn.Parameter(k.weight.detach().flip(0))
+
+
+def change_eps(model) -> None:
+    for norm in (model.model.layers[1].input_layernorm, model.model.layers[1].post_attention_layernorm):
+        norm.eps = 0.25
+
+
+def replace_layer(model) -> None:
+    model.model.layers[1] = copy.deepcopy(model.model.layers[2])
+
+
+@pytest.mark.parametrize("change", [edit_in_place, swap_data, replace_parameter, change_eps, replace_layer])
+def test_a_changed_layer_is_replanned(change, tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    before = steps(model)
+    change(model)
+    after = steps(model)
+    with without(decoder_stack, decoder_layer):
+        modules = steps(model)
+    assert not same(after, before) and same(after, modules)
+
+
+def test_a_layer_added_or_removed_is_replanned(tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    steps(model)
+    model.model.layers.append(copy.deepcopy(model.model.layers[0]))
+    model.config.num_hidden_layers = 4  # for new_cache
+    grown = steps(model)
+    with without(decoder_stack, decoder_layer):
+        assert same(grown, steps(model))
+    del model.model.layers[0]
+    with torch.inference_mode():
+        stack = decoder_stack.takes(model.model.layers, torch.zeros(1, 1, 96), model.new_cache(8), 0, None)
+    assert stack is not None and len(stack.plans) == 3
+
+
+def test_one_layer_that_does_not_fit_sends_the_stack_layer_by_layer(tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    layer = model.model.layers[1].self_attn
+    plain = nn.Linear(96, 96, bias=False)
+    plain.weight = layer.o_proj.weight  # the same weights, not packed
+    layer.o_proj = plain
+    with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
+        got = steps(model)
+    assert ran.call_count == 0
+    with without(decoder_stack, decoder_layer):
+        assert same(got, steps(model))
+
+
+def test_what_the_stack_does_not_take(tiny_llama_dir):
+    llama, qwen3 = tiny("llama", tiny_llama_dir), tiny("qwen3", tiny_llama_dir)
+    x = torch.zeros(1, 1, 96)
+    with torch.inference_mode():
+        assert decoder_stack.takes(llama.model.layers, x, llama.new_cache(8), 0, None) is not None
+        assert decoder_stack.takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is None  # q/k norms
+        assert decoder_stack.takes(llama.model.layers, x, None, 0, None) is None  # training: no cache
+        assert decoder_stack.takes(llama.model.layers, x, llama.new_cache(8), torch.tensor([0]), None) is None
+        assert decoder_stack.takes(llama.model.layers, x.expand(2, 1, 96), llama.new_cache(8), 0, None) is None
+    assert decoder_stack.takes(llama.model.layers, x, llama.new_cache(8), 0, None) is None  # gradients flow
+
+
+def test_a_cache_for_another_model_is_named(tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    short = model.new_cache(64)
+    short.k, short.v = short.k[:2], short.v[:2]
+    with pytest.raises(ValueError, match="cache holds 2 layers"):
+        steps(model, short)
+    odd = model.new_cache(64)
+    odd.v[2] = torch.zeros(1, 2, 32, 16)
+    with pytest.raises(ValueError, match="every layer's cache must be"):
+        steps(model, odd)
+
+
+def test_a_deep_copy_stacks_its_own_weights(tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    want = steps(model)
+    twin = copy.deepcopy(model)
+    del model  # the copy must not point into the original's freed tensors
+    assert same(steps(twin), want)
