@@ -85,23 +85,32 @@ def plan(layer: Any) -> Plan | None:
     if kept is not None and kept.watch.holds():
         return kept
     held = current_tensors(layer)  # a stale packed linear repacks here
-    if held is None:
+    seen = watch(layer) if held is not None else None
+    if held is None or seen is None:
         PLANS.pop(layer, None)
         return None
-    kept = PLANS[layer] = make_plan(layer, held)
+    kept = PLANS[layer] = make_plan(layer, held, seen)
     return kept
 
 
-def watch(layer: Any) -> Watch:
+def watch(layer: Any) -> Watch | None:
+    """What the layer's plan reads; None where a module the kernel stands in for has a forward hook or its own
+    forward (the kernel would skip it)."""
     seen = Watch()
     for path in READS:
         seen.follow(layer, path)
-    return seen
+    attn, mlp = layer.self_attn, layer.mlp
+    called = [attn, mlp, layer.input_layernorm, layer.post_attention_layernorm]
+    called += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    return seen if seen.keep_plain(called) else None
 
 
 def current_tensors(layer: Any) -> list[Tensor] | None:
     """What the kernel reads of the layer, up to date (a stale packed linear repacks here); None where a norm or a
-    projection does not fit: q/k norms, an Identity norm (EAGLE-1), two eps, linears not packed in fp32 panels."""
+    projection does not fit: q/k norms, an Identity norm (EAGLE-1), two eps, linears not packed in fp32 panels, a
+    bias past the q/k/v projections, or a module that is not a Llama layer at all."""
+    if not all(hasattr(layer, name) for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
+        return None
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if hasattr(attn, "q_norm") or getattr(norms[0], "eps", None) != getattr(norms[1], "eps", 0):
@@ -112,7 +121,7 @@ def current_tensors(layer: Any) -> list[Tensor] | None:
     ):
         return None  # the modules run it (and name a wrong dtype)
     qkv, gate_up = fused_linear(attn, "qkv_proj"), fused_linear(mlp, "gate_up_proj")
-    if qkv is None or gate_up is None:
+    if qkv is None or gate_up is None or any(m.bias is not None for m in (attn.o_proj, gate_up, mlp.down_proj)):
         return None
     packs = [current_packed(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)]
     inter, d = mlp.down_proj.in_features, attn.head_dim
@@ -122,7 +131,7 @@ def current_tensors(layer: Any) -> list[Tensor] | None:
     return [t for t in (*packs, *(n.weight for n in norms), qkv.bias) if t is not None]
 
 
-def make_plan(layer: Any, held: list[Tensor]) -> Plan:
+def make_plan(layer: Any, held: list[Tensor], seen: Watch) -> Plan:
     attn, mlp = layer.self_attn, layer.mlp
     qkv_bias = held[6].data_ptr() if len(held) > 6 else None
     weights = LAYER(held[4].data_ptr(), held[5].data_ptr(), held[0].data_ptr(), qkv_bias, held[1].data_ptr())
@@ -130,7 +139,7 @@ def make_plan(layer: Any, held: list[Tensor]) -> Plan:
     weights.hidden, weights.intermediate = held[4].shape[0], mlp.down_proj.in_features
     weights.heads, weights.kv_heads, weights.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
     weights.eps = layer.input_layernorm.eps
-    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, watch(layer))
+    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, seen)
 
 
 def fits(packed: Tensor | None, inp: int, out: int) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,21 +49,26 @@ class Stack:
     watch: Watch
 
 
-STACKS: weakref.WeakKeyDictionary[nn.ModuleList, Stack] = weakref.WeakKeyDictionary()
+STACKS: weakref.WeakKeyDictionary[nn.Module, Stack] = weakref.WeakKeyDictionary()
 
 
-def takes(layers: nn.ModuleList, x: Tensor, cache: KVCache | None, start: object, mask: object) -> Stack | None:
-    """The stack's plans for a cached batch-1 fp32 step where every layer takes the one-layer call; else None."""
+def takes(
+    layers: nn.Module, forward: Callable, x: Tensor, cache: KVCache | None, start: object, mask: object
+) -> Stack | None:
+    """The stack's plans for a cached batch-1 fp32 step where every layer is a plain one (its class's `forward`, no
+    hooks) that takes the one-layer call; else None."""
     if cache is None or not isinstance(start, int) or not rope_attention.takes(x, mask) or kernel() is None:
+        return None
+    if not isinstance(layers, nn.Module):
         return None
     kept = STACKS.get(layers)
     if kept is not None and kept.watch.holds():
         return kept
-    plans = [decoder_layer.plan(layer) for layer in layers]
-    if not plans or any(p is None for p in plans) or len({shape(p) for p in plans}) != 1:  # type: ignore[arg-type]
+    kept = make_stack(layers, forward)
+    if kept is None:
         STACKS.pop(layers, None)
         return None
-    kept = STACKS[layers] = make_stack(layers, plans)  # type: ignore[arg-type]
+    STACKS[layers] = kept
     return kept
 
 
@@ -72,11 +78,23 @@ def shape(made: Plan) -> tuple[int, ...]:
     return w.hidden, w.heads, w.kv_heads, w.head_dim
 
 
-def make_stack(layers: nn.ModuleList, plans: list[Plan]) -> Stack:
+def make_stack(layers: nn.Module, forward: Callable) -> Stack | None:
+    """The layers' plans and their watch; None where a layer is not plain or does not fit, or the layers differ in
+    their attention's shape."""
+    members = [layer for layer in layers._modules.values() if isinstance(layer, nn.Module)]  # as iterated
+    if not members or len(members) < len(layers._modules) or any(type(m).forward is not forward for m in members):
+        return None
+    found = [decoder_layer.plan(layer) for layer in members]
+    plans = [made for made in found if made is not None]
+    if len(plans) < len(found) or len({shape(made) for made in plans}) != 1:
+        return None
     seen = Watch()
-    for i, layer in enumerate(layers):
-        seen.keep(layers._modules, str(i), layer)
-    seen.keep(layers._modules, str(len(layers)), None)  # a layer appended
+    seen.keep(layers.__dict__, "_modules", layers._modules)
+    seen.keep_size(layers._modules)  # a layer added or removed
+    for key, layer in layers._modules.items():
+        seen.keep(layers._modules, key, layer)
+    if not seen.keep_plain(members):
+        return None
     for made in plans:
         seen.extend(made.watch)
     structs = (LAYER * len(plans))(*(made.weights for made in plans))

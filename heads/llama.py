@@ -375,7 +375,8 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, list[Tensor]]:
         x = self.model.embed_tokens(tokens)
         cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
-        if stack := decoder_stack.takes(self.model.layers, x, cache, start, mask):  # fp32 CPU: one call, same bits
+        layers = self.model.layers
+        if stack := decoder_stack.takes(layers, DecoderLayer.forward, x, cache, start, mask):  # fp32 CPU: one call
             assert cache is not None and isinstance(start, int), "takes() checked"
             return decoder_stack.run(stack, x, (cos, sin), cache, start, mask, target_layers)
         if cache is not None and batch_invariant(x):

@@ -60,18 +60,18 @@ def version(t: Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-def stamp(tensors: list[Tensor]) -> list[tuple[Tensor, int, int]]:
-    """Which tensors, at which in-place version and data address, a packed copy was made from."""
-    return [(t, version(t), t.data_ptr()) for t in tensors]
+def stamp(tensors: list[Tensor]) -> list[tuple[Tensor, int, int, tuple[int, ...]]]:
+    """Which tensors, at which in-place version, data address and strides, a packed copy was made from."""
+    return [(t, version(t), t.data_ptr(), t.stride()) for t in tensors]
 
 
-def fresh(stamped: list[tuple[Tensor, int, int]], tensors: list[Tensor]) -> bool:
+def fresh(stamped: list[tuple[Tensor, int, int, tuple[int, ...]]], tensors: list[Tensor]) -> bool:
     """Still the same tensors, unedited: a parameter replaced, edited in place or given new data (a `.data` swap keeps
-    the version) makes a packed copy stale."""
+    the version, and a transposed view of the same data keeps the address) makes a packed copy stale."""
     if len(stamped) != len(tensors):
         return False
-    for (s, v, address), t in zip(stamped, tensors, strict=True):  # a plain loop: this runs before every linear
-        if s is not t or v != version(t) or address != t.data_ptr():
+    for (s, v, address, strides), t in zip(stamped, tensors, strict=True):  # a plain loop: runs before every linear
+        if s is not t or v != version(t) or address != t.data_ptr() or strides != t.stride():
             return False
     return True
 
@@ -164,8 +164,7 @@ class FusedLinear(nn.Module):
     def repack(self) -> None:
         weight = torch.cat([p.weight.detach() for p in self.parts])
         self.packed = pack_weight(weight)
-        has_bias = self.parts[0].bias is not None
-        self.bias = torch.cat([p.bias.detach() for p in self.parts]) if has_bias else None
+        self.bias = fused_bias(self.parts)
         self.stamp = stamp(self.sources())
 
     def current(self) -> Tensor:
@@ -181,6 +180,14 @@ class FusedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, packed={self.dtype}"
+
+
+def fused_bias(parts: tuple[PackedLinear, ...]) -> Tensor | None:
+    """The parts' biases end to end, zeros for a part without one (a bias set to None after fusing); None if none has
+    one."""
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias.detach() for p in parts])
 
 
 def current_packed(module: nn.Module) -> Tensor | None:

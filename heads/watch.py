@@ -3,55 +3,78 @@
 Why: a plan points into weights (heads/decoder_layer.py, heads/decoder_stack.py), and rebuilding the proof that they
 are current the way the modules do (attribute lookups through nn.Module.__getattr__, each packed linear's own check)
 cost a decode step some 5 ms over SmolLM2's 30 layers. A watch remembers each link it followed (the dict a module
-keeps a submodule, parameter or attribute in, the key, the object found) and each tensor it reached (its in-place
-version and where its data lives), and checks them all in one loop.
+keeps a submodule, parameter or attribute in, the key, the object found, or that there was none), the size of dicts
+that must not grow (a layer list; the forward hooks of modules a kernel runs in place of), and each tensor it reached
+(its in-place version, where its data lives, its strides), and checks them all with C-level maps.
 
-What it sees: a module, parameter or attribute replaced; a tensor edited in place, moved by a `.data` swap, `set_`,
-`model.to` or `share_memory`. What it cannot see, as PyTorch's own version counter cannot: an edit through
-`.data` (`weight.data.copy_(...)`), which writes the storage behind the tensor's back.
+What it sees: a module, parameter or attribute replaced, added or removed; a forward hook or an instance's own
+forward; a tensor edited in place, moved by a `.data` swap, `set_`, `model.to` or `share_memory`. A name computed on
+each read (a parametrized weight) cannot be watched: such a watch never holds, and the plan is remade each time. What
+it cannot see, as PyTorch's own version counter cannot: an edit through `.data` (`weight.data.copy_(...)`), which
+writes the storage behind the tensor's back.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from torch import Tensor, nn
+from torch.nn.modules import module as module_globals
 
 COUNTER = operator.attrgetter("_version")
+MISSING = object()  # what a watched link found where there was no such key (a None value is not the same)
+HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
 
 @dataclass
 class Watch:
-    """Links (where, key, what was found there) and tensors (in-place version, data address), kept as parallel
-    lists: holds() checks them with C-level maps, since it runs once per forward over a whole model."""
+    """Links (where, key, what was found there), dicts of a set size (a layer list's layers; forward hooks: none) and
+    tensors (in-place version, data address, strides), kept as parallel lists: holds() checks them with C-level maps,
+    since it runs once per forward over a whole model."""
 
     wheres: list[dict] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     found: list[object] = field(default_factory=list)
+    sized: list[dict] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
     counted: list[Tensor] = field(default_factory=list)  # tensors with a version counter (not inference tensors)
     versions: list[int] = field(default_factory=list)
     tensors: list[Tensor] = field(default_factory=list)
     addresses: list[int] = field(default_factory=list)
+    strides: list[tuple[int, ...]] = field(default_factory=list)  # a .data swap to a transposed view keeps the address
+    blind: bool = False  # it read what it cannot watch (a parametrized weight, computed on each read): never holds
     seen: set[tuple[int, object]] = field(default_factory=set, repr=False)  # (id(where), key), (id(tensor), None)
 
     def holds(self) -> bool:
-        """Every link leads where it did, and every tensor is unedited where it was."""
+        """Every link leads where it did, every dict keeps its size, and every tensor is unedited where it was."""
         return (
-            all(map(operator.is_, map(dict.get, self.wheres, self.keys), self.found))
+            not self.blind
+            and all(map(operator.is_, map(dict.get, self.wheres, self.keys, repeat(MISSING)), self.found))
+            and list(map(len, self.sized)) == self.sizes
             and list(map(COUNTER, self.counted)) == self.versions
             and list(map(Tensor.data_ptr, self.tensors)) == self.addresses
+            and list(map(Tensor.stride, self.tensors)) == self.strides
         )
 
     def follow(self, root: nn.Module, path: str) -> object:
         """Walk the dotted path from root, remembering each step; returns what it ends at (None where missing)."""
         node: object = root
         for name in path.split("."):
-            where = container(node, name)
-            node = where.get(name)
+            places = holders(node)
+            where = next((d for d in places if name in d), None)
+            if where is None:
+                if hasattr(node, name):  # computed on each read: what it comes from cannot be watched here
+                    self.blind = True
+                    return getattr(node, name)
+                for d in places:  # missing: watched wherever it could be set
+                    self.keep(d, name, MISSING)
+                return None
+            node = where[name]
             self.keep(where, name, node)
             if node is None:
-                break
+                return None
         return node
 
     def keep(self, where: dict, key: str, found: object) -> None:
@@ -62,22 +85,46 @@ class Watch:
         if isinstance(found, Tensor) and new(self.seen, (id(found), None)):
             self.tensors.append(found)
             self.addresses.append(found.data_ptr())
+            self.strides.append(found.stride())
             if not found.is_inference():
                 self.counted.append(found)
                 self.versions.append(found._version)
 
+    def keep_size(self, where: dict) -> None:
+        if new(self.seen, (id(where), len)):
+            self.sized.append(where)
+            self.sizes.append(len(where))
+
+    def keep_plain(self, modules: list[nn.Module]) -> bool:
+        """Watch that these modules stay plain: no forward hooks (nor global ones), no forward of their own set on the
+        instance; whether they are now (a one-call kernel runs in their place, and would skip either)."""
+        dicts = [getattr(m, name) for m in modules for name in HOOKS]
+        dicts += [module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks]
+        for where in dicts:
+            self.keep_size(where)
+        own = [m.__dict__.get("forward", MISSING) for m in modules]
+        for m, forward in zip(modules, own, strict=True):
+            self.keep(m.__dict__, "forward", forward)
+        return not any(map(len, dicts)) and all(f is MISSING for f in own)
+
     def extend(self, other: Watch) -> None:
-        """Add another watch's links and tensors as it saw them."""
+        """Add another watch's links, sizes and tensors as it saw them."""
+        self.blind |= other.blind
         for where, key, found in zip(other.wheres, other.keys, other.found, strict=True):
             if new(self.seen, (id(where), key)):
                 self.wheres.append(where)
                 self.keys.append(key)
                 self.found.append(found)
+        for where, size in zip(other.sized, other.sizes, strict=True):
+            if new(self.seen, (id(where), len)):
+                self.sized.append(where)
+                self.sizes.append(size)
         counted = dict(zip(map(id, other.counted), other.versions, strict=True))
-        for t, address in zip(other.tensors, other.addresses, strict=True):
+        for t, address, stride in zip(other.tensors, other.addresses, other.strides, strict=True):
             if new(self.seen, (id(t), None)):
                 self.tensors.append(t)
                 self.addresses.append(address)
+                self.strides.append(stride)
                 if id(t) in counted:
                     self.counted.append(t)
                     self.versions.append(counted[id(t)])
@@ -91,12 +138,8 @@ def new(seen: set, key: tuple) -> bool:
     return True
 
 
-def container(node: object, name: str) -> dict:
-    """The dict that holds node.name: a module's submodules, parameters or buffers, else its plain attributes (a
-    missing name is watched where a module would be assigned)."""
+def holders(node: object) -> list[dict]:
+    """Where an object keeps its names: a module its submodules, parameters, buffers, then plain attributes."""
     if isinstance(node, nn.Module):
-        for where in (node._modules, node._parameters, node._buffers):
-            if name in where:
-                return where
-        return node.__dict__ if name in node.__dict__ else node._modules
-    return vars(node)
+        return [node._modules, node._parameters, node._buffers, node.__dict__]
+    return [vars(node)]

@@ -5,6 +5,7 @@ layer-by-layer road wherever a layer does not fit."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from contextlib import contextmanager
 from unittest import mock
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from draftsmith.heads import decoder_layer, decoder_stack
+from draftsmith.heads.llama import DecoderLayer
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.models.loader import load_model
 
@@ -51,6 +53,10 @@ def steps(model, cache=None) -> list:
     return [t for o in outs for t in (o.logits, o.hidden, *o.aux)] + [torch.stack(cache.k), torch.stack(cache.v)]
 
 
+def takes(layers, *step):
+    return decoder_stack.takes(layers, DecoderLayer.forward, *step)
+
+
 def same(got: list, want: list) -> bool:
     return len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
@@ -59,8 +65,10 @@ def same(got: list, want: list) -> bool:
 def test_the_stack_gives_the_layers_bits_and_taps(model_type, tiny_llama_dir):
     model = tiny(model_type, tiny_llama_dir)
     with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
-        stacked = steps(model)
-    assert ran.call_count == 4
+        with mock.patch.object(decoder_stack, "make_stack", wraps=decoder_stack.make_stack) as made:
+            with mock.patch.object(decoder_layer, "make_plan", wraps=decoder_layer.make_plan) as planned:
+                stacked = steps(model)
+    assert ran.call_count == 4 and made.call_count == 1 and planned.call_count == 3  # planned once, then kept
     with without(decoder_stack):
         layer_by_layer = steps(model)
     with without(decoder_stack, decoder_layer):
@@ -114,7 +122,7 @@ def test_a_layer_added_or_removed_is_replanned(tiny_llama_dir):
         assert same(grown, steps(model))
     del model.model.layers[0]
     with torch.inference_mode():
-        stack = decoder_stack.takes(model.model.layers, torch.zeros(1, 1, 96), model.new_cache(8), 0, None)
+        stack = takes(model.model.layers, torch.zeros(1, 1, 96), model.new_cache(8), 0, None)
     assert stack is not None and len(stack.plans) == 3
 
 
@@ -135,12 +143,12 @@ def test_what_the_stack_does_not_take(tiny_llama_dir):
     llama, qwen3 = tiny("llama", tiny_llama_dir), tiny("qwen3", tiny_llama_dir)
     x = torch.zeros(1, 1, 96)
     with torch.inference_mode():
-        assert decoder_stack.takes(llama.model.layers, x, llama.new_cache(8), 0, None) is not None
-        assert decoder_stack.takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is None  # q/k norms
-        assert decoder_stack.takes(llama.model.layers, x, None, 0, None) is None  # training: no cache
-        assert decoder_stack.takes(llama.model.layers, x, llama.new_cache(8), torch.tensor([0]), None) is None
-        assert decoder_stack.takes(llama.model.layers, x.expand(2, 1, 96), llama.new_cache(8), 0, None) is None
-    assert decoder_stack.takes(llama.model.layers, x, llama.new_cache(8), 0, None) is None  # gradients flow
+        assert takes(llama.model.layers, x, llama.new_cache(8), 0, None) is not None
+        assert takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is None  # q/k norms
+        assert takes(llama.model.layers, x, None, 0, None) is None  # training: no cache
+        assert takes(llama.model.layers, x, llama.new_cache(8), torch.tensor([0]), None) is None
+        assert takes(llama.model.layers, x.expand(2, 1, 96), llama.new_cache(8), 0, None) is None
+    assert takes(llama.model.layers, x, llama.new_cache(8), 0, None) is None  # gradients flow
 
 
 def test_a_cache_for_another_model_is_named(tiny_llama_dir):
@@ -161,3 +169,118 @@ def test_a_deep_copy_stacks_its_own_weights(tiny_llama_dir):
     twin = copy.deepcopy(model)
     del model  # the copy must not point into the original's freed tensors
     assert same(steps(twin), want)
+
+
+def parametrize_down(model) -> None:
+    down = model.model.layers[1].mlp.down_proj
+    torch.nn.utils.parametrize.register_parametrization(down, "weight", Scale())
+    model(torch.arange(3), torch.arange(3), model.new_cache(8), 0, None)  # planned, then the original edited
+    with torch.no_grad():
+        down.parametrizations.weight.original.mul_(3)
+
+
+class Scale(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+def reverse_the_layer_dict(model) -> None:
+    layers = model.model.layers
+    layers._modules = dict(zip(layers._modules, reversed(layers._modules.values()), strict=True))
+
+
+@pytest.mark.parametrize("change", [parametrize_down, reverse_the_layer_dict])
+def test_what_a_module_computes_or_holds_anew_is_seen(change, tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    steps(model)
+    with torch.inference_mode():
+        change(model)
+    after = steps(model)
+    with without(decoder_stack, decoder_layer):
+        assert same(after, steps(model))
+
+
+def hook_a_layer(model) -> object:
+    return model.model.layers[1].register_forward_hook(lambda module, args, out: out * 0 + args[0])  # skips it
+
+
+def hook_an_mlp(model) -> object:
+    return model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 2)
+
+
+def hook_every_module(model) -> object:
+    return torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+
+
+def patch_a_forward(model) -> object:
+    model.model.layers[2].forward = lambda x, *args: x
+    return mock.Mock()
+
+
+@pytest.mark.parametrize("hook", [hook_a_layer, hook_an_mlp, hook_every_module, patch_a_forward])
+def test_hooks_and_a_patched_forward_are_honoured(hook, tiny_llama_dir):
+    """The kernels run in place of modules: where one of those has a hook or its own forward, the modules run."""
+    model = tiny("llama", tiny_llama_dir)
+    plain = steps(model)
+    handle = hook(model)
+    try:
+        hooked = steps(model)
+        with without(decoder_stack, decoder_layer):
+            assert same(hooked, steps(model))
+    finally:
+        handle.remove()
+    assert same(steps(model), plain) != (hook is patch_a_forward)
+
+
+class Skip(nn.Module):
+    def forward(self, x, *args):
+        return x
+
+
+def test_layers_of_other_kinds_run_as_themselves(tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    model.model.layers[1] = Skip()
+    with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
+        got = steps(model)
+    assert ran.call_count == 0
+    with without(decoder_stack, decoder_layer):
+        assert same(got, steps(model))
+
+
+def test_layers_under_their_own_names_are_planned_once(tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    named = OrderedDict((f"block{i}", layer) for i, layer in enumerate(model.model.layers))
+    model.model.layers = nn.Sequential(named)
+    with mock.patch.object(decoder_stack, "make_stack", wraps=decoder_stack.make_stack) as made:
+        got = steps(model)
+    assert made.call_count == 1
+    with without(decoder_stack, decoder_layer):
+        assert same(got, steps(model))
+
+
+def bias_the_o_projection(model) -> None:
+    o = model.model.layers[1].self_attn.o_proj
+    o.bias = nn.Parameter(torch.full((96,), 0.5))
+
+
+def drop_a_q_bias(model) -> None:
+    model.model.layers[1].self_attn.q_proj.bias = None
+
+
+def drop_a_k_bias(model) -> None:
+    model.model.layers[0].self_attn.k_proj.bias = None
+
+
+@pytest.mark.parametrize("change", [bias_the_o_projection, drop_a_q_bias, drop_a_k_bias])
+def test_biases_added_or_dropped_after_packing(change, tiny_llama_dir):
+    """The kernel adds only the q/k/v bias; a fused projection whose parts differ in having one fills in zeros."""
+    model = tiny("qwen2", tiny_llama_dir)
+    steps(model)
+    change(model)
+    reference = load_model(
+        tiny_llama_dir("qwen2", hidden_size=96, num_attention_heads=6), torch.float32, "cpu", pack=False
+    )
+    change(reference)
+    reference.load_state_dict(model.state_dict())
+    got, want = steps(model), steps(reference)
+    assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want, strict=True))

@@ -76,6 +76,10 @@ def test_new_data_under_the_same_parameter_repacks(dtype):
         lin.weight.data = torch.randn(8, 16, dtype=dtype)
         fused.parts[1].bias.data = torch.randn(4, dtype=dtype)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        square = PackedLinear(nn.Linear(16, 16).to(dtype))
+        square(x)
+        square.weight.data = square.weight.data.t()  # the same address and version
+        torch.testing.assert_close(square(x), F.linear(x, square.weight, square.bias))
         want = torch.cat([F.linear(x, p.weight, p.bias) for p in fused.parts], -1)
         torch.testing.assert_close(fused(x), want)
 

@@ -46,9 +46,27 @@ def move_storage(m: nn.Module) -> None:
     m.to(torch.float64)
 
 
+def swap_in_a_transposed_view(m: nn.Module) -> None:
+    m[0].weight.data = m[0].weight.data.t()  # the same address and version
+
+
+def register_what_was_a_plain_none(m: nn.Module) -> None:
+    m[1].__dict__["extra"] = None  # as PackedLinear keeps a missing bias
+    m[1].extra = nn.Parameter(torch.ones(4))
+
+
 @pytest.mark.parametrize(
     "change",
-    [swap_data, edit_in_place, replace_parameter, replace_module, change_attribute, add_the_missing_name, move_storage],
+    [
+        swap_data,
+        edit_in_place,
+        replace_parameter,
+        replace_module,
+        change_attribute,
+        add_the_missing_name,
+        move_storage,
+        swap_in_a_transposed_view,
+    ],
 )
 def test_a_change_breaks_the_watch(change):
     model, seen = watched()
@@ -62,7 +80,8 @@ def test_reading_and_running_keep_it():
     with torch.no_grad():
         model(torch.randn(2, 4))
     assert model[1].eps == 1e-5 and seen.holds()
-    assert seen.keys == ["0", "weight", "bias", "1", "weight", "eps", "extra"]  # "0", "1" once; "extra" as missing
+    # "0" and "1" once each; "extra", missing, wherever a module could keep it
+    assert seen.keys == ["0", "weight", "bias", "1", "weight", "eps", *["extra"] * 4]
 
 
 def test_a_merged_watch_keeps_what_each_saw():
@@ -88,3 +107,36 @@ def test_inference_tensors_are_watched_by_identity_and_address():
     with torch.inference_mode():
         model[0].weight.data = torch.zeros(4, 4)
     assert not seen.holds()
+
+
+def test_a_none_replaced_by_a_parameter_breaks_it():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    model[1].__dict__["extra"] = None
+    seen = Watch()
+    seen.follow(model, "1.extra")
+    assert seen.holds()
+    model[1].extra = nn.Parameter(torch.ones(4))  # moves from the plain attributes to the parameters
+    assert not seen.holds()
+
+
+def test_a_parametrized_weight_is_never_trusted():
+    model = nn.Sequential(nn.Linear(4, 4))
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", nn.Identity())
+    seen = Watch()
+    assert isinstance(seen.follow(model, "0.weight"), torch.Tensor)
+    assert not seen.holds()
+
+
+def test_hooks_and_an_own_forward_break_a_plain_watch():
+    model = nn.Sequential(nn.Linear(4, 4))
+    seen = Watch()
+    assert seen.keep_plain([model[0]]) and seen.holds()
+    handle = model[0].register_forward_pre_hook(lambda module, args: None)
+    assert not seen.holds() and not Watch().keep_plain([model[0]])
+    handle.remove()
+    assert seen.holds()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    assert not seen.holds()
+    handle.remove()
+    model[0].forward = lambda x: x
+    assert not seen.holds() and not Watch().keep_plain([model[0]])
