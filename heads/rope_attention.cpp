@@ -26,78 +26,106 @@ static inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// out[c .. c+8w) = sum over visible j, in slot order, of e[j] * v[j][c .. c+8w): W registers of 8 lanes
-template <int W>
-static void weighted_sum(const float* e, const float* v, int64_t d, int64_t c, int64_t end, const uint8_t* seen,
-                         float* out) {
-  __m256 acc[W];
-  for (int w = 0; w < W; ++w) acc[w] = _mm256_setzero_ps();
+// A row's heads that read the same keys (a GQA group's) are taken N at a time, up to GROUP: each key and value is
+// loaded once for all N. Every head's sums are still its own, taken in the same order, so its bits do not change.
+enum { GROUP = 3 };
+
+// out_t[c .. c+8w) = sum over visible j, in slot order, of e_t[j] * v[j][c .. c+8w), for N heads: head t's weights at
+// e + t * stride, its output at out + t * d
+template <int N, int W>
+static void weighted_sums(const float* e, int64_t stride, const float* v, int64_t d, int64_t c, int64_t end,
+                          const uint8_t* seen, float* out) {
+  __m256 acc[N][W];
+  for (int t = 0; t < N; ++t)
+    for (int w = 0; w < W; ++w) acc[t][w] = _mm256_setzero_ps();
   for (int64_t j = 0; j < end; ++j) {
     if (seen && !seen[j]) continue;
-    const __m256 ej = _mm256_set1_ps(e[j]);
     const float* vj = v + j * d + c;
-    for (int w = 0; w < W; ++w) acc[w] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(vj + 8 * w), acc[w]);
+    for (int w = 0; w < W; ++w) {
+      const __m256 vw = _mm256_loadu_ps(vj + 8 * w);
+      for (int t = 0; t < N; ++t) acc[t][w] = _mm256_fmadd_ps(_mm256_set1_ps(e[t * stride + j]), vw, acc[t][w]);
+    }
   }
-  for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + c + 8 * w, acc[w]);
+  for (int t = 0; t < N; ++t)
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(out + t * d + c + 8 * w, acc[t][w]);
 }
 
-// Four keys' dot products at once (independent chains for the pipeline); each is computed as dot() would.
-static inline void dot4(const float* q, const float* k, int64_t d, float* out) {
-  for (int t = 0; t < 4; ++t) out[t] = 0.0f;
+// N heads' dot products with four keys at once (independent chains for the pipeline); each is computed as dot()
+// would: head t's scores for keys j .. j+3 go to e[t * stride + j ..]
+template <int N>
+static inline void dots4(const float* q, const float* k, int64_t d, float* e, int64_t stride, int64_t j) {
   if (d % 8) {
-    for (int t = 0; t < 4; ++t) out[t] = dot(q, k + t * d, d);
+    for (int t = 0; t < N; ++t)
+      for (int u = 0; u < 4; ++u) e[t * stride + j + u] = dot(q + t * d, k + u * d, d);
     return;
   }
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m256 acc[N][4];
+  for (int t = 0; t < N; ++t)
+    for (int u = 0; u < 4; ++u) acc[t][u] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; i += 8) {
-    const __m256 qi = _mm256_loadu_ps(q + i);
-    a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + i), a0);
-    a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + d + i), a1);
-    a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 2 * d + i), a2);
-    a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 3 * d + i), a3);
+    __m256 qi[N];
+    for (int t = 0; t < N; ++t) qi[t] = _mm256_loadu_ps(q + t * d + i);
+    for (int u = 0; u < 4; ++u) {
+      const __m256 ku = _mm256_loadu_ps(k + u * d + i);
+      for (int t = 0; t < N; ++t) acc[t][u] = _mm256_fmadd_ps(qi[t], ku, acc[t][u]);
+    }
   }
-  const __m256 acc[4] = {a0, a1, a2, a3};
-  for (int t = 0; t < 4; ++t) {
-    out[t] = hsum(acc[t]);
-  }
+  for (int t = 0; t < N; ++t)
+    for (int u = 0; u < 4; ++u) e[t * stride + j + u] = hsum(acc[t][u]);
 }
 
-// One query row of one head: softmax(q k^T * scale) v over the visible slots (those below end that seen marks, or
-// all below end), each sum taken in slot order. e holds end rounded up to 8 floats.
-static void attend_row(const float* q, const float* k, const float* v, int64_t d, int64_t end, const uint8_t* seen,
-                       float scale, float* e, float* out) {
-  int64_t j = 0;
-  for (; j + 4 <= end; j += 4) dot4(q, k + j * d, d, e + j);
-  for (; j < end; ++j) e[j] = dot(q, k + j * d, d);
+// Scores of the visible slots below end turned into softmax weights (unnormalised, shifted by their max); returns
+// their total, or 0 where the row may see nothing. e holds end rounded up to 8 floats.
+static float softmax_weights(float* e, int64_t end, const uint8_t* seen, float scale) {
   float top = -INFINITY;
   bool any = false;
-  for (j = 0; j < end; ++j) {
+  for (int64_t j = 0; j < end; ++j) {
     e[j] *= scale;
     if (seen && !seen[j]) continue;
     any = true;
     top = e[j] > top ? e[j] : top;
   }
-  if (!any) {  // a row that may see nothing attends to nothing: zeros, as torch's SDPA gives
-    for (int64_t i = 0; i < d; ++i) out[i] = 0.0f;
+  if (!any) return 0.0f;
+  for (int64_t j = end; j % 8; ++j) e[j] = top;  // padding: exp8 reads whole lanes
+  const __m256 top8 = _mm256_set1_ps(top);
+  for (int64_t j = 0; j < end; j += 8) _mm256_storeu_ps(e + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(e + j), top8)));
+  float total = 0.0f;
+  for (int64_t j = 0; j < end; ++j)
+    if (!seen || seen[j]) total += e[j];
+  return total;
+}
+
+// N heads of one query row (consecutive, q [N][d], out [N][d]) that read the same keys and see the same slots:
+// softmax(q k^T * scale) v over the visible slots (those below end that seen marks, or all below end), each sum taken
+// in slot order. e holds N rows of stride floats (end rounded up to 8).
+template <int N>
+static void attend_heads(const float* q, const float* k, const float* v, int64_t d, int64_t end, const uint8_t* seen,
+                         float scale, float* e, int64_t stride, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= end; j += 4) dots4<N>(q, k + j * d, d, e, stride, j);
+  for (; j < end; ++j)
+    for (int t = 0; t < N; ++t) e[t * stride + j] = dot(q + t * d, k + j * d, d);
+  float total[N];
+  for (int t = 0; t < N; ++t) total[t] = softmax_weights(e + t * stride, end, seen, scale);
+  if (total[0] == 0.0f) {  // rows that may see nothing attend to nothing: zeros, as torch's SDPA gives
+    for (int64_t i = 0; i < N * d; ++i) out[i] = 0.0f;
     return;
   }
-  for (j = end; j % 8; ++j) e[j] = top;  // padding: exp8 reads whole lanes
-  const __m256 top8 = _mm256_set1_ps(top);
-  for (j = 0; j < end; j += 8) _mm256_storeu_ps(e + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(e + j), top8)));
-  float total = 0.0f;
-  for (j = 0; j < end; ++j)
-    if (!seen || seen[j]) total += e[j];
   int64_t c = 0;
-  for (; c + 64 <= d; c += 64) weighted_sum<8>(e, v, d, c, end, seen, out);
-  for (; c + 8 <= d; c += 8) weighted_sum<1>(e, v, d, c, end, seen, out);
+  for (; c + 32 <= d; c += 32) weighted_sums<N, 4>(e, stride, v, d, c, end, seen, out);
+  for (; c + 8 <= d; c += 8) weighted_sums<N, 1>(e, stride, v, d, c, end, seen, out);
   for (; c < d; ++c) {
-    float acc = 0.0f;
-    for (j = 0; j < end; ++j)
-      if (!seen || seen[j]) acc += e[j] * v[j * d + c];
-    out[c] = acc;
+    for (int t = 0; t < N; ++t) {
+      float acc = 0.0f;
+      for (j = 0; j < end; ++j)
+        if (!seen || seen[j]) acc += e[t * stride + j] * v[j * d + c];
+      out[t * d + c] = acc;
+    }
   }
-  const float inv = 1.0f / total;
-  for (int64_t i = 0; i < d; ++i) out[i] *= inv;
+  for (int t = 0; t < N; ++t) {
+    const float inv = 1.0f / total[t];
+    for (int64_t i = 0; i < d; ++i) out[t * d + i] *= inv;
+  }
 }
 
 // qkv [n][(h + 2 kv) d]; cos, sin [n][d]; caches [kv][max_len][d]; mask [n][cols] (1 = may see) or null: causal,
@@ -117,18 +145,23 @@ extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t k
     }
   }
   const float scale = 1.0f / sqrtf((float)d);
+  const int64_t chunks = (group + GROUP - 1) / GROUP, stride = (slots + 7) / 8 * 8;
 #pragma omp parallel
   {
-    std::vector<float> scores((slots + 7) / 8 * 8);
+    std::vector<float> scores(GROUP * stride);
 #pragma omp for schedule(static, 1)  // round robin: a causal prefill's late rows read the most slots
-    for (int64_t p = 0; p < n * h; ++p) {
-      const int64_t r = p / h, hd = p % h, g = hd / group;
+    for (int64_t p = 0; p < n * kv * chunks; ++p) {
+      const int64_t r = p / (kv * chunks), g = p / chunks % kv, first = g * group + p % chunks * GROUP;
+      const int64_t heads = group - (first - g * group) < GROUP ? group - (first - g * group) : GROUP;
       const uint8_t* seen = mask ? mask + r * cols : nullptr;
       int64_t end = mask ? cols : start + r + 1;
       while (seen && end > 0 && !seen[end - 1]) --end;  // a causal row's future slots are not read
       if (seen && !memchr(seen, 0, end)) seen = nullptr;  // every slot below end visible (a chain): no per-slot test
-      attend_row(q.data() + p * d, k_cache + g * max_len * d, v_cache + g * max_len * d, d, end, seen, scale,
-                 scores.data(), out + r * h * d + hd * d);
+      const float *qp = q.data() + (r * h + first) * d, *kg = k_cache + g * max_len * d, *vg = v_cache + g * max_len * d;
+      float* o = out + (r * h + first) * d;
+      if (heads == 3) attend_heads<3>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o);
+      if (heads == 2) attend_heads<2>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o);
+      if (heads == 1) attend_heads<1>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o);
     }
   }
 }

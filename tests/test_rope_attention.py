@@ -46,7 +46,8 @@ def filled_caches(kv: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.randn(1, kv, SLOTS, d, generator=g), torch.randn(1, kv, SLOTS, d, generator=g)
 
 
-@pytest.mark.parametrize(("heads", "kv", "d"), [(9, 3, 64), (4, 4, 16), (2, 1, 12), (6, 2, 40)])
+# groups of 3, 1, 2, 3 heads; 8 (taken 3, 3, 2 at a time) and 4 (3, 1)
+@pytest.mark.parametrize(("heads", "kv", "d"), [(9, 3, 64), (4, 4, 16), (2, 1, 12), (6, 2, 40), (8, 1, 8), (8, 2, 20)])
 @pytest.mark.parametrize(("start", "n"), [(0, 1), (0, 17), (30, 1), (30, 5), (60, 20)])
 def test_the_call_computes_rope_and_attention(heads, kv, d, start, n):
     qkv = torch.randn(1, n, (heads + 2 * kv) * d, generator=torch.Generator().manual_seed(n))
