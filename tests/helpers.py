@@ -601,3 +601,21 @@ def edit_gguf(path: Path, change) -> None:
     arch = meta.pop("general.architecture").value
     dtype = next(t.dtype for t in tensors.values() if t.dim() == 2)
     write_gguf(path, arch, meta, tensors, dtype)
+
+
+def four_steps(model, cache=None, taps: tuple[int, ...] = ()) -> tuple[list, object]:
+    """A prefill, a decode, a chain verify and a tree verify through a target (48-token vocabulary range 0..127);
+    their forward outputs and the cache they wrote."""
+    from draftsmith.serve.engine.tree import DraftTree, causal_mask
+
+    tokens = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(0))
+    cache = cache or model.new_cache(64)
+    tree = DraftTree(torch.zeros(5, dtype=torch.long), torch.tensor([-1, -1, 0, 1, 2]))
+    calls = [
+        (tokens[:30], torch.arange(30), 0, causal_mask(0, 30, "cpu")),
+        (tokens[30:31], torch.tensor([30]), 30, None),
+        (tokens[31:35], torch.arange(31, 35), 31, causal_mask(31, 4, "cpu")),
+        (tokens[35:41], tree.positions(35), 35, tree.attention_mask(35)),
+    ]
+    with torch.inference_mode():
+        return [model(t, p, cache, s, m, target_layers=taps) for t, p, s, m in calls], cache

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from draftsmith.heads import decoder_layer, decoder_stack
-from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.models.loader import load_model
+from helpers import four_steps
 
 pytestmark = pytest.mark.skipif(decoder_layer.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
 
@@ -38,18 +38,8 @@ def layer_by_layer():
 
 
 def steps(model) -> list:
-    """A prefill, a decode, a chain verify and a tree verify; (logits, hidden, K and V) of each."""
-    tokens = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(64)
-    tree = DraftTree(torch.zeros(5, dtype=torch.long), torch.tensor([-1, -1, 0, 1, 2]))
-    calls = [
-        (tokens[:30], torch.arange(30), 0, causal_mask(0, 30, "cpu")),
-        (tokens[30:31], torch.tensor([30]), 30, None),
-        (tokens[31:35], torch.arange(31, 35), 31, causal_mask(31, 4, "cpu")),
-        (tokens[35:41], tree.positions(35), 35, tree.attention_mask(35)),
-    ]
-    with torch.inference_mode():
-        outs = [model(t, p, cache, s, m) for t, p, s, m in calls]
+    """(logits, hidden) of a prefill, a decode, a chain and a tree verify, then K and V."""
+    outs, cache = four_steps(model)
     return [(o.logits, o.hidden) for o in outs] + [torch.stack(cache.k), torch.stack(cache.v)]
 
 

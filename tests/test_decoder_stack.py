@@ -15,8 +15,8 @@ from torch import nn
 
 from draftsmith.heads import decoder_layer, decoder_stack
 from draftsmith.heads.llama import DecoderLayer
-from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.models.loader import load_model
+from helpers import four_steps
 
 pytestmark = pytest.mark.skipif(decoder_stack.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
 TAPS = (0, 2, 2, 3, 9, -1)  # as EAGLE-3 asks: the first layer's input, a middle one, the output; repeats, strays
@@ -38,18 +38,8 @@ def without(*modules):
 
 
 def steps(model, cache=None) -> list:
-    """A prefill, a decode, a chain verify and a tree verify; their logits, hidden states and taps, then K and V."""
-    tokens = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(0))
-    cache = cache or model.new_cache(64)
-    tree = DraftTree(torch.zeros(5, dtype=torch.long), torch.tensor([-1, -1, 0, 1, 2]))
-    calls = [
-        (tokens[:30], torch.arange(30), 0, causal_mask(0, 30, "cpu")),
-        (tokens[30:31], torch.tensor([30]), 30, None),
-        (tokens[31:35], torch.arange(31, 35), 31, causal_mask(31, 4, "cpu")),
-        (tokens[35:41], tree.positions(35), 35, tree.attention_mask(35)),
-    ]
-    with torch.inference_mode():
-        outs = [model(t, p, cache, s, m, target_layers=TAPS) for t, p, s, m in calls]
+    """Logits, hidden states and taps of a prefill, a decode, a chain and a tree verify, then K and V."""
+    outs, cache = four_steps(model, cache, TAPS)
     return [t for o in outs for t in (o.logits, o.hidden, *o.aux)] + [torch.stack(cache.k), torch.stack(cache.v)]
 
 
@@ -126,12 +116,26 @@ def test_a_layer_added_or_removed_is_replanned(tiny_llama_dir):
     assert stack is not None and len(stack.plans) == 3
 
 
-def test_one_layer_that_does_not_fit_sends_the_stack_layer_by_layer(tiny_llama_dir):
-    model = tiny("llama", tiny_llama_dir)
-    layer = model.model.layers[1].self_attn
+def unpack_an_o_projection(model) -> None:
+    attn = model.model.layers[1].self_attn
     plain = nn.Linear(96, 96, bias=False)
-    plain.weight = layer.o_proj.weight  # the same weights, not packed
-    layer.o_proj = plain
+    plain.weight = attn.o_proj.weight  # the same weights, not packed
+    attn.o_proj = plain
+
+
+def put_in_a_layer_of_another_kind(model) -> None:
+    model.model.layers[1] = Skip()
+
+
+class Skip(nn.Module):
+    def forward(self, x, *args):
+        return x
+
+
+@pytest.mark.parametrize("change", [unpack_an_o_projection, put_in_a_layer_of_another_kind])
+def test_one_layer_that_does_not_fit_sends_the_stack_layer_by_layer(change, tiny_llama_dir):
+    model = tiny("llama", tiny_llama_dir)
+    change(model)
     with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
         got = steps(model)
     assert ran.call_count == 0
@@ -230,21 +234,6 @@ def test_hooks_and_a_patched_forward_are_honoured(hook, tiny_llama_dir):
     finally:
         handle.remove()
     assert same(steps(model), plain) != (hook is patch_a_forward)
-
-
-class Skip(nn.Module):
-    def forward(self, x, *args):
-        return x
-
-
-def test_layers_of_other_kinds_run_as_themselves(tiny_llama_dir):
-    model = tiny("llama", tiny_llama_dir)
-    model.model.layers[1] = Skip()
-    with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
-        got = steps(model)
-    assert ran.call_count == 0
-    with without(decoder_stack, decoder_layer):
-        assert same(got, steps(model))
 
 
 def test_layers_under_their_own_names_are_planned_once(tiny_llama_dir):
