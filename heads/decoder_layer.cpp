@@ -15,6 +15,9 @@ static void add(const float* a, const float* b, int64_t count, float* out) {
   for (int64_t i = 0; i < count; ++i) out[i] = a[i] + b[i];
 }
 
+// floats per row a layer's work needs
+extern "C" int64_t decoder_layer_work(const LayerWeights* w) { return layer_work(w); }
+
 extern "C" void decoder_layer(const float* x, int64_t n, const LayerWeights* w, const Step* s, float* k_cache,
                               float* v_cache, float* work, float* out) {
   const int64_t H = w->hidden, I = w->intermediate, A = w->heads * w->head_dim;

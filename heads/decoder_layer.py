@@ -42,6 +42,11 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return kernels.bind("decoder_layer", [P, I64, ctypes.POINTER(LAYER), ctypes.POINTER(STEP), P, P, P, P])
 
 
+@functools.cache
+def work_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return kernels.bind("decoder_layer_work", [ctypes.POINTER(LAYER)], I64)
+
+
 Caches = tuple[Tensor | None, Tensor | None]
 
 
@@ -53,6 +58,7 @@ class Plan:
     weights: LAYER
     held: list[Tensor]  # the tensors the struct points into (kept alive): 4 packed weights, 2 norms, the qkv bias
     width: int  # the fused qkv projection's outputs
+    work: int  # floats per row of scratch (heads/decoder_layer.h, layer_work)
     watch: Watch
 
 
@@ -139,7 +145,9 @@ def make_plan(layer: Any, held: list[Tensor], seen: Watch) -> Plan:
     weights.hidden, weights.intermediate = held[4].shape[0], mlp.down_proj.in_features
     weights.heads, weights.kv_heads, weights.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
     weights.eps = layer.input_layernorm.eps
-    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, seen)
+    work = work_kernel()
+    assert work is not None, "the library that has decoder_layer has decoder_layer_work"
+    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, work(weights), seen)
 
 
 def fits(packed: Tensor | None, inp: int, out: int) -> bool:
@@ -152,18 +160,30 @@ def fits(packed: Tensor | None, inp: int, out: int) -> bool:
 def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask) -> Tensor:
     """x [1, n, hidden] through the layer `made` was planned for; k and v written to the caches at slots
     start .. start+n-1."""
-    n, (k_cache, v_cache) = x.shape[1], caches
-    max_len, d = k_cache.shape[2], k_cache.shape[3]
+    rows, n = input_rows(x, made), x.shape[1]
+    step, held = step_struct(made, n, rope, caches, start, mask)  # held: what step points into, alive through the call
+    work, out = rows.new_empty(n * made.work), torch.empty_like(rows)
+    fn = kernel()
+    assert fn is not None, "takes() found the kernel"
+    k, v = caches
+    fn(rows.data_ptr(), n, made.weights, step, k.data_ptr(), v.data_ptr(), work.data_ptr(), out.data_ptr())
+    return out
+
+
+def input_rows(x: Tensor, made: Plan) -> Tensor:
+    """x [1, n, hidden] as the kernels read it: contiguous, as wide as the layer."""
     rows = x if x.is_contiguous() else x.contiguous()
     if rows.shape[-1] != made.weights.hidden:
         raise ValueError(f"input has {rows.shape[-1]} features, the layer {made.weights.hidden}")
+    return rows
+
+
+def step_struct(
+    made: Plan, n: int, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask
+) -> tuple[STEP, tuple]:
+    """The step's operands for the kernel, checked against the layer (heads/rope_attention.py step_operands), and the
+    tensors the struct points into (the caller keeps them until the kernel returns)."""
     cos, sin, seen = rope_attention.step_operands((1, n, made.width), rope, caches, start, mask, made.weights.heads)
-    step = STEP(cos.data_ptr(), sin.data_ptr(), max_len, start, 0 if seen is None else seen.shape[1])
+    step = STEP(cos.data_ptr(), sin.data_ptr(), caches[0].shape[2], start, 0 if seen is None else seen.shape[1])
     step.mask = None if seen is None else seen.data_ptr()
-    w = made.weights
-    work = rows.new_empty(n * (3 * w.hidden + made.width + w.heads * d + 3 * w.intermediate))
-    out = torch.empty_like(rows)
-    fn = kernel()
-    assert fn is not None, "takes() found the kernel"
-    fn(rows.data_ptr(), n, w, step, k_cache.data_ptr(), v_cache.data_ptr(), work.data_ptr(), out.data_ptr())
-    return out
+    return step, (cos, sin, seen)

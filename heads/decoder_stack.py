@@ -57,9 +57,9 @@ def takes(
 ) -> Stack | None:
     """The stack's plans for a cached batch-1 fp32 step where every layer is a plain one (its class's `forward`, no
     hooks) that takes the one-layer call; else None."""
-    if cache is None or not isinstance(start, int) or not rope_attention.takes(x, mask) or kernel() is None:
+    if cache is None or not isinstance(start, int) or not isinstance(layers, nn.Module) or kernel() is None:
         return None
-    if not isinstance(layers, nn.Module):
+    if not rope_attention.takes(x, mask):
         return None
     kept = STACKS.get(layers)
     if kept is not None and kept.watch.holds():
@@ -110,15 +110,9 @@ def run(
     Returns the last layer's output and, for each index in taps (as Transformer.layers_forward reads them: ascending,
     0 .. layers), the residual stream entering that layer (the index past the last: its output)."""
     n, count, first = x.shape[1], len(stack.plans), stack.plans[0]
-    rows = x if x.is_contiguous() else x.contiguous()
-    hidden = first.weights.hidden
-    if rows.shape[-1] != hidden:
-        raise ValueError(f"input has {rows.shape[-1]} features, the layers {hidden}")
+    rows = decoder_layer.input_rows(x, first)
     k_ptrs, v_ptrs = cache_pointers(cache, count)
-    caches = (cache.k[0], cache.v[0])
-    cos, sin, seen = rope_attention.step_operands((1, n, first.width), rope, caches, start, mask, first.weights.heads)
-    step = STEP(cos.data_ptr(), sin.data_ptr(), caches[0].shape[2], start, 0 if seen is None else seen.shape[1])
-    step.mask = None if seen is None else seen.data_ptr()
+    step, held = decoder_layer.step_struct(first, n, rope, (cache.k[0], cache.v[0]), start, mask)  # held: alive
     tapped = [i for i in range(count + 1) if i in taps]
     aux = rows.new_empty(len(tapped), *rows.shape)
     tap_ptrs = (P * (count + 1))()

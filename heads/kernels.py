@@ -36,7 +36,16 @@ SOURCES = tuple(
     for name in ("panels", "rope_attention", "layer_ops", "decoder_layer", "decoder_stack")
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "decoder_layer.h"))
-EXPORTS = ("panel_linear", "rope_attention", "rms_norm", "silu_mul", "decoder_layer", "stack_work", "decoder_stack")
+EXPORTS = (
+    "panel_linear",
+    "rope_attention",
+    "rms_norm",
+    "silu_mul",
+    "decoder_layer",
+    "decoder_layer_work",
+    "stack_work",
+    "decoder_stack",
+)
 # -ffp-contract=off: g++ would fuse a scalar a * b + c into an FMA on one code path and not another, and a row's
 # bits would then depend on the path (masked or causal) that computed it
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")

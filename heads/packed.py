@@ -20,6 +20,7 @@ GEMM streams its weights faster than three short ones.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 import torch
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import panels
+from .watch import Watch
 
 NATIVE = {  # does this CPU's oneDNN have kernels for the dtype
     torch.float32: lambda: True,
@@ -53,27 +55,6 @@ def can_pack(weight: Tensor) -> bool:
         and torch.backends.mkldnn.is_available()
         and NATIVE[weight.dtype]()
     )
-
-
-def version(t: Tensor) -> int:
-    """Bumped by every in-place edit; inference tensors keep no counter (and cannot be edited outside it)."""
-    return -1 if t.is_inference() else t._version
-
-
-def stamp(tensors: list[Tensor]) -> list[tuple[Tensor, int, int, tuple[int, ...]]]:
-    """Which tensors, at which in-place version, data address and strides, a packed copy was made from."""
-    return [(t, version(t), t.data_ptr(), t.stride()) for t in tensors]
-
-
-def fresh(stamped: list[tuple[Tensor, int, int, tuple[int, ...]]], tensors: list[Tensor]) -> bool:
-    """Still the same tensors, unedited: a parameter replaced, edited in place or given new data (a `.data` swap keeps
-    the version, and a transposed view of the same data keeps the address) makes a packed copy stale."""
-    if len(stamped) != len(tensors):
-        return False
-    for (s, v, address, strides), t in zip(stamped, tensors, strict=True):  # a plain loop: runs before every linear
-        if s is not t or v != version(t) or address != t.data_ptr() or strides != t.stride():
-            return False
-    return True
 
 
 def pack_weight(weight: Tensor) -> Tensor:
@@ -111,6 +92,7 @@ def takes_packed(x: Tensor, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     packed: Tensor | None  # None once released
+    seen: Watch | None  # what the packed copy was made from; None once released
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -120,16 +102,15 @@ class PackedLinear(nn.Module):
         self.repack()
 
     def repack(self) -> None:
-        self.packed = pack_weight(self.weight)
-        self.stamp = stamp([self.weight])
+        self.packed, self.seen = pack_weight(self.weight), watched([self], ("weight",))
 
     def release(self) -> None:
         """Drop the packed copy (a FusedLinear holds this weight now); it is rebuilt if this linear runs alone."""
-        self.packed, self.stamp = None, []
+        self.packed, self.seen = None, None
 
     def current(self) -> Tensor:
-        """The packed weight, repacked first if it was released (stamp []), edited or replaced."""
-        if not fresh(self.stamp, [self.weight]):
+        """The packed weight, repacked first if it was released, or its weight edited or replaced."""
+        if self.seen is None or not self.seen.holds():
             self.repack()
         assert self.packed is not None  # repack() made it
         return self.packed
@@ -158,18 +139,14 @@ class FusedLinear(nn.Module):
         for p in parts:
             p.release()
 
-    def sources(self) -> list[Tensor]:
-        return [t for p in self.parts for t in (p.weight, p.bias) if t is not None]
-
     def repack(self) -> None:
         weight = torch.cat([p.weight.detach() for p in self.parts])
-        self.packed = pack_weight(weight)
-        self.bias = fused_bias(self.parts)
-        self.stamp = stamp(self.sources())
+        self.packed, self.bias = pack_weight(weight), fused_bias(self.parts)
+        self.seen = watched(self.parts, ("weight", "bias"))
 
     def current(self) -> Tensor:
-        """The packed weight, repacked first if a part's weight or bias was edited or replaced."""
-        if not fresh(self.stamp, self.sources()):
+        """The packed weight, repacked first if a part's weight or bias was edited, replaced, added or dropped."""
+        if not self.seen.holds():
             self.repack()
         return self.packed
 
@@ -180,6 +157,15 @@ class FusedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, packed={self.dtype}"
+
+
+def watched(modules: Sequence[nn.Module], names: tuple[str, ...]) -> Watch:
+    """What a packed copy was made from: the modules' named tensors, as they are now (heads/watch.py)."""
+    seen = Watch()
+    for module in modules:
+        for name in names:
+            seen.follow(module, name)
+    return seen
 
 
 def fused_bias(parts: tuple[PackedLinear, ...]) -> Tensor | None:

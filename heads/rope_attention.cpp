@@ -151,17 +151,19 @@ extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t k
     std::vector<float> scores(GROUP * stride);
 #pragma omp for schedule(static, 1)  // round robin: a causal prefill's late rows read the most slots
     for (int64_t p = 0; p < n * kv * chunks; ++p) {
-      const int64_t r = p / (kv * chunks), g = p / chunks % kv, first = g * group + p % chunks * GROUP;
-      const int64_t heads = group - (first - g * group) < GROUP ? group - (first - g * group) : GROUP;
+      const int64_t r = p / (kv * chunks), g = p / chunks % kv, skip = p % chunks * GROUP, first = g * group + skip;
+      const int64_t heads = group - skip < GROUP ? group - skip : GROUP;  // the group's heads from `first`, up to 3
       const uint8_t* seen = mask ? mask + r * cols : nullptr;
       int64_t end = mask ? cols : start + r + 1;
       while (seen && end > 0 && !seen[end - 1]) --end;  // a causal row's future slots are not read
       if (seen && !memchr(seen, 0, end)) seen = nullptr;  // every slot below end visible (a chain): no per-slot test
       const float *qp = q.data() + (r * h + first) * d, *kg = k_cache + g * max_len * d, *vg = v_cache + g * max_len * d;
       float* o = out + (r * h + first) * d;
-      if (heads == 3) attend_heads<3>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o);
-      if (heads == 2) attend_heads<2>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o);
-      if (heads == 1) attend_heads<1>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o);
+      switch (heads) {
+        case 3: attend_heads<3>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o); break;
+        case 2: attend_heads<2>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o); break;
+        default: attend_heads<1>(qp, kg, vg, d, end, seen, scale, scores.data(), stride, o); break;
+      }
     }
   }
 }

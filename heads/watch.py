@@ -1,11 +1,12 @@
-"""What a kernel's plan read from a module tree, kept so that a forward can tell in one pass whether it still holds.
+"""What a packed copy or a kernel's plan read from a module tree, kept so that a call can tell at once if it holds.
 
-Why: a plan points into weights (heads/decoder_layer.py, heads/decoder_stack.py), and rebuilding the proof that they
-are current the way the modules do (attribute lookups through nn.Module.__getattr__, each packed linear's own check)
-cost a decode step some 5 ms over SmolLM2's 30 layers. A watch remembers each link it followed (the dict a module
-keeps a submodule, parameter or attribute in, the key, the object found, or that there was none), the size of dicts
-that must not grow (a layer list; the forward hooks of modules a kernel runs in place of), and each tensor it reached
-(its in-place version, where its data lives, its strides), and checks them all with C-level maps.
+Why: a packed copy (heads/packed.py) and a kernel's plan (heads/decoder_layer.py, heads/decoder_stack.py) are made
+from weights that may change under them, and proving them current through the modules (attribute lookups through
+nn.Module.__getattr__ for every tensor) cost a decode step some 5 ms over SmolLM2's 30 layers. A watch remembers
+each link it followed (the dict a module keeps a submodule, parameter or attribute in, the key, the object found, or
+that there was none), the size of dicts that must not grow (a layer list; the forward hooks of modules a kernel
+runs in place of), and each tensor it reached (its in-place version, where its data lives, its strides), and checks
+them all with C-level maps.
 
 What it sees: a module, parameter or attribute replaced, added or removed; a forward hook or an instance's own
 forward; a tensor edited in place, moved by a `.data` swap, `set_`, `model.to` or `share_memory`. A name computed on
@@ -78,22 +79,33 @@ class Watch:
         return node
 
     def keep(self, where: dict, key: str, found: object) -> None:
+        self.add_link(where, key, found)
+        if isinstance(found, Tensor):
+            self.add_tensor(found, None if found.is_inference() else found._version, found.data_ptr(), found.stride())
+
+    def keep_size(self, where: dict) -> None:
+        self.add_size(where, len(where))
+
+    def add_link(self, where: dict, key: str, found: object) -> None:
         if new(self.seen, (id(where), key)):
             self.wheres.append(where)
             self.keys.append(key)
             self.found.append(found)
-        if isinstance(found, Tensor) and new(self.seen, (id(found), None)):
-            self.tensors.append(found)
-            self.addresses.append(found.data_ptr())
-            self.strides.append(found.stride())
-            if not found.is_inference():
-                self.counted.append(found)
-                self.versions.append(found._version)
 
-    def keep_size(self, where: dict) -> None:
+    def add_size(self, where: dict, size: int) -> None:
         if new(self.seen, (id(where), len)):
             self.sized.append(where)
-            self.sizes.append(len(where))
+            self.sizes.append(size)
+
+    def add_tensor(self, t: Tensor, version: int | None, address: int, strides: tuple[int, ...]) -> None:
+        """version None: an inference tensor, which keeps no counter."""
+        if new(self.seen, (id(t), None)):
+            self.tensors.append(t)
+            self.addresses.append(address)
+            self.strides.append(strides)
+            if version is not None:
+                self.counted.append(t)
+                self.versions.append(version)
 
     def keep_plain(self, modules: list[nn.Module]) -> bool:
         """Watch that these modules stay plain: no forward hooks (nor global ones), no forward of their own set on the
@@ -110,24 +122,13 @@ class Watch:
     def extend(self, other: Watch) -> None:
         """Add another watch's links, sizes and tensors as it saw them."""
         self.blind |= other.blind
-        for where, key, found in zip(other.wheres, other.keys, other.found, strict=True):
-            if new(self.seen, (id(where), key)):
-                self.wheres.append(where)
-                self.keys.append(key)
-                self.found.append(found)
+        for link in zip(other.wheres, other.keys, other.found, strict=True):
+            self.add_link(*link)
         for where, size in zip(other.sized, other.sizes, strict=True):
-            if new(self.seen, (id(where), len)):
-                self.sized.append(where)
-                self.sizes.append(size)
-        counted = dict(zip(map(id, other.counted), other.versions, strict=True))
-        for t, address, stride in zip(other.tensors, other.addresses, other.strides, strict=True):
-            if new(self.seen, (id(t), None)):
-                self.tensors.append(t)
-                self.addresses.append(address)
-                self.strides.append(stride)
-                if id(t) in counted:
-                    self.counted.append(t)
-                    self.versions.append(counted[id(t)])
+            self.add_size(where, size)
+        versions = dict(zip(map(id, other.counted), other.versions, strict=True))
+        for t, address, strides in zip(other.tensors, other.addresses, other.strides, strict=True):
+            self.add_tensor(t, versions.get(id(t)), address, strides)
 
 
 def new(seen: set, key: tuple) -> bool:

@@ -4,12 +4,15 @@ distribution tests, export's tiny target and drafters, and the configs and comma
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
+from unittest import mock
 
 import pytest
 import torch
@@ -619,3 +622,12 @@ def four_steps(model, cache=None, taps: tuple[int, ...] = ()) -> tuple[list, obj
     ]
     with torch.inference_mode():
         return [model(t, p, cache, s, m, target_layers=taps) for t, p, s, m in calls], cache
+
+
+@contextlib.contextmanager
+def without(*roads) -> Iterator[None]:
+    """The given one-call roads (modules with a `takes`, such as heads/decoder_stack.py) switched off."""
+    with contextlib.ExitStack() as stack:
+        for road in roads:
+            stack.enter_context(mock.patch.object(road, "takes", lambda *args: None))
+        yield

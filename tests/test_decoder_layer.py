@@ -4,15 +4,13 @@ one, a plan rebuilt when a weight changes, and the modules wherever a layer does
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
-from unittest import mock
 
 import pytest
 import torch
 
 from draftsmith.heads import decoder_layer, decoder_stack
 from draftsmith.serve.models.loader import load_model
-from helpers import four_steps
+from helpers import four_steps, without
 
 pytestmark = pytest.mark.skipif(decoder_layer.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
 
@@ -22,18 +20,10 @@ def target(tiny_llama_dir, request):
     return load_model(tiny_llama_dir(request.param, hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
 
 
-@contextmanager
-def modules_only():
-    """Neither the whole stack nor a layer in one call: every layer runs its modules."""
-    with mock.patch.object(decoder_stack, "takes", lambda *args: None):
-        with mock.patch.object(decoder_layer, "takes", lambda *args: None):
-            yield
-
-
 @pytest.fixture(autouse=True)
 def layer_by_layer():
     """These tests are about one layer's call; tests/test_decoder_stack.py runs the stack."""
-    with mock.patch.object(decoder_stack, "takes", lambda *args: None):
+    with without(decoder_stack):
         yield
 
 
@@ -48,7 +38,7 @@ def test_one_call_gives_the_modules_bits(target):
     with torch.inference_mode():
         assert decoder_layer.takes(layer, torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1)), 0, None)
     one_call = steps(target)
-    with modules_only():
+    with without(decoder_layer):
         modules = steps(target)
     for got, want in zip(one_call, modules, strict=True):
         for g, w in zip(got, want, strict=True) if isinstance(got, tuple) else [(got, want)]:
@@ -62,7 +52,7 @@ def test_an_edited_weight_is_replanned(tiny_llama_dir):
         model.model.layers[1].mlp.down_proj.weight.mul_(0.5)  # in place: the packed copy and the plan are stale
         model.model.layers[0].input_layernorm.weight.add_(0.1)
     after = steps(model)[1][0]
-    with modules_only():
+    with without(decoder_layer):
         modules = steps(model)[1][0]
     assert not torch.equal(after, before) and torch.equal(after, modules)
 
@@ -94,7 +84,7 @@ def test_a_norm_moved_or_changed_under_the_same_parameter_is_replanned(tiny_llam
     layer.input_layernorm.weight.data = layer.input_layernorm.weight.detach().clone() * 1.5
     layer.input_layernorm.eps = layer.post_attention_layernorm.eps = 0.5
     after = steps(model)
-    with modules_only():
+    with without(decoder_layer):
         modules = steps(model)
     assert torch.equal(after[1][0], modules[1][0])
 

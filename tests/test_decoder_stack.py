@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -16,7 +15,7 @@ from torch import nn
 from draftsmith.heads import decoder_layer, decoder_stack
 from draftsmith.heads.llama import DecoderLayer
 from draftsmith.serve.models.loader import load_model
-from helpers import four_steps
+from helpers import four_steps, without
 
 pytestmark = pytest.mark.skipif(decoder_stack.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
 TAPS = (0, 2, 2, 3, 9, -1)  # as EAGLE-3 asks: the first layer's input, a middle one, the output; repeats, strays
@@ -24,17 +23,6 @@ TAPS = (0, 2, 2, 3, 9, -1)  # as EAGLE-3 asks: the first layer's input, a middle
 
 def tiny(model_type: str, tiny_llama_dir):
     return load_model(tiny_llama_dir(model_type, hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
-
-
-@contextmanager
-def without(*modules):
-    """The given one-call roads switched off."""
-    with mock.patch.object(modules[0], "takes", lambda *args: None):
-        if len(modules) > 1:
-            with without(*modules[1:]):
-                yield
-        else:
-            yield
 
 
 def steps(model, cache=None) -> list:
