@@ -173,8 +173,8 @@ def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor
 def input_rows(x: Tensor, made: Plan) -> Tensor:
     """x [1, n, hidden] as the kernels read it: contiguous, as wide as the layer."""
     rows = x if x.is_contiguous() else x.contiguous()
-    if rows.shape[-1] != made.weights.hidden:
-        raise ValueError(f"input has {rows.shape[-1]} features, the layer {made.weights.hidden}")
+    if rows.dim() != 3 or rows.shape[0] != 1 or rows.shape[-1] != made.weights.hidden:
+        raise ValueError(f"input {tuple(rows.shape)} must be one sequence [1, n, {made.weights.hidden}]")
     return rows
 
 
@@ -183,7 +183,10 @@ def step_struct(
 ) -> tuple[STEP, tuple]:
     """The step's operands for the kernel, checked against the layer (heads/rope_attention.py step_operands), and the
     tensors the struct points into (the caller keeps them until the kernel returns)."""
-    cos, sin, seen = rope_attention.step_operands((1, n, made.width), rope, caches, start, mask, made.weights.heads)
+    w = made.weights
+    if caches[0].dim() != 4 or caches[0].shape[1] != w.kv_heads or caches[0].shape[3] != w.head_dim:
+        raise ValueError(f"cache {tuple(caches[0].shape)} is not the layer's [1, {w.kv_heads}, max_len, {w.head_dim}]")
+    cos, sin, seen = rope_attention.step_operands((1, n, made.width), rope, caches, start, mask, w.heads)
     step = STEP(cos.data_ptr(), sin.data_ptr(), caches[0].shape[2], start, 0 if seen is None else seen.shape[1])
     step.mask = None if seen is None else seen.data_ptr()
     return step, (cos, sin, seen)

@@ -45,6 +45,9 @@ class Watch:
     tensors: list[Tensor] = field(default_factory=list)
     addresses: list[int] = field(default_factory=list)
     strides: list[tuple[int, ...]] = field(default_factory=list)  # a .data swap to a transposed view keeps the address
+    # the storage each tensor had, held so that its address cannot be handed to new data while the watch lives
+    # (model.bfloat16().float() frees a weight and often gets the same address back, version and strides unchanged)
+    pinned: list[Tensor] = field(default_factory=list, repr=False)
     blind: bool = False  # it read what it cannot watch (a parametrized weight, computed on each read): never holds
     seen: set[tuple[int, object]] = field(default_factory=set, repr=False)  # (id(where), key), (id(tensor), None)
 
@@ -81,7 +84,7 @@ class Watch:
     def keep(self, where: dict, key: str, found: object) -> None:
         self.add_link(where, key, found)
         if isinstance(found, Tensor):
-            self.add_tensor(found, None if found.is_inference() else found._version, found.data_ptr(), found.stride())
+            self.add_tensor(found, counter(found), found.data_ptr(), found.stride())
 
     def keep_size(self, where: dict) -> None:
         self.add_size(where, len(where))
@@ -98,9 +101,10 @@ class Watch:
             self.sizes.append(size)
 
     def add_tensor(self, t: Tensor, version: int | None, address: int, strides: tuple[int, ...]) -> None:
-        """version None: an inference tensor, which keeps no counter."""
+        """version None: a tensor that keeps no counter (made in inference mode)."""
         if new(self.seen, (id(t), None)):
             self.tensors.append(t)
+            self.pinned.append(t.detach())
             self.addresses.append(address)
             self.strides.append(strides)
             if version is not None:
@@ -129,6 +133,18 @@ class Watch:
         versions = dict(zip(map(id, other.counted), other.versions, strict=True))
         for t, address, strides in zip(other.tensors, other.addresses, other.strides, strict=True):
             self.add_tensor(t, versions.get(id(t)), address, strides)
+        self.pinned += other.pinned  # the other's storages, as it saw them
+
+
+def counter(t: Tensor) -> int | None:
+    """The tensor's in-place version; None where it keeps none (an inference tensor, or a parameter made in inference
+    mode and given new data outside it, which still refuses to report one)."""
+    if t.is_inference():
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def new(seen: set, key: tuple) -> bool:

@@ -261,3 +261,20 @@ def test_biases_added_or_dropped_after_packing(change, tiny_llama_dir):
     reference.load_state_dict(model.state_dict())
     got, want = steps(model), steps(reference)
     assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want, strict=True))
+
+
+def test_direct_calls_with_operands_of_another_shape_are_refused(tiny_llama_dir):
+    """run() is reachable without takes(): an input of two sequences, or a cache whose heads and head size multiply
+    to the layer's width but split it otherwise, must be refused before the kernel writes past the cache."""
+    model = tiny("llama", tiny_llama_dir)
+    layer = model.model.layers[0]
+    with torch.inference_mode():
+        made = decoder_layer.plan(layer)
+        assert made is not None
+        caches = (torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64, 16))
+        rope = (torch.ones(20, 16), torch.zeros(20, 16))
+        with pytest.raises(ValueError, match="must be one sequence"):
+            decoder_layer.run(made, torch.zeros(2, 20, 96), rope, caches, 0, None)
+        other = (torch.zeros(1, 1, 64, 20), torch.zeros(1, 1, 64, 20))  # (6 + 2 x 1) x 20 = the qkv width of 6/2 x 16
+        with pytest.raises(ValueError, match="is not the layer's \\[1, 2, max_len, 16\\]"):
+            decoder_layer.run(made, torch.zeros(1, 20, 96), (torch.ones(20, 20), torch.zeros(20, 20)), other, 0, None)

@@ -140,3 +140,26 @@ def test_hooks_and_an_own_forward_break_a_plain_watch():
     handle.remove()
     model[0].forward = lambda x: x
     assert not seen.holds() and not Watch().keep_plain([model[0]])
+
+
+def test_new_data_cannot_take_the_old_address():
+    """model.bfloat16().float() frees each weight and would often get the same address back, with the same version
+    and strides: the watch holds the old storage, so the new data lands elsewhere."""
+    models = [nn.Linear(64 + i, 32) for i in range(10)]
+    watches = []
+    for model in models:
+        seen = Watch()
+        seen.follow(model, "weight")
+        watches.append(seen)
+    for model in models:
+        model.bfloat16().float()
+    assert not any(seen.holds() for seen in watches)
+
+
+def test_a_parameter_made_in_inference_mode_and_given_new_data_is_watched():
+    with torch.inference_mode():
+        model = nn.Linear(4, 4)
+    model.weight.data = torch.randn(4, 4)  # not an inference tensor now, yet it reports no version
+    seen = Watch()
+    seen.follow(model, "weight")
+    assert seen.holds() and not seen.counted
