@@ -9,7 +9,8 @@ runs in place of), and each tensor it reached (its in-place version, where its d
 them all with C-level maps.
 
 What it sees: a module, parameter or attribute replaced, added or removed; a forward hook or an instance's own
-forward; a tensor edited in place, moved by a `.data` swap, `set_`, `model.to` or `share_memory`. A name computed on
+forward; a tensor edited in place, moved by a `.data` swap, `set_`, `model.to` or `share_memory` (it holds the
+storage it saw, so new data cannot be handed the old address). A name computed on
 each read (a parametrized weight) cannot be watched: such a watch never holds, and the plan is remade each time. What
 it cannot see, as PyTorch's own version counter cannot: an edit through `.data` (`weight.data.copy_(...)`), which
 writes the storage behind the tensor's back.
