@@ -40,8 +40,8 @@ static void wide(const float* x, int64_t in, const float* w, const float* bias, 
   }
 }
 
-// R rows (up to 6) x 16 outputs from panel column c: 2R chains, a compute-bound tile for verify and prefill rows
-// past the first two. Its two passes over a panel read every other 64 bytes: from memory that halves the
+// R rows (up to 6) x 16 outputs from panel column c: 2R chains, a compute-bound tile for prefill rows past the
+// first two. Its two passes over a panel read every other 64 bytes: from memory that halves the
 // stream's pace, so it reads a panel the two-row pass has just brought into cache
 template <int R>
 static void tall(const float* x, int64_t in, const float* w, int c, const float* bias, float* y, int64_t out,
@@ -75,9 +75,59 @@ static void tall_panel(const float* x, int64_t in, const float* w, const float* 
   tall<R>(x, in, w, 16, bias, y, out, valid);
 }
 
+enum { KB = 64, AHEAD = 64, G = 16 };  // k-block of KB x 128 B; prefetch AHEAD k ahead; verify rows up to G
+
+// R rows (1 or 2) x the whole panel over k in [k0, k1), its 4R chains carried in acc between blocks. The first pair
+// of a block reads it from memory and fetches ahead, so the stream goes on while the other pairs compute from L1
+template <int R>
+static void wide_block(const float* x, int64_t in, const float* w, int64_t k0, int64_t k1, __m256* acc, bool first) {
+  __m256 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  if (R > 1) b0 = acc[4], b1 = acc[5], b2 = acc[6], b3 = acc[7];
+  w += k0 * P;
+  for (int64_t k = k0; k < k1; ++k, w += P) {
+    if (first) {
+      _mm_prefetch((const char*)(w + AHEAD * P), _MM_HINT_T0);
+      _mm_prefetch((const char*)(w + AHEAD * P + 16), _MM_HINT_T0);
+    }
+    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
+           w3 = _mm256_loadu_ps(w + 24);
+    __m256 xk = _mm256_broadcast_ss(x + k);
+    a0 = _mm256_fmadd_ps(xk, w0, a0);
+    a1 = _mm256_fmadd_ps(xk, w1, a1);
+    a2 = _mm256_fmadd_ps(xk, w2, a2);
+    a3 = _mm256_fmadd_ps(xk, w3, a3);
+    if (R > 1) {
+      xk = _mm256_broadcast_ss(x + in + k);
+      b0 = _mm256_fmadd_ps(xk, w0, b0);
+      b1 = _mm256_fmadd_ps(xk, w1, b1);
+      b2 = _mm256_fmadd_ps(xk, w2, b2);
+      b3 = _mm256_fmadd_ps(xk, w3, b3);
+    }
+  }
+  acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
+  if (R > 1) acc[4] = b0, acc[5] = b1, acc[6] = b2, acc[7] = b3;
+}
+
+// Verify rows (3 to G) x the panel in one pass over memory: each k-block serves every pair of rows in turn
+static void verify_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y,
+                        int64_t out, int valid) {
+  __m256 acc[G * 4];
+  for (int64_t i = 0; i < rows * 4; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < in; k0 += KB) {
+    const int64_t k1 = k0 + KB < in ? k0 + KB : in;
+    int64_t r = 0;
+    for (; r + 2 <= rows; r += 2) wide_block<2>(x + r * in, in, w, k0, k1, acc + r * 4, r == 0);
+    if (r < rows) wide_block<1>(x + r * in, in, w, k0, k1, acc + r * 4, false);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < 4; ++c) store(acc[r * 4 + c], bias, y + r * out, c * 8, valid);
+}
+
 static void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y,
                        int64_t out, int valid) {
-  if (rows < 2) return rows == 1 ? wide<1>(x, in, w, bias, y, out, valid) : void();
+  if (rows < 3) return rows == 2 ? wide<2>(x, in, w, bias, y, out, valid)
+                                 : rows == 1 ? wide<1>(x, in, w, bias, y, out, valid) : void();
+  if (rows <= G) return verify_rows(x, rows, in, w, bias, y, out, valid);
   wide<2>(x, in, w, bias, y, out, valid);
   int64_t r = 2;
   for (; r + 6 <= rows; r += 6) tall_panel<6>(x + r * in, in, w, bias, y + r * out, out, valid);

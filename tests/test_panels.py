@@ -23,7 +23,7 @@ def weights(out: int, inp: int, bias: bool = True) -> tuple[torch.Tensor, torch.
 @needs_kernel
 @pytest.mark.parametrize(("out", "inp"), [(96, 64), (70, 50), (1, 3), (33, 576)])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 6, 7, 13, 16, 17, 300])
 def test_panels_compute_the_linear(out, inp, bias, rows):
     w, b = weights(out, inp, bias)
     x = torch.randn(rows, inp, generator=torch.Generator().manual_seed(rows))
@@ -33,7 +33,7 @@ def test_panels_compute_the_linear(out, inp, bias, rows):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("out", "inp"), [(70, 50), (960, 576)])
+@pytest.mark.parametrize(("out", "inp"), [(70, 50), (40, 200), (960, 576)])  # 200: a last k-block of 8
 def test_a_row_gets_the_same_bits_whatever_the_rows_around_it(out, inp):
     """Decode (1 row), verify (a few) and prefill (many) must agree bit for bit: speculative output then equals
     plain output token for token, and a prefix-cache hit equals a cold prefill."""
@@ -42,7 +42,7 @@ def test_a_row_gets_the_same_bits_whatever_the_rows_around_it(out, inp):
     x = torch.randn(40, inp, generator=torch.Generator().manual_seed(1))
     whole = panels.panel_linear(x, packed, b, out)
     for start in range(8):
-        for n in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 32 - start):
+        for n in (1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 16, 17, 32 - start):
             part = panels.panel_linear(x[start : start + n], packed, b, out)
             assert torch.equal(part, whole[start : start + n]), (start, n)
 
