@@ -66,6 +66,13 @@ def usable() -> bool:
     return wanted() and library() is not None
 
 
+def version() -> str | None:
+    """Which kernel library runs here, by its file's name (a digest of its sources, flags and compiler), or None where
+    torch's kernels run: what a cost measured on this machine holds for (serve/engine/cost_profile.py)."""
+    lib = library() if wanted() else None
+    return None if lib is None else Path(lib._name).stem
+
+
 def takes(x: Tensor) -> bool:
     """A no-grad fp32 CPU call where the kernels are usable. Training, autocast (the linears then give bf16), other
     dtypes and a forward being compiled (inductor fuses these ops itself, and cannot trace a ctypes call) keep

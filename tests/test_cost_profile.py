@@ -58,7 +58,7 @@ def test_measured_once_then_read_back(engine, measured, tmp_path):
     assert all(s > 0 for s in curve.seconds) and curve.seconds == sorted(curve.seconds)
     saved = json.loads(path_of(engine, tmp_path).read_text())
     assert saved["fingerprint"] == fingerprint(engine, TARGET, 5, QUICK.context)
-    assert {"target", "dtype", "device", "torch", "threads", "cpu", "schema"} <= saved["fingerprint"].keys()
+    assert {"target", "dtype", "device", "torch", "kernels", "threads", "cpu", "schema"} <= saved["fingerprint"].keys()
     assert load_or_measure(engine, TARGET, str(tmp_path), QUICK) == curve
     assert len(measured) == 1
 
@@ -80,6 +80,7 @@ def decreasing(data):
     [
         (stale, "is stale"),
         (lambda d: d["fingerprint"].update(cpu="another CPU"), "is stale"),
+        (lambda d: d["fingerprint"].update(kernels="draftsmith-0123456789abcdef"), "is stale"),  # an older library
         (lambda d: d.pop("seconds"), "lacks"),
         (nan, "no valid curve"),
         (lambda d: d["seconds"].__setitem__(0, -1.0), "no valid curve"),

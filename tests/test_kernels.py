@@ -103,3 +103,11 @@ def test_a_damaged_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path):
     kernels.digest_path(path).unlink()  # a library without its digest is not trusted either
     before = path.stat().st_mtime_ns
     assert kernels.built_library() == path and path.stat().st_mtime_ns != before and kernels.intact(path)
+
+
+@needs_kernels
+def test_the_version_names_the_library_that_runs(monkeypatch):
+    """What a cost measured here holds for (serve/engine/cost_profile.py): the built library, or none when off."""
+    assert kernels.version() == kernels.built_library().stem
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert kernels.version() is None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from draftsmith.heads import kernels
 from draftsmith.heads.files import write_text_atomic
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.target import keyed_cache_path
@@ -65,6 +66,7 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "device": str(engine.model.device),
         "forward": "dynamic" if engine.static is None else "compiled" if engine.static.prefill else "static",
         "torch": torch.__version__,
+        "kernels": kernels.version(),  # draftsmith's own fp32 CPU kernels: new ones cost rows differently
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "rows": rows,
@@ -73,8 +75,9 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
 
 
 def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:
-    """One file per target, dtype, device, forward path, thread count, row count and context; the torch version and CPU
-    model are checked inside it (a new one makes the old file stale rather than leaving it behind)."""
+    """One file per target, dtype, device, forward path, thread count, row count and context; the torch version, CPU
+    model and kernel library are checked inside it (a new one makes the old file stale rather than leaving it
+    behind)."""
     key = {k: print_[k] for k in ("target", "dtype", "device", "forward", "threads", "rows", "context")}
     return keyed_cache_path(cache_dir, "verify_cost", print_["target"], key, ".json")
 
