@@ -5,9 +5,6 @@
 
 extern "C" void panel_linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
                              const float* bias, float* y);
-extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t kv, int64_t d, const float* cos,
-                               const float* sin, float* k_cache, float* v_cache, int64_t max_len, int64_t start,
-                               const uint8_t* mask, int64_t cols, float* out);
 extern "C" void rms_norm(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* out);
 extern "C" void silu_mul(const float* h, int64_t rows, int64_t width, float* out);
 
@@ -27,7 +24,7 @@ extern "C" void decoder_layer(const float* x, int64_t n, const LayerWeights* w, 
   rms_norm(x, n, H, w->input_norm, w->eps, normed);
   panel_linear(normed, n, H, w->qkv, qkv_width, w->qkv_bias, qkv);
   rope_attention(qkv, n, w->heads, w->kv_heads, w->head_dim, s->cos, s->sin, k_cache, v_cache, s->max_len, s->start,
-                 s->mask, s->cols, attended);
+                 s->mask, s->cols, w->qk_norm.q ? &w->qk_norm : nullptr, attended);
   panel_linear(attended, n, A, w->o, H, nullptr, projected);
   add(x, projected, n * H, mid);
   rms_norm(mid, n, H, w->post_norm, w->eps, normed);

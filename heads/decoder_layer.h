@@ -3,10 +3,13 @@
 #pragma once
 #include <stdint.h>
 
+#include "rope_attention.h"
+
 struct LayerWeights {
   const float *input_norm, *post_norm, *qkv, *qkv_bias, *o, *gate_up, *down;
   int64_t hidden, intermediate, heads, kv_heads, head_dim;
   float eps;
+  QKNorm qk_norm;  // q and k's per-head norms (Qwen3); null weights where the layer has none
 };
 
 struct Step {

@@ -6,7 +6,7 @@ calls, wrappers, checks, allocations, a dozen per layer. Measured inside a step,
 evicted the interpreter's own data from the caches, that Python costs several times what a microbenchmark says (an
 RMSNorm's wrapper: ~18 us in a step against ~3 us alone). One call per layer runs the same kernels in the same
 order, so a layer gives the same bits by either road. Where it runs: where rope_attention.takes does, for layers
-whose linears are packed in panels (fused qkv and gate-up) and whose attention has no q/k norm.
+whose linears are packed in panels (fused qkv and gate-up), q/k norms (Qwen3) included.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from . import kernels, rope_attention
 from .packed import current_packed, fused_linear
+from .rope_attention import QKNORM
 from .watch import Watch
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
@@ -30,7 +31,7 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 class LAYER(ctypes.Structure):
     _fields_ = [(name, P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")]
     _fields_ += [(name, I64) for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")]
-    _fields_ += [("eps", ctypes.c_float)]
+    _fields_ += [("eps", ctypes.c_float), ("qk_norm", QKNORM)]
 
 
 class STEP(ctypes.Structure):
@@ -56,7 +57,7 @@ class Plan:
     module, parameter and eps the plan read, and those tensors unedited where they were (heads/watch.py)."""
 
     weights: LAYER
-    held: list[Tensor]  # the tensors the struct points into (kept alive): 4 packed weights, 2 norms, the qkv bias
+    held: list[Tensor]  # the tensors the struct points into (kept alive): packed weights, norms, the qkv bias
     width: int  # the fused qkv projection's outputs
     work: int  # floats per row of scratch (heads/decoder_layer.h, layer_work)
     watch: Watch
@@ -70,7 +71,7 @@ READS = (
     "input_layernorm.eps",
     "post_attention_layernorm.weight",
     "post_attention_layernorm.eps",
-    "self_attn.q_norm",
+    *(f"self_attn.{norm}.{p}" for norm in ("q_norm", "k_norm") for p in ("weight", "eps")),
     "self_attn.qkv_proj",
     *(f"self_attn.{part}.{p}" for part in ("q_proj", "k_proj", "v_proj", "o_proj") for p in ("weight", "bias")),
     "mlp.gate_up_proj",
@@ -108,23 +109,26 @@ def watch(layer: Any) -> Watch | None:
     attn, mlp = layer.self_attn, layer.mlp
     called = [attn, mlp, layer.input_layernorm, layer.post_attention_layernorm]
     called += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    called += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
     return seen if seen.keep_plain(called) else None
 
 
-def current_tensors(layer: Any) -> list[Tensor] | None:
-    """What the kernel reads of the layer, up to date (a stale packed linear repacks here); None where a norm or a
-    projection does not fit: q/k norms, an Identity norm (EAGLE-1), two eps, linears not packed in fp32 panels, a
-    bias past the q/k/v projections, or a module that is not a Llama layer at all."""
+def current_tensors(layer: Any) -> dict[str, Tensor] | None:
+    """What the kernel reads of the layer, up to date (a stale packed linear repacks here), by its LAYER field: the 4
+    packed weights, the 2 norms, and the qkv bias and q and k norms where the layer has them. None where a norm or a
+    projection does not fit: q/k norms the kernel cannot apply (rope_attention.norms_fit), an Identity norm (EAGLE-1),
+    two eps, linears not packed in fp32 panels, a bias past the q/k/v projections, or a module that is not a Llama
+    layer at all."""
     if not all(hasattr(layer, name) for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if hasattr(attn, "q_norm") or getattr(norms[0], "eps", None) != getattr(norms[1], "eps", 0):
+    if not rope_attention.norms_fit(attn) or getattr(norms[0], "eps", None) != getattr(norms[1], "eps", 0):
         return None
     hidden = norms[0].weight.shape[0]
-    if not all(
-        n.weight.dtype == torch.float32 and n.weight.is_contiguous() and n.weight.shape == (hidden,) for n in norms
-    ):
+    qk = rope_attention.qk_norms(attn)
+    vectors = [n.weight for n in norms] + list(qk[:2] if qk is not None else ())
+    if not all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors) or norms[1].weight.shape != (hidden,):
         return None  # the modules run it (and name a wrong dtype)
     qkv, gate_up = fused_linear(attn, "qkv_proj"), fused_linear(mlp, "gate_up_proj")
     if qkv is None or gate_up is None or any(m.bias is not None for m in (attn.o_proj, gate_up, mlp.down_proj)):
@@ -134,20 +138,22 @@ def current_tensors(layer: Any) -> list[Tensor] | None:
     expected = ((hidden, qkv.out_features), (attn.n_heads * d, hidden), (hidden, 2 * inter), (inter, hidden))
     if not all(fits(p, i, o) for p, (i, o) in zip(packs, expected, strict=True)):
         return None
-    return [t for t in (*packs, *(n.weight for n in norms), qkv.bias) if t is not None]
+    names = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm", "k_norm")[: len(packs + vectors)]
+    named = dict(zip(names, packs + vectors, strict=True))
+    return named | ({"qkv_bias": qkv.bias} if qkv.bias is not None else {})
 
 
-def make_plan(layer: Any, held: list[Tensor], seen: Watch) -> Plan:
+def make_plan(layer: Any, held: dict[str, Tensor], seen: Watch) -> Plan:
     attn, mlp = layer.self_attn, layer.mlp
-    qkv_bias = held[6].data_ptr() if len(held) > 6 else None
-    weights = LAYER(held[4].data_ptr(), held[5].data_ptr(), held[0].data_ptr(), qkv_bias, held[1].data_ptr())
-    weights.gate_up, weights.down = held[2].data_ptr(), held[3].data_ptr()
-    weights.hidden, weights.intermediate = held[4].shape[0], mlp.down_proj.in_features
+    weights = LAYER(**{name: t.data_ptr() for name, t in held.items() if name not in ("q_norm", "k_norm")})
+    weights.hidden, weights.intermediate = held["input_norm"].shape[0], mlp.down_proj.in_features
     weights.heads, weights.kv_heads, weights.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
     weights.eps = layer.input_layernorm.eps
+    if "q_norm" in held:
+        weights.qk_norm = QKNORM(held["q_norm"].data_ptr(), held["k_norm"].data_ptr(), attn.q_norm.eps)
     work = work_kernel()
     assert work is not None, "the library that has decoder_layer has decoder_layer_work"
-    return Plan(weights, held, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, work(weights), seen)
+    return Plan(weights, list(held.values()), (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, work(weights), seen)
 
 
 def fits(packed: Tensor | None, inp: int, out: int) -> bool:

@@ -8,17 +8,7 @@
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, for rows of dim
 extern "C" void rms_norm(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* out) {
 #pragma omp parallel for schedule(static) if (rows >= 16)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xr + i), _mm256_loadu_ps(xr + i), acc);
-    float squares = hsum(acc);
-    for (; i < dim; ++i) squares += xr[i] * xr[i];
-    const float scale = 1.0f / sqrtf(squares / (float)dim + eps);
-    float* o = out + r * dim;
-    for (i = 0; i < dim; ++i) o[i] = xr[i] * scale * w[i];
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_row(x + r * dim, dim, w, eps, out + r * dim);
 }
 
 // out[r] = silu(h[r][:width]) * h[r][width:], for rows of 2 width (the fused gate and up projections)

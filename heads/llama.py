@@ -220,11 +220,11 @@ class Attention(nn.Module):
         mask as plans (Transformer.layers_forward, CPU bf16/fp16): batch-invariant attention, same bits per row."""
         b, n, _ = x.shape
         cached = k_cache is not None and v_cache is not None and isinstance(start, int)
-        if cached and not hasattr(self, "q_norm") and rope_attention.takes(x, mask):
-            # fp32 CPU: rope, cache write and attention in one call, row-invariant
+        if cached and rope_attention.takes(x, mask) and rope_attention.norms_fit(self):
+            # fp32 CPU: (q/k norms,) rope, cache write and attention in one call, row-invariant
             if (fused := fused_linear(self, "qkv_proj")) is not None:
-                caches = (k_cache, v_cache)
-                out = rope_attention.rope_attention(fused(x), cos, sin, caches, start, mask, self.n_heads)  # type: ignore[arg-type]
+                caches, norms = (k_cache, v_cache), rope_attention.qk_norms(self)
+                out = rope_attention.rope_attention(fused(x), cos, sin, caches, start, mask, self.n_heads, norms)  # type: ignore[arg-type]
                 return self.o_proj(out)
         q, k, v = self.qkv(x, cos, sin)
         if isinstance(start, Tensor):  # static shapes (CUDA graphs): write at slots, attend over the whole cache

@@ -1,10 +1,13 @@
-// One fp32 attention step for n query rows of a batch-1 Llama layer, from its fused qkv rows: rope on q and k, k and v
-// written to the cache at slots start .. start+n-1, then each (row, head) attends over the cache slots it may see.
+// One fp32 attention step for n query rows of a batch-1 Llama layer, from its fused qkv rows: rope on q and k (after
+// their per-head norms, Qwen3's), k and v written to the cache at slots start .. start+n-1, then each (row, head)
+// attends over the cache slots it may see.
 // A row reads its visible slots in slot order, one at a time, whatever else the call holds: its bits are the same
 // decoded alone, verified among k rows or prefilled (heads/rope_attention.py).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "rope_attention.h"
 
 #include "vec.h"
 
@@ -128,19 +131,28 @@ static void attend_heads(const float* q, const float* k, const float* v, int64_t
   }
 }
 
-// qkv [n][(h + 2 kv) d]; cos, sin [n][d]; caches [kv][max_len][d]; mask [n][cols] (1 = may see) or null: causal,
-// row r sees slots 0 .. start + r; out [n][h d].
+// A q or k head as rope reads it: itself, or (Qwen3) RMSNormed over its d features by w into `into`
+static inline const float* head(const float* x, int64_t d, const float* w, float eps, float* into) {
+  if (!w) return x;
+  rms_row(x, d, w, eps, into);
+  return into;
+}
+
+// operands as heads/rope_attention.h says
 extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t kv, int64_t d, const float* cos,
                                const float* sin, float* k_cache, float* v_cache, int64_t max_len, int64_t start,
-                               const uint8_t* mask, int64_t cols, float* out) {
+                               const uint8_t* mask, int64_t cols, const QKNorm* norm, float* out) {
   const int64_t width = (h + 2 * kv) * d, group = h / kv;
   const int64_t slots = mask ? cols : start + n;
-  std::vector<float> q(n * h * d);
+  const float *qw = norm ? norm->q : nullptr, *kw = norm ? norm->k : nullptr;
+  const float eps = norm ? norm->eps : 0.0f;
+  std::vector<float> q(n * h * d), normed(norm ? d : 0);
   for (int64_t r = 0; r < n; ++r) {
-    const float* row = qkv + r * width;
-    for (int64_t hd = 0; hd < h; ++hd) rope(row + hd * d, cos + r * d, sin + r * d, d, q.data() + (r * h + hd) * d);
+    const float *row = qkv + r * width, *c = cos + r * d, *s = sin + r * d;
+    for (int64_t hd = 0; hd < h; ++hd)
+      rope(head(row + hd * d, d, qw, eps, normed.data()), c, s, d, q.data() + (r * h + hd) * d);
     for (int64_t g = 0; g < kv; ++g) {
-      rope(row + (h + g) * d, cos + r * d, sin + r * d, d, k_cache + (g * max_len + start + r) * d);
+      rope(head(row + (h + g) * d, d, kw, eps, normed.data()), c, s, d, k_cache + (g * max_len + start + r) * d);
       memcpy(v_cache + (g * max_len + start + r) * d, row + (h + kv + g) * d, d * sizeof(float));
     }
   }

@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import kernels
+from .watch import plain
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
-ARGS = [P, I64, I64, I64, I64, P, P, P, P, I64, I64, P, I64, P]
+
+
+class QKNORM(ctypes.Structure):
+    """Qwen3's per-head q and k norms as the kernel applies them before rope (heads/rope_attention.h)."""
+
+    _fields_ = [("q", P), ("k", P), ("eps", ctypes.c_float)]
+
+
+ARGS = [P, I64, I64, I64, I64, P, P, P, P, I64, I64, P, I64, ctypes.POINTER(QKNORM), P]
+QKNorms = tuple[Tensor, Tensor, float]  # q's weight, k's weight [head_dim] each, their eps
 
 
 @functools.cache
@@ -36,17 +47,26 @@ def takes(x: Tensor, mask: object) -> bool:
 
 
 def rope_attention(
-    qkv: Tensor, cos: Tensor, sin: Tensor, caches: tuple[Tensor, Tensor], start: int, mask: Tensor | None, heads: int
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    caches: tuple[Tensor, Tensor],
+    start: int,
+    mask: Tensor | None,
+    heads: int,
+    norms: QKNorms | None = None,
 ) -> Tensor:
     """qkv [1, n, (heads + 2 kv) d] from the fused projection; cos, sin [n, d]; caches [1, kv, max_len, d] each,
     written at slots start .. start+n-1; mask bool [.., n, cols] (True = may see) or None: row r sees slots up to
-    start + r. Returns the attention output [1, n, heads d]."""
+    start + r; norms: RMSNorms of each q and k head before rope (Qwen3), or None. Returns the attention output
+    [1, n, heads d]."""
     k_cache, v_cache = caches
     _, kv, max_len, d = k_cache.shape
     n = qkv.shape[1]
     check_fp32((("qkv", qkv),))
     cos, sin, seen = step_operands(tuple(qkv.shape), (cos, sin), caches, start, mask, heads)
     rows = qkv.reshape(n, -1).contiguous()
+    weights, struct = norm_struct(norms, d)  # weights held in a name: their memory must outlive the call
     out = qkv.new_empty(1, n, heads * d)
     fn = kernel()
     assert fn is not None, "takes() said the kernel is built"
@@ -65,9 +85,42 @@ def rope_attention(
         start,
         mask_ptr,
         cols,
+        struct,
         out.data_ptr(),
     )
     return out
+
+
+def norm_struct(norms: QKNorms | None, d: int) -> tuple[tuple[Tensor, ...], QKNORM | None]:
+    """The q and k norms as the kernel reads them (contiguous fp32 weights of d), and the tensors it points into."""
+    if norms is None:
+        return (), None
+    q, k, eps = norms
+    check_fp32((("q norm", q), ("k norm", k)))
+    if q.shape != (d,) or k.shape != (d,):
+        raise ValueError(f"q and k norms must weigh the head's {d} features, got {tuple(q.shape)}, {tuple(k.shape)}")
+    q, k = q.contiguous(), k.contiguous()
+    return (q, k), QKNORM(q.data_ptr(), k.data_ptr(), eps)
+
+
+def qk_norms(attn: Any) -> QKNorms | None:
+    """An attention module's q and k norms (Qwen3's) as the kernel applies them; None where it has none."""
+    if not hasattr(attn, "q_norm"):
+        return None
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
+
+
+def norms_fit(attn: Any) -> bool:
+    """Whether the kernel can stand in for the module's q and k norms: it has none, or two plain RMSNorms (no hook
+    or forward of their own, heads/watch.py) of fp32 CPU weights over head_dim with one eps."""
+    if not hasattr(attn, "q_norm"):
+        return True
+    q, k, d = attn.q_norm, getattr(attn, "k_norm", None), getattr(attn, "head_dim", None)
+    if not isinstance(q, nn.Module) or not isinstance(k, nn.Module) or not plain([q, k]):
+        return False
+    weights = [getattr(m, "weight", None) for m in (q, k)]
+    fp32 = all(isinstance(w, Tensor) and w.dtype == torch.float32 and w.is_cpu and w.shape == (d,) for w in weights)
+    return fp32 and isinstance(getattr(q, "eps", None), float) and q.eps == getattr(k, "eps", None)
 
 
 def step_operands(

@@ -2,6 +2,8 @@
 // only on its own inputs.
 #pragma once
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
 
 // the 8 lanes summed in a fixed tree: (0+4, 1+5, 2+6, 3+7), then pairs, then the last two
 static inline float hsum(__m256 acc) {
@@ -27,4 +29,15 @@ static inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// one RMSNorm row: o = x / sqrt(mean(x^2) + eps) * w, the squares summed 8 lanes at a time, then the rest in order
+static inline void rms_row(const float* x, int64_t dim, const float* w, float eps, float* o) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+  float squares = hsum(acc);
+  for (; i < dim; ++i) squares += x[i] * x[i];
+  const float scale = 1.0f / sqrtf(squares / (float)dim + eps);
+  for (i = 0; i < dim; ++i) o[i] = x[i] * scale * w[i];
 }

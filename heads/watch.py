@@ -113,10 +113,8 @@ class Watch:
                 self.versions.append(version)
 
     def keep_plain(self, modules: list[nn.Module]) -> bool:
-        """Watch that these modules stay plain: no forward hooks (nor global ones), no forward of their own set on the
-        instance; whether they are now (a one-call kernel runs in their place, and would skip either)."""
-        dicts = [getattr(m, name) for m in modules for name in HOOKS]
-        dicts += [module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks]
+        """Watch that these modules stay plain (see plain()); whether they are now."""
+        dicts = hook_dicts(modules)
         for where in dicts:
             self.keep_size(where)
         own = [m.__dict__.get("forward", MISSING) for m in modules]
@@ -135,6 +133,17 @@ class Watch:
         for t, address, strides in zip(other.tensors, other.addresses, other.strides, strict=True):
             self.add_tensor(t, versions.get(id(t)), address, strides)
         self.pinned += other.pinned  # the other's storages, as it saw them
+
+
+def plain(modules: list[nn.Module]) -> bool:
+    """No forward hooks on these modules (nor global ones) and no forward of their own set on an instance: a one-call
+    kernel that runs in their place would skip either."""
+    return not any(map(len, hook_dicts(modules))) and all("forward" not in m.__dict__ for m in modules)
+
+
+def hook_dicts(modules: list[nn.Module]) -> list[dict]:
+    dicts = [getattr(m, name) for m in modules for name in HOOKS]
+    return dicts + [module_globals._global_forward_hooks, module_globals._global_forward_pre_hooks]
 
 
 def counter(t: Tensor) -> int | None:

@@ -25,29 +25,27 @@ from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS, assert_same_bits, assert_same_kv, node_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-DTYPES = [
-    pytest.param(
-        torch.bfloat16,
-        marks=pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels"),
-        id="bf16",
-    ),
-    pytest.param(
-        torch.float32,
-        marks=pytest.mark.skipif(
-            not (panels.available() and kernels.usable()), reason="draftsmith's fp32 kernels run on AVX2"
-        ),
-        id="fp32",
-    ),
+NO_BF16 = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels")
+NO_FP32 = pytest.mark.skipif(
+    not (panels.available() and kernels.usable()), reason="draftsmith's fp32 kernels run on AVX2"
+)
+DTYPES = [pytest.param(torch.bfloat16, marks=NO_BF16, id="bf16"), pytest.param(torch.float32, marks=NO_FP32, id="fp32")]
+# Qwen3's q and k norms run inside the fp32 attention kernel
+TARGETS = [
+    pytest.param(("llama", torch.bfloat16), marks=NO_BF16, id="bf16"),
+    pytest.param(("llama", torch.float32), marks=NO_FP32, id="fp32"),
+    pytest.param(("qwen3", torch.float32), marks=NO_FP32, id="qwen3-fp32"),
 ]
 SEQ = 3 * BLOCK + 14  # past three key blocks
 MAX_SEQ = SEQ + 50
 
 
-@pytest.fixture(scope="module", params=DTYPES)
+@pytest.fixture(scope="module", params=TARGETS)
 def target(tiny_llama_dir, request) -> Transformer:
     # 3 query heads per KV head, as SmolLM2: a decode step's 3 rows are below MKL's 4-row kernel
+    model_type, dtype = request.param
     return load_model(
-        tiny_llama_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6), request.param, "cpu"
+        tiny_llama_dir(model_type, hidden_size=96, intermediate_size=192, num_attention_heads=6), dtype, "cpu"
     )
 
 

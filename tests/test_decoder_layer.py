@@ -15,7 +15,7 @@ from helpers import four_steps, without
 pytestmark = pytest.mark.skipif(decoder_layer.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])  # qwen3: q and k norms in the call
 def target(tiny_llama_dir, request):
     return load_model(tiny_llama_dir(request.param, hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
 
@@ -68,8 +68,10 @@ def test_a_deep_copy_plans_its_own_weights(tiny_llama_dir):
 def test_layers_that_do_not_fit_take_the_modules(tiny_llama_dir):
     qwen3 = load_model(tiny_llama_dir("qwen3", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
     x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
+    qwen3.model.layers[0].self_attn.k_norm.eps = 1e-3  # q and k norms of two eps: the kernel applies one
     with torch.inference_mode():
-        assert decoder_layer.takes(qwen3.model.layers[0], x, caches, 0, None) is None  # q/k norms
+        assert decoder_layer.takes(qwen3.model.layers[0], x, caches, 0, None) is None
+        assert decoder_layer.takes(qwen3.model.layers[1], x, caches, 0, None) is not None
         llama = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
         assert decoder_layer.takes(llama.model.layers[0], x, caches, torch.tensor([0]), None) is None  # slot tensors
         assert decoder_layer.takes(llama.model.layers[0], x.double(), caches, 0, None) is None

@@ -39,7 +39,7 @@ def same(got: list, want: list) -> bool:
     return len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_the_stack_gives_the_layers_bits_and_taps(model_type, tiny_llama_dir):
     model = tiny(model_type, tiny_llama_dir)
     with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
@@ -79,9 +79,30 @@ def replace_layer(model) -> None:
     model.model.layers[1] = copy.deepcopy(model.model.layers[2])
 
 
-@pytest.mark.parametrize("change", [edit_in_place, swap_data, replace_parameter, change_eps, replace_layer])
-def test_a_changed_layer_is_replanned(change, tiny_llama_dir):
-    model = tiny("llama", tiny_llama_dir)
+def edit_a_q_norm(model) -> None:
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_norm.weight.mul_(1.5)
+
+
+def change_the_q_and_k_norms_eps(model) -> None:
+    attn = model.model.layers[2].self_attn
+    attn.q_norm.eps = attn.k_norm.eps = 0.25
+
+
+@pytest.mark.parametrize(
+    ("change", "model_type"),
+    [
+        (edit_in_place, "llama"),
+        (swap_data, "llama"),
+        (replace_parameter, "llama"),
+        (change_eps, "llama"),
+        (replace_layer, "llama"),
+        (edit_a_q_norm, "qwen3"),
+        (change_the_q_and_k_norms_eps, "qwen3"),
+    ],
+)
+def test_a_changed_layer_is_replanned(change, model_type, tiny_llama_dir):
+    model = tiny(model_type, tiny_llama_dir)
     before = steps(model)
     change(model)
     after = steps(model)
@@ -136,7 +157,9 @@ def test_what_the_stack_does_not_take(tiny_llama_dir):
     x = torch.zeros(1, 1, 96)
     with torch.inference_mode():
         assert takes(llama.model.layers, x, llama.new_cache(8), 0, None) is not None
-        assert takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is None  # q/k norms
+        assert takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is not None  # q/k norms in the call
+        qwen3.model.layers[1].self_attn.q_norm.register_forward_hook(lambda *_: None)
+        assert takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is None  # the call would skip the hook
         assert takes(llama.model.layers, x, None, 0, None) is None  # training: no cache
         assert takes(llama.model.layers, x, llama.new_cache(8), torch.tensor([0]), None) is None
         assert takes(llama.model.layers, x.expand(2, 1, 96), llama.new_cache(8), 0, None) is None

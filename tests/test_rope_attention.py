@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.heads import kernels, rope_attention
-from draftsmith.heads.llama import ModelConfig, apply_rope, rope_tables
+from draftsmith.heads.llama import Attention, ModelConfig, RMSNorm, apply_rope, rope_tables
 from draftsmith.serve.engine.tree import DraftTree
 
 pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2")
@@ -128,3 +128,45 @@ def test_non_finite_values_are_not_hidden():
     assert out[0, 0].isfinite().all() and torch.equal(out[0, 1], torch.zeros(heads * d))
     caches[0][0, 0, 3] = float("nan")  # a NaN key poisons the rows that read it
     assert run(qkv[:, :1], torch.tensor([10]), caches, 10, None, heads).isnan().all()
+
+
+@pytest.mark.parametrize(("heads", "kv", "d"), [(9, 3, 64), (4, 2, 20)])
+def test_q_and_k_norms_inside_equal_the_norm_modules_outside(heads, kv, d):
+    """Qwen3: each q and k head RMSNormed before rope, in the call, gives the bits of the RMSNorm modules applied to
+    the projection's rows first, q and k, cache included."""
+    g = torch.Generator().manual_seed(d)
+    qkv = torch.randn(1, 6, (heads + 2 * kv) * d, generator=g)
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(d, generator=g) + 0.5), k_norm.weight.copy_(torch.rand(d, generator=g) + 0.5)
+        rows = qkv.view(1, 6, heads + 2 * kv, d)
+        normed = torch.cat(
+            [q_norm(rows[:, :, :heads]), k_norm(rows[:, :, heads : heads + kv]), rows[:, :, heads + kv :]], 2
+        )
+    cos, sin = tables(d)
+    caches, outside = filled_caches(kv, d, 3), filled_caches(kv, d, 3)
+    norms = (q_norm.weight.detach(), k_norm.weight.detach(), 1e-6)
+    with torch.no_grad():
+        got = rope_attention.rope_attention(qkv, cos[20:26], sin[20:26], caches, 20, None, heads, norms)
+    want = run(normed.reshape(1, 6, -1), torch.arange(20, 26), outside, 20, None, heads)
+    assert torch.equal(got, want) and torch.equal(caches[0], outside[0]) and torch.equal(caches[1], outside[1])
+
+
+def test_norms_the_kernel_cannot_apply_stay_modules():
+    attn = Attention(ModelConfig(hidden_size=64, num_attention_heads=4, head_dim=16, qk_norm=True))
+    assert rope_attention.norms_fit(attn)
+    attn.k_norm.eps = 1e-3  # two eps
+    assert not rope_attention.norms_fit(attn)
+    attn.k_norm.eps = attn.q_norm.eps
+    handle = attn.q_norm.register_forward_hook(lambda *_: None)  # the kernel would skip the hook
+    assert not rope_attention.norms_fit(attn)
+    handle.remove()
+    attn.q_norm.forward = attn.q_norm.forward  # a forward of its own
+    assert not rope_attention.norms_fit(attn)
+    del attn.q_norm.forward
+    attn.k_norm.to(torch.float64)
+    assert not rope_attention.norms_fit(attn)
+    with pytest.raises(ValueError, match="q and k norms must weigh the head's 16 features"):
+        qkv, caches = torch.zeros(1, 1, 8 * 16), filled_caches(2, 16, 0)
+        cos, sin = (t[:1] for t in tables(16))
+        rope_attention.rope_attention(qkv, cos, sin, caches, 0, None, 4, (torch.ones(8), torch.ones(16), 1e-6))
