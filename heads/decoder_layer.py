@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from . import kernels, rope_attention
+from .layer_ops import is_rms_norm
 from .packed import current_packed, fused_linear
 from .rope_attention import QKNORM
 from .watch import Watch
@@ -116,14 +117,14 @@ def watch(layer: Any) -> Watch | None:
 def current_tensors(layer: Any) -> dict[str, Tensor] | None:
     """What the kernel reads of the layer, up to date (a stale packed linear repacks here), by its LAYER field: the 4
     packed weights, the 2 norms, and the qkv bias and q and k norms where the layer has them. None where a norm or a
-    projection does not fit: q/k norms the kernel cannot apply (rope_attention.norms_fit), an Identity norm (EAGLE-1),
-    two eps, linears not packed in fp32 panels, a bias past the q/k/v projections, or a module that is not a Llama
-    layer at all."""
+    projection does not fit: q/k norms the kernel cannot apply (rope_attention.norms_fit), a norm that is not an
+    RMSNorm (EAGLE-1's Identity, a LayerNorm, a subclass with its own forward), two eps, linears not packed in fp32
+    panels, a bias past the q/k/v projections, or a module that is not a Llama layer at all."""
     if not all(hasattr(layer, name) for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
         return None
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not rope_attention.norms_fit(attn) or getattr(norms[0], "eps", None) != getattr(norms[1], "eps", 0):
+    if not rope_attention.norms_fit(attn) or not all(map(is_rms_norm, norms)) or norms[0].eps != norms[1].eps:
         return None
     hidden = norms[0].weight.shape[0]
     qk = rope_attention.qk_norms(attn)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TypeGuard
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from . import kernels
 
@@ -64,3 +66,24 @@ def check_input(x: Tensor) -> None:
     """The kernels read raw fp32 memory: anything else is refused by name before they run."""
     if x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(f"the fp32 layer kernels take fp32 CPU tensors, got {x.dtype} on {x.device}")
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: on fp32 CPU inference one kernel call, row-invariant; elsewhere in HF's order."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if kernels.takes(x):  # fp32 CPU inference: one call, row-invariant
+            return rms_norm(x, self.weight, self.eps)
+        # HF's order: normalize in fp32, round to the input's dtype, then scale
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+def is_rms_norm(module: object) -> TypeGuard[RMSNorm]:
+    """An RMSNorm a kernel may stand in for: its class runs RMSNorm's forward (a LayerNorm, or a subclass with a
+    forward of its own, would be replaced by arithmetic it does not do)."""
+    return getattr(type(module), "forward", None) is RMSNorm.forward

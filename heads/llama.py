@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from . import decoder_layer, decoder_stack, kernels, layer_ops, rope_attention
 from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
+from .layer_ops import RMSNorm
 from .packed import fused_linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -79,19 +80,6 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        if kernels.takes(x):  # fp32 CPU inference: one call, row-invariant
-            return layer_ops.rms_norm(x, self.weight, self.eps)
-        # HF's order: normalize in fp32, round to the input's dtype, then scale
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:

@@ -17,9 +17,10 @@ import functools
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import kernels
+from .layer_ops import is_rms_norm
 from .watch import plain
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
@@ -111,16 +112,17 @@ def qk_norms(attn: Any) -> QKNorms | None:
 
 
 def norms_fit(attn: Any) -> bool:
-    """Whether the kernel can stand in for the module's q and k norms: it has none, or two plain RMSNorms (no hook
-    or forward of their own, heads/watch.py) of fp32 CPU weights over head_dim with one eps."""
+    """Whether the kernel can stand in for the module's q and k norms: it has none, or two plain RMSNorms (of the
+    class whose arithmetic the kernel does, no hook or forward of their own, heads/watch.py) of fp32 CPU weights over
+    head_dim with one eps."""
     if not hasattr(attn, "q_norm"):
         return True
     q, k, d = attn.q_norm, getattr(attn, "k_norm", None), getattr(attn, "head_dim", None)
-    if not isinstance(q, nn.Module) or not isinstance(k, nn.Module) or not plain([q, k]):
+    if not (is_rms_norm(q) and is_rms_norm(k)) or not plain([q, k]):
         return False
-    weights = [getattr(m, "weight", None) for m in (q, k)]
+    weights = [q.weight, k.weight]
     fp32 = all(isinstance(w, Tensor) and w.dtype == torch.float32 and w.is_cpu and w.shape == (d,) for w in weights)
-    return fp32 and isinstance(getattr(q, "eps", None), float) and q.eps == getattr(k, "eps", None)
+    return fp32 and isinstance(q.eps, float) and q.eps == k.eps
 
 
 def step_operands(

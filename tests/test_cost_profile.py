@@ -157,3 +157,13 @@ def test_profiles_of_different_contexts_live_side_by_side(engine, measured, tmp_
     for settings in (QUICK, short, QUICK, short):
         load_or_measure(engine, TARGET, str(tmp_path), settings)
     assert len(measured) == 2
+
+
+def test_own_kernels_on_and_off_keep_a_file_each(engine, monkeypatch, tmp_path):
+    """DRAFTSMITH_KERNELS=0 and the default cost rows differently: neither overwrites the other's curve."""
+    monkeypatch.setattr(cost_profile.kernels, "version", lambda: "draftsmith-0123456789abcdef")
+    on = fingerprint(engine, TARGET, 5, QUICK.context)
+    monkeypatch.setattr(cost_profile.kernels, "version", lambda: None)
+    off = fingerprint(engine, TARGET, 5, QUICK.context)
+    assert on["kernels"] == "draftsmith-0123456789abcdef" and off["kernels"] is None
+    assert profile_path(str(tmp_path), on) != profile_path(str(tmp_path), off)

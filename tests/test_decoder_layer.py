@@ -102,3 +102,16 @@ def test_a_norm_the_kernel_cannot_read_takes_the_modules(tiny_llama_dir):
     norm.weight = torch.nn.Parameter(w.double())
     with torch.inference_mode():
         assert decoder_layer.takes(model.model.layers[0], x, caches, 0, None) is None
+
+
+def test_a_norm_of_another_class_takes_the_modules(tiny_llama_dir):
+    """A LayerNorm has a weight and an eps too; the kernel would replace its arithmetic with RMSNorm's."""
+    model = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+    layer = model.model.layers[0]
+    layer.input_layernorm = torch.nn.LayerNorm(96, eps=layer.post_attention_layernorm.eps)
+    x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
+    with torch.inference_mode():
+        assert decoder_layer.takes(layer, x, caches, 0, None) is None
+    got = steps(model)[1][0]
+    with without(decoder_layer):
+        assert torch.equal(got, steps(model)[1][0])

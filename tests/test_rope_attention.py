@@ -166,7 +166,18 @@ def test_norms_the_kernel_cannot_apply_stay_modules():
     del attn.q_norm.forward
     attn.k_norm.to(torch.float64)
     assert not rope_attention.norms_fit(attn)
+    attn.k_norm.to(torch.float32)
+    assert rope_attention.norms_fit(attn)
+    attn.q_norm = torch.nn.LayerNorm(16, eps=attn.k_norm.eps)  # a weight and an eps, other arithmetic
+    assert not rope_attention.norms_fit(attn)
+    attn.q_norm = Halved(16, attn.k_norm.eps)  # an RMSNorm with a forward of its own
+    assert not rope_attention.norms_fit(attn)
     with pytest.raises(ValueError, match="q and k norms must weigh the head's 16 features"):
         qkv, caches = torch.zeros(1, 1, 8 * 16), filled_caches(2, 16, 0)
         cos, sin = (t[:1] for t in tables(16))
         rope_attention.rope_attention(qkv, cos, sin, caches, 0, None, 4, (torch.ones(8), torch.ones(16), 1e-6))
+
+
+class Halved(RMSNorm):
+    def forward(self, x):
+        return super().forward(x) / 2

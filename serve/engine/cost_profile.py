@@ -66,7 +66,7 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "device": str(engine.model.device),
         "forward": "dynamic" if engine.static is None else "compiled" if engine.static.prefill else "static",
         "torch": torch.__version__,
-        "kernels": kernels.version(),  # draftsmith's own fp32 CPU kernels: new ones cost rows differently
+        "kernels": own_kernels(engine),
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "rows": rows,
@@ -74,11 +74,19 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
     }
 
 
+def own_kernels(engine: Engine) -> str | None:
+    """The library of draftsmith's own kernels an fp32 CPU engine runs on (new ones cost rows differently); None for
+    other engines, whose curves a new library leaves alone."""
+    model = engine.model
+    return kernels.version() if model.dtype == torch.float32 and model.device.type == "cpu" else None
+
+
 def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:
     """One file per target, dtype, device, forward path, thread count, row count and context; the torch version, CPU
     model and kernel library are checked inside it (a new one makes the old file stale rather than leaving it
     behind)."""
     key = {k: print_[k] for k in ("target", "dtype", "device", "forward", "threads", "rows", "context")}
+    key["own kernels"] = print_["kernels"] is not None  # on and off (DRAFTSMITH_KERNELS) keep a file each
     return keyed_cache_path(cache_dir, "verify_cost", print_["target"], key, ".json")
 
 
