@@ -12,34 +12,6 @@ static inline void store(__m256 acc, const float* bias, float* y, int c, int val
   for (int i = 0; i < 8 && c + i < valid; ++i) y[c + i] = bias ? out[i] + bias[c + i] : out[i];
 }
 
-// R rows (1 or 2) x the whole panel: 4R chains, enough to stream a decode step's weights at the memory's pace
-template <int R>
-static void wide(const float* x, int64_t in, const float* w, const float* bias, float* y, int64_t out, int valid) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-  for (int64_t k = 0; k < in; ++k, w += P) {
-    __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
-           w3 = _mm256_loadu_ps(w + 24);
-    __m256 xk = _mm256_broadcast_ss(x + k);
-    a0 = _mm256_fmadd_ps(xk, w0, a0);
-    a1 = _mm256_fmadd_ps(xk, w1, a1);
-    a2 = _mm256_fmadd_ps(xk, w2, a2);
-    a3 = _mm256_fmadd_ps(xk, w3, a3);
-    if (R > 1) {
-      xk = _mm256_broadcast_ss(x + in + k);
-      b0 = _mm256_fmadd_ps(xk, w0, b0);
-      b1 = _mm256_fmadd_ps(xk, w1, b1);
-      b2 = _mm256_fmadd_ps(xk, w2, b2);
-      b3 = _mm256_fmadd_ps(xk, w3, b3);
-    }
-  }
-  store(a0, bias, y, 0, valid), store(a1, bias, y, 8, valid), store(a2, bias, y, 16, valid);
-  store(a3, bias, y, 24, valid);
-  if (R > 1) {
-    store(b0, bias, y + out, 0, valid), store(b1, bias, y + out, 8, valid), store(b2, bias, y + out, 16, valid);
-    store(b3, bias, y + out, 24, valid);
-  }
-}
-
 // R rows (up to 6) x 16 outputs from panel column c: 2R chains, a compute-bound tile for prefill rows past the
 // first two. Its two passes over a panel read every other 64 bytes: from memory that halves the
 // stream's pace, so it reads a panel the two-row pass has just brought into cache
@@ -106,6 +78,16 @@ static void wide_block(const float* x, int64_t in, const float* w, int64_t k0, i
   }
   acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3;
   if (R > 1) acc[4] = b0, acc[5] = b1, acc[6] = b2, acc[7] = b3;
+}
+
+// R rows (1 or 2) x the whole panel: 4R chains, enough to stream a decode step's weights at the memory's pace
+template <int R>
+static void wide(const float* x, int64_t in, const float* w, const float* bias, float* y, int64_t out, int valid) {
+  __m256 acc[8];
+  for (int i = 0; i < 4 * R; ++i) acc[i] = _mm256_setzero_ps();
+  wide_block<R>(x, in, w, 0, in, acc, false);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) store(acc[r * 4 + c], bias, y + r * out, c * 8, valid);
 }
 
 // Verify rows (3 to G) x the panel in one pass over memory: each k-block serves every pair of rows in turn
