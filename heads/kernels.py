@@ -10,7 +10,8 @@ each gives a row the same bits whatever the rows around it (docs/benchmarks.md).
 Where they run: fp32 on a CPU with AVX2 and FMA, by default where torch's best kernels are AVX2 (measured there);
 DRAFTSMITH_KERNELS=1 turns them on on an AVX-512 CPU as well, =0 off (oneDNN's linears and torch's attention). If
 the library cannot be built or loaded, one warning says why and torch's kernels run. The built library sits under
-the cache root beside its sha256; a damaged or half-copied one is rebuilt, never loaded.
+the cache root beside its sha256; a damaged or half-copied one is rebuilt, never loaded. A build keeps the newest
+few libraries there and removes older ones.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ EXPORTS = (
 # -ffp-contract=off: g++ would fuse a scalar a * b + c into an FMA on one code path and not another, and a row's
 # bits would then depend on the path (masked or causal) that computed it
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+KEEP = 4  # built libraries kept in the cache, the newest first (prune_older)
 SETTINGS = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
 
 
@@ -132,7 +134,17 @@ def built_library() -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(path, lambda tmp: compile_into(compiler, tmp))
         write_text_atomic(digest_path(path), file_digest(path))
+        prune_older(path)
     return path
+
+
+def prune_older(kept: Path) -> None:
+    """After a build, keep the KEEP newest libraries beside it (other checkouts or versions may still use them; one
+    removed is rebuilt when wanted, and a process that loaded it keeps its mapping) and remove the rest."""
+    built = sorted(kept.parent.glob("draftsmith-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in [p for p in built if p != kept][KEEP - 1 :]:
+        for f in (old, digest_path(old)):
+            f.unlink(missing_ok=True)
 
 
 def compiler_command() -> list[str]:

@@ -4,6 +4,7 @@ with their digest, rebuilt when damaged, and torch's kernels (one warning) where
 from __future__ import annotations
 
 import ctypes.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,20 @@ def test_the_version_names_the_library_that_runs(monkeypatch):
     assert kernels.version() == kernels.built_library().stem
     monkeypatch.setenv(kernels.ENV, "0")
     assert kernels.version() is None
+
+
+@needs_kernels
+def test_a_build_keeps_the_newest_libraries_and_removes_the_rest(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    for age in range(6):  # older builds (other sources), the oldest last
+        old = folder / f"draftsmith-{age:016x}.so"
+        old.write_bytes(b"old")
+        kernels.digest_path(old).write_text("digest")
+        os.utime(old, (1e9 - age, 1e9 - age))
+    path = kernels.built_library()
+    kept = sorted(p.name for p in folder.glob("*.so"))
+    assert kept == sorted([path.name] + [f"draftsmith-{age:016x}.so" for age in range(kernels.KEEP - 1)])
+    assert sorted(p.name for p in folder.glob("*.sha256")) == sorted(name + ".sha256" for name in kept)
+    assert kernels.built_library() == path  # intact: no build, nothing pruned
