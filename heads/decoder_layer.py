@@ -24,7 +24,7 @@ from . import kernels, rope_attention
 from .layer_ops import is_rms_norm
 from .packed import current_packed, fused_linear
 from .rope_attention import QKNORM
-from .watch import Watch
+from .watch import Watch, watching
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -104,9 +104,7 @@ def plan(layer: Any) -> Plan | None:
 def watch(layer: Any) -> Watch | None:
     """What the layer's plan reads; None where a module the kernel stands in for has a forward hook or its own
     forward (the kernel would skip it)."""
-    seen = Watch()
-    for path in READS:
-        seen.follow(layer, path)
+    seen = watching([layer], READS)
     attn, mlp = layer.self_attn, layer.mlp
     called = [attn, mlp, layer.input_layernorm, layer.post_attention_layernorm]
     called += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]

@@ -20,7 +20,6 @@ GEMM streams its weights faster than three short ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import panels
-from .watch import Watch
+from .watch import Watch, watching
 
 NATIVE = {  # does this CPU's oneDNN have kernels for the dtype
     torch.float32: lambda: True,
@@ -102,7 +101,7 @@ class PackedLinear(nn.Module):
         self.repack()
 
     def repack(self) -> None:
-        self.packed, self.seen = pack_weight(self.weight), watched([self], ("weight",))
+        self.packed, self.seen = pack_weight(self.weight), watching([self], ("weight",))
 
     def release(self) -> None:
         """Drop the packed copy (a FusedLinear holds this weight now); it is rebuilt if this linear runs alone."""
@@ -142,7 +141,7 @@ class FusedLinear(nn.Module):
     def repack(self) -> None:
         weight = torch.cat([p.weight.detach() for p in self.parts])
         self.packed, self.bias = pack_weight(weight), fused_bias(self.parts)
-        self.seen = watched(self.parts, ("weight", "bias"))
+        self.seen = watching(self.parts, ("weight", "bias"))
 
     def current(self) -> Tensor:
         """The packed weight, repacked first if a part's weight or bias was edited, replaced, added or dropped."""
@@ -157,15 +156,6 @@ class FusedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"sizes={self.sizes}, packed={self.dtype}"
-
-
-def watched(modules: Sequence[nn.Module], names: tuple[str, ...]) -> Watch:
-    """What a packed copy was made from: the modules' named tensors, as they are now (heads/watch.py)."""
-    seen = Watch()
-    for module in modules:
-        for name in names:
-            seen.follow(module, name)
-    return seen
 
 
 def fused_bias(parts: tuple[PackedLinear, ...]) -> Tensor | None:

@@ -47,6 +47,12 @@ static void tall_panel(const float* x, int64_t in, const float* w, const float* 
   tall<R>(x, in, w, 16, bias, y, out, valid);
 }
 
+// rows x the panel's 32 outputs from their accumulators, 4 per row
+static void store_rows(const __m256* acc, int64_t rows, const float* bias, float* y, int64_t out, int valid) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < 4; ++c) store(acc[r * 4 + c], bias, y + r * out, c * 8, valid);
+}
+
 enum { KB = 64, AHEAD = 64, G = 16 };  // k-block of KB x 128 B; prefetch AHEAD k ahead; verify rows up to G
 
 // R rows (1 or 2) x the whole panel over k in [k0, k1), its 4R chains carried in acc between blocks. The first pair
@@ -86,8 +92,7 @@ static void wide(const float* x, int64_t in, const float* w, const float* bias, 
   __m256 acc[8];
   for (int i = 0; i < 4 * R; ++i) acc[i] = _mm256_setzero_ps();
   wide_block<R>(x, in, w, 0, in, acc, false);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) store(acc[r * 4 + c], bias, y + r * out, c * 8, valid);
+  store_rows(acc, R, bias, y, out, valid);
 }
 
 // Verify rows (3 to G) x the panel in one pass over memory: each k-block serves every pair of rows in turn
@@ -101,8 +106,7 @@ static void verify_rows(const float* x, int64_t rows, int64_t in, const float* w
     for (; r + 2 <= rows; r += 2) wide_block<2>(x + r * in, in, w, k0, k1, acc + r * 4, r == 0);
     if (r < rows) wide_block<1>(x + r * in, in, w, k0, k1, acc + r * 4, false);
   }
-  for (int64_t r = 0; r < rows; ++r)
-    for (int c = 0; c < 4; ++c) store(acc[r * 4 + c], bias, y + r * out, c * 8, valid);
+  store_rows(acc, rows, bias, y, out, valid);
 }
 
 static void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y,

@@ -20,15 +20,6 @@ static void rope(const float* x, const float* cos, const float* sin, int64_t d, 
   for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
-static inline float dot(const float* a, const float* b, int64_t d) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // A row's heads that read the same keys (a GQA group's) are taken N at a time, up to GROUP: each key and value is
 // loaded once for all N. Every head's sums are still its own, taken in the same order, so its bits do not change.
 enum { GROUP = 3 };

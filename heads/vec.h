@@ -31,13 +31,18 @@ static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-// one RMSNorm row: o = x / sqrt(mean(x^2) + eps) * w, the squares summed 8 lanes at a time, then the rest in order
-static inline void rms_row(const float* x, int64_t dim, const float* w, float eps, float* o) {
+// sum of a[i] b[i]: 8 lanes at a time, summed by hsum, then the rest in order
+static inline float dot(const float* a, const float* b, int64_t d) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
-  for (; i + 8 <= dim; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
-  float squares = hsum(acc);
-  for (; i < dim; ++i) squares += x[i] * x[i];
-  const float scale = 1.0f / sqrtf(squares / (float)dim + eps);
-  for (i = 0; i < dim; ++i) o[i] = x[i] * scale * w[i];
+  for (; i + 8 <= d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum(acc);
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// one RMSNorm row: o = x / sqrt(mean(x^2) + eps) * w
+static inline void rms_row(const float* x, int64_t dim, const float* w, float eps, float* o) {
+  const float scale = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
+  for (int64_t i = 0; i < dim; ++i) o[i] = x[i] * scale * w[i];
 }

@@ -19,6 +19,7 @@ writes the storage behind the tensor's back.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -133,6 +134,15 @@ class Watch:
         for t, address, strides in zip(other.tensors, other.addresses, other.strides, strict=True):
             self.add_tensor(t, versions.get(id(t)), address, strides)
         self.pinned += other.pinned  # the other's storages, as it saw them
+
+
+def watching(modules: Sequence[nn.Module], paths: Sequence[str]) -> Watch:
+    """A watch of each dotted path from each module, as the modules are now."""
+    seen = Watch()
+    for module in modules:
+        for path in paths:
+            seen.follow(module, path)
+    return seen
 
 
 def plain(modules: list[nn.Module]) -> bool:
