@@ -140,11 +140,21 @@ def built_library() -> Path:
 
 def prune_older(kept: Path) -> None:
     """After a build, keep the KEEP newest libraries beside it (other checkouts or versions may still use them; one
-    removed is rebuilt when wanted, and a process that loaded it keeps its mapping) and remove the rest."""
-    built = sorted(kept.parent.glob("draftsmith-*.so"), key=lambda p: p.stat().st_mtime, reverse=True)
-    for old in [p for p in built if p != kept][KEEP - 1 :]:
+    removed is rebuilt when wanted, and a process that loaded it keeps its mapping) and remove the rest. Best effort:
+    what is not a plain file is left alone, and one another process removes first is skipped."""
+    built = []
+    for p in kept.parent.glob("draftsmith-*.so"):
+        try:
+            if p != kept and p.is_file() and not p.is_symlink():
+                built.append((p.stat().st_mtime, p))
+        except OSError:  # gone since the listing
+            continue
+    for _, old in sorted(built, reverse=True)[KEEP - 1 :]:
         for f in (old, digest_path(old)):
-            f.unlink(missing_ok=True)
+            try:
+                f.unlink(missing_ok=True)
+            except OSError:
+                continue
 
 
 def compiler_command() -> list[str]:

@@ -129,3 +129,18 @@ def test_a_build_keeps_the_newest_libraries_and_removes_the_rest(monkeypatch, tm
     assert kept == sorted([path.name] + [f"draftsmith-{age:016x}.so" for age in range(kernels.KEEP - 1)])
     assert sorted(p.name for p in folder.glob("*.sha256")) == sorted(name + ".sha256" for name in kept)
     assert kernels.built_library() == path  # intact: no build, nothing pruned
+
+
+@needs_kernels
+def test_pruning_leaves_what_is_not_a_library_and_never_fails_the_build(monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path))
+    folder = tmp_path / "kernels"
+    (folder / "draftsmith-y.so").mkdir(parents=True)  # a directory
+    (folder / "draftsmith-link.so").symlink_to(folder / "nowhere.so")  # a dangling link
+    for age in range(5):
+        old = folder / f"draftsmith-{age:016x}.so"
+        old.write_bytes(b"old")
+        os.utime(old, (1e9 - age, 1e9 - age))
+    path = kernels.built_library()
+    assert path.is_file() and (folder / "draftsmith-y.so").is_dir() and (folder / "draftsmith-link.so").is_symlink()
+    assert len(list(folder.glob("draftsmith-0*.so"))) == kernels.KEEP - 1

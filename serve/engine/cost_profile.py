@@ -75,10 +75,11 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
 
 
 def own_kernels(engine: Engine) -> str | None:
-    """The library of draftsmith's own kernels an fp32 CPU engine runs on (new ones cost rows differently); None for
-    other engines, whose curves a new library leaves alone."""
+    """The library of draftsmith's own kernels an eager fp32 CPU engine runs on (new ones cost rows differently); None
+    for other engines (a compiled forward never calls them), whose curves a new library leaves alone."""
     model = engine.model
-    return kernels.version() if model.dtype == torch.float32 and model.device.type == "cpu" else None
+    eager_fp32_cpu = engine.static is None and model.dtype == torch.float32 and model.device.type == "cpu"
+    return kernels.version() if eager_fp32_cpu else None
 
 
 def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:
