@@ -3,8 +3,6 @@
 // goes is the Python between them, which costs more than the layer's arithmetic besides its weights.
 #include "decoder_layer.h"
 
-extern "C" void panel_linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
-                             const float* bias, float* y);
 extern "C" void rms_norm(const float* x, int64_t rows, int64_t dim, const float* w, float eps, float* out);
 extern "C" void silu_mul(const float* h, int64_t rows, int64_t width, float* out);
 
@@ -22,14 +20,14 @@ extern "C" void decoder_layer(const float* x, int64_t n, const LayerWeights* w, 
   float *normed = work, *qkv = normed + n * H, *attended = qkv + n * qkv_width, *projected = attended + n * A;
   float *mid = projected + n * H, *gate_up = mid + n * H, *act = gate_up + n * 2 * I;
   rms_norm(x, n, H, w->input_norm, w->eps, normed);
-  panel_linear(normed, n, H, w->qkv, qkv_width, w->qkv_bias, qkv);
+  panel_linear(normed, n, H, w->qkv.data, w->qkv.format, qkv_width, w->qkv_bias, qkv);
   rope_attention(qkv, n, w->heads, w->kv_heads, w->head_dim, s->cos, s->sin, k_cache, v_cache, s->max_len, s->start,
                  s->mask, s->cols, w->qk_norm.q ? &w->qk_norm : nullptr, attended);
-  panel_linear(attended, n, A, w->o, H, nullptr, projected);
+  panel_linear(attended, n, A, w->o.data, w->o.format, H, nullptr, projected);
   add(x, projected, n * H, mid);
   rms_norm(mid, n, H, w->post_norm, w->eps, normed);
-  panel_linear(normed, n, H, w->gate_up, 2 * I, nullptr, gate_up);
+  panel_linear(normed, n, H, w->gate_up.data, w->gate_up.format, 2 * I, nullptr, gate_up);
   silu_mul(gate_up, n, I, act);
-  panel_linear(act, n, I, w->down, H, nullptr, projected);
+  panel_linear(act, n, I, w->down.data, w->down.format, H, nullptr, projected);
   add(mid, projected, n * H, out);
 }

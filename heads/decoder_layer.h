@@ -3,10 +3,14 @@
 #pragma once
 #include <stdint.h>
 
+#include "panels.h"
 #include "rope_attention.h"
 
 struct LayerWeights {
-  const float *input_norm, *post_norm, *qkv, *qkv_bias, *o, *gate_up, *down;
+  const float *input_norm, *post_norm;
+  Panels qkv;
+  const float* qkv_bias;
+  Panels o, gate_up, down;
   int64_t hidden, intermediate, heads, kv_heads, head_dim;
   float eps;
   QKNorm qk_norm;  // q and k's per-head norms (Qwen3); null weights where the layer has none

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import kernels, rope_attention
+from . import kernels, panels, rope_attention
 from .layer_ops import is_rms_norm
 from .packed import current_packed, fused_linear
 from .rope_attention import QKNORM
@@ -29,10 +29,18 @@ from .watch import Watch, watching
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class PANELS(ctypes.Structure):
+    _fields_ = [("data", P), ("format", I64)]
+
+
 class LAYER(ctypes.Structure):
-    _fields_ = [(name, P) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")]
+    _fields_ = [("input_norm", P), ("post_norm", P), ("qkv", PANELS), ("qkv_bias", P)]
+    _fields_ += [(name, PANELS) for name in ("o", "gate_up", "down")]
     _fields_ += [(name, I64) for name in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")]
     _fields_ += [("eps", ctypes.c_float), ("qk_norm", QKNORM)]
+
+
+LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 class STEP(ctypes.Structure):
@@ -117,7 +125,7 @@ def current_tensors(layer: Any) -> dict[str, Tensor] | None:
     packed weights, the 2 norms, and the qkv bias and q and k norms where the layer has them. None where a norm or a
     projection does not fit: q/k norms the kernel cannot apply (rope_attention.norms_fit), a norm that is not an
     RMSNorm (EAGLE-1's Identity, a LayerNorm, a subclass with its own forward), two eps, linears not packed in fp32
-    panels, a bias past the q/k/v projections, or a module that is not a Llama layer at all."""
+    panels (any format), a bias past the q/k/v projections, or a module that is not a Llama layer at all."""
     if not all(hasattr(layer, name) for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
         return None
     attn, mlp = layer.self_attn, layer.mlp
@@ -135,16 +143,18 @@ def current_tensors(layer: Any) -> dict[str, Tensor] | None:
     packs = [current_packed(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)]
     inter, d = mlp.down_proj.in_features, attn.head_dim
     expected = ((hidden, qkv.out_features), (attn.n_heads * d, hidden), (hidden, 2 * inter), (inter, hidden))
-    if not all(fits(p, i, o) for p, (i, o) in zip(packs, expected, strict=True)):
+    if not all(panels.holds(p, i, o) for p, (i, o) in zip(packs, expected, strict=True)):
         return None
-    names = ("qkv", "o", "gate_up", "down", "input_norm", "post_norm", "q_norm", "k_norm")[: len(packs + vectors)]
+    names = (*LINEARS, "input_norm", "post_norm", "q_norm", "k_norm")[: len(packs + vectors)]
     named = dict(zip(names, packs + vectors, strict=True))
     return named | ({"qkv_bias": qkv.bias} if qkv.bias is not None else {})
 
 
 def make_plan(layer: Any, held: dict[str, Tensor], seen: Watch) -> Plan:
     attn, mlp = layer.self_attn, layer.mlp
-    weights = LAYER(**{name: t.data_ptr() for name, t in held.items() if name not in ("q_norm", "k_norm")})
+    linears = {name: PANELS(t.data_ptr(), panels.FORMATS[t.dtype]) for name, t in held.items() if name in LINEARS}
+    vectors = {name: t.data_ptr() for name, t in held.items() if name in ("input_norm", "post_norm", "qkv_bias")}
+    weights = LAYER(**linears, **vectors)
     weights.hidden, weights.intermediate = held["input_norm"].shape[0], mlp.down_proj.in_features
     weights.heads, weights.kv_heads, weights.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
     weights.eps = layer.input_layernorm.eps
@@ -153,13 +163,6 @@ def make_plan(layer: Any, held: dict[str, Tensor], seen: Watch) -> Plan:
     work = work_kernel()
     assert work is not None, "the library that has decoder_layer has decoder_layer_work"
     return Plan(weights, list(held.values()), (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, work(weights), seen)
-
-
-def fits(packed: Tensor | None, inp: int, out: int) -> bool:
-    """Packed in fp32 panels for in -> out features."""
-    if packed is None or packed.dim() != 3 or packed.dtype != torch.float32:
-        return False
-    return packed.shape[1] == inp and packed.shape[0] * packed.shape[2] >= out
 
 
 def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask) -> Tensor:

@@ -36,7 +36,7 @@ SOURCES = tuple(
     Path(__file__).with_name(f"{name}.cpp")
     for name in ("panels", "rope_attention", "layer_ops", "decoder_layer", "decoder_stack")
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "rope_attention.h", "decoder_layer.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "panels.h", "rope_attention.h", "decoder_layer.h"))
 EXPORTS = (
     "panel_linear",
     "rope_attention",

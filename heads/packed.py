@@ -93,12 +93,16 @@ class PackedLinear(nn.Module):
     packed: Tensor | None  # None once released
     seen: Watch | None  # what the packed copy was made from; None once released
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, pack: bool = True) -> None:
+        """pack=False leaves it released (packed on first use): pack_linears packs only the linears it does not fuse,
+        as finding a weight's exact format (heads/panel_codes.py) is a pass over it."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.dtype = linear.weight.dtype
-        self.repack()
+        self.packed, self.seen = None, None
+        if pack:
+            self.repack()
 
     def repack(self) -> None:
         self.packed, self.seen = pack_weight(self.weight), watching([self], ("weight",))
@@ -166,6 +170,19 @@ def fused_bias(parts: tuple[PackedLinear, ...]) -> Tensor | None:
     return torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias.detach() for p in parts])
 
 
+def panel_formats(model: nn.Module) -> dict[str, int]:
+    """How many of the model's packed linears run from each panel format ("q4": 91, ...); empty where none is in
+    panels (oneDNN's layouts, or not packed)."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        live = isinstance(module, FusedLinear) or isinstance(module, PackedLinear) and module.packed is not None
+        packed = current_packed(module) if live else None  # current: an edited weight may change its format
+        if packed is not None and packed.dim() == 3:
+            name = panels.NAMES[packed.dtype]
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def current_packed(module: nn.Module) -> Tensor | None:
     """A PackedLinear's or FusedLinear's up-to-date packed weight; None for a plain linear."""
     return module.current() if isinstance(module, (PackedLinear, FusedLinear)) else None
@@ -195,12 +212,18 @@ def pack_linears(model: nn.Module) -> int:
         for name, child in parent.named_children()
         if type(child) is nn.Linear and can_pack(child.weight)
     ]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child))
+    linears = [PackedLinear(child, pack=False) for _, _, child in swaps]
+    for (parent, name, _), linear in zip(swaps, linears, strict=True):
+        setattr(parent, name, linear)
+    fused_parts: set[int] = set()
     for module in list(model.modules()):
         for fused, names in getattr(module, "FUSED", {}).items():
             parts = [getattr(module, n) for n in names]
             if getattr(module, fused) is None and all(type(p) is PackedLinear for p in parts):
                 if len({(p.dtype, p.in_features, p.bias is None) for p in parts}) == 1:
                     setattr(module, fused, FusedLinear(parts))
+                    fused_parts |= {id(p) for p in parts}
+    for linear in linears:
+        if id(linear) not in fused_parts:
+            linear.repack()
     return len(swaps)

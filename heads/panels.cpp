@@ -1,10 +1,16 @@
-// y[r, j] = sum_k x[r, k] * w[j, k] (+ bias[j]) in fp32, the weight packed in panels of P outputs: [panels][in][P].
+// y[r, j] = sum_k x[r, k] * w[j, k] (+ bias[j]) in fp32, the weight packed in panels of P outputs (heads/panels.h).
 // Each output is one FMA chain over k = 0 .. in-1 in order, started at zero, in whichever tile it falls: a row's
-// bits do not depend on how many rows the call holds or where the row sits among them (heads/panels.py).
+// bits do not depend on how many rows the call holds or where the row sits among them (heads/panels.py). A coded
+// panel (bf16, q8, q4) is decoded k-block by k-block into fp32 first, to the weight's own bits, and the same chains
+// run over the decoded block: every format gives the same products, from fewer bytes.
 #include <immintrin.h>
 #include <stdint.h>
 
-enum { P = 32 };
+#include <vector>
+
+#include "panels.h"
+
+enum { P = 32, QB = 32, Q8_BYTES = P * 4 + QB * P, Q4_BYTES = 2 * P * 4 + QB * P / 2 };
 
 static inline void store(__m256 acc, const float* bias, float* y, int c, int valid) {
   float out[8];
@@ -55,14 +61,14 @@ static void store_rows(const __m256* acc, int64_t rows, const float* bias, float
 
 enum { KB = 64, AHEAD = 64, G = 16 };  // k-block of KB x 128 B; prefetch AHEAD k ahead; verify rows up to G
 
-// R rows (1 or 2) x the whole panel over k in [k0, k1), its 4R chains carried in acc between blocks. The first pair
-// of a block reads it from memory and fetches ahead, so the stream goes on while the other pairs compute from L1
+// R rows (1 or 2) x the whole panel over n inputs, from x's and w's k-block start, its 4R chains carried in acc
+// between blocks. The first pair of a block reads it from memory and fetches ahead, so the stream goes on while the
+// other pairs compute from L1
 template <int R>
-static void wide_block(const float* x, int64_t in, const float* w, int64_t k0, int64_t k1, __m256* acc, bool first) {
+static void wide_block(const float* x, int64_t in, const float* w, int64_t n, __m256* acc, bool first) {
   __m256 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   if (R > 1) b0 = acc[4], b1 = acc[5], b2 = acc[6], b3 = acc[7];
-  w += k0 * P;
-  for (int64_t k = k0; k < k1; ++k, w += P) {
+  for (int64_t k = 0; k < n; ++k, w += P) {
     if (first) {
       _mm_prefetch((const char*)(w + AHEAD * P), _MM_HINT_T0);
       _mm_prefetch((const char*)(w + AHEAD * P + 16), _MM_HINT_T0);
@@ -91,29 +97,104 @@ template <int R>
 static void wide(const float* x, int64_t in, const float* w, const float* bias, float* y, int64_t out, int valid) {
   __m256 acc[8];
   for (int i = 0; i < 4 * R; ++i) acc[i] = _mm256_setzero_ps();
-  wide_block<R>(x, in, w, 0, in, acc, false);
+  wide_block<R>(x, in, w, in, acc, false);
   store_rows(acc, R, bias, y, out, valid);
 }
 
-// Verify rows (3 to G) x the panel in one pass over memory: each k-block serves every pair of rows in turn
-static void verify_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y,
-                        int64_t out, int valid) {
+static inline __m256 bytes_to_ps(__m128i eight) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)); }
+
+// bytes of one block of QB inputs of a panel
+static constexpr int64_t block_bytes(int F) { return F == Q8 ? Q8_BYTES : F == Q4 ? Q4_BYTES : QB * P * (F == BF16 ? 2 : 4); }
+
+// the fp32 weights of a coded block's input k, its P outputs in 4 vectors, each weight to its own bits: bf16
+// widened, q * scale rounded once, and q * scale + offset as one FMA, which rounds as a multiply and an add would
+// since heads/panel_codes.py codes q4 only where q * scale is exact (and only weights that decode back exactly)
+template <int F>
+static inline void weights_at(const uint8_t* block, int k, __m256* w) {
+  const float* scale = (const float*)block;
+  if (F == BF16) {
+    const __m128i* s = (const __m128i*)(block + k * P * 2);
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(s + c)), 16));
+  } else if (F == Q8) {
+    const int8_t* row = (const int8_t*)(block + P * 4) + k * P;
+    for (int c = 0; c < 4; ++c) {
+      __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + 8 * c))));
+      w[c] = _mm256_mul_ps(q, _mm256_loadu_ps(scale + 8 * c));
+    }
+  } else {
+    const __m128i low = _mm_set1_epi8(0x0F), v = _mm_loadu_si128((const __m128i*)(block + 2 * P * 4 + k * P / 2));
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    const __m256 q[4] = {bytes_to_ps(lo), bytes_to_ps(_mm_srli_si128(lo, 8)), bytes_to_ps(hi),
+                         bytes_to_ps(_mm_srli_si128(hi, 8))};
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(scale + 8 * c), _mm256_loadu_ps(scale + P + 8 * c));
+  }
+}
+
+// inputs [k0, k0 + n) of a coded panel decoded into fp32 [n][P] (k0 a whole number of blocks)
+template <int F>
+static void decode(const uint8_t* panel, int64_t k0, int64_t n, float* out) {
+  for (const uint8_t* block = panel + k0 / QB * block_bytes(F); n > 0; n -= QB, block += block_bytes(F))
+    for (int k = 0; k < QB && k < n; ++k, out += P) {
+      __m256 w[4];
+      weights_at<F>(block, k, w);
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, w[c]);
+    }
+}
+
+static void decode(const uint8_t* panel, int64_t format, int64_t k0, int64_t n, float* out) {
+  format == BF16 ? decode<BF16>(panel, k0, n, out) : format == Q8 ? decode<Q8>(panel, k0, n, out)
+                                                                  : decode<Q4>(panel, k0, n, out);
+}
+
+// R rows (1 or 2) x a whole coded panel, each input's weights decoded in registers and used at once
+template <int R, int F>
+static void coded_wide(const float* x, int64_t in, const uint8_t* panel, const float* bias, float* y, int64_t out,
+                       int valid) {
+  __m256 a[4] = {_mm256_setzero_ps(), a[0], a[0], a[0]}, b[4] = {a[0], a[0], a[0], a[0]};
+  const uint8_t* block = panel;
+  for (int64_t k0 = 0; k0 < in; k0 += QB, block += block_bytes(F)) {
+    _mm_prefetch((const char*)(block + 4 * block_bytes(F)), _MM_HINT_T0);
+    for (int k = 0; k < QB && k0 + k < in; ++k) {
+      __m256 w[4];
+      weights_at<F>(block, k, w);
+      __m256 xk = _mm256_broadcast_ss(x + k0 + k);
+      for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(xk, w[c], a[c]);
+      if (R > 1) {
+        xk = _mm256_broadcast_ss(x + in + k0 + k);
+        for (int c = 0; c < 4; ++c) b[c] = _mm256_fmadd_ps(xk, w[c], b[c]);
+      }
+    }
+  }
+  __m256 acc[8] = {a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]};
+  store_rows(acc, R, bias, y, out, valid);
+}
+
+// rows (1 to G) x the panel in one pass over it: each k-block serves every pair of rows in turn, read in place from
+// an fp32 panel (rows past two; 1 or 2 take wide) or decoded into L1 from a coded one
+static void blocked_rows(const float* x, int64_t rows, int64_t in, const uint8_t* panel, int64_t format,
+                         const float* bias, float* y, int64_t out, int valid) {
   __m256 acc[G * 4];
+  alignas(32) float decoded[KB * P];
   for (int64_t i = 0; i < rows * 4; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < in; k0 += KB) {
-    const int64_t k1 = k0 + KB < in ? k0 + KB : in;
+    const int64_t n = k0 + KB < in ? KB : in - k0;
+    const float* w = (const float*)panel + k0 * P;
+    if (format != F32) decode(panel, format, k0, n, decoded), w = decoded;
     int64_t r = 0;
-    for (; r + 2 <= rows; r += 2) wide_block<2>(x + r * in, in, w, k0, k1, acc + r * 4, r == 0);
-    if (r < rows) wide_block<1>(x + r * in, in, w, k0, k1, acc + r * 4, false);
+    for (; r + 2 <= rows; r += 2) wide_block<2>(x + r * in + k0, in, w, n, acc + r * 4, r == 0 && format == F32);
+    if (r < rows) wide_block<1>(x + r * in + k0, in, w, n, acc + r * 4, false);
   }
   store_rows(acc, rows, bias, y, out, valid);
 }
 
+// rows x an fp32 panel
 static void panel_rows(const float* x, int64_t rows, int64_t in, const float* w, const float* bias, float* y,
                        int64_t out, int valid) {
   if (rows < 3) return rows == 2 ? wide<2>(x, in, w, bias, y, out, valid)
                                  : rows == 1 ? wide<1>(x, in, w, bias, y, out, valid) : void();
-  if (rows <= G) return verify_rows(x, rows, in, w, bias, y, out, valid);
+  if (rows <= G) return blocked_rows(x, rows, in, (const uint8_t*)w, F32, bias, y, out, valid);
   wide<2>(x, in, w, bias, y, out, valid);
   int64_t r = 2;
   for (; r + 6 <= rows; r += 6) tall_panel<6>(x + r * in, in, w, bias, y + r * out, out, valid);
@@ -128,13 +209,52 @@ static void panel_rows(const float* x, int64_t rows, int64_t in, const float* w,
   }
 }
 
-// One panel per thread at a time: no output is split between threads, so the thread count changes no bits.
-extern "C" void panel_linear(const float* x, int64_t rows, int64_t in, const float* w, int64_t out,
+static void coded_wide_rows(const float* x, int64_t rows, int64_t in, const uint8_t* panel, int64_t format,
+                            const float* bias, float* y, int64_t out, int valid) {
+  if (rows == 2) {
+    format == BF16 ? coded_wide<2, BF16>(x, in, panel, bias, y, out, valid)
+    : format == Q8 ? coded_wide<2, Q8>(x, in, panel, bias, y, out, valid)
+                   : coded_wide<2, Q4>(x, in, panel, bias, y, out, valid);
+  } else if (rows == 1) {
+    format == BF16 ? coded_wide<1, BF16>(x, in, panel, bias, y, out, valid)
+    : format == Q8 ? coded_wide<1, Q8>(x, in, panel, bias, y, out, valid)
+                   : coded_wide<1, Q4>(x, in, panel, bias, y, out, valid);
+  }
+}
+
+static int64_t panel_bytes(int64_t format, int64_t in) {
+  switch (format) {
+    case BF16: return in * P * 2;
+    case Q8: return in / QB * Q8_BYTES;
+    case Q4: return in / QB * Q4_BYTES;
+    default: return in * P * 4;
+  }
+}
+
+// One panel per thread at a time: no output is split between threads, so the thread count changes no bits. A coded
+// panel under more than G rows (a prefill, compute-bound) is decoded whole into the thread's scratch first.
+extern "C" void panel_linear(const float* x, int64_t rows, int64_t in, const void* w, int64_t format, int64_t out,
                              const float* bias, float* y) {
-  int64_t panels = (out + P - 1) / P;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < panels; ++p) {
-    int valid = (int)(out - p * P < P ? out - p * P : P);
-    panel_rows(x, rows, in, w + p * in * P, bias ? bias + p * P : nullptr, y + p * P, out, valid);
+  const int64_t panels = (out + P - 1) / P, bytes = panel_bytes(format, in);
+  const bool whole = format != F32 && rows > G;
+#pragma omp parallel
+  {
+    std::vector<float> scratch(whole ? in * P : 0);
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int valid = (int)(out - p * P < P ? out - p * P : P);
+      const uint8_t* panel = (const uint8_t*)w + p * bytes;
+      const float *b = bias ? bias + p * P : nullptr;
+      if (format == F32) {
+        panel_rows(x, rows, in, (const float*)panel, b, y + p * P, out, valid);
+      } else if (whole) {
+        decode(panel, format, 0, in, scratch.data());
+        panel_rows(x, rows, in, scratch.data(), b, y + p * P, out, valid);
+      } else if (rows > 2) {
+        blocked_rows(x, rows, in, panel, format, b, y + p * P, out, valid);
+      } else {
+        coded_wide_rows(x, rows, in, panel, format, b, y + p * P, out, valid);
+      }
+    }
   }
 }

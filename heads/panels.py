@@ -6,8 +6,11 @@ about 30; this kernel streams them at 31-35 and also beats oneDNN at 2-32 rows (
 It keeps the engine's exactness by construction: every output is one FMA chain over the input features in order,
 whatever the row count, the tile or the thread, so a row's product carries the same bits in a decode, a verify and
 a prefill. The weight is repacked once into panels of PANEL outputs, [panels, in, PANEL], which a thread streams
-front to back. Where it runs, and what happens where it cannot be built: heads/kernels.py. A kernel that fails its
-self-check is not used either (one warning).
+front to back, in the narrowest format that holds it exactly (heads/panel_codes.py: bf16, or GGUF-like q8 and q4
+blocks, which the kernel decodes to the weight's own fp32 bits): the same products from a half to a fifth of the
+bytes (SmolLM2's decode step: 22 -> 11 ms on an AVX2 EPYC, docs/benchmarks.md). DRAFTSMITH_PANELS=fp32 keeps every
+weight in fp32 (to compare the two). Where it runs, and what happens where it cannot be built: heads/kernels.py. A
+kernel that fails its self-check is not used either (one warning).
 """
 
 from __future__ import annotations
@@ -15,13 +18,22 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import kernels, panel_codes
+from .panel_codes import BLOCK
 
 PANEL = 32  # outputs per panel: heads/panels.cpp's P
+# the packed tensor's dtype names its format (heads/panels.h's PanelFormat): fp32 and bf16 [panels, in, PANEL]; q8
+# and q4 [panels, in / BLOCK, bytes per block]
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
+CODED = {"q4": torch.uint8, "q8": torch.int8, "bf16": torch.bfloat16}  # the narrowest first
+NAMES = {dtype: code for code, dtype in CODED.items()} | {torch.float32: "fp32"}
+ENV = "DRAFTSMITH_PANELS"
+SETTINGS = ("exact", "fp32")
 
 
 def available() -> bool:
@@ -32,8 +44,8 @@ def available() -> bool:
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The bound and self-checked panel_linear, or None (after one warning where it was built but is wrong)."""
-    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    fn = kernels.bind("panel_linear", [*args, ctypes.c_void_p, ctypes.c_void_p])
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn = kernels.bind("panel_linear", [ptr, i64, i64, ptr, i64, i64, ptr, ptr])
     if fn is not None and not self_check(fn):
         kernels.warn_unusable(ArithmeticError("the panel kernel's self-check product differs from float64's"))
         return None
@@ -41,23 +53,82 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def self_check(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
-    """One small product against float64, so a kernel built wrong never reaches a model."""
+    """Small products in every format against float64, one under the verify rows' pass and one over it (a prefill
+    decodes whole panels), so a kernel built wrong never reaches a model."""
     g = torch.Generator().manual_seed(0)
-    out = PANEL + 3  # a whole panel and a padded one
-    w, b, x = torch.randn(out, 7, generator=g), torch.randn(out, generator=g), torch.randn(5, 7, generator=g)
-    y, packed = torch.empty(5, out), pack_panels(w)  # held in names: a temporary's memory is freed before the call
-    fn(x.data_ptr(), 5, 7, packed.data_ptr(), out, b.data_ptr(), y.data_ptr())
-    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
-    return torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5)
+    out, inp = PANEL + 3, 2 * BLOCK  # a whole panel and a padded one; two blocks
+    b, w = torch.randn(out, generator=g), torch.randn(out, inp, generator=g)
+    exact = {"fp32": w, "bf16": w.bfloat16().float()} | {c: panel_codes.quantized(w, c) for c in ("q8", "q4")}
+    for code, w in exact.items():
+        packed = pack_as(pad(w), code)
+        if packed is None:
+            return False
+        for rows in (5, 20):
+            x = torch.randn(rows, inp, generator=g)
+            y = torch.empty(rows, out)  # held in names: a temporary's memory is freed before the call
+            fn(x.data_ptr(), rows, inp, packed.data_ptr(), FORMATS[packed.dtype], out, b.data_ptr(), y.data_ptr())
+            want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+            if not torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5):
+                return False
+    return True
 
 
 def pack_panels(weight: Tensor) -> Tensor:
-    """A [out, in] fp32 weight as [panels, in, PANEL], its outputs padded with zeros to whole panels."""
+    """A [out, in] fp32 weight in panels of PANEL outputs, its outputs padded with zeros to whole panels: in the
+    narrowest format that holds it bit for bit (FORMATS), or fp32 under DRAFTSMITH_PANELS=fp32."""
+    padded = pad(weight.detach())
+    for code in CODED if setting() == "exact" else ():
+        packed = pack_as(padded, code)
+        if packed is not None:
+            return packed
+    return fp32_panels(padded)
+
+
+def setting() -> str:
+    value = os.environ.get(ENV, "").strip().lower() or "exact"
+    if value not in SETTINGS:
+        raise ValueError(f"{ENV}={value!r} is not a setting: use exact (the default) or fp32")
+    return value
+
+
+def pad(weight: Tensor) -> Tensor:
+    """[out, in] with zero outputs added up to whole panels."""
     out, inp = weight.shape
-    panels = -(-out // PANEL)
-    padded = weight.new_zeros(panels * PANEL, inp)
-    padded[:out] = weight.detach()
-    return padded.view(panels, PANEL, inp).transpose(1, 2).contiguous()
+    padded = weight.new_zeros(-(-out // PANEL) * PANEL, inp)
+    padded[:out] = weight
+    return padded
+
+
+def fp32_panels(padded: Tensor) -> Tensor:
+    return padded.view(len(padded) // PANEL, PANEL, padded.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack_as(padded: Tensor, code: str) -> Tensor | None:
+    """The padded weight in `code`'s panels, or None where that format does not hold it exactly."""
+    if not padded.numel():
+        return None
+    if code == "fp32":
+        return fp32_panels(padded)
+    if code == "bf16":
+        return fp32_panels(padded).bfloat16() if panel_codes.bf16_exact(padded) else None
+    coded = panel_codes.blocks(padded, code)
+    if coded is None:
+        return None
+    panels, blocks = padded.shape[0] // PANEL, padded.shape[1] // BLOCK
+
+    def per_block(t: Tensor) -> Tensor:  # [out, blocks] fp32 -> [panels, blocks, PANEL * 4] bytes
+        return t.view(panels, PANEL, blocks).transpose(1, 2).contiguous().view(torch.uint8)
+
+    q = coded.q.view(panels, PANEL, blocks, BLOCK).permute(0, 2, 3, 1)  # [panels, blocks, k, PANEL]
+    if code == "q4":
+        q = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)  # output j low, j + 16 high
+    parts = [per_block(coded.scale)] + ([per_block(coded.offset)] if coded.offset is not None else [])
+    parts.append(q.reshape(panels, blocks, -1).view(torch.uint8))
+    return torch.cat(parts, -1).view(CODED[code])
+
+
+def in_features(packed: Tensor) -> int:
+    return packed.shape[1] * (BLOCK if packed.dtype in (torch.int8, torch.uint8) else 1)
 
 
 def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
@@ -72,7 +143,8 @@ def panel_linear(x: Tensor, panels: Tensor, bias: Tensor | None, out_features: i
     b = bias if bias is None or bias.is_contiguous() else bias.contiguous()
     fn = kernel()
     assert fn is not None, "panels are only packed where the kernel is built"
-    fn(x.data_ptr(), rows, inp, panels.data_ptr(), out_features, None if b is None else b.data_ptr(), y.data_ptr())
+    bias_ptr, format = None if b is None else b.data_ptr(), FORMATS[panels.dtype]
+    fn(x.data_ptr(), rows, inp, panels.data_ptr(), format, out_features, bias_ptr, y.data_ptr())
     return y
 
 
@@ -80,10 +152,22 @@ def check_operands(x: Tensor, panels: Tensor, bias: Tensor | None, out_features:
     """The kernel reads raw fp32 memory: shapes and dtypes are checked here, where a mistake can still be named."""
     if x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(f"the panel kernel multiplies fp32 CPU inputs, got {x.dtype} on {x.device}: cast the input")
-    whole = panels.dim() == 3 and panels.shape[2] == PANEL and panels.is_contiguous()
-    if not whole or panels.shape[0] * PANEL < out_features or panels.dtype != torch.float32:
-        raise ValueError(f"panels {tuple(panels.shape)} do not hold {out_features} fp32 outputs: pack with pack_panels")
-    if x.shape[-1] != panels.shape[1]:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {panels.shape[1]}")
+    if not holds(panels, None, out_features):
+        raise ValueError(f"panels {tuple(panels.shape)} do not hold {out_features} outputs: pack with pack_panels")
+    if x.shape[-1] != in_features(panels):
+        raise ValueError(f"input has {x.shape[-1]} features, the weight expects {in_features(panels)}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or bias.is_cuda):
         raise ValueError(f"bias must be fp32 of shape ({out_features},), got {bias.dtype} {tuple(bias.shape)}")
+
+
+def holds(packed: Tensor | None, inp: int | None, out: int) -> bool:
+    """Packed by pack_panels for `out` outputs (and `inp` inputs, where given)."""
+    if packed is None or packed.dim() != 3 or packed.dtype not in FORMATS or not packed.is_contiguous():
+        return False
+    whole = packed.shape[2] == block_bytes(packed.dtype) and packed.shape[0] * PANEL >= out
+    return whole and (inp is None or in_features(packed) == inp)
+
+
+def block_bytes(dtype: torch.dtype) -> int:
+    """The last dimension of a packed tensor of this format: PANEL values, or a block's bytes (heads/panels.h)."""
+    return {torch.int8: PANEL * 4 + BLOCK * PANEL, torch.uint8: 2 * PANEL * 4 + BLOCK * PANEL // 2}.get(dtype, PANEL)

@@ -717,6 +717,11 @@ class PeerSetup:
             outtype = {"float32": "f32", "bfloat16": "bf16"}[dtype]
             gguf = lambda: lp.converted_target(self.tdir, self.tdir.name, outtype)
             starts["llama.cpp"] = lambda: start_llamacpp(gguf(), self.work, name)
+            shipped = self.args.llamacpp_gguf
+            if shipped and dtype == "float32":  # its own arithmetic (int8 activations): a reference, not identical
+                starts[f"llama.cpp {Path(shipped).stem.rsplit('.', 1)[-1]}"] = lambda: start_llamacpp(
+                    Path(shipped), self.work, f"{name}-gguf"
+                )
         return starts
 
 
@@ -950,6 +955,12 @@ def add_peer_args(p: argparse.ArgumentParser) -> None:
         dest="llamacpp",
         action="store_false",
         help="vllm: leave llama.cpp out of the peer table (it is in when scripts/llamacpp_build.sh built it)",
+    )
+    p.add_argument(
+        "--llamacpp-gguf",
+        default=None,
+        help="vllm: also llama.cpp on this GGUF beside plain fp32 (e.g. the default target's shipped Q4_1 file, "
+        "whose weights draftsmith's fp32 panels read as q4: llama.cpp multiplies them its own, inexact way)",
     )
 
 

@@ -4,10 +4,12 @@
 1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: the eager bit-exact bf16,
    without the linear wrappers' checks, a 1-row linear run as one row (not bit-exact), the SDPA-style attention
    instead of the batch-invariant one (not bit-exact), and fp32 (also on torch's kernels, oneDNN's linears and
-   SDPA, where heads/kernels.py's library runs, and with its layers one call each instead of the whole stack in one);
-   beside them the compiled step (serve/engine/compiled.py) in bf16 and fp32
+   SDPA, where heads/kernels.py's library runs, with its layers one call each instead of the whole stack in one, and
+   with every weight in fp32 panels instead of the narrowest exact format, heads/panel_codes.py); beside them the
+   compiled step (serve/engine/compiled.py) in bf16 and fp32
 2. the linears alone: every layer's packed weights once, cold (as a step streams them), 1 to 32 rows, bf16 and fp32
-   (fp32 on heads/panels.py's kernel and on oneDNN's where the panel kernel runs), beside this machine's memory
+   (fp32 on heads/panels.py's kernel, its weights in each panel format, and on oneDNN's where the panel kernel runs),
+   beside this machine's memory
    bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step against the bandwidth limit
    (every weight it reads, once per token)
 
@@ -30,7 +32,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.heads import decoder_stack, kernels, llama, packed, panels  # noqa: E402
+from draftsmith.heads import decoder_stack, kernels, llama, packed, panel_codes, panels  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
@@ -80,9 +82,18 @@ LAYER_BY_LAYER = "eager, fp32 one call per layer"  # the layers as one call each
 ONE_CALL_PER_LAYER = [(decoder_stack, "takes", lambda *args: None)]
 
 
+FP32_PANELS = "eager, fp32 weights in fp32 panels"  # every weight in fp32 panels, none in a narrower exact format
+
+
 def onednn_model():
     """The fp32 target packed for oneDNN's kernels, as before draftsmith's own."""
     with patched(TORCH_OPS):
+        return load_target(TargetConfig(dtype="float32")).model
+
+
+def fp32_panels_model():
+    """The fp32 target with every weight in fp32 panels (DRAFTSMITH_PANELS=fp32)."""
+    with mock.patch.dict(os.environ, {panels.ENV: "fp32"}):
         return load_target(TargetConfig(dtype="float32")).model
 
 
@@ -94,12 +105,14 @@ def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str
     if "float32" in dtypes and panels.available():
         runs[ONEDNN, "float32"] = TORCH_OPS
         runs[LAYER_BY_LAYER, "float32"] = ONE_CALL_PER_LAYER
+        runs[FP32_PANELS, "float32"] = []
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():
         for key, patches in runs.items():
             with patched(patches):
-                model = onednn_model() if key[0] == ONEDNN else models[key[1]]
+                made = {ONEDNN: onednn_model, FP32_PANELS: fp32_panels_model}.get(key[0])
+                model = made() if made is not None else models[key[1]]
                 steps[key] = eager_step(model, context + 64)
                 steps[key](tokens[:context], torch.arange(context), 0, causal_mask(0, context, "cpu"))
         for dtype, model in models.items():
@@ -143,8 +156,14 @@ def bandwidth_gbs(rounds: int) -> float:
 
 
 def weight_bytes(model) -> int:
-    """What a decode step streams: every linear's weight, the (tied) lm_head once."""
-    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, (packed.PackedLinear, torch.nn.Linear)))
+    """What a decode step streams: every linear's packed weight (fused ones once, in the format they are packed in),
+    the (tied) lm_head once."""
+    linears = (packed.PackedLinear, packed.FusedLinear, torch.nn.Linear)
+    return sum(
+        m.current().nbytes if isinstance(m, (packed.PackedLinear, packed.FusedLinear)) else m.weight.nbytes
+        for m in model.modules()
+        if isinstance(m, linears) and not (isinstance(m, packed.PackedLinear) and m.packed is None)
+    )
 
 
 def linears_section(rounds: int, dtypes: list[str], rows: list[int]) -> float:
@@ -154,24 +173,36 @@ def linears_section(rounds: int, dtypes: list[str], rows: list[int]) -> float:
     shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]  # qkv, o, gate_up, down
     print(f"the {cfg.num_hidden_layers} layers' packed linears, cold weights (ms per step; GB/s of weights read)")
     runs = [(d, "panels" if d == "float32" and panels.available() else "oneDNN") for d in dtypes]
-    runs += [("float32", "oneDNN")] if ("float32", "panels") in runs else []
+    if ("float32", "panels") in runs:
+        runs[runs.index(("float32", "panels")) + 1 : 1] = [("float32", f"{code} panels") for code in panels.CODED]
+        runs.append(("float32", "oneDNN"))
     for name, kernel in runs:
-        dtype = getattr(torch, name)
-        with mock.patch.dict(os.environ, {kernels.ENV: "1" if kernel == "panels" else "0"}):
+        dtype, code = getattr(torch, name), kernel.split()[0]
+        with mock.patch.dict(os.environ, {kernels.ENV: "0" if kernel == "oneDNN" else "1"}):
             weights = [
-                [packed.pack_weight(torch.randn(o, n, dtype=dtype) * 0.02) for o, n in shapes]
+                [pack(torch.randn(o, n, dtype=dtype) * 0.02, code) for o, n in shapes]
                 for _ in range(cfg.num_hidden_layers)
             ]
-        mb = sum(o * n for o, n in shapes) * cfg.num_hidden_layers * (2 if dtype == torch.bfloat16 else 4) / 1e6
+        mb = sum(w.nbytes for layer in weights for w in layer) / 1e6
         for n_rows in rows:
             best = time_linears(weights, shapes, dtype, n_rows, rounds)
             print(
-                f"  {name:9s} {kernel:7s} {n_rows:3d} row(s) {best * 1e3:7.2f} ms for {mb:.0f} MB: "
+                f"  {name:9s} {kernel:11s} {n_rows:3d} row(s) {best * 1e3:7.2f} ms for {mb:3.0f} MB: "
                 f"{mb / best / 1e3:.1f} GB/s"
             )
     gbs = bandwidth_gbs(rounds)
     print(f"  memory bandwidth probe (sum of a 512 MB fp32 tensor): {gbs:.1f} GB/s")
     return gbs
+
+
+def pack(weight: torch.Tensor, code: str) -> torch.Tensor:
+    """The weight packed for its kernel; for a panel format, first rounded so that the format holds it exactly."""
+    if code in panels.CODED:
+        exact = weight.bfloat16().float() if code == "bf16" else panel_codes.quantized(weight, code)
+        coded = panels.pack_as(panels.pad(exact), code)
+        assert coded is not None, f"{code} holds the weight it was rounded to"
+        return coded
+    return packed.pack_weight(weight)
 
 
 def time_linears(weights: list[list[torch.Tensor]], shapes, dtype: torch.dtype, rows: int, rounds: int) -> float:

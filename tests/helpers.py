@@ -631,3 +631,10 @@ def without(*roads) -> Iterator[None]:
         for road in roads:
             stack.enter_context(mock.patch.object(road, "takes", lambda *args: None))
         yield
+
+
+def exactly(code: str, w: torch.Tensor) -> torch.Tensor:
+    """w rounded so that the panel format `code` ("bf16", "q8", "q4"; heads/panel_codes.py) holds it exactly."""
+    from draftsmith.heads import panel_codes
+
+    return w.bfloat16().float() if code == "bf16" else panel_codes.quantized(w, code)

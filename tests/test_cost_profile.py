@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from draftsmith.heads import panels
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine import cost_profile
 from draftsmith.serve.engine.cost_profile import CostCurve, ProfileSettings, fingerprint, load_or_measure, profile_path
@@ -20,7 +21,7 @@ from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from draftsmith.serve.spec import SpecConfig
-from helpers import build_tiny_chat_target
+from helpers import build_tiny_chat_target, exactly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -167,3 +168,19 @@ def test_own_kernels_on_and_off_keep_a_file_each(engine, monkeypatch, tmp_path):
     off = fingerprint(engine, TARGET, 5, QUICK.context)
     assert on["kernels"] == "draftsmith-0123456789abcdef" and off["kernels"] is None
     assert profile_path(str(tmp_path), on) != profile_path(str(tmp_path), off)
+
+
+@pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
+def test_fp32_and_narrower_panels_keep_a_file_each(tiny_llama_dir, monkeypatch, tmp_path):
+    """A target whose weights a narrower panel format holds (heads/panel_codes.py) costs rows differently from the
+    same weights in fp32 panels (DRAFTSMITH_PANELS=fp32): the curve names the formats it was measured on."""
+    prints = {}
+    for setting in ("exact", "fp32"):
+        monkeypatch.setenv(panels.ENV, setting)
+        model = load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+        with torch.no_grad():
+            for w in (p for p in model.parameters() if p.dim() == 2):
+                w.copy_(exactly("q8", w))
+        prints[setting] = fingerprint(Engine(model, NgramProposer(NgramConfig(4)), max_seq_len=64), TARGET, 5, 8)
+    assert prints["exact"]["panels"] == {"q8": 13} and prints["fp32"]["panels"] == {"fp32": 13}
+    assert profile_path(str(tmp_path), prints["exact"]) != profile_path(str(tmp_path), prints["fp32"])

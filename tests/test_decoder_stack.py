@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.heads import decoder_layer, decoder_stack
+from draftsmith.heads import decoder_layer, decoder_stack, panels
 from draftsmith.heads.llama import DecoderLayer
 from draftsmith.serve.models.loader import load_model
-from helpers import four_steps, without
+from helpers import exactly, four_steps, without
 
 pytestmark = pytest.mark.skipif(decoder_stack.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
 TAPS = (0, 2, 2, 3, 9, -1)  # as EAGLE-3 asks: the first layer's input, a middle one, the output; repeats, strays
@@ -53,6 +53,25 @@ def test_the_stack_gives_the_layers_bits_and_taps(model_type, tiny_llama_dir):
         modules = steps(model)
     assert len(stacked) == 4 * (2 + 3) + 2  # taps 0, 2 and 3 (the output), each once
     assert same(stacked, layer_by_layer) and same(stacked, modules)
+
+
+@pytest.mark.parametrize("code", ["q4", "q8", "bf16"])
+def test_coded_weights_give_the_fp32_panels_bits(code, tiny_llama_dir, monkeypatch):
+    """Weights a narrower format holds exactly run from it (heads/panel_codes.py) through the whole stack, lm_head
+    included, with the bits of the same weights in fp32 panels."""
+    models = [tiny("llama", tiny_llama_dir) for _ in range(2)]
+    for model in models:
+        with torch.no_grad():
+            for w in (p for p in model.parameters() if p.dim() == 2):
+                w.copy_(exactly(code, w))  # edited in place: the packed copies are made again when next used
+    coded = steps(models[0])
+    held = [decoder_layer.current_tensors(layer) for layer in models[0].model.layers]
+    formats = {t.dtype for h in held if h is not None for name, t in h.items() if name in decoder_layer.LINEARS}
+    assert len(held) == 3 and formats == {panels.CODED[code]}
+    assert models[0].lm_head.current().dtype == panels.CODED[code]
+    monkeypatch.setenv(panels.ENV, "fp32")
+    assert same(coded, steps(models[1]))
+    assert models[1].lm_head.current().dtype == torch.float32
 
 
 def edit_in_place(model) -> None:

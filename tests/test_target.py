@@ -10,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.heads import decoder_layer, panels
 from draftsmith.heads.llama import ModelConfig, Transformer
 from draftsmith.serve.models import target as target_mod
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, torch_dtype
+from helpers import four_steps
 
 
 def copy_of(folder: Path, tmp_path: Path) -> Path:
@@ -112,6 +114,23 @@ def test_dtype_and_device_helpers() -> None:
     with pytest.raises(ValueError, match="float8"):
         torch_dtype("float8", "cpu")
     assert target_mod.pick_device("cpu") == "cpu"
+
+
+@pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
+def test_smollm2_runs_from_its_gguf_codes_with_the_fp32_bits(smollm2_dir: Path, monkeypatch) -> None:
+    """SmolLM2's fp32 weights are its GGUF's Q4_1 (layers) and Q8_0 (the tied embedding) values: the target packs
+    them as q4 and q8 panels, a fifth of the bytes, and every step's logits and cache equal fp32 panels' bit for bit."""
+    coded = load_target(TargetConfig(dtype="float32")).model
+    layers = [decoder_layer.current_tensors(layer) for layer in coded.model.layers]
+    formats = {t.dtype for h in layers if h is not None for name, t in h.items() if name in decoder_layer.LINEARS}
+    assert len(layers) == 30 and formats == {torch.uint8} and coded.lm_head.current().dtype == torch.int8
+    outs, cache = four_steps(coded)
+    monkeypatch.setenv(panels.ENV, "fp32")
+    plain = load_target(TargetConfig(dtype="float32")).model
+    assert plain.lm_head.current().dtype == torch.float32
+    want, want_cache = four_steps(plain)
+    assert all(torch.equal(o.logits, w.logits) for o, w in zip(outs, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, want_cache.k + want_cache.v, strict=True))
 
 
 def test_the_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_kernels() -> None:

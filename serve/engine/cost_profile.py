@@ -23,6 +23,7 @@ import torch
 
 from draftsmith.heads import kernels
 from draftsmith.heads.files import write_text_atomic
+from draftsmith.heads.packed import panel_formats
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.target import keyed_cache_path
 from draftsmith.serve.shared.cpu import cpu_name
@@ -67,6 +68,7 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "forward": "dynamic" if engine.static is None else "compiled" if engine.static.prefill else "static",
         "torch": torch.__version__,
         "kernels": own_kernels(engine),
+        "panels": panel_formats(engine.model) if own_kernels(engine) else None,
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "rows": rows,
@@ -88,6 +90,7 @@ def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:
     behind)."""
     key = {k: print_[k] for k in ("target", "dtype", "device", "forward", "threads", "rows", "context")}
     key["own kernels"] = print_["kernels"] is not None  # on and off (DRAFTSMITH_KERNELS) keep a file each
+    key["panels"] = "+".join(print_["panels"] or ())  # so do fp32 and narrower panels (DRAFTSMITH_PANELS)
     return keyed_cache_path(cache_dir, "verify_cost", print_["target"], key, ".json")
 
 
