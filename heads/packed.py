@@ -174,13 +174,21 @@ def panel_formats(model: nn.Module) -> dict[str, int]:
     """How many of the model's packed linears run from each panel format ("q4": 91, ...); empty where none is in
     panels (oneDNN's layouts, or not packed)."""
     counts: dict[str, int] = {}
+    refresh(model)  # an edited weight may have changed its format
     for module in model.modules():
-        live = isinstance(module, FusedLinear) or isinstance(module, PackedLinear) and module.packed is not None
-        packed = current_packed(module) if live else None  # current: an edited weight may change its format
+        packed = module.packed if isinstance(module, (PackedLinear, FusedLinear)) else None
         if packed is not None and packed.dim() == 3:
             name = panels.NAMES[packed.dtype]
             counts[name] = counts.get(name, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def refresh(model: nn.Module) -> None:
+    """Repack every packed copy in the model whose weights were edited or replaced: what a forward that reads
+    `packed` directly (a compiled graph, heads/static_forward.py) must run before each call."""
+    for module in model.modules():
+        if isinstance(module, FusedLinear) or isinstance(module, PackedLinear) and module.packed is not None:
+            module.current()
 
 
 def current_packed(module: nn.Module) -> Tensor | None:

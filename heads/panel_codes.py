@@ -70,7 +70,9 @@ def fit_blocks(weight: Tensor, code: str) -> Blocks | None:
 
 
 def codes(b: Tensor, scale: Tensor, offset: Tensor | None, low: int, high: int) -> tuple[Tensor, Tensor]:
-    """Each block's nearest codes under its scale (and offset), and whether they decode to its bits [out, blocks, 1]."""
+    """Each block's nearest codes under its scale (and offset), and whether they decode to its bits [out, blocks, 1].
+    A subnormal scale or offset never fits: under torch.set_flush_denormal(True) the CPU would read it as zero, where
+    the fp32 weights it makes are normal numbers and keep their values."""
     q = b / scale if offset is None else (b - offset).div_(scale)
     coded = q.masked_fill_(scale == 0, 0.0).round_().clamp_(low, high).to(torch.int8 if low < 0 else torch.uint8)
     q = coded.float()  # what the kernel reads: a -0.0 is a 0 code
@@ -79,12 +81,20 @@ def codes(b: Tensor, scale: Tensor, offset: Tensor | None, low: int, high: int) 
     if offset is not None:  # the product exact, so the kernel's one FMA rounds as this multiply and add do
         fits = decoded.double() == q.double() * scale.double()
         fits &= decoded.add_(offset).view(torch.int32) == b.view(torch.int32)
-    return coded, fits.all(-1, keepdim=True)
+    fits = fits.all(-1, keepdim=True) & normal_or_zero(scale)
+    return coded, fits if offset is None else fits & normal_or_zero(offset)
+
+
+def normal_or_zero(t: Tensor) -> Tensor:
+    return (t == 0) | (t.abs() >= torch.finfo(torch.float32).tiny)
 
 
 def quantized(weight: Tensor, code: str) -> Tensor:
-    """The weight [out, in] rounded to `code` blocks as GGUF's Q8_0 and Q4_1 round it (fp16 scales): a weight that
-    codes exactly, for tests and the kernel's self-check."""
+    """The weight [out, in] rounded to `code` blocks as GGUF's Q8_0 and Q4_1 round it (fp16 scales and offsets): a
+    weight that codes exactly, for tests and the kernel's self-check, where its values sit well inside fp16's range
+    (about 1e-3 to 1e4)."""
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        raise ValueError(f"a weight of shape {tuple(weight.shape)} is not [out, in] with in a multiple of {BLOCK}")
     b = weight.reshape(weight.shape[0], -1, BLOCK)
     low, high = LEVELS[code]
     offset = b.amin(-1, keepdim=True).half().float() if code == "q4" else torch.zeros(())

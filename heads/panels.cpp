@@ -101,8 +101,6 @@ static void wide(const float* x, int64_t in, const float* w, const float* bias, 
   store_rows(acc, R, bias, y, out, valid);
 }
 
-static inline __m256 bytes_to_ps(__m128i eight) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)); }
-
 // bytes of one block of QB inputs of a panel
 static constexpr int64_t block_bytes(int F) { return F == Q8 ? Q8_BYTES : F == Q4 ? Q4_BYTES : QB * P * (F == BF16 ? 2 : 4); }
 
@@ -123,12 +121,12 @@ static inline void weights_at(const uint8_t* block, int k, __m256* w) {
       w[c] = _mm256_mul_ps(q, _mm256_loadu_ps(scale + 8 * c));
     }
   } else {
-    const __m128i low = _mm_set1_epi8(0x0F), v = _mm_loadu_si128((const __m128i*)(block + 2 * P * 4 + k * P / 2));
-    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    const __m256 q[4] = {bytes_to_ps(lo), bytes_to_ps(_mm_srli_si128(lo, 8)), bytes_to_ps(hi),
-                         bytes_to_ps(_mm_srli_si128(hi, 8))};
-    for (int c = 0; c < 4; ++c)
-      w[c] = _mm256_fmadd_ps(q[c], _mm256_loadu_ps(scale + 8 * c), _mm256_loadu_ps(scale + P + 8 * c));
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(0x0F);
+    const int32_t* nibbles = (const int32_t*)(block + 2 * P * 4 + k * P / 2);
+    for (int c = 0; c < 4; ++c) {
+      __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(nibbles[c]), shifts), low);
+      w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(scale + 8 * c), _mm256_loadu_ps(scale + P + 8 * c));
+    }
   }
 }
 

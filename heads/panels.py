@@ -34,6 +34,7 @@ CODED = {"q4": torch.uint8, "q8": torch.int8, "bf16": torch.bfloat16}  # the nar
 NAMES = {dtype: code for code, dtype in CODED.items()} | {torch.float32: "fp32"}
 ENV = "DRAFTSMITH_PANELS"
 SETTINGS = ("exact", "fp32")
+NIBBLES = torch.arange(0, 32, 4)
 
 
 def available() -> bool:
@@ -53,8 +54,9 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def self_check(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
-    """Small products in every format against float64, one under the verify rows' pass and one over it (a prefill
-    decodes whole panels), so a kernel built wrong never reaches a model."""
+    """Small products in every format against float64 and, bit for bit, against fp32 panels, at 1 row, a few and
+    more than the verify rows' pass takes (a prefill decodes whole panels), so a kernel built wrong never reaches a
+    model."""
     g = torch.Generator().manual_seed(0)
     out, inp = PANEL + 3, 2 * BLOCK  # a whole panel and a padded one; two blocks
     b, w = torch.randn(out, generator=g), torch.randn(out, inp, generator=g)
@@ -63,13 +65,15 @@ def self_check(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
         packed = pack_as(pad(w), code)
         if packed is None:
             return False
-        for rows in (5, 20):
+        fp32 = fp32_panels(pad(w))
+        for rows in (1, 5, 20):
             x = torch.randn(rows, inp, generator=g)
-            y = torch.empty(rows, out)  # held in names: a temporary's memory is freed before the call
+            y, same = torch.empty(rows, out), torch.empty(rows, out)  # held in names: a temporary is freed too soon
             fn(x.data_ptr(), rows, inp, packed.data_ptr(), FORMATS[packed.dtype], out, b.data_ptr(), y.data_ptr())
+            fn(x.data_ptr(), rows, inp, fp32.data_ptr(), FORMATS[fp32.dtype], out, b.data_ptr(), same.data_ptr())
             want = torch.nn.functional.linear(x.double(), w.double(), b.double())
-            if not torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5):
-                return False
+            if not torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5) or not torch.equal(y, same):
+                return False  # wrong, or not the fp32 panels' bits
     return True
 
 
@@ -120,8 +124,9 @@ def pack_as(padded: Tensor, code: str) -> Tensor | None:
         return t.view(panels, PANEL, blocks).transpose(1, 2).contiguous().view(torch.uint8)
 
     q = coded.q.view(panels, PANEL, blocks, BLOCK).permute(0, 2, 3, 1)  # [panels, blocks, k, PANEL]
-    if code == "q4":
-        q = q[..., : PANEL // 2] | (q[..., PANEL // 2 :] << 4)  # output j low, j + 16 high
+    if code == "q4":  # 8 outputs per 32-bit word, output i of the 8 in bits 4i .. 4i + 3
+        words = (q.reshape(*q.shape[:-1], PANEL // 8, 8).long() << NIBBLES).sum(-1)  # below 2**32
+        q = words.view(torch.int32)[..., ::2].contiguous()  # the low 32 bits (little-endian)
     parts = [per_block(coded.scale)] + ([per_block(coded.offset)] if coded.offset is not None else [])
     parts.append(q.reshape(panels, blocks, -1).view(torch.uint8))
     return torch.cat(parts, -1).view(CODED[code])
@@ -152,6 +157,12 @@ def check_operands(x: Tensor, panels: Tensor, bias: Tensor | None, out_features:
     """The kernel reads raw fp32 memory: shapes and dtypes are checked here, where a mistake can still be named."""
     if x.dtype != torch.float32 or not x.is_cpu:
         raise ValueError(f"the panel kernel multiplies fp32 CPU inputs, got {x.dtype} on {x.device}: cast the input")
+    shaped = panels.dim() == 3 and panels.is_contiguous()
+    if panels.dtype not in FORMATS or not shaped or panels.shape[2] != block_bytes(panels.dtype):
+        raise ValueError(
+            f"a {panels.dtype} tensor of shape {tuple(panels.shape)} is not a panel format (fp32 or bf16 [panels, in, "
+            f"{PANEL}]; q8 (int8) or q4 (uint8) [panels, in / {BLOCK}, bytes per block]): pack with pack_panels"
+        )
     if not holds(panels, None, out_features):
         raise ValueError(f"panels {tuple(panels.shape)} do not hold {out_features} outputs: pack with pack_panels")
     if x.shape[-1] != in_features(panels):

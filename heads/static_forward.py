@@ -61,7 +61,8 @@ def packed_linear_fake(x: Tensor, packed: Tensor, bias: Tensor | None, out_featu
 
 def linear(module: nn.Module, x: Tensor) -> Tensor:
     """A packed linear as one opaque op: the compiler neither repacks its weight nor fuses into it, so it runs the
-    kernel (and rounding) the eager forward runs. Its staleness checks stay outside the graph."""
+    kernel (and rounding) the eager forward runs. Its staleness checks stay outside the graph (packed.refresh, before
+    each compiled call)."""
     if isinstance(module, (PackedLinear, FusedLinear)) and module.packed is not None and x.dtype == module.dtype:
         return torch.ops.draftsmith.packed_linear(x, module.packed, module.bias, module.out_features)
     return module(x)

@@ -55,6 +55,22 @@ def test_a_negative_zero_is_not_coded_as_a_zero():
     assert panel_codes.blocks(w, "q8") is not None
 
 
+def test_a_subnormal_scale_is_not_coded():
+    """2**-128 is subnormal: under torch.set_flush_denormal(True) the CPU would read it as 0, though the weights it
+    scales (q * 2**-128, |q| >= 4) are normal numbers the fp32 panels keep."""
+    q = torch.randint(4, 128, (4, 32), generator=torch.Generator().manual_seed(0)).float()
+    q[:, 0] = 127  # each block's largest code, as GGUF's Q8_0 makes it
+    w = q * torch.sign(torch.randn(4, 32)) * 2.0**-128
+    assert bool((w.abs() >= torch.finfo(torch.float32).tiny).all())
+    assert panel_codes.blocks(w, "q8") is None
+    assert panel_codes.blocks(w * 2.0**30, "q8") is not None  # the same codes at a normal scale
+
+
+def test_quantized_names_a_width_that_is_not_whole_blocks():
+    with pytest.raises(ValueError, match="in a multiple of 32"):
+        panel_codes.quantized(torch.randn(4, 50), "q4")
+
+
 def test_bf16_values_are_found_exactly():
     w = randn(8, 10)
     assert panel_codes.bf16_exact(w.bfloat16().float()) and not panel_codes.bf16_exact(w)

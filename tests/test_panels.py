@@ -111,8 +111,10 @@ def test_weights_not_packed_into_panels_are_refused():
     w, b = weights(70, 50)
     with pytest.raises(ValueError, match="pack with pack_panels"):
         panels.panel_linear(torch.randn(2, 50), w.t().contiguous(), b, 70)
-    with pytest.raises(ValueError, match="pack with pack_panels"):
+    with pytest.raises(ValueError, match="do not hold 100 outputs"):
         panels.panel_linear(torch.randn(2, 50), panels.pack_panels(w), b, 100)  # 3 panels hold 96 outputs
+    with pytest.raises(ValueError, match="torch.float16 tensor of shape \\(3, 50, 32\\) is not a panel format"):
+        panels.panel_linear(torch.randn(2, 50), panels.pack_panels(w).half(), b, 70)
 
 
 @needs_kernel
