@@ -1,4 +1,5 @@
-"""draftsmith's own fp32 CPU kernels (heads/panels.cpp: the linears; heads/rope_attention.cpp: rope, cache write and
+"""draftsmith's own fp32 CPU kernels (heads/panels.cpp: the linears, heads/panel_codes.cpp: their exact weight codes;
+heads/rope_attention.cpp: rope, cache write and
 attention; heads/layer_ops.cpp: RMSNorm and SwiGLU; heads/decoder_layer.cpp: a whole layer from them;
 heads/decoder_stack.cpp: a model's layers one after another), built once
 with the system's C++ compiler into one shared library and loaded with ctypes.
@@ -34,11 +35,15 @@ from .files import cache_root, write_file_atomic, write_text_atomic
 ENV = "DRAFTSMITH_KERNELS"
 SOURCES = tuple(
     Path(__file__).with_name(f"{name}.cpp")
-    for name in ("panels", "rope_attention", "layer_ops", "decoder_layer", "decoder_stack")
+    for name in ("panels", "panel_codes", "rope_attention", "layer_ops", "decoder_layer", "decoder_stack")
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("vec.h", "panels.h", "rope_attention.h", "decoder_layer.h"))
+HEADERS = tuple(
+    Path(__file__).with_name(name)
+    for name in ("vec.h", "panels.h", "panel_decode.h", "rope_attention.h", "decoder_layer.h")
+)
 EXPORTS = (
     "panel_linear",
+    "code_panels",
     "rope_attention",
     "rms_norm",
     "silu_mul",

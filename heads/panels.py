@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import kernels, panel_codes
-from .panel_codes import BLOCK
+from .panel_codes import BLOCK, BLOCK_BYTES
 
 PANEL = 32  # outputs per panel: heads/panels.cpp's P
 # the packed tensor's dtype names its format (heads/panels.h's PanelFormat): fp32 and bf16 [panels, in, PANEL]; q8
@@ -34,7 +34,6 @@ CODED = {"q4": torch.uint8, "q8": torch.int8, "bf16": torch.bfloat16}  # the nar
 NAMES = {dtype: code for code, dtype in CODED.items()} | {torch.float32: "fp32"}
 ENV = "DRAFTSMITH_PANELS"
 SETTINGS = ("exact", "fp32")
-NIBBLES = torch.arange(0, 32, 4)
 
 
 def available() -> bool:
@@ -115,21 +114,8 @@ def pack_as(padded: Tensor, code: str) -> Tensor | None:
         return fp32_panels(padded)
     if code == "bf16":
         return fp32_panels(padded).bfloat16() if panel_codes.bf16_exact(padded) else None
-    coded = panel_codes.blocks(padded, code)
-    if coded is None:
-        return None
-    panels, blocks = padded.shape[0] // PANEL, padded.shape[1] // BLOCK
-
-    def per_block(t: Tensor) -> Tensor:  # [out, blocks] fp32 -> [panels, blocks, PANEL * 4] bytes
-        return t.view(panels, PANEL, blocks).transpose(1, 2).contiguous().view(torch.uint8)
-
-    q = coded.q.view(panels, PANEL, blocks, BLOCK).permute(0, 2, 3, 1)  # [panels, blocks, k, PANEL]
-    if code == "q4":  # 8 outputs per 32-bit word, output i of the 8 in bits 4i .. 4i + 3
-        words = (q.reshape(*q.shape[:-1], PANEL // 8, 8).long() << NIBBLES).sum(-1)  # below 2**32
-        q = words.view(torch.int32)[..., ::2].contiguous()  # the low 32 bits (little-endian)
-    parts = [per_block(coded.scale)] + ([per_block(coded.offset)] if coded.offset is not None else [])
-    parts.append(q.reshape(panels, blocks, -1).view(torch.uint8))
-    return torch.cat(parts, -1).view(CODED[code])
+    coded = panel_codes.coded_panels(padded, code)
+    return None if coded is None else coded.view(CODED[code])
 
 
 def in_features(packed: Tensor) -> int:
@@ -181,4 +167,4 @@ def holds(packed: Tensor | None, inp: int | None, out: int) -> bool:
 
 def block_bytes(dtype: torch.dtype) -> int:
     """The last dimension of a packed tensor of this format: PANEL values, or a block's bytes (heads/panels.h)."""
-    return {torch.int8: PANEL * 4 + BLOCK * PANEL, torch.uint8: 2 * PANEL * 4 + BLOCK * PANEL // 2}.get(dtype, PANEL)
+    return {torch.int8: BLOCK_BYTES["q8"], torch.uint8: BLOCK_BYTES["q4"]}.get(dtype, PANEL)

@@ -19,42 +19,52 @@ def randn(out: int, inp: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(out, inp, generator=torch.Generator().manual_seed(seed)) * 0.05
 
 
+def coded(w: torch.Tensor, code: str) -> torch.Tensor | None:
+    return panels.pack_as(panels.pad(w), code)
+
+
+def decoded(packed: torch.Tensor, out: int) -> torch.Tensor:
+    """The weights a packed tensor holds, as the kernel reads them: the identity's rows times them, each output one
+    FMA chain that adds the one weight to zeros."""
+    inp = panels.in_features(packed)
+    return panels.panel_linear(torch.eye(inp), packed, None, out).T.contiguous()
+
+
+@needs_kernel
 @pytest.mark.parametrize("code", ["q8", "q4"])
-def test_blocks_decode_to_the_weights_bits(code):
+def test_codes_decode_to_the_weights_bits(code):
     w = exactly(code, randn(40, 96))
-    coded = panel_codes.blocks(w, code)
-    assert coded is not None and coded.q.shape == (40, 96) and coded.scale.shape == (40, 3)
-    q = coded.q.float().view(40, 3, 32)
-    decoded = torch.mul(q, coded.scale[..., None])
-    if coded.offset is not None:
-        decoded += coded.offset[..., None]
-    assert panel_codes.same_bits(decoded.view(40, 96), w)
-    assert int(coded.q.min()) >= panel_codes.LEVELS[code][0] and int(coded.q.max()) <= panel_codes.LEVELS[code][1]
+    packed = coded(w, code)
+    assert packed is not None and packed.shape == (2, 3, panels.block_bytes(panels.CODED[code]))
+    assert torch.equal(decoded(packed, 40).view(torch.int32), w.view(torch.int32))
 
 
+@needs_kernel
 @pytest.mark.parametrize("code", ["q8", "q4"])
 def test_weights_the_codes_cannot_hold_are_turned_down(code):
     w = randn(40, 96)
-    assert panel_codes.blocks(w, code) is None  # plain fp32 values
-    assert panel_codes.blocks(exactly(code, w)[:, :80], code) is None  # not whole blocks of 32 inputs
+    assert coded(w, code) is None  # plain fp32 values
+    assert coded(exactly(code, w)[:, :80], code) is None  # not whole blocks of 32 inputs
     nudged = exactly(code, w)
-    nudged[39, 95] = torch.nextafter(nudged[39, 95], torch.tensor(1.0))  # one value off, in the last rows
-    assert panel_codes.blocks(nudged, code) is None
-    for bad in (float("nan"), float("inf")):
+    nudged[39, 95] = torch.nextafter(nudged[39, 95], torch.tensor(1.0))  # one value off, in the last block
+    assert coded(nudged, code) is None
+    for bad in (float("nan"), float("inf"), float("-inf")):
         broken = exactly(code, w)
         broken[5, 5] = bad
-        assert panel_codes.blocks(broken, code) is None
+        assert coded(broken, code) is None
 
 
+@needs_kernel
 def test_a_negative_zero_is_not_coded_as_a_zero():
     w = exactly("q8", randn(4, 32))
     w[0] = 0.0
     w[0, 3] = -0.0  # a 0 code decodes to +0.0: a different bit pattern
-    assert panel_codes.blocks(w, "q8") is None
+    assert coded(w, "q8") is None
     w[0, 3] = 0.0
-    assert panel_codes.blocks(w, "q8") is not None
+    assert coded(w, "q8") is not None
 
 
+@needs_kernel
 def test_a_subnormal_scale_is_not_coded():
     """2**-128 is subnormal: under torch.set_flush_denormal(True) the CPU would read it as 0, though the weights it
     scales (q * 2**-128, |q| >= 4) are normal numbers the fp32 panels keep."""
@@ -62,8 +72,8 @@ def test_a_subnormal_scale_is_not_coded():
     q[:, 0] = 127  # each block's largest code, as GGUF's Q8_0 makes it
     w = q * torch.sign(torch.randn(4, 32)) * 2.0**-128
     assert bool((w.abs() >= torch.finfo(torch.float32).tiny).all())
-    assert panel_codes.blocks(w, "q8") is None
-    assert panel_codes.blocks(w * 2.0**30, "q8") is not None  # the same codes at a normal scale
+    assert coded(w, "q8") is None
+    assert coded(w * 2.0**30, "q8") is not None  # the same codes at a normal scale
 
 
 def test_quantized_names_a_width_that_is_not_whole_blocks():
@@ -74,6 +84,18 @@ def test_quantized_names_a_width_that_is_not_whole_blocks():
 def test_bf16_values_are_found_exactly():
     w = randn(8, 10)
     assert panel_codes.bf16_exact(w.bfloat16().float()) and not panel_codes.bf16_exact(w)
+
+
+@needs_kernel
+def test_a_block_takes_the_raw_span_where_the_fp16_scale_fails():
+    """A scale GGUF never stores (not an fp16 value): the span itself fits where its fp16 rounding does not."""
+    q = torch.randint(-127, 128, (32, 64), generator=torch.Generator().manual_seed(1)).float()
+    q[:, ::32] = 127  # each block's largest code
+    scale = (1 + 2.0**-15) * 2.0**-7  # 16 significant bits: q * scale is exact, its fp16 rounding is 2**-7
+    scales, _ = panel_codes.candidates(q * scale, "q8")
+    assert bool((scales[0] == 2.0**-7).all()) and bool((scales[1] == scale).all())
+    packed = coded(q * scale, "q8")
+    assert packed is not None and torch.equal(decoded(packed, 32), q * scale)
 
 
 @needs_kernel
