@@ -38,10 +38,11 @@ def coder() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 def coded_panels(padded: Tensor, code: str) -> Tensor | None:
     """The padded fp32 weight [out, in] (out a multiple of 32) as `code` ("q8" or "q4") panels, [out / 32, in / BLOCK,
-    bytes per block] of uint8, or None where it is not such a weight (or the kernels are not built)."""
+    bytes per block] of uint8, or None where it is not such a weight (or not on the CPU, or the kernels are not
+    built)."""
     fn = coder()
     out, inp = padded.shape
-    if fn is None or inp % BLOCK or not inp or out % 32 or padded.dtype != torch.float32:
+    if fn is None or inp % BLOCK or not inp or out % 32 or padded.dtype != torch.float32 or not padded.is_cpu:
         return None
     w = padded.contiguous()
     scales, offsets = candidates(w, code)

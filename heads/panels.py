@@ -65,7 +65,7 @@ def self_check(fn: ctypes._CFuncPtr) -> bool:  # type: ignore[name-defined]
         if packed is None:
             return False
         fp32 = fp32_panels(pad(w))
-        for rows in (1, 5, 20):
+        for rows in (1, 2, 5, 20):  # each road: in registers (1, 2 rows), per block (up to 16), whole panels
             x = torch.randn(rows, inp, generator=g)
             y, same = torch.empty(rows, out), torch.empty(rows, out)  # held in names: a temporary is freed too soon
             fn(x.data_ptr(), rows, inp, packed.data_ptr(), FORMATS[packed.dtype], out, b.data_ptr(), y.data_ptr())

@@ -214,17 +214,20 @@ def test_compiled_logits_match_the_eager_forward(target, tokens, whole):
     torch.testing.assert_close(ref.logits, eager.logits, rtol=tol, atol=tol * eager.logits.abs().max().item())
 
 
-def test_a_weight_edited_in_place_reaches_the_compiled_graph(target, tokens, tiny_llama_dir):
+def test_a_weight_edited_in_place_reaches_the_compiled_graph(target, tokens):
     """The graph reads the packed copies as they are: a weight edited between calls is repacked before the next one
     (heads/packed.py refresh), so the compiled step computes the edited model, as the eager forward does."""
-    folder = tiny_llama_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6)
-    model, n = load_model(folder, target.dtype, "cpu"), 40
-    step = new_step(model)
+    step, n = new_step(target), 40
     before = run(step, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu")).logits
-    with torch.no_grad():
-        model.model.layers[1].mlp.down_proj.weight.mul_(0.5)
-        eager = model(tokens[:n], torch.arange(n), model.new_cache(MAX_SEQ), 0, causal_mask(0, n, "cpu")).logits
-    after = run(step, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu")).logits
+    weight = target.model.layers[1].mlp.down_proj.weight
+    try:
+        with torch.no_grad():
+            weight.mul_(0.5)
+            eager = target(tokens[:n], torch.arange(n), target.new_cache(MAX_SEQ), 0, causal_mask(0, n, "cpu")).logits
+        after = run(step, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu")).logits
+    finally:
+        with torch.no_grad():
+            weight.mul_(2.0)  # exact: the module's other tests see the weights they began with
     tol = 1e-4 if target.dtype == torch.float32 else 0.05
     torch.testing.assert_close(after, eager, rtol=tol, atol=tol * eager.abs().max().item())
     assert (after - before).abs().max() > 10 * tol * eager.abs().max()

@@ -76,6 +76,11 @@ def test_a_subnormal_scale_is_not_coded():
     assert coded(w * 2.0**30, "q8") is not None  # the same codes at a normal scale
 
 
+def test_a_weight_off_the_cpu_is_not_coded():
+    """The coder reads host memory: a weight elsewhere (CUDA; here the meta device) is left to fp32."""
+    assert panel_codes.coded_panels(torch.zeros(32, 32, device="meta"), "q8") is None
+
+
 def test_quantized_names_a_width_that_is_not_whole_blocks():
     with pytest.raises(ValueError, match="in a multiple of 32"):
         panel_codes.quantized(torch.randn(4, 50), "q4")
