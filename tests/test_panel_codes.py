@@ -151,22 +151,6 @@ def test_the_setting_keeps_every_weight_in_fp32(monkeypatch):
 
 
 @needs_kernel
-def test_the_thread_count_changes_no_coded_bits():
-    w = exactly("q4", randn(200, 96))
-    packed = panels.pack_panels(w)
-    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2))
-    threads = torch.get_num_threads()
-    try:
-        runs = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            runs.append(panels.panel_linear(x, packed, None, 200))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(r, runs[0]) for r in runs)
-
-
-@needs_kernel
 def test_a_packed_model_repacks_an_edited_weight_in_its_new_format():
     """An in-place edit that leaves q4 values turns the packed copy back to fp32 (and the products follow it)."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 40))

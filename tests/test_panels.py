@@ -10,6 +10,7 @@ from torch import nn
 
 from draftsmith.heads import kernels, panels
 from draftsmith.heads.packed import PackedLinear, can_pack, pack_weight, packed_linear
+from helpers import exactly
 
 needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
 
@@ -48,10 +49,12 @@ def test_a_row_gets_the_same_bits_whatever_the_rows_around_it(out, inp):
 
 
 @needs_kernel
-def test_the_thread_count_changes_no_bits():
+@pytest.mark.parametrize("code", ["fp32", "q4"])  # q4: the coded roads (in registers, per block, whole panels)
+def test_the_thread_count_changes_no_bits(code):
     w, b = weights(200, 96)
-    packed = panels.pack_panels(w)
-    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(2))
+    packed = panels.pack_panels(w if code == "fp32" else exactly(code, w))
+    assert panels.NAMES[packed.dtype] == code
+    x = torch.randn(20, 96, generator=torch.Generator().manual_seed(2))
     threads = torch.get_num_threads()
     try:
         runs = []
