@@ -174,7 +174,7 @@ def panel_formats(model: nn.Module) -> dict[str, int]:
     """How many of the model's packed linears run from each panel format ("q4": 91, ...); empty where none is in
     panels (oneDNN's layouts, or not packed)."""
     counts: dict[str, int] = {}
-    refresh(model)  # an edited weight may have changed its format
+    refresh(packed_linears(model))  # an edited weight may have changed its format
     for module in model.modules():
         packed = module.packed if isinstance(module, (PackedLinear, FusedLinear)) else None
         if packed is not None and packed.dim() == 3:
@@ -183,11 +183,16 @@ def panel_formats(model: nn.Module) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def refresh(model: nn.Module) -> None:
-    """Repack every packed copy in the model whose weights were edited or replaced: what a forward that reads
-    `packed` directly (a compiled graph, heads/static_forward.py) must run before each call."""
-    for module in model.modules():
-        if isinstance(module, FusedLinear) or isinstance(module, PackedLinear) and module.packed is not None:
+def packed_linears(model: nn.Module) -> list[PackedLinear | FusedLinear]:
+    return [m for m in model.modules() if isinstance(m, (PackedLinear, FusedLinear))]
+
+
+def refresh(linears: list[PackedLinear | FusedLinear]) -> None:
+    """Repack every packed copy whose weights were edited or replaced (released parts stay released): what a forward
+    that reads `packed` directly (a compiled graph, heads/static_forward.py) must run before each call. The caller
+    keeps the list (packed_linears): walking a model's modules costs as much as the checks."""
+    for module in linears:
+        if isinstance(module, FusedLinear) or module.packed is not None:
             module.current()
 
 

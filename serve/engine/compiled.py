@@ -30,7 +30,7 @@ from torch import Tensor
 from draftsmith.heads.attention import BLOCK
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
-from draftsmith.heads.packed import MAX_ROWS, can_pack, refresh
+from draftsmith.heads.packed import MAX_ROWS, can_pack, packed_linears, refresh
 from draftsmith.heads.static_forward import MIN_PREFIX, StaticInputs, min_rows, static_forward, static_inputs
 from draftsmith.serve.engine.tree import causal_mask
 from draftsmith.serve.models.target import cache_root
@@ -92,6 +92,7 @@ class CompiledStep:
         use_disk_cache(str(cache_root()))
         self.graph = torch.compile(static_forward)
         self.rows = min_rows(self.model.config)
+        self.linears = packed_linears(self.model)  # a linear swapped in later comes packed from its own weights
         self.scratch = self.cache.max_len - 1
         for t in (*self.cache.k, *self.cache.v):  # every engine's cache length runs the same graph
             torch._dynamo.mark_dynamic(t, 2)
@@ -100,7 +101,7 @@ class CompiledStep:
         self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None
     ) -> ForwardOut:
         if not self.failed:
-            refresh(self.model)  # the graph reads the packed copies as they are: repack edited weights first
+            refresh(self.linears)  # the graph reads the packed copies as they are: repack edited weights first
             out = self.compiled(tokens, positions, start, mask)
             if out is not None:
                 h, layers = out
