@@ -14,5 +14,5 @@ if [ "$#" -gt 0 ]; then
 fi
 # one pytest-xdist worker per core, each module's tests on one worker (module fixtures built once); the workers
 # split the intra-op threads (tests/conftest.py): most tests are Python-bound, so two cores run them ~twice as fast
-python -m pytest -q -n auto --dist loadfile --ignore=tests/test_lossless_smollm2.py
-python -m pytest -q tests/test_lossless_smollm2.py
+python -m pytest -q -n auto --dist loadfile --ignore=tests/test_lossless_smollm2.py ${DURATIONS:+--durations=$DURATIONS}
+python -m pytest -q tests/test_lossless_smollm2.py ${DURATIONS:+--durations=$DURATIONS}

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from draftsmith.heads import kernels
 from draftsmith.heads.drafter_folder import (
     DRAFTER_HOLDS,
     TargetInfo,
@@ -35,11 +36,13 @@ def target_info(target: LoadedTarget) -> TargetInfo:
 
 
 def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
-    """auto: bf16 for an fp32 target on a CPU with bf16 kernels (a draft step costs ~half; drafts are only
-    proposals, the fp32 target still decides every token), else the target's dtype."""
+    """auto: bf16 for an fp32 target on oneDNN's kernels where the CPU has bf16 ones (a draft step costs ~half;
+    drafts are only proposals, the fp32 target still decides every token), else the target's dtype (on draftsmith's
+    fp32 kernels an fp32 EAGLE-3 draft step is no slower than a bf16 one on oneDNN's: docs/benchmarks.md)."""
     if spec.draft_dtype != "auto":
         return torch_dtype(spec.draft_dtype, str(model.device))
-    if model.dtype == torch.float32 and can_pack(model.lm_head.weight.new_empty(0, dtype=torch.bfloat16)):
+    bf16_kernels = can_pack(model.lm_head.weight.new_empty(0, dtype=torch.bfloat16))
+    if model.dtype == torch.float32 and model.device.type == "cpu" and bf16_kernels and not kernels.usable():
         return torch.bfloat16
     return model.dtype
 

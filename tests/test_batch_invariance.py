@@ -27,7 +27,7 @@ from helpers import PROMPTS, assert_same_bits, assert_same_kv, node_path
 pytestmark = pytest.mark.usefixtures("one_thread")
 NO_BF16 = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels")
 NO_FP32 = pytest.mark.skipif(
-    not (panels.available() and kernels.usable()), reason="draftsmith's fp32 kernels run on AVX2"
+    not (panels.available() and kernels.usable()), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs"
 )
 DTYPES = [pytest.param(torch.bfloat16, marks=NO_BF16, id="bf16"), pytest.param(torch.float32, marks=NO_FP32, id="fp32")]
 # Qwen3's q and k norms run inside the fp32 attention kernel

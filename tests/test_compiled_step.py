@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from draftsmith.heads import kernels
 from draftsmith.heads.attention import BLOCK
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import MAX_ROWS, can_pack
@@ -230,7 +231,8 @@ def test_a_weight_edited_in_place_reaches_the_compiled_graph(target, tokens):
             weight.mul_(2.0)  # exact: the module's other tests see the weights they began with
     tol = 1e-4 if target.dtype == torch.float32 else 0.05
     torch.testing.assert_close(after, eager, rtol=tol, atol=tol * eager.abs().max().item())
-    assert (after - before).abs().max() > 10 * tol * eager.abs().max()
+    # the edit moves the logits several times the tolerance (a bf16 logit moves ~7x it, an fp32 one far more)
+    assert (after - before).abs().max() > 3 * tol * eager.abs().max()
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_forward(target, monkeypatch):
@@ -272,8 +274,14 @@ def test_compiled_code_is_cached_under_the_cache_root(target, monkeypatch):
 
 def test_auto_compiles_on_cpu_unless_switched_off(target, monkeypatch):
     monkeypatch.setenv(compiled.DISABLE_ENV, "1")
-    # AVX2 (the fp32 target's only dtype there) gains nothing from compiling: auto leaves it eager
-    assert resolve_mode("auto", target) == ("compile" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "off")
+    # a bf16 target on AVX-512 compiles; an fp32 one runs draftsmith's kernels eagerly (2.2-2.7x the compiled step)
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    on_kernels = target.dtype == torch.float32 and kernels.usable()
+    assert resolve_mode("auto", target) == ("compile" if avx512 and not on_kernels else "off")
+    if avx512 and on_kernels:
+        monkeypatch.setenv(kernels.ENV, "0")
+        assert resolve_mode("auto", target) == "compile"  # on oneDNN's kernels, the compiled step pays
+        monkeypatch.delenv(kernels.ENV)
     monkeypatch.setenv(compiled.DISABLE_ENV, "0")
     assert resolve_mode("auto", target) == "off"
     with pytest.raises(ValueError, match="unknown static-step mode"):

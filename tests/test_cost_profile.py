@@ -170,7 +170,7 @@ def test_own_kernels_on_and_off_keep_a_file_each(engine, monkeypatch, tmp_path):
     assert profile_path(str(tmp_path), on) != profile_path(str(tmp_path), off)
 
 
-@pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
+@pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")
 def test_fp32_and_narrower_panels_keep_a_file_each(tiny_llama_dir, monkeypatch, tmp_path):
     """A target whose weights a narrower panel format holds (heads/panel_codes.py) costs rows differently from the
     same weights in fp32 panels (DRAFTSMITH_PANELS=fp32): the curve names the formats it was measured on."""

@@ -12,12 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.heads import decoder_layer, decoder_stack, panels
+from draftsmith.heads import decoder_layer, decoder_stack, kernels, panels
 from draftsmith.heads.llama import DecoderLayer
 from draftsmith.serve.models.loader import load_model
 from helpers import exactly, four_steps, without
 
-pytestmark = pytest.mark.skipif(decoder_stack.kernel() is None, reason="draftsmith's fp32 kernels run on AVX2")
+pytestmark = pytest.mark.skipif(
+    not kernels.usable() or decoder_stack.kernel() is None,
+    reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs",
+)
 TAPS = (0, 2, 2, 3, 9, -1)  # as EAGLE-3 asks: the first layer's input, a middle one, the output; repeats, strays
 
 

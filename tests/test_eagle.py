@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 import draftsmith.conf
 from draftsmith.eval.methods import spec_label
+from draftsmith.heads import kernels
 from draftsmith.heads.draft_vocab import build_vocab_map
 from draftsmith.heads.drafter_folder import TOKEN_COUNTS, Recipe, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.eagle import EagleHead
@@ -630,7 +631,8 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
         proposer = make_proposer(replace(spec, draft_dtype=dtype), loaded)
         assert isinstance(proposer, EagleProposer) and proposer.target_layers == (0, 1, 2)
         assert proposer.head.embed_tokens is target.model.embed_tokens
-        bf16 = dtype == "auto" and can_pack(torch.empty(0, dtype=torch.bfloat16))  # auto: bf16 drafts on this CPU
+        # auto: bf16 drafts where oneDNN runs the fp32 target and has bf16 kernels
+        bf16 = dtype == "auto" and can_pack(torch.empty(0, dtype=torch.bfloat16)) and not kernels.usable()
         assert proposer.head.fc.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
         assert target.model.embed_tokens.weight.dtype == torch.float32  # the borrowed embedding is not cast
         engine = Engine(target, proposer, max_seq_len=MAX_SEQ)

@@ -14,7 +14,9 @@ import torch
 from draftsmith.heads import kernels, panels, rope_attention
 from draftsmith.heads.packed import pack_weight
 
-needs_kernels = pytest.mark.skipif(not kernels.wanted() or kernels.library() is None, reason="fp32 AVX2 CPUs")
+needs_kernels = pytest.mark.skipif(
+    not kernels.wanted() or kernels.library() is None, reason="fp32 on AVX2 and AVX-512 CPUs"
+)
 
 
 @pytest.fixture
@@ -35,7 +37,8 @@ def fresh() -> Iterator[None]:
         ("AVX2", "0", False),
         ("AVX2", "off", False),
         ("AVX2", "False", False),
-        ("AVX512", "", False),  # measured on AVX2 only: torch's kernels stay the default there
+        ("AVX512", "", True),
+        ("AVX512", "0", False),
         ("AVX512", "1", True),
         ("AVX512", "on", True),
         ("DEFAULT", "1", False),  # no AVX2, no kernel

@@ -11,7 +11,9 @@ from draftsmith.heads import kernels, layer_ops
 from draftsmith.heads.llama import MLP, ModelConfig, RMSNorm
 from draftsmith.heads.packed import pack_linears
 
-needs_kernels = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 CPUs")
+needs_kernels = pytest.mark.skipif(
+    not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs"
+)
 
 
 @needs_kernels

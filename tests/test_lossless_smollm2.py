@@ -1,6 +1,11 @@
 """Greedy speculative output equals plain greedy output, token for token, on the real SmolLM2, in fp32 and in bf16
 (where the CPU has bf16 kernels: there the runner is bit-exact across row counts, heads/attention.py). The engines
-run the compiled step, the CPU's default (serve/engine/compiled.py); the rows check runs the eager forward."""
+run what cuda_graphs=auto picks for the target on this CPU (the suite switches auto's compiling off elsewhere): the
+compiled step for bf16 on AVX-512, else the eager forward (serve/engine/graphs.py resolve_mode); the rows check runs the
+eager forward."""
+
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -8,7 +13,9 @@ import torch
 from draftsmith.eval.suites import mt_bench
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.build import build_engine
+from draftsmith.serve.engine import compiled
 from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.graphs import resolve_mode
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig, causal_mask
@@ -19,9 +26,6 @@ from helpers import truncated_copy
 
 NEW_TOKENS = 64
 PROMPTS = 12  # every 7th MT-bench question: all 8 categories
-# what cuda_graphs=auto picks on this CPU (the test suite switches auto's compiling off elsewhere): the compiled step
-# on AVX-512, the eager forward on AVX2
-STEP = "compile" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "off"
 BF16 = pytest.param(
     "bfloat16", marks=pytest.mark.skipif(not native_bf16("cpu"), reason="bf16 is emulated on this CPU (no kernels)")
 )
@@ -33,13 +37,19 @@ def target(request, smollm2_dir) -> LoadedTarget:
 
 
 @pytest.fixture(scope="module")
+def step(target) -> str:
+    with mock.patch.dict(os.environ, {compiled.DISABLE_ENV: "1"}):
+        return resolve_mode("auto", target.model)
+
+
+@pytest.fixture(scope="module")
 def prompts(target) -> list[list[int]]:
     return [encode_chat(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in mt_bench()[::7][:PROMPTS]]
 
 
 @pytest.fixture(scope="module")
-def plain(target, prompts) -> list[list[int]]:
-    engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=1024, cuda_graphs=STEP)
+def plain(target, prompts, step) -> list[list[int]]:
+    engine = build_engine(target, SpecConfig("ar"), prefix_cache=False, max_seq_len=1024, cuda_graphs=step)
     return [engine.generate(ids, NEW_TOKENS, SamplingParams()).output_ids for ids in prompts]
 
 
@@ -48,7 +58,7 @@ def draft_dir(smollm2_dir, tmp_path_factory):
     return truncated_copy(smollm2_dir, tmp_path_factory.mktemp("draft-smollm2-2l"), 2)
 
 
-def random_eagle3(target: LoadedTarget) -> Engine:
+def random_eagle3(target: LoadedTarget, step: str) -> Engine:
     """A random EAGLE-3 head drafting a tree (3 root children, each expanded): every verify has sibling rows
     whose KV sits at slots that are not their positions. Its drafts are rarely accepted; the check is the rows."""
     torch.manual_seed(0)
@@ -62,14 +72,14 @@ def random_eagle3(target: LoadedTarget) -> Engine:
         eos_ids=eos_ids(target),
         max_seq_len=1024,
         salt="random-eagle3",
-        cuda_graphs=STEP,
+        cuda_graphs=step,
     )
 
 
 @pytest.mark.parametrize("spec", ["ngram", "suffix", "layerskip", "draft_model", "eagle3-random"])
-def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain, draft_dir):
+def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain, draft_dir, step):
     if spec == "eagle3-random":
-        engine = random_eagle3(target)
+        engine = random_eagle3(target, step)
     else:
         cfg = {
             "ngram": SpecConfig("ngram", 5),
@@ -77,7 +87,7 @@ def test_greedy_speculation_is_lossless_on_mt_bench(spec, target, prompts, plain
             "layerskip": SpecConfig("layerskip", 2, layers=4),
             "draft_model": SpecConfig("draft_model", 3, drafter=str(draft_dir)),
         }[spec]
-        engine = build_engine(target, cfg, prefix_cache=True, max_seq_len=1024, cuda_graphs=STEP)
+        engine = build_engine(target, cfg, prefix_cache=True, max_seq_len=1024, cuda_graphs=step)
     accepted = drafted = 0
     for ids, expected in zip(prompts, plain, strict=True):
         g = engine.generate(ids, NEW_TOKENS, SamplingParams())

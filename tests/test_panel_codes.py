@@ -11,7 +11,7 @@ from draftsmith.heads import panel_codes, panels
 from draftsmith.heads.packed import PackedLinear, pack_linears
 from helpers import exactly
 
-needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
+needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")
 CODES = ("bf16", "q8", "q4")
 
 

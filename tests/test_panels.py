@@ -12,7 +12,7 @@ from draftsmith.heads import kernels, panels
 from draftsmith.heads.packed import PackedLinear, can_pack, pack_weight, packed_linear
 from helpers import exactly
 
-needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
+needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")
 
 
 def weights(out: int, inp: int, bias: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -11,7 +11,7 @@ from draftsmith.heads import kernels, rope_attention
 from draftsmith.heads.llama import Attention, ModelConfig, RMSNorm, apply_rope, rope_tables
 from draftsmith.serve.engine.tree import DraftTree
 
-pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2")
+pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
 SLOTS = 80
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.heads import decoder_layer, panels
+from draftsmith.heads import decoder_layer, kernels, panels
 from draftsmith.heads.llama import ModelConfig, Transformer
 from draftsmith.serve.models import target as target_mod
 from draftsmith.serve.models.loader import load_model
@@ -116,7 +116,7 @@ def test_dtype_and_device_helpers() -> None:
     assert target_mod.pick_device("cpu") == "cpu"
 
 
-@pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 CPUs")
+@pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")
 def test_smollm2_runs_from_its_gguf_codes_with_the_fp32_bits(smollm2_dir: Path, monkeypatch) -> None:
     """SmolLM2's fp32 weights are its GGUF's Q4_1 (layers) and Q8_0 (the tied embedding) values: the target packs
     them as q4 and q8 panels, a fifth of the bytes, and every step's logits and cache equal fp32 panels' bit for bit."""
@@ -133,16 +133,19 @@ def test_smollm2_runs_from_its_gguf_codes_with_the_fp32_bits(smollm2_dir: Path, 
     assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, want_cache.k + want_cache.v, strict=True))
 
 
-def test_the_auto_dtype_is_bf16_only_where_the_cpu_has_bf16_kernels() -> None:
-    """On an AVX2-only CPU oneDNN has no bf16 kernels (bf16 is emulated, far slower): auto must mean fp32
-    there; with the kernels, bf16 (the runner is bit-exact across row counts there, tests/test_batch_invariance.py)."""
+def test_the_auto_dtype_is_fp32_on_the_kernels_else_bf16_only_where_the_cpu_has_bf16_kernels(monkeypatch) -> None:
+    """Where draftsmith's fp32 kernels run, auto is fp32 (they read the weights' exact narrower codes). Without them,
+    on an AVX2-only CPU oneDNN has no bf16 kernels (bf16 is emulated, far slower): auto must mean fp32 there; with
+    oneDNN's bf16 kernels, bf16 (the runner is bit-exact across row counts there, tests/test_batch_invariance.py)."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16), 1)
-        kernels = True
+        onednn_bf16 = True
     except RuntimeError:
-        kernels = False
-    assert target_mod.native_bf16("cpu") == kernels
-    assert torch_dtype("auto", "cpu") == (torch.bfloat16 if kernels else torch.float32)
+        onednn_bf16 = False
+    assert target_mod.native_bf16("cpu") == onednn_bf16
+    assert torch_dtype("auto", "cpu") == (torch.float32 if kernels.usable() or not onednn_bf16 else torch.bfloat16)
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert torch_dtype("auto", "cpu") == (torch.bfloat16 if onednn_bf16 else torch.float32)
     with pytest.raises(ValueError, match="unknown dtype 'fast'; use auto, float32"):
         torch_dtype("fast", "cpu")
 

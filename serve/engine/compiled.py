@@ -27,6 +27,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from draftsmith.heads import kernels
 from draftsmith.heads.attention import BLOCK
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import ForwardOut, Transformer
@@ -53,11 +54,14 @@ def compile_available(model: Transformer) -> bool:
     return True
 
 
-def compile_by_default() -> bool:
-    """What cuda_graphs=auto picks on this CPU: the compiled step where it pays, AVX-512 (with or without AMX). On
-    AVX2 the target runs fp32 (bf16 is emulated), which compiling barely speeds up (its linears are bandwidth-bound;
-    docs/benchmarks.md); the compiled step stays exact there too (tests/test_compiled_step.py runs its fp32 cases)."""
-    return os.environ.get(DISABLE_ENV, "1") != "0" and torch.backends.cpu.get_cpu_capability() == "AVX512"
+def compile_by_default(model: Transformer) -> bool:
+    """What cuda_graphs=auto picks for this CPU target: the compiled step where it pays, a bf16 or fp16 target on
+    AVX-512 (with or without AMX). An fp32 target on draftsmith's kernels (heads/kernels.py) runs eagerly: their
+    one-call stack runs 2.2-2.7x the compiled step on AVX2 and on AVX512-BF16 (docs/benchmarks.md); the compiled
+    step stays exact there too (tests/test_compiled_step.py runs its fp32 cases)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False
+    return not (model.lm_head.weight.dtype == torch.float32 and kernels.usable())
 
 
 def cache_slots(slots: int) -> int:

@@ -108,7 +108,7 @@ def resolve_mode(mode: str, model: Transformer, tree: int = 0) -> str:
     if mode == "auto":
         if cuda:
             return "graphs"
-        return "compile" if compile_by_default() and compile_available(model) and tree <= MAX_TREE else "off"
+        return "compile" if compile_by_default(model) and compile_available(model) and tree <= MAX_TREE else "off"
     if mode == "graphs" and not cuda:
         raise ValueError("cuda_graphs=graphs needs the target on a CUDA device; use auto, compile, eager or off on CPU")
     if mode == "compile" and not compile_available(model):

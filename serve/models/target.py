@@ -21,6 +21,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
+from draftsmith.heads import kernels  # noqa: E402
 from draftsmith.heads.files import cache_root, move_into_place, temp_folder_beside  # noqa: E402
 from draftsmith.heads.llama import Transformer  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
@@ -41,9 +42,10 @@ class TargetConfig:
     path: str | None = None  # a local HF folder, used as is
     gguf: str | None = None  # a GGUF file, converted once into cache_dir
     cache_dir: str | None = None  # null: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith (see cache_root)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16 where the device computes it natively,
-    # else float32; on CPU the bf16 runner is bit-exact across row counts, so speculative output still equals plain
-    # output token for token)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: on a CPU where draftsmith's fp32 kernels run,
+    # float32, read from its weights' exact narrower codes; else bfloat16 where the device computes it natively, else
+    # float32; on CPU the bf16 runner is bit-exact across row counts, so speculative output still equals plain output
+    # token for token)
     device: str = "auto"  # auto: cuda if available, else cpu
 
 
@@ -145,9 +147,19 @@ def native_bf16(device: str) -> bool:
     return can_pack(torch.empty(0, dtype=torch.bfloat16))  # the one place that asks oneDNN
 
 
+def auto_dtype(device: str) -> torch.dtype:
+    """fp32 on a CPU where draftsmith's fp32 kernels run: they read each weight from its narrowest exact code (a
+    GGUF-born target's Q4/Q8 values, a bf16 checkpoint's bf16), so an fp32 step reads no more bytes than a bf16 one
+    and runs 3.5x the compiled bf16 step on an AVX512-BF16 EPYC (docs/benchmarks.md); else bf16 where the device
+    computes it natively, else fp32."""
+    if not str(device).startswith("cuda") and kernels.usable():
+        return torch.float32
+    return torch.bfloat16 if native_bf16(device) else torch.float32
+
+
 def torch_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if native_bf16(device) else torch.float32
+        return auto_dtype(device)
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use auto, {', '.join(DTYPES)}")
     if name == "float16" and device == "cpu" and not can_pack(torch.empty(0, dtype=torch.float16)):
