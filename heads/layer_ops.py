@@ -4,7 +4,7 @@ silu(gate) * up on the fused gate-up rows.
 Why: PyTorch 2.13 runs an fp32 RMSNorm as some eight small ops on CPU (about 35 us for one SmolLM2 row, 61 of them a
 decode step), and the gate's silu, product and split as four more; one call each costs a few microseconds. Each row
 is computed on its own in a fixed order, so, like the panel linears and the one-call attention, a row's bits do not
-depend on the rows around it. Where it runs: kernels.takes (fp32, AVX2 CPUs by default).
+depend on the rows around it. Where it runs: kernels.takes (fp32, AVX2 and AVX-512 CPUs by default).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ around it; here a row reads its visible slots one at a time in slot order, so it
 verified among k rows (chain or tree) or prefilled, and with the panel linears (heads/panels.py) the whole fp32
 forward is row-invariant. A row's heads that share a key and value head (a GQA group) are taken three at a time, so
 each key and value is loaded once for them; every head's sums stay its own, in the same order. Where it runs:
-heads/kernels.py (fp32, AVX2 CPUs by default).
+heads/kernels.py (fp32, AVX2 and AVX-512 CPUs by default).
 """
 
 from __future__ import annotations

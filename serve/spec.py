@@ -53,7 +53,7 @@ class SpecConfig:
     suffix_tokens: int = 0  # eagle, eagle3, medusa: also draft by suffix decoding, up to this many tokens (0 = off)
     ngram_policy: str = "prefer"  # for either lookup: prefer: its draft alone when found, else the tree | merge: both
     suffix: SuffixConfig = field(default_factory=SuffixConfig)  # suffix (and suffix_tokens): vLLM's suffix settings
-    draft_dtype: str = "auto"  # the drafter's weights: auto (bf16 for an fp32 target on CPU) | float32 | bfloat16
+    draft_dtype: str = "auto"  # the drafter's weights: auto (serve/drafters.py draft_dtype) | float32 | bfloat16
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
     # fixed: verify every draft whole | cost: verify the part that emits the most tokens per second, by the drafter's
     # accept probabilities and this machine's measured verify cost (serve/engine/schedule.py); a draft without

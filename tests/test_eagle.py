@@ -627,12 +627,13 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
     assert spec.tree == TreeConfig(2, None) and spec.num_tokens is None and spec.name == "eagle3"
     spec = resolve_shape(spec)  # the rest from the folder: saved without a shape, so the kind's default
     assert (spec.num_tokens, spec.tree) == (5, TreeConfig(2, 12))
-    for dtype in ("auto", "float32"):
+    bf16_kernels = can_pack(torch.empty(0, dtype=torch.bfloat16))
+    for dtype in ("auto", "float32", *(["bfloat16"] if bf16_kernels else [])):
         proposer = make_proposer(replace(spec, draft_dtype=dtype), loaded)
         assert isinstance(proposer, EagleProposer) and proposer.target_layers == (0, 1, 2)
         assert proposer.head.embed_tokens is target.model.embed_tokens
         # auto: bf16 drafts where oneDNN runs the fp32 target and has bf16 kernels
-        bf16 = dtype == "auto" and can_pack(torch.empty(0, dtype=torch.bfloat16)) and not kernels.usable()
+        bf16 = dtype == "bfloat16" or (dtype == "auto" and bf16_kernels and not kernels.usable())
         assert proposer.head.fc.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
         assert target.model.embed_tokens.weight.dtype == torch.float32  # the borrowed embedding is not cast
         engine = Engine(target, proposer, max_seq_len=MAX_SEQ)

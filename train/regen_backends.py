@@ -80,7 +80,8 @@ def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path
 
 
 def vllm_dtype(name: str) -> str:
-    """data.distill.dtype: auto is bfloat16 where the device computes it natively (as target.dtype=auto)."""
+    """data.distill.dtype: auto is bfloat16 where the device computes it natively (as target.dtype=auto while
+    training and regenerating, serve/models/target.py offline_dtype)."""
     if name == "auto":
         return "bfloat16" if native_bf16(pick_device("auto")) else "float32"
     return name

@@ -30,7 +30,14 @@ from draftsmith.heads.drafter_folder import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
 from draftsmith.heads.llama import Transformer
 from draftsmith.serve.drafters import target_info
-from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target, native_bf16, pick_device
+from draftsmith.serve.models.target import (
+    LoadedTarget,
+    TargetConfig,
+    load_target,
+    native_bf16,
+    offline_dtype,
+    pick_device,
+)
 
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts
@@ -170,15 +177,7 @@ def resolve_precision(name: str | None) -> str | None:
 def target_on_device(cfg: TargetConfig, acc: Accelerator) -> LoadedTarget:
     if cfg.device == "auto":  # each process uses the device accelerate gave it
         cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
-    if cfg.dtype == "auto":  # features are prefills of hundreds of rows: oneDNN's bf16 (AMX) runs those fastest
-        cfg = TargetConfig(**{**asdict(cfg), "dtype": training_dtype(cfg.device)})
-    return load_target(cfg)
-
-
-def training_dtype(device: str) -> str:
-    """auto while training: bf16 where the device computes it natively, else fp32. Not the engine's auto (fp32 on
-    draftsmith's CPU kernels, serve/models/target.py), whose gain is the batch-1 decode step, not a prefill."""
-    return "bfloat16" if native_bf16(pick_device(device)) else "float32"
+    return load_target(TargetConfig(**{**asdict(cfg), "dtype": offline_dtype(cfg.dtype, cfg.device)}))
 
 
 def loss_for(kind: str):
