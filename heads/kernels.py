@@ -70,6 +70,11 @@ def usable() -> bool:
     return wanted() and library() is not None
 
 
+def runs(weight: Tensor) -> bool:
+    """A model whose weights are like this one has its no-grad forward on the kernels: fp32, on the CPU, usable."""
+    return weight.dtype == torch.float32 and weight.is_cpu and usable()
+
+
 def version() -> str | None:
     """Which kernel library runs here, by its file's name (a digest of its sources, flags and compiler), or None where
     torch's kernels run: what a cost measured on this machine holds for (serve/engine/cost_profile.py)."""

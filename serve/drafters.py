@@ -41,8 +41,9 @@ def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
     fp32 kernels an fp32 EAGLE-3 draft step is no slower than a bf16 one on oneDNN's: docs/benchmarks.md)."""
     if spec.draft_dtype != "auto":
         return torch_dtype(spec.draft_dtype, str(model.device))
-    bf16_kernels = can_pack(model.lm_head.weight.new_empty(0, dtype=torch.bfloat16))
-    if model.dtype == torch.float32 and model.device.type == "cpu" and bf16_kernels and not kernels.usable():
+    weight = model.lm_head.weight
+    onednn_bf16 = can_pack(weight.new_empty(0, dtype=torch.bfloat16))
+    if weight.dtype == torch.float32 and onednn_bf16 and not kernels.runs(weight):
         return torch.bfloat16
     return model.dtype
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import LoadedTarget, eos_ids, native_bf16, pick_device
+from draftsmith.serve.models.target import LoadedTarget, eos_ids, offline_dtype
 from draftsmith.serve.spec import SpecConfig
 
 from .batch_decode import generate_batch
@@ -82,9 +82,7 @@ def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path
 def vllm_dtype(name: str) -> str:
     """data.distill.dtype: auto is bfloat16 where the device computes it natively (as target.dtype=auto while
     training and regenerating, serve/models/target.py offline_dtype)."""
-    if name == "auto":
-        return "bfloat16" if native_bf16(pick_device("auto")) else "float32"
-    return name
+    return offline_dtype(name, "auto")
 
 
 def own_backend(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Backend:

@@ -12,7 +12,7 @@ import inspect
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -175,9 +175,8 @@ def resolve_precision(name: str | None) -> str | None:
 
 
 def target_on_device(cfg: TargetConfig, acc: Accelerator) -> LoadedTarget:
-    if cfg.device == "auto":  # each process uses the device accelerate gave it
-        cfg = TargetConfig(**{**asdict(cfg), "device": str(acc.device)})
-    return load_target(TargetConfig(**{**asdict(cfg), "dtype": offline_dtype(cfg.dtype, cfg.device)}))
+    device = str(acc.device) if cfg.device == "auto" else cfg.device  # each process on the device accelerate gave it
+    return load_target(replace(cfg, device=device, dtype=offline_dtype(cfg.dtype, device)))
 
 
 def loss_for(kind: str):

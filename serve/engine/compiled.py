@@ -61,7 +61,7 @@ def compile_by_default(model: Transformer) -> bool:
     step stays exact there too (tests/test_compiled_step.py runs its fp32 cases)."""
     if os.environ.get(DISABLE_ENV, "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
-    return not (model.lm_head.weight.dtype == torch.float32 and kernels.usable())
+    return not kernels.runs(model.lm_head.weight)
 
 
 def cache_slots(slots: int) -> int:
