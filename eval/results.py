@@ -179,6 +179,8 @@ class Environment:
     commit: str
     load_before: list[float] | None = None
     load_after: list[float] | None = None
+    forward: str | None = None  # the target's forward that ran (cost_profile.forward_path); absent in older files
+    kernels: str | None = None  # the library of draftsmith's own kernels it ran on, None for torch's kernels
 
 
 @dataclass
@@ -279,6 +281,8 @@ class RunResult:
             "seed": self.config.seed,
             "prefix_cache": self.prefix_cache.enabled,
             "cuda_graphs": self.config.cuda_graphs,
+            "forward": self.environment.forward,  # what cuda_graphs=auto resolved to
+            "own kernels": self.environment.kernels is not None,
             "max_seq_len": self.config.max_seq_len,
             "warmup": self.config.warmup,
         }
@@ -289,6 +293,7 @@ OMIT_NONE: dict[type, tuple[str, ...]] = {
     DistributionCheck: ("permutations", "exact", "mean_new_tokens"),
     MethodResult: ("distribution_check",),
     RunResult: ("study",),
+    Environment: ("forward", "kernels"),
 }
 
 

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from draftsmith.heads.files import write_text_atomic
 from draftsmith.serve.build import build_engine, resolve_shape
+from draftsmith.serve.engine.cost_profile import forward_path, own_kernels
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.target import TargetConfig, encode_chat, encode_raw, load_target
@@ -332,7 +333,11 @@ def summarize(
             seed=cfg.seed,
             warmup=cfg.warmup,
         ),
-        environment=environment(engine.model.device, engine.model.dtype),
+        environment=replace(
+            environment(engine.model.device, engine.model.dtype),
+            forward=forward_path(engine),
+            kernels=own_kernels(engine),
+        ),
         study=study_cells(records, next(iter(methods)), cfg.temperature == 0, cfg.seed) if cfg.study else None,
         prompts_sha256=run_settings["prompts_sha256"],
     )

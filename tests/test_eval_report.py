@@ -17,8 +17,10 @@ from hydra import compose, initialize_config_module
 from draftsmith.eval.__main__ import print_headline
 from draftsmith.eval.compare import compare, main, parse_args
 from draftsmith.eval.report import write_report
+from draftsmith.eval.results import load_results
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.wandb_log import log_eval
+from draftsmith.heads import kernels
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.wandb_run import WandbConfig
 from helpers import build_tiny_chat_target
@@ -151,6 +153,27 @@ def test_compare_warns_when_runs_differ_in_any_setting_that_changes_speed_or_out
     for named in ("cuda_graphs: auto, off", "max_seq_len: 4096, 512", "warmup: 0, 1"):
         assert named in warnings[0], (named, warnings[0])
     assert "max_new_tokens" not in warnings[0] and "temperature" not in warnings[0]
+
+
+def test_the_forward_and_kernels_that_ran_are_recorded_and_compared(evaluated, tmp_path):
+    """cuda_graphs=auto and target.dtype=auto resolve by the CPU and DRAFTSMITH_KERNELS: two runs both saying "auto"
+    can have run different forwards (compiled on oneDNN, or eager on draftsmith's kernels). What ran is recorded, and
+    a difference is warned about; a file written before these fields loads without them."""
+    out, results = evaluated
+    engine_kernels = kernels.version() if results.dtype == "float32" else None
+    assert results.environment.forward == "dynamic" and results.environment.kernels == engine_kernels
+    first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
+    second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18)
+    r = json.loads((second / "results.json").read_text())
+    r["environment"] |= {"forward": "compiled", "kernels": None}
+    (second / "results.json").write_text(json.dumps(r))
+    warnings = compare([str(first), str(second)], tmp_path / "cmp")[1]
+    assert len(warnings) == 1 and "forward: compiled, dynamic" in warnings[0]
+    assert ("own kernels: False, True" in warnings[0]) == (engine_kernels is not None)
+    for key in ("forward", "kernels"):
+        del r["environment"][key]
+    (second / "results.json").write_text(json.dumps(r))
+    assert load_results(second).environment.forward is None
 
 
 def test_compare_reads_a_sweep_folder_as_its_runs(evaluated, tmp_path):

@@ -65,7 +65,7 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "target": target_id,
         "dtype": str(engine.model.dtype).removeprefix("torch."),
         "device": str(engine.model.device),
-        "forward": "dynamic" if engine.static is None else "compiled" if engine.static.prefill else "static",
+        "forward": forward_path(engine),
         "torch": torch.__version__,
         "kernels": own_kernels(engine),
         "panels": panel_formats(engine.model) if own_kernels(engine) else None,
@@ -74,6 +74,11 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "rows": rows,
         "context": context,
     }
+
+
+def forward_path(engine: Engine) -> str:
+    """Which of the target's forwards the engine runs: dynamic (eager), static (CUDA graphs) or compiled."""
+    return "dynamic" if engine.static is None else "compiled" if engine.static.prefill else "static"
 
 
 def own_kernels(engine: Engine) -> str | None:

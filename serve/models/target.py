@@ -152,7 +152,8 @@ def auto_dtype(device: str) -> torch.dtype:
     GGUF-born target's Q4/Q8 values, a bf16 checkpoint's bf16), so an fp32 step reads no more bytes than a bf16 one
     and runs 3.5x the compiled bf16 step on an AVX512-BF16 EPYC (docs/benchmarks.md); else bf16 where the device
     computes it natively, else fp32."""
-    if not str(device).startswith("cuda") and kernels.usable():
+    device = pick_device(device)
+    if not device.startswith("cuda") and kernels.usable():
         return torch.float32
     return torch.bfloat16 if native_bf16(device) else torch.float32
 
