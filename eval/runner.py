@@ -300,7 +300,7 @@ def summarize(
         schema_version=SCHEMA_VERSION,
         target=target_id,
         device=str(engine.model.device),
-        dtype=str(engine.model.dtype).removeprefix("torch."),
+        dtype=str(engine.model.weights_dtype).removeprefix("torch."),
         prompts=len({r.id for r in main}),
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
@@ -334,7 +334,7 @@ def summarize(
             warmup=cfg.warmup,
         ),
         environment=replace(
-            environment(engine.model.device, engine.model.dtype),
+            environment(engine.model.device, engine.model.weights_dtype),
             forward=forward_path(engine),
             kernels=own_kernels(engine),
         ),

@@ -9,7 +9,8 @@ near the memory's pace and fold the attention's ops into one call, and each give
 rows around it (docs/benchmarks.md).
 
 Where they run: fp32 on a CPU with AVX2 and FMA, AVX-512 ones included (measured on both: a SmolLM2 decode step on
-them is 5x one on torch's fp32 kernels, and 3.5x the compiled bf16 step on an AVX512-BF16 EPYC);
+them is 5x one on torch's fp32 kernels, and 3.5x the compiled bf16 step on an AVX512-BF16 EPYC), a bf16 model
+there too, as bf16 weights in fp32 (serve/models/loader.py);
 DRAFTSMITH_KERNELS=0 turns them off (oneDNN's linears and torch's attention). If the library cannot be built or
 loaded, one warning says why and torch's kernels run. The built library sits under the cache root beside its sha256;
 a damaged or half-copied one is rebuilt, never loaded. A build keeps the newest few libraries there and removes

@@ -302,6 +302,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_cache(cfg.max_position_embeddings)
+        self.narrowed_to: torch.dtype | None = None  # set where bf16 weights run in fp32 (serve/models/loader.py)
 
     def rope_cache(self, max_len: int) -> None:
         cos, sin = rope_tables(self.config, max_len)
@@ -314,7 +315,14 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype it computes in."""
         return self.lm_head.weight.dtype
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype its weights' values are: its own, or bf16 for a bf16 model run in fp32 on draftsmith's CPU
+        kernels. What a run records and what separates its caches."""
+        return self.narrowed_to or self.dtype
 
     def new_cache(self, max_len: int) -> KVCache:
         """A batch-1 cache; in fp32 where the batch-invariant attention reads it (CPU bf16/fp16: no copy per step)."""

@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Where a decode step of the real SmolLM2-135M goes (CPU, batch 1), measured side by side in one process.
 
-1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: the eager bit-exact bf16,
+1. the step with parts swapped out (monkeypatched), variants interleaved, min over steps: the eager bit-exact bf16
+   on torch's ops (oneDNN),
    without the linear wrappers' checks, a 1-row linear run as one row (not bit-exact), the SDPA-style attention
    instead of the batch-invariant one (not bit-exact), and fp32 (also on torch's kernels, oneDNN's linears and
    SDPA, where heads/kernels.py's library runs, with its layers one call each instead of the whole stack in one, and
-   with every weight in fp32 panels instead of the narrowest exact format, heads/panel_codes.py); beside them the
-   compiled step (serve/engine/compiled.py) in bf16 and fp32
+   with every weight in fp32 panels instead of the narrowest exact format, heads/panel_codes.py), bf16 as the
+   engine runs it there (bf16 weights in fp32 on the kernels, serve/models/loader.py); beside them the compiled step
+   (serve/engine/compiled.py) in bf16 (torch's ops) and fp32
 2. the linears alone: every layer's packed weights once, cold (as a step streams them), 1 to 32 rows, bf16 and fp32
    (fp32 on heads/panels.py's kernel, its weights in each panel format, and on oneDNN's where the panel kernel runs),
    beside this machine's memory
@@ -85,10 +87,23 @@ ONE_CALL_PER_LAYER = [(decoder_stack, "takes", lambda *args: None)]
 FP32_PANELS = "eager, fp32 weights in fp32 panels"  # every weight in fp32 panels, none in a narrower exact format
 
 
+BF16_KERNELS = "eager, bf16 weights on the kernels"  # what dtype=bfloat16 runs where the kernels do
+
+
+def torch_model(dtype: str):
+    """The target on torch's ops alone (bf16: oneDNN's bit-exact bf16, as where draftsmith's kernels do not run)."""
+    with patched(TORCH_OPS):
+        return load_target(TargetConfig(dtype=dtype)).model
+
+
 def onednn_model():
     """The fp32 target packed for oneDNN's kernels, as before draftsmith's own."""
     with patched(TORCH_OPS):
         return load_target(TargetConfig(dtype="float32")).model
+
+
+def bf16_kernels_model():
+    return load_target(TargetConfig(dtype="bfloat16")).model
 
 
 def fp32_panels_model():
@@ -100,18 +115,25 @@ def fp32_panels_model():
 def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str, str], float]:
     """-> the best step time (s) per (variant, dtype); bf16 runs every variant, fp32 the eager step (and the eager
     step on torch's kernels where draftsmith's own run)."""
-    models = {dtype: load_target(TargetConfig(dtype=dtype)).model for dtype in dtypes}
+    models = {
+        dtype: torch_model(dtype) if dtype == "bfloat16" else load_target(TargetConfig(dtype=dtype)).model
+        for dtype in dtypes
+    }
     runs = {(name, d): patches for d in dtypes for name, patches in VARIANTS.items() if d == "bfloat16" or not patches}
     if "float32" in dtypes and panels.available():
         runs[ONEDNN, "float32"] = TORCH_OPS
         runs[LAYER_BY_LAYER, "float32"] = ONE_CALL_PER_LAYER
         runs[FP32_PANELS, "float32"] = []
+    if "bfloat16" in dtypes and panels.available():
+        runs[BF16_KERNELS, "bfloat16"] = []
     tokens = torch.randint(0, 1000, (context + 40,), generator=torch.Generator().manual_seed(0))
     steps, times = {}, {key: [] for key in runs} | {("compiled", d): [] for d in models}
     with torch.inference_mode():
         for key, patches in runs.items():
             with patched(patches):
-                made = {ONEDNN: onednn_model, FP32_PANELS: fp32_panels_model}.get(key[0])
+                made = {ONEDNN: onednn_model, FP32_PANELS: fp32_panels_model, BF16_KERNELS: bf16_kernels_model}.get(
+                    key[0]
+                )
                 model = made() if made is not None else models[key[1]]
                 steps[key] = eager_step(model, context + 64)
                 steps[key](tokens[:context], torch.arange(context), 0, causal_mask(0, context, "cpu"))
@@ -225,10 +247,12 @@ def limit_section(best: dict[tuple[str, str], float], gbs: float, dtypes: list[s
     for dtype in dtypes:
         mb = weight_bytes(load_target(TargetConfig(dtype=dtype)).model) / 1e6
         limit = mb / gbs / 1e3
-        for name in ("compiled", "eager"):
-            step = best[name, dtype]
+        for name in ("compiled", "eager", BF16_KERNELS):
+            if (name, dtype) not in best:
+                continue
+            step, label = best[name, dtype], "kernels" if name == BF16_KERNELS else name
             print(
-                f"  {dtype:9s} {name:9s} {step * 1e3:6.2f} ms; limit {limit * 1e3:5.2f} ms ({mb:.0f} MB at "
+                f"  {dtype:9s} {label:9s} {step * 1e3:6.2f} ms; limit {limit * 1e3:5.2f} ms ({mb:.0f} MB at "
                 f"{gbs:.1f} GB/s, {1 / limit:.0f} tok/s): {limit / step:.0%} of it"
             )
 

@@ -52,7 +52,7 @@ def run(cfg: GenerateConfig) -> None:
         f"TTFT {m.ttft_s * 1000:.0f} ms, TPOT {m.tpot_s * 1000:.1f} ms, "
         f"tau {m.mean_acceptance_length:.2f}, target passes {m.target_forward_passes} "
         f"({m.mean_verify_rows:.2f} rows each, drafting {m.draft_ms_per_step:.1f} ms each), "
-        f"device {engine.model.device}, dtype {str(engine.model.dtype).removeprefix('torch.')}"
+        f"device {engine.model.device}, dtype {str(engine.model.weights_dtype).removeprefix('torch.')}"
     )
     if isinstance(engine.static, CompiledStep) and engine.static.compile_s:
         print(

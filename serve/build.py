@@ -114,7 +114,7 @@ def lookup_proposer(spec: SpecConfig) -> NgramProposer | SuffixProposer | None:
 
 def engine_salt(target: LoadedTarget, spec: SpecConfig) -> str:
     """What separates prefix-cache entries: the target, its dtype, and the resolved spec (drafter and shape)."""
-    return f"{target.target_id}|{target.model.dtype}|{spec}"
+    return f"{target.target_id}|{target.model.weights_dtype}|{spec}"
 
 
 def build_engine(

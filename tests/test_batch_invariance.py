@@ -44,9 +44,8 @@ MAX_SEQ = SEQ + 50
 def target(tiny_llama_dir, request) -> Transformer:
     # 3 query heads per KV head, as SmolLM2: a decode step's 3 rows are below MKL's 4-row kernel
     model_type, dtype = request.param
-    return load_model(
-        tiny_llama_dir(model_type, hidden_size=96, intermediate_size=192, num_attention_heads=6), dtype, "cpu"
-    )
+    folder = tiny_llama_dir(model_type, hidden_size=96, intermediate_size=192, num_attention_heads=6)
+    return load_model(folder, dtype, "cpu", decode=False)  # bf16: torch's ops (oneDNN), not fp32 on the kernels
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +209,7 @@ def test_a_single_kv_head_keeps_its_bits_under_two_threads(tiny_llama_dir, heads
         num_key_value_heads=1,
         head_dim=64,
     )
-    mqa = load_model(folder, dtype, "cpu")
+    mqa = load_model(folder, dtype, "cpu", decode=False)
     seq = torch.randint(0, 128, (2 * BLOCK + 30,), generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

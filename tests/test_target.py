@@ -12,9 +12,12 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.heads import decoder_layer, kernels, panels
 from draftsmith.heads.llama import ModelConfig, Transformer
+from draftsmith.heads.packed import pack_linears
+from draftsmith.serve.build import engine_salt
 from draftsmith.serve.models import target as target_mod
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, torch_dtype
+from draftsmith.serve.spec import SpecConfig
 from helpers import four_steps
 
 
@@ -148,6 +151,41 @@ def test_the_auto_dtype_is_fp32_on_the_kernels_else_bf16_only_where_the_cpu_has_
     assert torch_dtype("auto", "cpu") == (torch.bfloat16 if onednn_bf16 else torch.float32)
     with pytest.raises(ValueError, match="unknown dtype 'fast'; use auto, float32"):
         torch_dtype("fast", "cpu")
+
+
+@pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")
+def test_bf16_runs_as_bf16_weights_in_fp32_on_the_kernels(tiny_llama_dir, smollm2_dir, tmp_path, monkeypatch) -> None:
+    """On a CPU with draftsmith's kernels, a bf16 model for the engine is an fp32 model whose weights are the bf16
+    values, packed as bf16 panels, with fp32 rope tables: the same bits as an fp32 model rounded by hand. It records
+    bf16 as its weights' dtype (and separates its prefix cache by it). Offline work and DRAFTSMITH_KERNELS=0 get
+    torch's bf16 ops."""
+    folder = copy_of(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # load_target reads one
+        shutil.copy(smollm2_dir / name, folder / name)
+    bf16 = load_model(folder, torch.bfloat16, "cpu")
+    assert bf16.dtype == torch.float32 and bf16.weights_dtype == torch.bfloat16
+    assert all(torch.equal(p, p.bfloat16().float()) for p in bf16.parameters())
+    fp32 = load_model(folder, torch.float32, "cpu", pack=False)
+    assert torch.equal(bf16.cos, fp32.cos) and torch.equal(bf16.sin, fp32.sin)
+    assert fp32.weights_dtype == torch.float32 and not torch.equal(bf16.lm_head.weight, fp32.lm_head.weight)
+    with torch.no_grad():
+        for p in fp32.parameters():
+            p.copy_(p.bfloat16())
+    pack_linears(fp32)
+    packed_weights = [t for h in map(decoder_layer.current_tensors, bf16.model.layers) if h for t in h.values()]
+    assert {t.dtype for t in packed_weights if t.dim() == 3} == {torch.bfloat16}
+    outs, cache = four_steps(bf16)
+    want, want_cache = four_steps(fp32)
+    assert all(torch.equal(o.logits, w.logits) for o, w in zip(outs, want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(cache.k + cache.v, want_cache.k + want_cache.v, strict=True))
+    offline = load_target(TargetConfig(path=str(folder), dtype="bfloat16"), offline=True)
+    assert offline.model.dtype == torch.bfloat16 == load_model(folder, torch.bfloat16, "cpu", decode=False).dtype
+    engine_target = load_target(TargetConfig(path=str(folder), dtype="bfloat16"))
+    assert engine_salt(engine_target, SpecConfig("ar")) != engine_salt(
+        load_target(TargetConfig(path=str(folder), dtype="float32")), SpecConfig("ar")
+    )
+    monkeypatch.setenv(kernels.ENV, "0")
+    assert load_model(folder, torch.bfloat16, "cpu").dtype == torch.bfloat16
 
 
 def test_corrupt_safetensors(tiny_llama_dir, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -270,12 +270,12 @@ class DistillRun:
 
 
 def run(cfg: DistillRun) -> Path:
-    from draftsmith.serve.models.target import load_target, offline_dtype
+    from draftsmith.serve.models.target import load_target
     from draftsmith.serve.shared.conversations import load_conversations
 
     data = cfg.data
     convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
-    target = load_target(replace(cfg.target, dtype=offline_dtype(cfg.target.dtype, cfg.target.device)))
+    target = load_target(cfg.target, offline=True)
     path = distill_path(cfg.data, target, cfg.target.cache_dir)
     out = distill(convs, target, data.distill, path, data.max_length, skipped, cache_dir=cfg.target.cache_dir)
     answers = sum(m["role"] == "assistant" for c in out for m in c.messages)

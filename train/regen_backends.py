@@ -88,7 +88,7 @@ def vllm_dtype(name: str) -> str:
 def own_backend(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Backend:
     batch = cfg.batch_size or OWN_BATCH
     generate = engine_generate(target, cfg, limit) if batch == 1 else batched_generate(target, cfg)
-    dtype = str(target.model.dtype).removeprefix("torch.")
+    dtype = str(target.model.weights_dtype).removeprefix("torch.")
     return Backend(generate, generator_record("draftsmith", draftsmith_version(), dtype, cfg, target.target_id), batch)
 
 

@@ -35,7 +35,6 @@ from draftsmith.serve.models.target import (
     TargetConfig,
     load_target,
     native_bf16,
-    offline_dtype,
     pick_device,
 )
 
@@ -176,7 +175,7 @@ def resolve_precision(name: str | None) -> str | None:
 
 def target_on_device(cfg: TargetConfig, acc: Accelerator) -> LoadedTarget:
     device = str(acc.device) if cfg.device == "auto" else cfg.device  # each process on the device accelerate gave it
-    return load_target(replace(cfg, device=device, dtype=offline_dtype(cfg.dtype, device)))
+    return load_target(replace(cfg, device=device), offline=True)
 
 
 def loss_for(kind: str):

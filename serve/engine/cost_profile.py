@@ -63,7 +63,7 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
     return {
         "schema": SCHEMA,
         "target": target_id,
-        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "dtype": str(engine.model.weights_dtype).removeprefix("torch."),
         "device": str(engine.model.device),
         "forward": forward_path(engine),
         "torch": torch.__version__,

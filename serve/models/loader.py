@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from draftsmith.heads import kernels
 from draftsmith.heads.llama import ModelConfig, Transformer
 from draftsmith.heads.packed import pack_linears
 
@@ -73,8 +74,12 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", pack: bool = True) -> Transformer:
-    """A frozen model for inference; pack: oneDNN-prepacked linears on CPU (heads/packed.py)."""
+def load_model(
+    folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", pack: bool = True, decode: bool = True
+) -> Transformer:
+    """A frozen model for inference; pack: prepacked linears on CPU (heads/packed.py). decode: a bf16 model for the
+    engine's batch-1 steps runs in fp32 where draftsmith's CPU kernels do (fp32_arithmetic); False (prefill-bound
+    offline work) keeps torch's bf16 ops."""
     cfg = ModelConfig.from_hf(read_hf_config(folder))
     state = load_state_dict(folder)
     with torch.device("meta"):
@@ -97,7 +102,25 @@ def load_model(folder: Path, dtype: torch.dtype = torch.float32, device: str = "
             )
     model.load_state_dict(state, strict=False)
     model.rope_cache(cfg.max_position_embeddings)
+    if decode and fp32_arithmetic(dtype, device):
+        round_weights(model, dtype)
+        model.narrowed_to, dtype = dtype, torch.float32
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if pack:
         pack_linears(model)
     return model
+
+
+def fp32_arithmetic(dtype: torch.dtype, device: str) -> bool:
+    """bf16 weights on a CPU where draftsmith's fp32 kernels run: they stream bf16 panels as fast as the memory gives
+    and compute in fp32, a SmolLM2 decode step 3.2x faster than torch's eager bf16 and 2.3x its compiled one on an
+    AVX512-BF16 EPYC (docs/benchmarks.md); the same bf16 bytes, with activations, KV cache and rope in fp32 (as
+    llama.cpp runs a bf16 file)."""
+    return dtype == torch.bfloat16 and not str(device).startswith("cuda") and kernels.usable()
+
+
+def round_weights(model: Transformer, dtype: torch.dtype) -> None:
+    """Every parameter rounded to `dtype`'s values, kept in its own dtype; buffers (the rope tables) untouched."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype))

@@ -44,8 +44,8 @@ class TargetConfig:
     cache_dir: str | None = None  # null: $DRAFTSMITH_CACHE, else ~/.cache/draftsmith (see cache_root)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: on a CPU where draftsmith's fp32 kernels run,
     # float32, read from its weights' exact narrower codes; else bfloat16 where the device computes it natively, else
-    # float32; on CPU the bf16 runner is bit-exact across row counts, so speculative output still equals plain output
-    # token for token)
+    # float32. bfloat16 on such a CPU: bf16 weights, fp32 arithmetic on the kernels. On CPU every path is bit-exact
+    # across row counts, so speculative output still equals plain output token for token)
     device: str = "auto"  # auto: cuda if available, else cpu
 
 
@@ -212,10 +212,13 @@ class LoadedTarget:
     folder: Path | None = None
 
 
-def load_target(cfg: TargetConfig) -> LoadedTarget:
+def load_target(cfg: TargetConfig, offline: bool = False) -> LoadedTarget:
+    """The target for the engine's batch-1 steps, or (offline) for prefill-bound work: training features and
+    regenerated answers, whose dtype is offline_dtype and whose bf16 runs on torch's ops (serve/models/loader.py)."""
     folder = resolve_target(cfg)
     device = pick_device(cfg.device)
-    model = load_model(folder, torch_dtype(cfg.dtype, device), device)
+    name = offline_dtype(cfg.dtype, device) if offline else cfg.dtype
+    model = load_model(folder, torch_dtype(name, device), device, decode=not offline)
     return LoadedTarget(model, load_tokenizer(folder), target_id(cfg, folder), folder)
 
 
