@@ -322,7 +322,7 @@ class Transformer(nn.Module):
     def weights_dtype(self) -> torch.dtype:
         """The dtype its weights' values are: its own, or bf16 for a bf16 model run in fp32 on draftsmith's CPU
         kernels. What a run records and what separates its caches."""
-        return self.narrowed_to or self.dtype
+        return self.narrowed_to if self.narrowed_to is not None and self.dtype == torch.float32 else self.dtype
 
     def new_cache(self, max_len: int) -> KVCache:
         """A batch-1 cache; in fp32 where the batch-invariant attention reads it (CPU bf16/fp16: no copy per step)."""

@@ -14,6 +14,7 @@ from draftsmith.heads import kernels
 from draftsmith.heads.drafter_folder import (
     DRAFTER_HOLDS,
     TargetInfo,
+    cast_own,
     frequent_ids,
     gguf_export,
     load_token_counts,
@@ -25,7 +26,7 @@ from draftsmith.heads.kinds import by_spec, get
 from draftsmith.heads.llama import Transformer
 from draftsmith.heads.packed import can_pack, pack_linears
 from draftsmith.serve.export.foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, foreign_head, read_foreign
-from draftsmith.serve.models.loader import load_model, read_hf_config
+from draftsmith.serve.models.loader import fp32_arithmetic, load_model, read_hf_config
 from draftsmith.serve.models.target import LoadedTarget, load_tokenizer, torch_dtype
 from draftsmith.serve.spec import SpecConfig
 
@@ -37,15 +38,16 @@ def target_info(target: LoadedTarget) -> TargetInfo:
 
 def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
     """auto: bf16 for an fp32 target on oneDNN's kernels where the CPU has bf16 ones (a draft step costs ~half;
-    drafts are only proposals, the fp32 target still decides every token), else the target's dtype (on draftsmith's
-    fp32 kernels an fp32 EAGLE-3 draft step is no slower than a bf16 one on oneDNN's: docs/benchmarks.md)."""
+    drafts are only proposals, the fp32 target still decides every token), else the target's weights' dtype (on
+    draftsmith's fp32 kernels an fp32 EAGLE-3 draft step is no slower than a bf16 one on oneDNN's: docs/benchmarks.md;
+    a bf16 target there gets a bf16 drafter, run as its target is: bf16 weights in fp32, folder_drafter)."""
     if spec.draft_dtype != "auto":
         return torch_dtype(spec.draft_dtype, str(model.device))
     weight = model.lm_head.weight
     onednn_bf16 = can_pack(weight.new_empty(0, dtype=torch.bfloat16))
     if weight.dtype == torch.float32 and onednn_bf16 and not kernels.runs(weight):
         return torch.bfloat16
-    return model.dtype
+    return model.weights_dtype
 
 
 def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
@@ -76,7 +78,7 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
             f"{target.model.config.vocab_size}: a draft model must share the target's tokenizer"
         )
     check_same_tokenizer(load_tokenizer(folder), target.tokenizer, str(folder), target.target_id)
-    return load_model(folder, dtype or target.model.dtype, str(target.model.device))
+    return load_model(folder, dtype or target.model.weights_dtype, str(target.model.device))
 
 
 def load_drafter(spec: SpecConfig, target: LoadedTarget, *shared) -> nn.Module:
@@ -108,11 +110,14 @@ def folder_drafter(
         what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).name}" if fmt else f"a {found} drafter"
         raise ValueError(f"spec.drafter={folder} is {what}; spec={spec_name} needs a {kind} drafter")
     m = target.model
+    dtype = dtype or m.weights_dtype
     head: Any  # the kind's module: restrict_vocab where spec.draft_vocab applies (serve/spec.py, vocab_specs)
     if fmt:  # no draftsmith target id: checked against the target by what the folder records
-        head = foreign_head(folder, fmt, m, target.target_id, dtype or m.dtype)
+        head = foreign_head(folder, fmt, m, target.target_id, dtype)
     else:
-        head = read_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype or m.dtype)
+        head = read_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype)
+    if fp32_arithmetic(dtype, str(m.device)):  # its own weights now bf16 values: computed in fp32, as the target's
+        cast_own(head, torch.float32)
     if draft_vocab:
         head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
     pack_linears(head.eval().requires_grad_(False))

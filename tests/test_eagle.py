@@ -28,7 +28,7 @@ from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import TreeConfig
-from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.loader import fp32_arithmetic, load_model
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.hybrid import HybridProposer
 from draftsmith.serve.proposers.propose_eagle import EagleProposer
@@ -612,7 +612,7 @@ def test_speculative_sampling_matches_plain_distribution(kind, topk, ngram, poli
 # ---------------------------------------------------------------- building from the spec config
 
 
-def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
+def test_spec_config_builds_eagle_proposers(target, plain, tmp_path, tiny_llama_dir):
     loaded = LoadedTarget(target, None, TARGET_ID)
     folders = {}
     for kind in KINDS:
@@ -634,10 +634,18 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path):
         assert proposer.head.embed_tokens is target.model.embed_tokens
         # auto: bf16 drafts where oneDNN runs the fp32 target and has bf16 kernels
         bf16 = dtype == "bfloat16" or (dtype == "auto" and bf16_kernels and not kernels.usable())
-        assert proposer.head.fc.weight.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        fc = proposer.head.fc.weight  # a bf16 drafter where the kernels run: bf16 values computed in fp32
+        assert fc.dtype == (torch.bfloat16 if bf16 and not fp32_arithmetic(torch.bfloat16, "cpu") else torch.float32)
+        assert not bf16 or torch.equal(fc.float(), fc.bfloat16().float())
         assert target.model.embed_tokens.weight.dtype == torch.float32  # the borrowed embedding is not cast
         engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
         assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == plain[tuple(PROMPTS[0])].output_ids
+    if fp32_arithmetic(torch.bfloat16, "cpu"):  # a bf16 target on the kernels: auto drafts as it runs, in bf16 values
+        narrowed = load_model(tiny_llama_dir("llama"), torch.bfloat16, "cpu")
+        head = make_proposer(spec, LoadedTarget(narrowed, None, TARGET_ID)).head
+        assert head.fc.weight.dtype == torch.float32 and torch.equal(head.fc.weight, head.fc.weight.bfloat16().float())
+        saved = make_proposer(replace(spec, draft_dtype="float32"), loaded).head.fc.weight
+        assert not torch.equal(head.fc.weight, saved) and head.fc.current().dtype == torch.bfloat16  # bf16 panels
     chain = make_proposer(SpecConfig("eagle", 3, drafter=str(folders["eagle"])), loaded)
     assert chain.max_tree_size == 3 and chain.target_layers == ()
     assert "tree=TreeConfig(topk=2, total_tokens=12)" in repr(spec)  # the prefix-cache salt sees the tree too

@@ -9,7 +9,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from draftsmith.heads import kernels
+from draftsmith.heads import kernels, panels
 from draftsmith.heads.llama import ModelConfig, Transformer
 from draftsmith.heads.packed import pack_linears
 
@@ -115,8 +115,12 @@ def fp32_arithmetic(dtype: torch.dtype, device: str) -> bool:
     """bf16 weights on a CPU where draftsmith's fp32 kernels run: they stream bf16 panels as fast as the memory gives
     and compute in fp32, a SmolLM2 decode step 3.2x faster than torch's eager bf16 and 2.3x its compiled one on an
     AVX512-BF16 EPYC (docs/benchmarks.md); the same bf16 bytes, with activations, KV cache and rope in fp32 (as
-    llama.cpp runs a bf16 file)."""
-    return dtype == torch.bfloat16 and not str(device).startswith("cuda") and kernels.usable()
+    llama.cpp runs a bf16 file). The model keeps its fp32 parameters beside the panels: 1.5x torch's bf16 weight
+    memory. Not where the panels would hold fp32 (DRAFTSMITH_PANELS=fp32, or a kernel that failed its self-check):
+    twice bf16's bytes."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    return kernels.usable() and panels.available() and panels.setting() == "exact"
 
 
 def round_weights(model: Transformer, dtype: torch.dtype) -> None:
