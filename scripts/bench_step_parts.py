@@ -96,20 +96,17 @@ def torch_model(dtype: str):
         return load_target(TargetConfig(dtype=dtype)).model
 
 
-def onednn_model():
-    """The fp32 target packed for oneDNN's kernels, as before draftsmith's own."""
-    with patched(TORCH_OPS):
-        return load_target(TargetConfig(dtype="float32")).model
-
-
-def bf16_kernels_model():
-    return load_target(TargetConfig(dtype="bfloat16")).model
-
-
 def fp32_panels_model():
     """The fp32 target with every weight in fp32 panels (DRAFTSMITH_PANELS=fp32)."""
     with mock.patch.dict(os.environ, {panels.ENV: "fp32"}):
         return load_target(TargetConfig(dtype="float32")).model
+
+
+MODELS = {  # the variants that need a model of their own
+    ONEDNN: lambda: torch_model("float32"),  # packed for oneDNN, as before draftsmith's kernels
+    FP32_PANELS: fp32_panels_model,
+    BF16_KERNELS: lambda: load_target(TargetConfig(dtype="bfloat16")).model,
+}
 
 
 def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str, str], float]:
@@ -131,9 +128,7 @@ def step_section(context: int, rounds: int, dtypes: list[str]) -> dict[tuple[str
     with torch.inference_mode():
         for key, patches in runs.items():
             with patched(patches):
-                made = {ONEDNN: onednn_model, FP32_PANELS: fp32_panels_model, BF16_KERNELS: bf16_kernels_model}.get(
-                    key[0]
-                )
+                made = MODELS.get(key[0])
                 model = made() if made is not None else models[key[1]]
                 steps[key] = eager_step(model, context + 64)
                 steps[key](tokens[:context], torch.arange(context), 0, causal_mask(0, context, "cpu"))

@@ -116,7 +116,7 @@ def folder_drafter(
         head = foreign_head(folder, fmt, m, target.target_id, dtype)
     else:
         head = read_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype)
-    if fp32_arithmetic(dtype, str(m.device)):  # its own weights now bf16 values: computed in fp32, as the target's
+    if fp32_arithmetic(dtype, m.device):  # its own weights now bf16 values: computed in fp32, as the target's
         cast_own(head, torch.float32)
     if draft_vocab:
         head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
