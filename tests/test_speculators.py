@@ -261,6 +261,16 @@ def test_specforge_folder_with_its_embedding_and_default_layers(tiny, tmp_path):
     assert drafted(target, folder) == drafted(target, drafter)
 
 
+def test_an_fp32_embedding_is_the_embedding_of_a_bf16_target(tiny, tmp_path):
+    """A head that ships the fp32 target's embedding serves the same target in bf16: there its embedding holds bf16
+    values (in fp32 where draftsmith's kernels run), and the two are compared at bf16."""
+    tcfg, target, _, spec, _ = tiny
+    bf16 = load_target(replace(tcfg, dtype="bfloat16"))
+    embed = target.model.model.embed_tokens.weight.detach().clone()
+    folder = broken(spec, tmp_path / "with-embedding", None, lambda s: s.update({"embed_tokens.weight": embed}))
+    assert drafted(bf16, folder) == drafted(bf16, spec)
+
+
 def test_full_vocabulary_head_without_a_map(tiny, tmp_path):
     tcfg, target, *_ = tiny
     drafter = save_head(target, tcfg, tmp_path / "full", draft_vocab=V)

@@ -280,15 +280,16 @@ def check_weights(folder: Path, cfg: Eagle3Config, prefix: str) -> None:
         raise ValueError(f"{folder} does not fit an EAGLE-3 head of its config.json:\n  - " + "\n  - ".join(problems))
 
 
-def head_state(folder: Path, cfg: Eagle3Config, prefix: str, embed: Tensor) -> dict[str, Tensor]:
+def head_state(folder: Path, cfg: Eagle3Config, prefix: str, target: Transformer) -> dict[str, Tensor]:
     """The folder's tensors under Eagle3Head's names, d2t/t2d checked (and t2d rebuilt where absent); its
     embedding, if it has one, must be the target's (the head drafts with the target's)."""
+    embed = target.model.embed_tokens.weight
     state = {flat_name(k, prefix): v for k, v in load_state_dict(folder).items()}
     broken = sorted(k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all())
     if broken:
         raise ValueError(f"{folder}: {', '.join(broken)} hold NaN or infinite values; the head is broken, retrain it")
     own = state.pop("embed_tokens.weight", None)
-    if own is not None and not same_weights(own, embed):
+    if own is not None and not same_weights(own, embed, target.weights_dtype):
         raise ValueError(
             f"{folder}: embed_tokens.weight differs from the target's embedding; draftsmith's engine drafts with "
             "the target's (as vLLM does when they are equal): use a head trained with the target's embedding"
@@ -307,9 +308,10 @@ def head_state(folder: Path, cfg: Eagle3Config, prefix: str, embed: Tensor) -> d
     return state | {"d2t": d2t, "t2d": t2d}
 
 
-def same_weights(a: Tensor, b: Tensor) -> bool:
-    """Equal at the coarser of the two dtypes (a bf16 copy of an fp32 embedding is the same embedding)."""
-    low = a.dtype if a.element_size() <= b.element_size() else b.dtype
+def same_weights(a: Tensor, b: Tensor, values: torch.dtype) -> bool:
+    """Equal at the coarsest of the two dtypes and `values`, the dtype b's values are (a bf16 copy of an fp32
+    embedding is the same embedding, and so is an fp32 one beside a bf16 target run in fp32)."""
+    low = min((a.dtype, b.dtype, values), key=lambda d: d.itemsize)
     return a.shape == b.shape and torch.equal(a.to(low).cpu(), b.to(low).cpu())
 
 
@@ -324,7 +326,7 @@ def foreign_head(folder: Path, fmt: str, model: Transformer, target_id: str, dty
     cfg = foreign_config(f, folder, model.config)
     check_verifier(f, model.config, target_id, folder / "config.json")
     check_weights(folder, cfg, PREFIX[fmt])
-    state = head_state(folder, cfg, PREFIX[fmt], model.model.embed_tokens.weight)
+    state = head_state(folder, cfg, PREFIX[fmt], model)
     head = Eagle3Head(cfg, model).to(model.device)
     assert state.keys() == own_state(head).keys(), "the checks above admit exactly the head's tensors"
     head.load_state_dict({k: v.to(model.device) for k, v in state.items()}, strict=False)

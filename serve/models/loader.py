@@ -78,8 +78,8 @@ def load_model(
     folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", pack: bool = True, decode: bool = True
 ) -> Transformer:
     """A frozen model for inference; pack: prepacked linears on CPU (heads/packed.py). decode: a bf16 model for the
-    engine's batch-1 steps runs in fp32 where draftsmith's CPU kernels do (fp32_arithmetic); False (prefill-bound
-    offline work) keeps torch's bf16 ops."""
+    engine's batch-1 steps runs in fp32 where draftsmith's CPU kernels do (fp32_arithmetic; unpacked, on torch's fp32
+    linears); False (prefill-bound offline work) keeps torch's bf16 ops."""
     cfg = ModelConfig.from_hf(read_hf_config(folder))
     state = load_state_dict(folder)
     with torch.device("meta"):
