@@ -64,7 +64,8 @@ enum { KB = 64, AHEAD = 64, G = 16 };  // k-block of KB x 128 B; prefetch AHEAD 
 // between blocks. The first pair of a block reads it from memory and fetches ahead, so the stream goes on while the
 // other pairs compute from L1
 template <int R>
-static void wide_block(const float* x, int64_t in, const float* w, int64_t n, __m256* acc, bool first) {
+static void wide_block(const float* x, int64_t in, const float* w, int64_t n, __m256* acc, bool first,
+                       const char* next = nullptr, int64_t next_step = 0) {
   __m256 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   if (R > 1) b0 = acc[4], b1 = acc[5], b2 = acc[6], b3 = acc[7];
   for (int64_t k = 0; k < n; ++k, w += P) {
@@ -72,6 +73,7 @@ static void wide_block(const float* x, int64_t in, const float* w, int64_t n, __
       _mm_prefetch((const char*)(w + AHEAD * P), _MM_HINT_T0);
       _mm_prefetch((const char*)(w + AHEAD * P + 16), _MM_HINT_T0);
     }
+    if (next) _mm_prefetch(next + k * next_step, _MM_HINT_T0);
     __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
            w3 = _mm256_loadu_ps(w + 24);
     __m256 xk = _mm256_broadcast_ss(x + k);
@@ -146,13 +148,21 @@ static void blocked_rows(const float* x, int64_t rows, int64_t in, const uint8_t
   __m256 acc[G * 4];
   alignas(32) float decoded[KB * P];
   for (int64_t i = 0; i < rows * 4; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t coded_block = KB / QB * block_bytes((int)format), coded_end = in / QB * block_bytes((int)format);
   for (int64_t k0 = 0; k0 < in; k0 += KB) {
     const int64_t n = k0 + KB < in ? KB : in - k0;
     const float* w = (const float*)panel + k0 * P;
-    if (format != F32) decode(panel, format, k0, n, decoded), w = decoded;
+    const char* next = nullptr;  // a coded panel's next k-block, fetched while this one is computed from L1
+    if (format != F32) {
+      decode(panel, format, k0, n, decoded), w = decoded;
+      const int64_t at = k0 / QB * block_bytes((int)format) + coded_block;
+      if (at < coded_end) next = (const char*)panel + at;
+    }
+    const int64_t step = coded_block / n;
     int64_t r = 0;
-    for (; r + 2 <= rows; r += 2) wide_block<2>(x + r * in + k0, in, w, n, acc + r * 4, r == 0 && format == F32);
-    if (r < rows) wide_block<1>(x + r * in + k0, in, w, n, acc + r * 4, false);
+    for (; r + 2 <= rows; r += 2)
+      wide_block<2>(x + r * in + k0, in, w, n, acc + r * 4, r == 0 && format == F32, r == 0 ? next : nullptr, step);
+    if (r < rows) wide_block<1>(x + r * in + k0, in, w, n, acc + r * 4, false, r == 0 ? next : nullptr, step);
   }
   store_rows(acc, rows, bias, y, out, valid);
 }

@@ -37,21 +37,31 @@ def target_info(target: LoadedTarget) -> TargetInfo:
 
 
 def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
-    """auto: bf16 for an fp32 target on oneDNN's kernels where the CPU has bf16 ones (a draft step costs ~half;
-    drafts are only proposals, the fp32 target still decides every token), else the target's weights' dtype (on
-    draftsmith's fp32 kernels an fp32 EAGLE-3 draft step is no slower than a bf16 one on oneDNN's: docs/benchmarks.md;
-    a bf16 target there gets a bf16 drafter, run as its target is: bf16 weights in fp32, folder_drafter)."""
+    """spec.draft_dtype for a drafter of this target: the dtype named, or auto_draft_dtype."""
     if spec.draft_dtype != "auto":
         return torch_dtype(spec.draft_dtype, str(model.device))
+    return auto_draft_dtype(model)
+
+
+def auto_draft_dtype(model: Transformer) -> torch.dtype:
+    """bf16 for an fp32 target, else the target's weights' dtype. Drafts are only proposals (the target still decides
+    every token), and bf16 halves the bytes a draft step streams: where draftsmith's kernels run, a bf16 drafter is
+    run as a bf16 target is (its own weights rounded to bf16, computed in fp32, folder_drafter), an EAGLE-3 chain of 3
+    drafting in 0.77x the fp32 head's time with the same drafts (docs/benchmarks.md); elsewhere on oneDNN's bf16
+    kernels where the CPU has them. An fp32 target whose bf16 would run on neither keeps an fp32 drafter."""
     weight = model.lm_head.weight
-    onednn_bf16 = can_pack(weight.new_empty(0, dtype=torch.bfloat16))
-    if weight.dtype == torch.float32 and onednn_bf16 and not kernels.runs(weight):
-        return torch.bfloat16
+    if model.weights_dtype == torch.float32 and weight.dtype == torch.float32:
+        if fp32_arithmetic(torch.bfloat16, model.device):
+            return torch.bfloat16
+        if can_pack(weight.new_empty(0, dtype=torch.bfloat16)) and not kernels.runs(weight):
+            return torch.bfloat16
     return model.weights_dtype
 
 
 def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
-    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter."""
+    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter. dtype None
+    (auto): a drafter folder's trained weights in auto_draft_dtype, a plain HF LM in the target's weights' dtype,
+    as its fp32 weights may hold narrower exact codes than bf16 (SmolLM2's GGUF: heads/panel_codes.py)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     if not (folder / "config.json").is_file():  # read_hf_config would call it a target folder
@@ -62,6 +72,7 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
         )
     hf = read_hf_config(folder)
     if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter_folder.py, serve/export/foreign.py)
+        dtype = dtype or auto_draft_dtype(target.model)
         return folder_drafter(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)
     archs = hf.get("architectures") or []
     if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export

@@ -632,8 +632,9 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path, tiny_llama_
         proposer = make_proposer(replace(spec, draft_dtype=dtype), loaded)
         assert isinstance(proposer, EagleProposer) and proposer.target_layers == (0, 1, 2)
         assert proposer.head.embed_tokens is target.model.embed_tokens
-        # auto: bf16 drafts where oneDNN runs the fp32 target and has bf16 kernels
-        bf16 = dtype == "bfloat16" or (dtype == "auto" and bf16_kernels and not kernels.usable())
+        # auto: an fp32 target's drafts in bf16, on the kernels (bf16 values in fp32) or on oneDNN's bf16 kernels
+        bf16_auto = fp32_arithmetic(torch.bfloat16, "cpu") or (bf16_kernels and not kernels.usable())
+        bf16 = dtype == "bfloat16" or (dtype == "auto" and bf16_auto)
         fc = proposer.head.fc.weight  # a bf16 drafter where the kernels run: bf16 values computed in fp32
         assert fc.dtype == (torch.bfloat16 if bf16 and not fp32_arithmetic(torch.bfloat16, "cpu") else torch.float32)
         assert not bf16 or torch.equal(fc.float(), fc.bfloat16().float())

@@ -10,15 +10,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from draftsmith.heads import kernels
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig, init_layers
 from draftsmith.heads.drafter_folder import Recipe, TargetInfo, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
+from draftsmith.heads.packed import can_pack
 from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.loader import fp32_arithmetic, load_model
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.hybrid import HybridProposer
 from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
@@ -256,6 +258,27 @@ def test_engine_greedy_is_lossless_from_saved_folders(spec, target, data, traine
             assert out.metrics.prefix_hit_tokens == hit
             accepted += out.metrics.accepted_tokens
     assert accepted >= 2 * 3 * 10  # trained on the first three prompts' answers: most drafts are accepted
+
+
+def test_auto_draft_dtype_gives_an_fp32_targets_draft_model_bf16_weights(target, trained):
+    """spec.draft_dtype=auto: a trained draft model of an fp32 target drafts in bf16 (its own weights rounded; on the
+    kernels computed in fp32, as a bf16 target is); float32 by name keeps the weights it was saved with."""
+    folder, head = str(trained["draft_model"][1]), trained["draft_model"][0]
+    lt = loaded_target(target)
+    auto, fp32 = (
+        dict(make_proposer(SpecConfig("draft_model", 3, drafter=folder, draft_dtype=d), lt).model.named_parameters())
+        for d in ("auto", "float32")
+    )
+    saved = dict(head.named_parameters())
+    name = next(n for n in saved if "layers.0" in n and n.endswith("weight") and saved[n].dim() == 2)
+    assert torch.equal(fp32[name], saved[name])
+    on_kernels = fp32_arithmetic(torch.bfloat16, "cpu")  # bf16 values computed in fp32
+    on_onednn = can_pack(torch.empty(0, dtype=torch.bfloat16)) and not kernels.runs(target.lm_head.weight)
+    if on_kernels or on_onednn:
+        assert auto[name].dtype == (torch.float32 if on_kernels else torch.bfloat16)
+        assert torch.equal(auto[name].float(), saved[name].bfloat16().float())
+    else:  # bf16 would run on neither: auto keeps fp32
+        assert torch.equal(auto[name], saved[name])
 
 
 @pytest.mark.parametrize("policy", ["prefer", "merge"])

@@ -12,10 +12,11 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.heads import decoder_layer, kernels, panels
 from draftsmith.heads.llama import ModelConfig, Transformer
-from draftsmith.heads.packed import pack_linears
+from draftsmith.heads.packed import pack_linears, panel_formats
 from draftsmith.serve.build import engine_salt
+from draftsmith.serve.drafters import auto_draft_dtype, draft_lm
 from draftsmith.serve.models import target as target_mod
-from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.loader import fp32_arithmetic, load_model
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, torch_dtype
 from draftsmith.serve.spec import SpecConfig
 from helpers import four_steps
@@ -55,6 +56,18 @@ def test_load_target_smollm2(smollm2_dir: Path) -> None:
     assert isinstance(model, Transformer) and model.dtype == torch_dtype("auto", "cpu")
     assert tok.decode(tok("hello world")["input_ids"]).endswith("hello world")
     assert tid.startswith("smollm2-135m@") and len(tid.split("@")[1]) == 8
+
+
+def test_a_plain_draft_lm_keeps_its_exact_codes_under_auto(smollm2_dir: Path) -> None:
+    """spec.draft_dtype=auto rounds a trained drafter to bf16 for an fp32 target (serve/drafters.py) but not a plain
+    HF draft LM: SmolLM2's fp32 weights are its GGUF's q4/q8 codes, which bf16 would lose (2.4x the bytes)."""
+    loaded = load_target(TargetConfig(dtype="float32", device="cpu"))
+    draft = draft_lm(smollm2_dir, loaded)
+    assert draft.weights_dtype == torch.float32
+    if fp32_arithmetic(torch.bfloat16, "cpu"):
+        assert auto_draft_dtype(loaded.model) == torch.bfloat16  # what a trained head or draft model gets
+        assert set(panel_formats(draft)) == set(panel_formats(loaded.model)) == {"q4", "q8"}
+        assert set(panel_formats(draft_lm(smollm2_dir, loaded, torch.bfloat16))) == {"bf16"}  # by name
 
 
 def test_path_without_tokenizer(tiny_llama_dir) -> None:

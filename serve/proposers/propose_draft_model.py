@@ -99,5 +99,6 @@ class DraftModelProposer(Proposer):
 def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     """spec=draft_model: an HF draft LM, or a draft_model drafter folder."""
     assert spec.num_tokens is not None and spec.drafter is not None, "serve/build.py resolves them"
-    model = draft_lm(Path(spec.drafter), target, draft_dtype(spec, target.model), spec.draft_vocab)
+    dtype = None if spec.draft_dtype == "auto" else draft_dtype(spec, target.model)
+    model = draft_lm(Path(spec.drafter), target, dtype, spec.draft_vocab)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
