@@ -16,8 +16,9 @@ static void encode(const float* w, float scale, float offset, uint8_t* block, in
       ((int8_t*)(block + P * 4))[k * P + o] = (int8_t)q;
     } else {
       q = q < 0.0f ? 0.0f : q > 15.0f ? 15.0f : q;
-      uint32_t* word = (uint32_t*)(block + 2 * P * 4 + k * P / 2) + o / 8;
-      *word = (*word & ~(0xFu << 4 * (o % 8))) | ((uint32_t)q << 4 * (o % 8));
+      uint8_t* byte = block + 2 * P * 4 + k * P / 2 + o / 16 * 8 + o % 8;  // heads/panels.h's Q4 layout
+      const int shift = o / 8 % 2 * 4;
+      *byte = (uint8_t)((*byte & ~(0xF << shift)) | ((int)q << shift));
     }
   }
 }

@@ -30,12 +30,15 @@ static inline void weights_at(const uint8_t* block, int k, __m256* w) {
       w[c] = _mm256_mul_ps(q, _mm256_loadu_ps(scale + 8 * c));
     }
   } else {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), low = _mm256_set1_epi32(0x0F);
-    const int32_t* nibbles = (const int32_t*)(block + 2 * P * 4 + k * P / 2);
-    for (int c = 0; c < 4; ++c) {
-      __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(nibbles[c]), shifts), low);
-      w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_loadu_ps(scale + 8 * c), _mm256_loadu_ps(scale + P + 8 * c));
-    }
+    // byte i of a half holds its outputs i (low nibble) and 8 + i (high): two widenings give all four vectors
+    const __m256i low = _mm256_set1_epi32(0x0F);
+    const uint8_t* row = block + 2 * P * 4 + k * P / 2;
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)row)),
+                  b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(row + 8)));
+    const __m256i q[4] = {_mm256_and_si256(a, low), _mm256_srli_epi32(a, 4), _mm256_and_si256(b, low),
+                          _mm256_srli_epi32(b, 4)};
+    for (int c = 0; c < 4; ++c)
+      w[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[c]), _mm256_loadu_ps(scale + 8 * c), _mm256_loadu_ps(scale + P + 8 * c));
   }
 }
 

@@ -7,9 +7,9 @@ enum PanelFormat {
   F32 = 0,   // [panels][in][P] fp32
   BF16 = 1,  // [panels][in][P] bf16: weights that are bf16 values
   Q8 = 2,    // [panels][in / QB] blocks: P fp32 scales, then [QB][P] int8; weight = q * scale
-  Q4 = 3,    // [panels][in / QB] blocks: P fp32 scales, P fp32 offsets, then [QB][P / 8] 32-bit words of nibbles
-             // (word c holds outputs 8c .. 8c + 7, output 8c + i in bits 4i .. 4i + 3); weight = q * scale + offset,
-             // q * scale exact
+  Q4 = 3,    // [panels][in / QB] blocks: P fp32 scales, P fp32 offsets, then [QB][P / 2] bytes of nibbles, each
+             // input's 16 bytes two halves of 8 (byte i of half h holds output 16h + i in its low nibble, 16h + 8 + i
+             // in its high: two widenings decode it); weight = q * scale + offset, q * scale exact
 };
 
 struct Panels {
