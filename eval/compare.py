@@ -85,6 +85,7 @@ class Row:
     suite: str
     drafter: str | None
     drafter_params: int | None
+    drafter_dtype: str | None  # the dtype its drafter ran in
     draft_shape: str
     speedup: float
     mean_acceptance_length: float
@@ -115,6 +116,7 @@ def row(folder: Path, label: str, r: RunResult, m: MethodResult) -> Row:
         suite=r.source,
         drafter=m.config.get("drafter"),
         drafter_params=m.drafter_params,
+        drafter_dtype=m.drafter_dtype,
         draft_shape=m.draft_shape(),
         speedup=m.speedup,
         mean_acceptance_length=m.mean_acceptance_length,
@@ -131,11 +133,12 @@ def row(folder: Path, label: str, r: RunResult, m: MethodResult) -> Row:
 
 def render(rows: list[Row], plots: list[Path], warnings: list[str]) -> str:
     params = lambda n: "-" if n is None else "0" if n == 0 else f"{n / 1e6:.2f}M"  # noqa: E731
+    dtype = lambda r: f" {r.drafter_dtype}" if r.drafter_dtype else ""  # noqa: E731
     table_rows = [
         [
             r.label + (" (partial)" if r.partial else ""),
             r.suite,
-            params(r.drafter_params),
+            params(r.drafter_params) + dtype(r),
             r.draft_shape,
             ci(r.speedup, r.intervals["speedup"], unit="x") + (" (n.s.)" if r.significant is False else ""),
             ci(r.mean_acceptance_length, r.intervals["mean_acceptance_length"]),

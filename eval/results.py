@@ -91,6 +91,7 @@ class MethodResult(Compared):
     distribution_check: DistributionCheck | None  # sampling only
     drafter_params: int | None  # None: drafts with the target's own weights (layerskip)
     config: dict[str, Any]  # the method's SpecConfig as it ran: its drafter and draft shape
+    drafter_dtype: str | None = None  # the dtype its drafter ran in (spec.draft_dtype resolved); None: no drafter
 
     def draft_shape(self) -> str:
         """'num_tokens 3, tree topk 4 / 12 nodes' (the shape keys the method was run with)."""
@@ -181,6 +182,7 @@ class Environment:
     load_after: list[float] | None = None
     forward: str | None = None  # the target's forward that ran (cost_profile.forward_path); absent in older files
     kernels: str | None = None  # the library of draftsmith's own kernels it ran on, None for torch's kernels
+    panels: str | None = None  # DRAFTSMITH_PANELS where they ran: exact (the narrowest exact format) or fp32
 
 
 @dataclass
@@ -283,6 +285,7 @@ class RunResult:
             "cuda_graphs": self.config.cuda_graphs,
             "forward": self.environment.forward,  # what cuda_graphs=auto resolved to
             "own kernels": self.environment.kernels is not None,
+            "panels": self.environment.panels,  # fp32 panels: other bytes, and fp32 drafters under auto
             "max_seq_len": self.config.max_seq_len,
             "warmup": self.config.warmup,
         }

@@ -11,14 +11,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
+from draftsmith.heads import panels
 from draftsmith.heads.files import write_text_atomic
 from draftsmith.serve.build import build_engine, resolve_shape
+from draftsmith.serve.drafters import drafter_dtype
 from draftsmith.serve.engine.cost_profile import forward_path, own_kernels
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import TargetConfig, encode_chat, encode_raw, load_target
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, encode_raw, load_target
 from draftsmith.serve.shared.wandb_run import WandbConfig
 from draftsmith.serve.spec import SpecConfig
 
@@ -103,7 +106,7 @@ def run_eval(cfg: EvalConfig) -> RunResult:
         for arm in arms(cfg, methods)
     }
     check_first_turns_fit(prompts, target.tokenizer, cfg, min(e.max_seq_len for e in engines.values()))
-    run_settings = settings(cfg, target.target_id, prompts, methods)
+    run_settings = settings(cfg, target, prompts, methods)
     journal = Journal(Path(cfg.out), run_settings, cfg.resume)
     load_before = load_average()
     warm_up(engines, prompts[0], target.tokenizer, cfg)
@@ -118,14 +121,26 @@ def run_eval(cfg: EvalConfig) -> RunResult:
     return results
 
 
-def settings(cfg: EvalConfig, target_id: str, prompts: list[Prompt], methods: dict[str, SpecConfig]) -> dict:
+def settings(cfg: EvalConfig, target: LoadedTarget, prompts: list[Prompt], methods: dict[str, SpecConfig]) -> dict:
     """What the records depend on: a resume must match it. Paths alone are not enough: the prompts' content and
-    each drafter folder's fingerprint are in it too (an edited file, a drafter retrained in place)."""
+    each drafter folder's fingerprint are in it too (an edited file, a drafter retrained in place), and what the
+    settings resolved to on this machine: each drafter's dtype (spec.draft_dtype=auto) and the panel setting."""
     skip = ("out", "resume", "wandb", "replay", "replay_labels", "window")
     keep = {k: v for k, v in asdict(cfg).items() if k not in skip}
     drafters = {label: drafter_identity(m.drafter) for label, m in methods.items() if m.drafter}
-    identity = {"target_id": target_id, "prompts_sha256": prompts_hash(prompts), "drafters": drafters}
+    dtypes = {label: dtype_name(drafter_dtype(m, target)) for label, m in methods.items() if m.drafter}
+    identity = {
+        "target_id": target.target_id,
+        "prompts_sha256": prompts_hash(prompts),
+        "drafters": drafters,
+        "drafter_dtypes": dtypes,
+        "panels": panels.setting() if panels.available() else None,
+    }
     return json.loads(json.dumps({**keep, **identity}, default=str))
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def check_settings(cfg: EvalConfig) -> None:
@@ -261,7 +276,9 @@ def start_cold(engine: Engine) -> None:
         engine.proposer.forget()
 
 
-def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig) -> MethodResult:
+def method_result(
+    label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig, run_settings: dict
+) -> MethodResult:
     base, mine = of(main, "ar"), of(main, label)
     greedy = cfg.temperature == 0
     depth = spec.num_tokens or 0  # plain decoding (ar) has no draft shape
@@ -278,6 +295,7 @@ def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalCon
         distribution_check=None if greedy else distribution_check(base, mine, seed=cfg.seed),
         drafter_params=drafter_params(spec),
         config=asdict(spec),
+        drafter_dtype=run_settings["drafter_dtypes"].get(label),
     )
 
 
@@ -293,7 +311,7 @@ def summarize(
 ) -> RunResult:
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     base = of(main, "ar")
-    rows = {label: method_result(label, spec, main, cfg) for label, spec in methods.items()}
+    rows = {label: method_result(label, spec, main, cfg, run_settings) for label, spec in methods.items()}
     checks = [row.lossless for row in rows.values()]
     every = [r.metrics for r in main]
     return RunResult(
@@ -337,6 +355,7 @@ def summarize(
             environment(engine.model.device, engine.model.weights_dtype),
             forward=forward_path(engine),
             kernels=own_kernels(engine),
+            panels=run_settings["panels"] if own_kernels(engine) else None,
         ),
         study=study_cells(records, next(iter(methods)), cfg.temperature == 0, cfg.seed) if cfg.study else None,
         prompts_sha256=run_settings["prompts_sha256"],

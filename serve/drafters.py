@@ -36,11 +36,28 @@ def target_info(target: LoadedTarget) -> TargetInfo:
     return TargetInfo(target.target_id, c.hidden_size, c.vocab_size, c.num_hidden_layers)
 
 
-def draft_dtype(spec: SpecConfig, model: Transformer) -> torch.dtype:
-    """spec.draft_dtype for a drafter of this target: the dtype named, or auto_draft_dtype."""
+def drafter_dtype(spec: SpecConfig, target: LoadedTarget) -> torch.dtype | None:
+    """The dtype spec's drafter runs in (None: it has no drafter folder): spec.draft_dtype by name; auto:
+    auto_draft_dtype, except a plain HF draft LM, which keeps the target's weights' dtype, as its fp32 weights may
+    be narrower exact codes than bf16 (SmolLM2's GGUF: heads/panel_codes.py). Results record it (eval/runner.py)."""
+    if not spec.drafter:
+        return None
+    model = target.model
     if spec.draft_dtype != "auto":
         return torch_dtype(spec.draft_dtype, str(model.device))
+    if spec.name == "draft_model" and plain_lm(Path(spec.drafter)):
+        return model.weights_dtype
     return auto_draft_dtype(model)
+
+
+def plain_lm(folder: Path) -> bool:
+    """An HF model folder: config.json, and neither a draftsmith drafter folder nor another engine's export of one."""
+    return (folder / "config.json").is_file() and not drafter_config(read_hf_config(folder), folder)
+
+
+def drafter_config(hf: dict, folder: Path) -> bool:
+    """A drafter folder's config (heads/drafter_folder.py, serve/export/foreign.py), not a plain HF LM's."""
+    return "kind" in hf or bool(foreign_format(folder))
 
 
 def auto_draft_dtype(model: Transformer) -> torch.dtype:
@@ -59,9 +76,8 @@ def auto_draft_dtype(model: Transformer) -> torch.dtype:
 
 
 def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
-    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter. dtype None
-    (auto): a drafter folder's trained weights in auto_draft_dtype, a plain HF LM in the target's weights' dtype,
-    as its fp32 weights may hold narrower exact codes than bf16 (SmolLM2's GGUF: heads/panel_codes.py)."""
+    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter. dtype None:
+    auto, as drafter_dtype resolves it."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     if not (folder / "config.json").is_file():  # read_hf_config would call it a target folder
@@ -71,7 +87,7 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
             "nor an HF draft model (config.json and *.safetensors)"
         )
     hf = read_hf_config(folder)
-    if "kind" in hf or foreign_format(folder):  # a drafter folder (heads/drafter_folder.py, serve/export/foreign.py)
+    if drafter_config(hf, folder):
         dtype = dtype or auto_draft_dtype(target.model)
         return folder_drafter(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)
     archs = hf.get("architectures") or []
@@ -96,7 +112,7 @@ def load_drafter(spec: SpecConfig, target: LoadedTarget, *shared) -> nn.Module:
     """The drafter folder spec.drafter names, of spec.name's kind (folder_drafter; `shared`: the target pieces the
     kind borrows), in spec.draft_dtype. spec=draft_model's proposer reads its folder with draft_lm, which also
     takes a plain HF draft LM."""
-    dtype = draft_dtype(spec, target.model)
+    dtype = drafter_dtype(spec, target)
     assert spec.drafter is not None, "SpecConfig refuses a drafter kind without one"
     return folder_drafter(Path(spec.drafter), target, spec.name, *shared, dtype=dtype, draft_vocab=spec.draft_vocab)
 

@@ -21,9 +21,10 @@ from draftsmith.eval.report import study, write_report
 from draftsmith.eval.results import SCHEMA_VERSION, Effect, Identical, Lossless, dump, load_results, to_json
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
+from draftsmith.heads import panels
 from draftsmith.heads.drafter_folder import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.serve.drafters import target_info
+from draftsmith.serve.drafters import auto_draft_dtype, target_info
 from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target
@@ -182,6 +183,8 @@ def test_a_drafter_is_evaluated_in_the_draft_shape_it_was_made_for(tiny_target, 
     m = run_eval(eval_config(tiny_target, tmp_path / "ev", f"prompts={prompts_file}", *overrides)).methods["eagle3"]
     assert (m.config["num_tokens"], m.config["tree"]) == (1, {"topk": 3, "total_tokens": 0})
     assert len(m.acceptance_rate_per_position) == 1 and m.lossless.identical == m.lossless.checked
+    # spec.draft_dtype=auto as it resolved here: an fp32 target's head in bf16 wherever bf16 runs
+    assert m.config["draft_dtype"] == "auto" and m.drafter_dtype == str(auto_draft_dtype(target.model)).split(".")[1]
 
 
 def test_multi_turn_feeds_the_models_own_answer_back(tiny_target):
@@ -413,6 +416,11 @@ def test_resume_refuses_edited_prompts_and_a_drafter_retrained_in_place(tiny_tar
     with pytest.raises(ValueError, match=r"other settings \(prompts_sha256\)"):
         run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))
     prompts.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    if panels.available():  # fp32 panels: other bytes, and the head in fp32 under auto
+        monkeypatch.setenv(panels.ENV, "fp32")
+        with pytest.raises(ValueError, match=r"other settings \((drafter_dtypes, )?panels\)"):
+            run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))
+        monkeypatch.delenv(panels.ENV)
     train_head(1)
     with pytest.raises(ValueError, match=r"other settings \(drafters\)"):
         run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))

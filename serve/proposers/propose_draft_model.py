@@ -14,7 +14,7 @@ from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
-from draftsmith.serve.drafters import draft_dtype, draft_lm
+from draftsmith.serve.drafters import draft_lm, drafter_dtype
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, sample, widen
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.models.target import LoadedTarget
@@ -99,6 +99,5 @@ class DraftModelProposer(Proposer):
 def draft_proposer(spec: SpecConfig, target: LoadedTarget) -> DraftModelProposer:
     """spec=draft_model: an HF draft LM, or a draft_model drafter folder."""
     assert spec.num_tokens is not None and spec.drafter is not None, "serve/build.py resolves them"
-    dtype = None if spec.draft_dtype == "auto" else draft_dtype(spec, target.model)
-    model = draft_lm(Path(spec.drafter), target, dtype, spec.draft_vocab)
+    model = draft_lm(Path(spec.drafter), target, drafter_dtype(spec, target), spec.draft_vocab)
     return DraftModelProposer(model, DraftChainConfig(spec.num_tokens))
