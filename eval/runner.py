@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from draftsmith.heads import panels
@@ -128,7 +127,7 @@ def settings(cfg: EvalConfig, target: LoadedTarget, prompts: list[Prompt], metho
     skip = ("out", "resume", "wandb", "replay", "replay_labels", "window")
     keep = {k: v for k, v in asdict(cfg).items() if k not in skip}
     drafters = {label: drafter_identity(m.drafter) for label, m in methods.items() if m.drafter}
-    dtypes = {label: dtype_name(drafter_dtype(m, target)) for label, m in methods.items() if m.drafter}
+    dtypes = {label: str(drafter_dtype(m, target)).removeprefix("torch.") for label, m in methods.items() if m.drafter}
     identity = {
         "target_id": target.target_id,
         "prompts_sha256": prompts_hash(prompts),
@@ -137,10 +136,6 @@ def settings(cfg: EvalConfig, target: LoadedTarget, prompts: list[Prompt], metho
         "panels": panels.setting() if panels.available() else None,
     }
     return json.loads(json.dumps({**keep, **identity}, default=str))
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def check_settings(cfg: EvalConfig) -> None:
@@ -276,9 +271,8 @@ def start_cold(engine: Engine) -> None:
         engine.proposer.forget()
 
 
-def method_result(
-    label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig, run_settings: dict
-) -> MethodResult:
+def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig, dtype: str | None) -> MethodResult:
+    """dtype: the dtype its drafter ran in (settings' drafter_dtypes), None without one."""
     base, mine = of(main, "ar"), of(main, label)
     greedy = cfg.temperature == 0
     depth = spec.num_tokens or 0  # plain decoding (ar) has no draft shape
@@ -295,7 +289,7 @@ def method_result(
         distribution_check=None if greedy else distribution_check(base, mine, seed=cfg.seed),
         drafter_params=drafter_params(spec),
         config=asdict(spec),
-        drafter_dtype=run_settings["drafter_dtypes"].get(label),
+        drafter_dtype=dtype,
     )
 
 
@@ -311,7 +305,9 @@ def summarize(
 ) -> RunResult:
     main = [r for r in records if r.prefix_cache == cfg.prefix_cache]
     base = of(main, "ar")
-    rows = {label: method_result(label, spec, main, cfg, run_settings) for label, spec in methods.items()}
+    dtypes = run_settings["drafter_dtypes"]
+    rows = {label: method_result(label, spec, main, cfg, dtypes.get(label)) for label, spec in methods.items()}
+    kernels = own_kernels(engine)
     checks = [row.lossless for row in rows.values()]
     every = [r.metrics for r in main]
     return RunResult(
@@ -354,8 +350,8 @@ def summarize(
         environment=replace(
             environment(engine.model.device, engine.model.weights_dtype),
             forward=forward_path(engine),
-            kernels=own_kernels(engine),
-            panels=run_settings["panels"] if own_kernels(engine) else None,
+            kernels=kernels,
+            panels=run_settings["panels"] if kernels else None,
         ),
         study=study_cells(records, next(iter(methods)), cfg.temperature == 0, cfg.seed) if cfg.study else None,
         prompts_sha256=run_settings["prompts_sha256"],

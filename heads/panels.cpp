@@ -58,22 +58,21 @@ static void store_rows(const __m256* acc, int64_t rows, const float* bias, float
     for (int c = 0; c < 4; ++c) store(acc[r * 4 + c], bias, y + r * out, c * 8, valid);
 }
 
-enum { KB = 64, AHEAD = 64, G = 16 };  // k-block of KB x 128 B; prefetch AHEAD k ahead; verify rows up to G
+enum { KB = 64, G = 16 };  // k-block of KB inputs; verify rows up to G
 
 // R rows (1 or 2) x the whole panel over n inputs, from x's and w's k-block start, its 4R chains carried in acc
-// between blocks. The first pair of a block reads it from memory and fetches ahead, so the stream goes on while the
-// other pairs compute from L1
+// between blocks. The first pair of a block fetches the panel's next block into cache, `step` bytes an input (ahead
+// null: none), so memory streams while the pairs compute from L1 (an fp32 panel) or from its decoded copy (coded)
 template <int R>
-static void wide_block(const float* x, int64_t in, const float* w, int64_t n, __m256* acc, bool first,
-                       const char* next = nullptr, int64_t next_step = 0) {
+static void wide_block(const float* x, int64_t in, const float* w, int64_t n, __m256* acc, const char* ahead = nullptr,
+                       int64_t step = 0) {
   __m256 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3], b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   if (R > 1) b0 = acc[4], b1 = acc[5], b2 = acc[6], b3 = acc[7];
   for (int64_t k = 0; k < n; ++k, w += P) {
-    if (first) {
-      _mm_prefetch((const char*)(w + AHEAD * P), _MM_HINT_T0);
-      _mm_prefetch((const char*)(w + AHEAD * P + 16), _MM_HINT_T0);
+    if (ahead) {
+      _mm_prefetch(ahead + k * step, _MM_HINT_T0);
+      if (step > 64) _mm_prefetch(ahead + k * step + 64, _MM_HINT_T0);  // fp32: two lines an input
     }
-    if (next) _mm_prefetch(next + k * next_step, _MM_HINT_T0);
     __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8), w2 = _mm256_loadu_ps(w + 16),
            w3 = _mm256_loadu_ps(w + 24);
     __m256 xk = _mm256_broadcast_ss(x + k);
@@ -98,7 +97,7 @@ template <int R>
 static void wide(const float* x, int64_t in, const float* w, const float* bias, float* y, int64_t out, int valid) {
   __m256 acc[8];
   for (int i = 0; i < 4 * R; ++i) acc[i] = _mm256_setzero_ps();
-  wide_block<R>(x, in, w, in, acc, false);
+  wide_block<R>(x, in, w, in, acc);
   store_rows(acc, R, bias, y, out, valid);
 }
 
@@ -148,21 +147,16 @@ static void blocked_rows(const float* x, int64_t rows, int64_t in, const uint8_t
   __m256 acc[G * 4];
   alignas(32) float decoded[KB * P];
   for (int64_t i = 0; i < rows * 4; ++i) acc[i] = _mm256_setzero_ps();
-  const int64_t coded_block = KB / QB * block_bytes((int)format), coded_end = in / QB * block_bytes((int)format);
+  const int64_t block = KB / QB * block_bytes((int)format), step = block / KB;  // bytes of KB inputs; of one
   for (int64_t k0 = 0; k0 < in; k0 += KB) {
     const int64_t n = k0 + KB < in ? KB : in - k0;
-    const float* w = (const float*)panel + k0 * P;
-    const char* next = nullptr;  // a coded panel's next k-block, fetched while this one is computed from L1
-    if (format != F32) {
-      decode(panel, format, k0, n, decoded), w = decoded;
-      const int64_t at = k0 / QB * block_bytes((int)format) + coded_block;
-      if (at < coded_end) next = (const char*)panel + at;
-    }
-    const int64_t step = coded_block / n;
+    const uint8_t* at = panel + k0 / QB * block_bytes((int)format);
+    const float* w = (const float*)at;
+    if (format != F32) decode(panel, format, k0, n, decoded), w = decoded;
     int64_t r = 0;
     for (; r + 2 <= rows; r += 2)
-      wide_block<2>(x + r * in + k0, in, w, n, acc + r * 4, r == 0 && format == F32, r == 0 ? next : nullptr, step);
-    if (r < rows) wide_block<1>(x + r * in + k0, in, w, n, acc + r * 4, false, r == 0 ? next : nullptr, step);
+      wide_block<2>(x + r * in + k0, in, w, n, acc + r * 4, r == 0 ? (const char*)(at + block) : nullptr, step);
+    if (r < rows) wide_block<1>(x + r * in + k0, in, w, n, acc + r * 4);
   }
   store_rows(acc, rows, bias, y, out, valid);
 }

@@ -66,18 +66,16 @@ def auto_draft_dtype(model: Transformer) -> torch.dtype:
     run as a bf16 target is (its own weights rounded to bf16, computed in fp32, folder_drafter), an EAGLE-3 chain of 3
     drafting in 0.77x the fp32 head's time with the same drafts (docs/benchmarks.md); elsewhere on oneDNN's bf16
     kernels where the CPU has them. An fp32 target whose bf16 would run on neither keeps an fp32 drafter."""
+    if model.weights_dtype != torch.float32:
+        return model.weights_dtype
     weight = model.lm_head.weight
-    if model.weights_dtype == torch.float32 and weight.dtype == torch.float32:
-        if fp32_arithmetic(torch.bfloat16, model.device):
-            return torch.bfloat16
-        if can_pack(weight.new_empty(0, dtype=torch.bfloat16)) and not kernels.runs(weight):
-            return torch.bfloat16
-    return model.weights_dtype
+    onednn_bf16 = can_pack(weight.new_empty(0, dtype=torch.bfloat16)) and not kernels.runs(weight)
+    return torch.bfloat16 if fp32_arithmetic(torch.bfloat16, model.device) or onednn_bf16 else torch.float32
 
 
 def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> Transformer:
-    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter. dtype None:
-    auto, as drafter_dtype resolves it."""
+    """A draft LM, refused unless it speaks the target's vocabulary; draft_vocab: see folder_drafter; dtype: its
+    weights' (drafter_dtype resolves spec.draft_dtype; default: the target's)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"spec.drafter={folder} is not a folder")
     if not (folder / "config.json").is_file():  # read_hf_config would call it a target folder
@@ -88,7 +86,6 @@ def draft_lm(folder: Path, target: LoadedTarget, dtype: torch.dtype | None = Non
         )
     hf = read_hf_config(folder)
     if drafter_config(hf, folder):
-        dtype = dtype or auto_draft_dtype(target.model)
         return folder_drafter(folder, target, "draft_model", dtype=dtype, draft_vocab=draft_vocab)
     archs = hf.get("architectures") or []
     if "vocab_size" not in hf or (archs and not set(archs) & set(TARGET_ARCHS.values())):  # e.g. another's export
