@@ -80,11 +80,15 @@ class Journal:
         if not self.run.is_file():
             raise FileNotFoundError(f"resume=true but {self.run} is missing: nothing to resume in {self.path.parent}")
         saved = json.loads(self.run.read_text())
+        unrecorded = sorted(settings.keys() - saved.keys())  # settings an older draftsmith did not record
         changed = sorted(k for k in saved.keys() | settings.keys() if saved.get(k) != settings.get(k))
-        if changed:
+        changed = [k for k in changed if k not in unrecorded]
+        if changed or unrecorded:
+            why = [f"was run with other settings ({', '.join(changed)})"] * bool(changed)
+            why += [f"was run by an older draftsmith, which did not record {', '.join(unrecorded)}"] * bool(unrecorded)
             raise ValueError(
-                f"resume=true: {self.path.parent} was run with other settings ({', '.join(changed)}); "
-                "resume with the same settings, or give another out=DIR"
+                f"resume=true: {self.path.parent} {'; it '.join(why)}; resume with the same settings, or give "
+                "another out=DIR"
             )
         return [parse_unit(json.loads(line)) for line in intact_lines(self.path)]
 

@@ -294,9 +294,9 @@ class RunResult:
 # fields left out of the JSON when None (present otherwise)
 OMIT_NONE: dict[type, tuple[str, ...]] = {
     DistributionCheck: ("permutations", "exact", "mean_new_tokens"),
-    MethodResult: ("distribution_check",),
+    MethodResult: ("distribution_check", "drafter_dtype"),
     RunResult: ("study",),
-    Environment: ("forward", "kernels"),
+    Environment: ("forward", "kernels", "panels"),  # absent in files written before they were recorded
 }
 
 

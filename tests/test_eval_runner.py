@@ -111,6 +111,17 @@ def test_a_results_json_of_another_schema_version_is_refused_with_the_fix(two_me
     )
 
 
+def test_a_results_json_from_before_drafter_dtypes_and_panels_were_recorded_still_loads(two_methods, tmp_path):
+    out, _ = two_methods
+    r = json.loads((out / "results.json").read_text())
+    for m in r["methods"].values():
+        m.pop("drafter_dtype", None)
+    r["environment"].pop("panels", None)
+    (tmp_path / "results.json").write_text(json.dumps(r))
+    old = load_results(tmp_path)
+    assert old.environment.panels is None and all(m.drafter_dtype is None for m in old.methods.values())
+
+
 def test_a_results_json_missing_a_field_names_it(two_methods, tmp_path):
     out, _ = two_methods
     r = json.loads((out / "results.json").read_text())
@@ -423,6 +434,12 @@ def test_resume_refuses_edited_prompts_and_a_drafter_retrained_in_place(tiny_tar
         monkeypatch.delenv(panels.ENV)
     train_head(1)
     with pytest.raises(ValueError, match=r"other settings \(drafters\)"):
+        run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))
+    saved = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "panels"}))
+    with pytest.raises(
+        ValueError, match=r"other settings \(drafters\); it was run by an older draftsmith, which did not record panels"
+    ):
         run_eval(eval_config(tiny_target, out, *overrides, "resume=true"))
 
 
