@@ -28,7 +28,7 @@ from draftsmith.train.features import FeatureConfig, cache_key
 from draftsmith.train.head import HeadConfig
 from draftsmith.train.regen_backends import Backend
 from draftsmith.train.trainer import train
-from draftsmith.train.turns import answer_text
+from draftsmith.train.turns import answer_text, loops
 from draftsmith.train.vllm_backend import VllmUnavailable
 from helpers import build_tiny_chat_target, command_line, said, user
 
@@ -112,6 +112,26 @@ def test_sampling_is_reproducible_per_conversation_whatever_the_batch(target, tm
     assert as_dict(runs[0]) != as_dict(greedy) and as_dict(runs[0]) != as_dict(other)
 
 
+def test_several_draws_per_conversation_are_rows_of_their_own(target, tmp_path):
+    """answers=3: each conversation answered three times, in a row, under <id>, <id>~1, <id>~2 with seeds of their
+    own; the first draw is the one answers=1 makes, so the larger set extends the smaller one's file."""
+    one = distill(CONVS, target, cfg(temperature=1.0), tmp_path / "one.jsonl", 512, Skipped())
+    three = distill(CONVS, target, cfg(temperature=1.0, answers=3), tmp_path / "three.jsonl", 512, Skipped())
+    assert [c.id for c in three] == [f"{c.id}{k}" for c in CONVS for k in ("", "~1", "~2")]
+    assert as_dict(three[::3]) == as_dict(one)  # draw 0 under the plain id
+    a = [c.messages for c in three[:3]]
+    assert a[0][0] == a[1][0] == a[2][0] and len({str(m) for m in a}) == 3  # same prompt, three answers
+    with pytest.raises(ValueError, match="answers=2.*needs sampling.*temperature"):
+        DistillConfig(answers=2)
+
+
+def test_answers_that_repeat_themselves_are_counted():
+    assert loops([1, 2, 3] * 20) and not loops(list(range(60)))
+    assert not loops([7] * 11)  # under 2n tokens: too short to judge
+    done = distill_mod.Regenerated(conversations=2, tokens=9, seconds=1.0, answers=4, truncated=1, looped=2)
+    assert "of 4 answers 1 (25%) hit the token limit and 2 (50%) loop" in str(done)
+
+
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch, batch_size):
     whole = distill(CONVS, target, cfg(batch_size=batch_size), tmp_path / "whole.jsonl", 512, Skipped())
@@ -190,7 +210,8 @@ def test_answers_stop_at_max_length(target, tmp_path):
     out = distill([conv], target, cfg(max_new_tokens=50), tmp_path / "d.jsonl", first + 4, Skipped(), say=lines.append)
     (out,) = out
     assert len(out.messages) == 2  # the second user turn would start past max_length
-    assert any("1 answers hit the token limit, 1 conversations filled max_length" in line for line in lines)
+    assert any("of 1 answers 1 (100%) hit the token limit" in line for line in lines)
+    assert any("1 conversations filled max_length" in line for line in lines)
     ids = target.tokenizer(out.messages[1]["content"], add_special_tokens=False)["input_ids"]
     assert 0 < len(ids) <= 4
 
@@ -223,6 +244,8 @@ def test_data_keys_change_only_with_self_distillation():
     assert data_key(DataConfig(distill=DistillConfig(temperature=0.5))) == data_key(plain)
     assert data_key(on)["self_distill"] == {"max_new_tokens": 512, "temperature": 0.0, "top_p": 1.0, "seed": 0}
     assert data_key(DataConfig(self_distill=True, distill=DistillConfig(batch_size=1))) == data_key(on)  # speed only
+    draws = DataConfig(self_distill=True, distill=DistillConfig(temperature=0.7, answers=2))
+    assert data_key(draws)["self_distill"]["answers"] == 2  # more examples: other features
     assert cache_key("t", plain, (), "bfloat16", "", "float32") != cache_key("t", on, (), "bfloat16", "", "float32")
 
 

@@ -84,3 +84,24 @@ def test_a_target_vllm_cannot_run_falls_back_under_auto_saying_why(smollm2_dir, 
     assert any("falls back to draftsmith's own" in line and "head_dim=16" in line for line in lines), lines
     summary = next(line for line in lines if line.startswith("regenerated "))
     assert "by draftsmith" in summary and "to start it" not in summary  # vLLM's failed start is not the own decoder's
+
+
+LONG = [
+    Conversation(f"long{i}", [user(f"Story {i}: " + "the quick brown fox jumps over the lazy dog " * 16)])
+    for i in range(4)
+]
+
+
+def test_sampled_answers_survive_chunked_prefill_and_rerun_to_the_same_draws(target_dir, tmp_path):
+    """Four ~150-token prompts against a 256-token step budget: vLLM splits a prefill across steps, where it rewinds
+    a seeded request's generator (a CPU generator cannot: it used to crash). Sampled answers are written, differ
+    from greedy, and a rerun draws the same answers from the same (seed, id, turn) seeds."""
+    target = load_target(TargetConfig(path=str(target_dir), dtype="float32"))
+    args = EAGER | {"max_num_batched_tokens": 256}
+    sampled = DistillConfig(max_new_tokens=NEW, backend="vllm", dtype="float32", engine_args=args, temperature=0.9)
+    first = distill(LONG, target, sampled, tmp_path / "s.jsonl", 256, Skipped())
+    again = distill(LONG, target, sampled, tmp_path / "s2.jsonl", 256, Skipped())
+    greedy = distill(LONG, target, cfg("vllm"), tmp_path / "g.jsonl", 256, Skipped())
+    assert [c.generator["temperature"] for c in first] == [0.9] * 4
+    assert [c.messages for c in first] == [c.messages for c in again]
+    assert [c.messages for c in first] != [c.messages for c in greedy]

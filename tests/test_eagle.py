@@ -302,6 +302,32 @@ def test_eagle3_loss_shifts(target):
         assert (eagle3_loss(head, perturbed(base, name, pos), ttt_steps=3)[0] != loss) == changes, (name, pos)
 
 
+def test_eagle3_trains_the_first_draft_after_the_prompt(target, smollm2_dir):
+    """At serve time the target answers a prompt's first token itself and the head's first draft is the second,
+    read from the last prompt token's feature (a loss mask off by one, as SpecForge's once was, leaves that row out).
+    A real chat's loss mask (SmolLM2's template) weighs that token, and its row reads the last prompt token's
+    features."""
+    from transformers import AutoTokenizer
+
+    from draftsmith.serve.shared.conversations import Conversation
+    from draftsmith.train.chat import encode
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    chat = [{"role": "user", "content": "Name two colours."}, {"role": "assistant", "content": "Red and blue."}]
+    ex = encode(tok, Conversation("c", chat), 64)
+    first = ex.loss_mask.index(1)  # the answer's first token: the target's own, from the prompt's prefill
+    assert tok.decode(ex.input_ids[first:]).startswith("Red")
+    mask = torch.zeros(1, len(ex.input_ids))
+    mask[0, first + 1] = ex.loss_mask[first + 1]  # the first draft's token, weighted as the real mask weighs it
+    head = eagle_head("eagle3", target)
+    ids = torch.tensor([ex.input_ids]) % target.config.vocab_size
+    base = head_features(target, head, ids, mask)
+    loss = eagle3_loss(head, base, ttt_steps=1)[0]
+    assert loss > 0
+    assert eagle3_loss(head, perturbed(base, "aux", first - 1), ttt_steps=1)[0] != loss  # the last prompt token's
+    assert eagle3_loss(head, perturbed(base, "aux", first), ttt_steps=1)[0] == loss  # a later feature: not this row
+
+
 def test_eagle3_loss_masks_tokens_outside_the_draft_vocabulary_and_adds_feature_noise(target):
     head = eagle_head("eagle3", target, draft_vocab_size=target.config.vocab_size // 2)
     outside = int((~head.t2d).nonzero()[0])

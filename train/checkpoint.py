@@ -14,6 +14,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -32,6 +33,7 @@ class State:
     tokens: int
     wandb_id: str | None = None
     tau: float | None = None  # the last in-training acceptance eval, as the checkpoint's drafter card has it
+    seconds: float = 0.0  # wall time in the training loop (its evals and checkpoints too), over every resumed piece
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -69,7 +71,8 @@ def save(
         write_drafter(tmp / DRAFTER)
         optim = {} if engine is not None else {"optimizer": optimizer.state_dict()}
         torch.save({**optim, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-        meta = {"step": state.step, "tokens": state.tokens, "wandb_id": state.wandb_id, "fingerprint": fingerprint}
+        meta: dict[str, Any] = {"step": state.step, "tokens": state.tokens, "wandb_id": state.wandb_id}
+        meta |= {"fingerprint": fingerprint, "seconds": round(state.seconds, 3)}
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n")
         move_into_place(tmp, final)
         for old in checkpoints(out)[keep:]:
@@ -113,7 +116,7 @@ def load_latest(
             torch.cuda.set_rng_state(loaded["rng"]["cuda"])
         meta = loaded["meta"]
         log(f"resumed from {folder} at step {meta['step']}")
-        return State(meta["step"], meta["tokens"], meta["wandb_id"], loaded["tau"])
+        return State(meta["step"], meta["tokens"], meta["wandb_id"], loaded["tau"], meta.get("seconds", 0.0))
     if failures:
         raise ValueError(
             "no usable checkpoint: " + "; ".join(failures) + ". Delete them to start over, or restore a good copy"

@@ -23,10 +23,14 @@ class TrainConfig:
     batch_size: int = 4  # examples per process per micro-batch
     grad_accum: int = 1
     lr: float = 3e-4
+    optimizer: str = (
+        "adamw"  # adamw | muon: Muon for the head's hidden matrices, AdamW for the rest (train/optimizer.py)
+    )
+    schedule: str = "cosine"  # cosine | linear: after the warmup, down to lr * min_lr_ratio
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
-    min_lr_ratio: float = 0.1  # the cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     max_grad_norm: float = 0.5
     mixed_precision: str | None = None  # auto | no | bf16 | fp16; null = what `accelerate launch` / its config says
     # auto: bf16 where the device runs it natively (CUDA, AVX512-BF16/AMX CPUs), else no
@@ -52,6 +56,11 @@ class TrainConfig:
             raise ValueError(f"train.eval_every, warmup_steps and num_workers must be >= 0, got {e}, {w} and {n}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"train.lr must be a positive number, got {self.lr}")
+        if self.optimizer not in ("adamw", "muon") or self.schedule not in ("cosine", "linear"):
+            o, sch = self.optimizer, self.schedule
+            raise ValueError(
+                f"train.optimizer must be adamw or muon and train.schedule cosine or linear, got {o}, {sch}"
+            )
         if self.loss_on not in ("answers", "all"):
             raise ValueError(f"train.loss_on must be answers or all, got {self.loss_on!r}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

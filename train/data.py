@@ -15,6 +15,7 @@ class DistillConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
+    answers: int = 1  # answers drawn per conversation (sampling only): draws 2.. get ids <id>~1, <id>~2, ...
     backend: str = "auto"  # vllm | draftsmith (its own decoders) | auto: vLLM where installed, else draftsmith's
     vllm_python: str | None = None  # a Python with vLLM; default $DRAFTSMITH_VLLM_PYTHON, the setup venv, this one
     dtype: str = "auto"  # vLLM's dtype (auto: bfloat16 where native, else float32); the own decoder runs target.dtype
@@ -36,6 +37,11 @@ class DistillConfig:
         if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
             t, p = self.temperature, self.top_p
             raise ValueError(f"data.distill.temperature must be >= 0 and top_p in (0, 1], got {t} and {p}")
+        if self.answers < 1 or (self.answers > 1 and self.temperature == 0):
+            raise ValueError(
+                f"data.distill.answers={self.answers}: it must be >= 1, and more than one draw per conversation "
+                "needs sampling (every greedy draw is the same answer): set data.distill.temperature, e.g. 0.7"
+            )
         if self.spec not in ("ar", "ngram"):
             raise ValueError(f"data.distill.spec must be ar or ngram (no drafter is trained yet), got {self.spec!r}")
         if self.backend not in ("auto", "vllm", "draftsmith"):
@@ -76,7 +82,9 @@ class DataConfig:
 
 def data_key(cfg: DataConfig) -> dict:
     """The settings that decide the examples (feature cache keys, resume fingerprints). self_distill: the distill
-    settings that decide the answers when it is on; null when off, as the others cannot change the examples."""
+    settings that decide the answers when it is on (answers per conversation where more than one); null when off,
+    as the others cannot change the examples."""
     key = asdict(cfg)
     distill, on = key.pop("distill"), key.pop("self_distill")
-    return {**key, "self_distill": {k: distill[k] for k in ANSWER_FIELDS} if on else None}
+    draws = {"answers": distill["answers"]} if distill["answers"] > 1 else {}
+    return {**key, "self_distill": {k: distill[k] for k in ANSWER_FIELDS} | draws if on else None}

@@ -16,6 +16,7 @@ from draftsmith.serve.shared.conversations import Conversation, Skipped, load_co
 from .chat import encode_all
 from .config import RunConfig
 from .distill import distill, distill_path
+from .distill_file import read_rows
 from .features import (
     MANIFEST,
     CachedFeatures,
@@ -31,9 +32,10 @@ from .regen_backends import describe
 TrainingData = ExampleDataset | CachedFeatures  # what make_dataset returns: token_counts() beside the examples
 
 
-def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerator, say) -> tuple[list, Skipped]:
+def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerator, say) -> tuple[list, Skipped, dict]:
     """The train split of data.source, with the target's own answers under data.self_distill (regenerated once into
-    the answers file, shards beside it merged in, then reused from it)."""
+    the answers file, shards beside it merged in, then reused from it), and what this run regenerated:
+    {"conversations", "seconds"} (empty when nothing)."""
     data = cfg.data
     convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
     where = f"data.source={data.source}"
@@ -46,9 +48,12 @@ def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerato
         path = distill_path(data, target, cfg.target.cache_dir)
         say(f"self-distillation: {target.target_id}'s answers to {len(convs)} conversations, in {path}")
         args = (acc.process_index, acc.num_processes, acc.wait_for_everyone, cfg.target.cache_dir, say)
+        before, began = len(read_rows(path)), time.perf_counter()
         convs, where = distill(convs, target, data.distill, path, data.max_length, skipped, *args), str(path)
+        made = len(read_rows(path)) - before
+        stage = {"conversations": made, "seconds": time.perf_counter() - began} if made else {}
     check_generated_by(convs, target.target_id, where)
-    return convs, skipped
+    return convs, skipped, stage if data.self_distill else {}
 
 
 def make_examples(
@@ -91,13 +96,16 @@ def generators_text(convs: list[Conversation]) -> str:
 
 def make_dataset(
     cfg: RunConfig, target: LoadedTarget, layers: tuple, acc: Accelerator, say
-) -> tuple[TrainingData, str]:
-    """Tokenized examples (online features) or a feature cache, built once by all processes together."""
+) -> tuple[TrainingData, str, dict]:
+    """Tokenized examples (online features) or a feature cache, built once by all processes together; and the
+    stages this run measured: {"regenerate": {"conversations", "seconds"}, "features": {"tokens", "seconds"}},
+    each where it ran (a reused answers file or feature cache costs nothing now)."""
     fc, tok = cfg.train.features, target.tokenizer
-    convs, skipped = training_conversations(cfg, target, acc, say)
+    convs, skipped, regenerated = training_conversations(cfg, target, acc, say)
+    stages = {"regenerate": regenerated} if regenerated else {}
     if fc.mode == "online":
         examples, info = make_examples(cfg, target, convs, skipped, say)
-        return ExampleDataset(examples), info
+        return ExampleDataset(examples), info, stages
     computed_in = str(target.model.dtype).removeprefix("torch.")
     answers = answers_digest(convs) if cfg.data.self_distill else None
     key = cache_key(target.target_id, cfg.data, layers, fc.dtype, tok.chat_template or "", computed_in, answers)
@@ -122,11 +130,12 @@ def make_dataset(
             acc.num_processes,
             acc.wait_for_everyone,
         )
-        tokens = sum(len(e.input_ids) for e in examples)
-        say(f"features of {tokens} tokens in {time.perf_counter() - began:.0f} s")
+        tokens, seconds = sum(len(e.input_ids) for e in examples), time.perf_counter() - began
+        say(f"features of {tokens} tokens in {seconds:.0f} s")
+        stages["features"] = {"tokens": tokens, "seconds": seconds}
     manifest = check_manifest(folder, key)
     say(f"feature cache {folder}: {manifest['examples']} examples, {manifest['tokens']} tokens")
-    return CachedFeatures(folder, manifest, layers), manifest.get("data_info", "")
+    return CachedFeatures(folder, manifest, layers), manifest.get("data_info", ""), stages
 
 
 def pad_id(tokenizer) -> int:

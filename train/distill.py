@@ -41,7 +41,7 @@ from .distill_file import (
 from .features import source_stamp
 from .fidelity import FidelityCheck
 from .regen_backends import Generate, describe, open_backend
-from .turns import Chat, answer_text, ended, next_prompt, prepare
+from .turns import Chat, answer_text, draws, ended, loops, next_prompt, prepare
 from .vllm_backend import VllmUnavailable, VllmWorker, find_vllm_python
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
@@ -57,7 +57,9 @@ class Regenerated:
     generator: dict = field(default_factory=dict)
     cut_short: int = 0  # conversations whose context filled before their last user turn (kept, answered so far)
     rejected: int = 0  # conversations stopped at a later turn the chat template rejects (kept, answered so far)
+    answers: int = 0
     truncated: int = 0  # answers that stopped at the token limit (kept, marked in their rows)
+    looped: int = 0  # answers with fewer than half their 6-grams unique (turns.loops)
     start_s: float = 0.0  # the backend's start (vLLM's engine and its compile)
 
     def __str__(self) -> str:
@@ -68,9 +70,15 @@ class Regenerated:
         rejected = f", {self.rejected} stopped at a turn the chat template rejects" if self.rejected else ""
         return (
             f"regenerated {self.conversations} conversations ({self.tokens} new tokens) in {self.seconds:.0f} s, "
-            f"{rate:.0f} tok/s, by {describe(self.generator)}{start}; {self.truncated} answers hit the token limit, "
-            f"{self.cut_short} conversations filled max_length before their last user turn{rejected} (all kept)"
+            f"{rate:.0f} tok/s, by {describe(self.generator)}{start}; of {self.answers} answers "
+            f"{self.truncated} ({share(self.truncated, self.answers)}) hit the token limit and {self.looped} "
+            f"({share(self.looped, self.answers)}) loop (fewer than half their 6-grams unique); {self.cut_short} "
+            f"conversations filled max_length before their last user turn{rejected} (all kept)"
         )
+
+
+def share(part: int, whole: int) -> str:
+    return f"{100 * part / max(whole, 1):.0f}%"
 
 
 def answer_all(
@@ -94,7 +102,7 @@ def answer_all(
         outs = generate([chat for chat, _ in active], [ids for _, ids in active], budgets)
         kept, finished = [], []
         for (chat, _), out in zip(active, outs, strict=True):
-            chat.add(answer_text(tokenizer, out, eos), cut=not ended(out, eos))
+            chat.add(answer_text(tokenizer, out, eos), cut=not ended(out, eos), looped=loops(out))
             try:
                 ids = next_prompt(chat, tokenizer, limit)
             except TemplateError:  # a later turn the template rejects: keep the answers so far
@@ -142,7 +150,9 @@ def generate_into(
                     for chat in finished:
                         append_row(f, row_of(chat, backend.generator))
                     done.conversations += len(finished)
+                    done.answers += sum(chat.turn for chat in finished)
                     done.truncated += sum(len(chat.truncated) for chat in finished)
+                    done.looped += sum(chat.looped for chat in finished)
                     done.cut_short += sum(chat.stopped == "max_length" for chat in finished)
                     done.rejected += sum(chat.stopped == "template" for chat in finished)
                     done.tokens += new_tokens
@@ -172,15 +182,16 @@ def distill(
     cache_dir: str | None = None,
     say: Callable[[str], None] = print,
 ) -> list[Conversation]:
-    """`convs` with the target's answers (input order; the unanswerable ones counted in `skipped`), generated
-    into `path` where not there already (shards beside it merged in first). Over several processes the own
+    """`convs` with the target's answers (input order, data.distill.answers draws of each; the unanswerable ones
+    counted in `skipped`), generated into `path` where not there already (shards beside it merged in first). Over
+    several processes the own
     decoder deals every world-th conversation to each rank's part file, which rank 0 then appends to `path`;
     vLLM runs on rank 0 alone (it takes every core, or every GPU it is given). With data.distill.shard=i/n only
     the i-th of n contiguous slices is answered, into the shard's own file."""
     if not convs:
         raise ValueError("self-distillation got no conversations: check data.source and data.max_conversations")
     limit = min(max_length, target.model.config.max_position_embeddings - TREE_ROOM)
-    todo = prepare(convs, target.tokenizer, limit, skipped)
+    todo = prepare(draws(convs, cfg.answers), target.tokenizer, limit, skipped)
     order = [chat.id for chat, _ in todo]
     if rank == 0 and not cfg.shard and (shards := shards_beside(path)):
         for shard in shards:

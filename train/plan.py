@@ -36,11 +36,14 @@ class Plan:
         return batches[rank::world][: self.steps_per_epoch * self.grad_accum]
 
 
-def warmup_cosine(tc: TrainConfig, total: int):
+def warmup_decay(tc: TrainConfig, total: int):
+    """The lr factor per step: a linear warmup, then train.schedule's decay (cosine or linear) to min_lr_ratio."""
+
     def factor(step: int) -> float:
         if step < tc.warmup_steps:
             return (step + 1) / tc.warmup_steps
         progress = min(1.0, (step - tc.warmup_steps) / max(1, total - tc.warmup_steps))
-        return tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        left = 0.5 * (1 + math.cos(math.pi * progress)) if tc.schedule == "cosine" else 1 - progress
+        return tc.min_lr_ratio + (1 - tc.min_lr_ratio) * left
 
     return factor

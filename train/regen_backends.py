@@ -66,7 +66,8 @@ def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path
         raise VllmUnavailable("the target was not loaded from a folder vLLM could read")
     python = find_vllm_python(cfg.vllm_python, cache_dir)
     began = time.perf_counter()
-    worker = VllmWorker(python, VllmJob(str(target.folder), vllm_dtype(cfg.dtype), limit, dict(cfg.engine_args)), log)
+    job = VllmJob(str(target.folder), vllm_dtype(cfg.dtype), limit, dict(cfg.engine_args), seeded=cfg.temperature > 0)
+    worker = VllmWorker(python, job, log)
     eos = list(eos_ids(target))
 
     def generate(chats: list[Chat], prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:

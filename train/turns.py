@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from jinja2 import TemplateError
 
@@ -23,15 +23,17 @@ class Chat:
     messages: list[dict] = field(default_factory=list)
     turn: int = 0
     truncated: list[int] = field(default_factory=list)  # answers (0 = the first) cut at the token limit
+    looped: int = 0  # answers that repeat themselves (loops(): counted for the run's summary, not written)
     past: Past | None = None  # kept between turns by the own batched decoder
     stopped: str = ""  # why it ended before its last user turn: "max_length" or "template" (empty: it did not)
 
     def next_messages(self) -> list[dict] | None:
         return self.messages + self.segments[self.turn] if self.turn < len(self.segments) else None
 
-    def add(self, answer: str, cut: bool = False) -> None:
+    def add(self, answer: str, cut: bool = False, looped: bool = False) -> None:
         if cut:
             self.truncated.append(self.turn)
+        self.looped += looped
         messages = self.next_messages()
         assert messages is not None, "a turn is left to answer"
         self.messages = messages + [{"role": "assistant", "content": answer}]
@@ -49,6 +51,17 @@ def user_segments(messages: list[dict]) -> list[list[dict]]:
             segments.append(pending)
             pending = []
     return segments
+
+
+def draws(convs: list[Conversation], answers: int) -> list[Conversation]:
+    """Each conversation `answers` times in a row, draw k > 0 as <id>~k: a row, and sampling seeds, of its own."""
+    return [c if k == 0 else replace(c, id=f"{c.id}~{k}") for c in convs for k in range(answers)]
+
+
+def loops(ids: list[int], n: int = 6) -> bool:
+    """An answer that repeats itself: fewer than half of its n-grams unique (answers under 2n tokens never do)."""
+    grams = [tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)]
+    return len(grams) > n and len(set(grams)) < len(grams) / 2
 
 
 def turn_seed(seed: int, conv_id: str, turn: int) -> int:

@@ -86,6 +86,7 @@ class VllmJob:
     dtype: str  # float32 | bfloat16 | float16
     max_model_len: int
     engine_args: dict  # more vLLM LLM(...) arguments: tensor_parallel_size, data_parallel_size, ...
+    seeded: bool = False  # answers are sampled from per-request seeds (the worker keeps prefills whole on a CPU)
 
     def as_json(self) -> dict:
         args = dict(self.engine_args)
@@ -95,6 +96,7 @@ class VllmJob:
             "max_model_len": self.max_model_len,
             "kv_cache_bytes": int(args.pop("kv_cache_memory_bytes", KV_CACHE_BYTES)),
             "engine_args": args,
+            "seeded": self.seeded,
         }
 
 

@@ -4,7 +4,8 @@ batches of chat-encoded prompts with token ids, so the chat template, turns and 
 It runs in vLLM's own Python (vLLM pins its own torch and transformers), as a script: it imports vLLM and the
 standard library only, never draftsmith.
 
-    python vllm_worker.py JOB.json     # JOB: {"model", "dtype", "max_model_len", "kv_cache_bytes", "engine_args"}
+    python vllm_worker.py JOB.json     # JOB: {"model", "dtype", "max_model_len", "kv_cache_bytes", "engine_args",
+                                       #       "seeded"}
 
 Its first stdout line says it is ready (vLLM's version, the load time; one token generated); then each stdin line
 is a batch {"prompts": [[ids]], "max_tokens": [n], "seeds": [s], "temperature", "top_p", "stop_token_ids"} and
@@ -31,8 +32,21 @@ def make_llm(job: dict):
         max_model_len=job["max_model_len"],
         kv_cache_memory_bytes=job["kv_cache_bytes"],
         generation_config="vllm",  # the sampling asked for, not defaults from the model's generation_config.json
-        **job.get("engine_args", {}),
+        **engine_args(job),
     )
+
+
+def engine_args(job: dict) -> dict:
+    """The job's engine arguments, and what seeded sampling needs on a CPU: vLLM rewinds a request's generator after
+    a partial (chunked) prefill step, which a CPU generator cannot do (it has no offset), so there every prefill
+    runs whole unless the job says otherwise."""
+    args = dict(job.get("engine_args", {}))
+    if job.get("seeded"):
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            args.setdefault("enable_chunked_prefill", False)
+    return args
 
 
 def answer(llm, batch: dict) -> dict:
