@@ -58,6 +58,10 @@ class CurveConfig:
             bad = [a for a in getattr(self, key) if "=" not in a]
             if bad:
                 raise ValueError(f"{key} holds {bad[0]!r}: each entry is one override, key=value")
+            keys = [a.split("=")[0].lstrip("+~") for a in getattr(self, key)]
+            twice = sorted({k for k in keys if keys.count(k) > 1})
+            if twice:
+                raise ValueError(f"{key} sets {twice[0]} twice: keep one")
         taken = [
             a for a in self.train_args if a.split("=")[0].lstrip("+") in ("out", "resume", "data.max_conversations")
         ]
@@ -65,9 +69,10 @@ class CurveConfig:
             raise ValueError(f"train_args sets {taken[0]!r}, which the curve sets per point: drop it")
 
     def settings(self) -> dict:
-        """What makes the points comparable: a rerun with other settings is refused."""
-        keep = ("target", "target_args", "head", "recipe", "train_args", "suites", "limit", "max_new_tokens")
-        return {k: v for k, v in asdict(self).items() if k in keep} | {"eval_args": list(self.eval_args)}
+        """What makes the points comparable: a rerun with other settings is refused (overrides in any order)."""
+        keep = ("target", "head", "recipe", "suites", "limit", "max_new_tokens")
+        overrides = {k: sorted(getattr(self, k)) for k in ("target_args", "train_args", "eval_args")}
+        return {k: v for k, v in asdict(self).items() if k in keep} | overrides
 
 
 def python_m(module: str, args: list[str]) -> list[str]:
@@ -125,7 +130,8 @@ def suite_point(out: Path) -> SuitePoint:
 
 def point_of(size: int, recipe: dict, suites: dict[str, SuitePoint]) -> Point:
     extra = recipe.get("extra", {})
-    return Point(size, extra.get("answer_tokens", 0), recipe.get("tokens", 0), extra.get("stages", {}), suites)
+    examples, answers, stages = extra.get("examples", 0), extra.get("answer_tokens", 0), extra.get("stages", {})
+    return Point(size, examples, answers, recipe.get("tokens", 0), stages, suites)
 
 
 def check_settings(out: Path, settings: dict) -> None:
@@ -146,7 +152,7 @@ def run_curve(cfg: CurveConfig) -> Path:
     out = Path(cfg.out)
     check_settings(out, cfg.settings())
     out.mkdir(parents=True, exist_ok=True)
-    points: list[Point] = []
+    points = {size: point for size in finished_sizes(out, cfg) if (point := read_point(cfg, size, out))}
     began = time.perf_counter()
     for i, size in enumerate(cfg.sizes):
         folder = out / "points" / f"c{size}"
@@ -154,13 +160,28 @@ def run_curve(cfg: CurveConfig) -> Path:
         eta = eta_text(began, cfg.sizes[:i], cfg.sizes[i:])
         print(f"[curve {i + 1}/{len(cfg.sizes)}] {size} conversations -> {folder}{eta}", flush=True)
         recipe = train_point(cfg, size, folder)
-        suites = {
-            s: suite_point(eval_point(cfg, s, folder / "head" / "final", folder / f"eval-{s}")) for s in cfg.suites
-        }
-        points.append(point_of(size, recipe, suites))
-        write_curve(out, points, cfg.settings(), cfg.predict, os.cpu_count() or 1)
+        evals = {s: eval_point(cfg, s, folder / "head" / "final", folder / f"eval-{s}") for s in cfg.suites}
+        points[size] = point_of(size, recipe, {s: suite_point(e) for s, e in evals.items()})
+        write_curve(out, [points[n] for n in sorted(points)], cfg.settings(), cfg.predict, os.cpu_count() or 1)
     print(f"curve: {out}/curve.md, {out}/curve.png, {out}/curve.json")
     return out
+
+
+def finished_sizes(out: Path, cfg: CurveConfig) -> list[int]:
+    """Sizes an earlier run of this curve made that this one does not ask for: reported with the rest if finished."""
+    found = [int(p.name[1:]) for p in (out / "points").glob("c*") if p.name[1:].isdigit()]
+    return sorted(set(found) - set(cfg.sizes))
+
+
+def read_point(cfg: CurveConfig, size: int, out: Path) -> Point | None:
+    """A point whose head and every eval are finished, read back; None otherwise."""
+    folder = out / "points" / f"c{size}"
+    final = folder / "head" / "final" / "config.json"
+    evals = [folder / f"eval-{s}" for s in cfg.suites]
+    if not final.is_file() or not all((e / "results.json").is_file() and not unfinished(e) for e in evals):
+        return None
+    recipe = json.loads(final.read_text())["recipe"]
+    return point_of(size, recipe, {s: suite_point(e) for s, e in zip(cfg.suites, evals, strict=True)})
 
 
 def eta_text(began: float, done: list[int], left: list[int]) -> str:

@@ -37,7 +37,8 @@ class SuitePoint:
 
 @dataclass
 class Point:
-    conversations: int
+    conversations: int  # asked for (data.max_conversations)
+    examples: int  # trained on: a draw of a conversation is one; fewer where the data or max_length ran out
     answer_tokens: int  # the assistant tokens trained on (one epoch)
     trained_tokens: int  # tokens through the head over every epoch
     stages: dict  # what its training run measured (train/dataset.py make_dataset, steps)
@@ -59,17 +60,19 @@ class Fit:
 def rate(points: list[Point], stage: str, per: str) -> float:
     """A stage's seconds per unit (`per`: a count the stage records, or a Point field), pooled over the points that
     measured the stage; 0 where none did."""
-    measured = [p for p in points if p.stages.get(stage)]
-    seconds = sum(p.stages[stage]["seconds"] for p in measured)
-    units = sum(p.stages[stage].get(per, getattr(p, per, 0)) for p in measured)
-    return seconds / units if units else 0.0
+    units = {id(p): p.stages[stage].get(per, getattr(p, per, None)) for p in points if p.stages.get(stage)}
+    measured = [p for p in points if units.get(id(p))]
+    total = sum(units[id(p)] for p in measured)
+    return sum(p.stages[stage]["seconds"] for p in measured) / total if total else 0.0
 
 
-def charge(points: list[Point], cores: int) -> None:
-    regen, features = rate(points, "regenerate", "conversations"), rate(points, "features", "answer_tokens")
+def charge(points: list[Point], cores: int) -> list[str]:
+    """Each point's CPU-hours; the stages no point measured (charged nothing), named."""
+    regen, features = rate(points, "regenerate", "rows"), rate(points, "features", "answer_tokens")
     for p in points:
         steps = p.stages.get("steps", {}).get("seconds", 0.0)
-        p.cpu_hours = (regen * p.conversations + features * p.answer_tokens + steps) * cores / 3600
+        p.cpu_hours = (regen * p.examples + features * p.answer_tokens + steps) * cores / 3600
+    return [stage for stage, r in (("regeneration", regen), ("features", features)) if not r]
 
 
 def fit(points: list[Point], suite: str, predict: list[float]) -> Fit | None:
@@ -87,15 +90,15 @@ def table(points: list[Point], suite: str) -> list[str]:
     lines = [
         f"### {suite}",
         "",
-        "| conversations | answer tokens | CPU-hours | τ | acceptance by position | speedup | identical |",
+        "| conversations (trained on) | answer tokens | CPU-hours | τ | acceptance by position | speedup | identical |",
         "|---|---|---|---|---|---|---|",
     ]
     for p in points:
         s = p.suites[suite]
         acc = ", ".join(f"{a:.2f}" for a in s.acceptance)
         lines.append(
-            f"| {p.conversations} | {p.answer_tokens} | {p.cpu_hours:.2f} | {ci(s.tau, s.tau_interval)} | {acc} | "
-            f"{ci(s.speedup, s.speedup_interval, unit='x')} | {s.identical} |"
+            f"| {p.conversations} ({p.examples}) | {p.answer_tokens} | {p.cpu_hours:.2f} | "
+            f"{ci(s.tau, s.tau_interval)} | {acc} | {ci(s.speedup, s.speedup_interval, unit='x')} | {s.identical} |"
         )
     return lines + [""]
 
@@ -137,7 +140,7 @@ def curve_plot(points: list[Point], suites: list[str], path: Path) -> Path:
 
 
 def write_curve(out: Path, points: list[Point], settings: dict, predict: list[float], cores: int) -> None:
-    charge(points, cores)
+    unmeasured = charge(points, cores)
     suites = list(points[0].suites)
     fits = [f for s in suites if (f := fit(points, s, predict))]
     data = {"settings": settings, "cores": cores, "points": [asdict(p) for p in points]}
@@ -146,9 +149,10 @@ def write_curve(out: Path, points: list[Point], settings: dict, predict: list[fl
         "# Learning curve",
         "",
         f"`{settings['head']}` with `train={settings['recipe']}` {' '.join(settings['train_args'])} on "
-        f"{settings['target']}; each head evaluated on {settings['limit']} prompts per suite, "
-        f"{settings['max_new_tokens']} new tokens, in the shape its folder records; 95% intervals over prompts. "
-        f"CPU-hours on {cores} cores.",
+        f"`target={settings['target']}` {' '.join(settings['target_args'])}; each head evaluated on "
+        f"{settings['limit']} prompts per suite, {settings['max_new_tokens']} new tokens, in the shape its folder "
+        f"records; 95% intervals over prompts. CPU-hours on {cores} cores"
+        + (f" ({' and '.join(unmeasured)} not measured by any point: not charged)." if unmeasured else "."),
         "",
     ]
     body = [line for s in suites for line in table(points, s)]

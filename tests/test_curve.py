@@ -40,6 +40,7 @@ def test_each_size_is_trained_and_evaluated_and_reported(made):
     for p in (small, large):
         assert p["stages"]["steps"]["steps"] == 2 and p["stages"]["steps"]["seconds"] > 0 and p["cpu_hours"] > 0
         assert p["stages"]["features"]["seconds"] > 0  # each size builds its own feature cache
+        assert p["examples"] == p["conversations"]  # the 48 chats hold both sizes
         for suite in ("mt_bench", "humaneval"):
             evaluated = json.loads(
                 (out / "points" / f"c{p['conversations']}" / f"eval-{suite}" / "results.json").read_text()
@@ -63,9 +64,17 @@ def test_a_finished_point_is_read_back_and_a_stopped_one_resumes(made):
     assert "resume=true" in (small / "train.log").read_text()  # its checkpoints were picked up
     resumed = json.loads((out / "curve.json").read_text())["points"][0]
     assert resumed["stages"]["steps"]["seconds"] > 0  # the steps' time came back with the checkpoint
+    assert resumed["stages"]["features"]["seconds"] > 0  # and what its first piece measured
     assert (small / "head" / "final" / "config.json").is_file() and (
         small / "eval-humaneval" / "results.json"
     ).is_file()
+
+
+def test_a_rerun_asking_for_fewer_sizes_in_another_order_keeps_every_finished_point(made):
+    cfg, out = made
+    reordered = [*cfg.train_args[1:], cfg.train_args[0]]
+    run_curve(CurveConfig(**{**cfg.__dict__, "sizes": [4], "train_args": reordered}))
+    assert [p["conversations"] for p in json.loads((out / "curve.json").read_text())["points"]] == [4, 8]
 
 
 def test_a_rerun_with_other_settings_is_refused_naming_both(made):
@@ -82,3 +91,20 @@ def test_bad_settings_are_refused_by_name():
         CurveConfig(out="x", suites=["gsm8k"])
     with pytest.raises(ValueError, match="curve sets per point"):
         CurveConfig(out="x", train_args=["data.max_conversations=9"])
+    with pytest.raises(ValueError, match="train.lr twice"):
+        CurveConfig(out="x", train_args=["train.lr=1e-3", "train.lr=1e-4"])
+
+
+def test_cpu_hours_charge_every_point_the_pooled_pace_of_each_stage():
+    """Regeneration per row and features per answer token at the pace of the points that measured them (a point
+    that found its answers or features cached still pays), plus the point's own steps; a stage no point measured
+    is charged nothing and named."""
+    from draftsmith.eval.curve_report import Point, charge
+
+    measured = {"regenerate": {"rows": 100, "seconds": 200.0}, "features": {"tokens": 9, "seconds": 50.0}}
+    a = Point(100, 100, 10_000, 0, {**measured, "steps": {"steps": 5, "seconds": 30.0}}, {})
+    b = Point(300, 280, 30_000, 0, {"steps": {"steps": 9, "seconds": 90.0}}, {})  # answers and features cached
+    assert charge([a, b], cores=2) == []
+    assert a.cpu_hours == pytest.approx((200 + 50 + 30) * 2 / 3600)
+    assert b.cpu_hours == pytest.approx((2.0 * 280 + 0.005 * 30_000 + 90) * 2 / 3600)
+    assert charge([b], cores=2) == ["regeneration", "features"] and b.cpu_hours == pytest.approx(90 * 2 / 3600)

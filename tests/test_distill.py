@@ -15,7 +15,7 @@ from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.target import TargetConfig, encode_chat, eos_ids, load_target
 from draftsmith.serve.shared.cli import typed
-from draftsmith.serve.shared.conversations import Conversation, Skipped
+from draftsmith.serve.shared.conversations import Conversation, Skipped, load_conversations
 from draftsmith.serve.shared.wandb_run import WandbConfig
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train import batch_decode, vllm_backend
@@ -123,6 +123,22 @@ def test_several_draws_per_conversation_are_rows_of_their_own(target, tmp_path):
     assert a[0][0] == a[1][0] == a[2][0] and len({str(m) for m in a}) == 3  # same prompt, three answers
     with pytest.raises(ValueError, match="answers=2.*needs sampling.*temperature"):
         DistillConfig(answers=2)
+
+
+def test_every_draw_of_a_conversation_falls_on_its_side_of_the_split(tmp_path):
+    """An answers file with draws <id>~k, read back as a source, splits by the conversation's id."""
+    rows = [{"id": f"c{i}{k}", "messages": [user(f"q{i}"), said("a")]} for i in range(40) for k in ("", "~1", "~2")]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = {c.id for c in load_conversations(str(path), 0.5, "train")[0]}
+    held = {c.id for c in load_conversations(str(path), 0.5, "heldout")[0]}
+    assert train and held and not train & held
+    assert all({f"{i}", f"{i}~1", f"{i}~2"} <= side for side in (train, held) for i in {x.split("~")[0] for x in side})
+
+
+def test_draws_without_regeneration_are_refused():
+    with pytest.raises(ValueError, match="answers=3 draws answers by regeneration: set data.self_distill=true"):
+        RunConfig(out="x", data=DataConfig(distill=DistillConfig(temperature=0.7, answers=3)))
 
 
 def test_answers_that_repeat_themselves_are_counted():

@@ -7,9 +7,9 @@ import torch
 from draftsmith.serve.models.loader import load_model
 from draftsmith.train.config import TrainConfig
 from draftsmith.train.loss_eagle3 import eagle3_loss
-from draftsmith.train.optimizer import MuonAdamW, is_hidden_matrix, make_optimizer
+from draftsmith.train.optimizer import MuonAdamW, hidden_matrices, make_optimizer
 from draftsmith.train.plan import warmup_decay
-from helpers import eagle_head, head_features
+from helpers import eagle_head, head_features, tiny_head
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,23 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(target):
     muon = {id(p) for g in optimizer.muon.param_groups for p in g["params"]}
     hidden = sorted(n for n, p in named.items() if id(p) in muon)
     assert "fc.weight" in hidden and "midlayer.self_attn.q_proj.weight" in hidden
-    assert all(is_hidden_matrix(n, named[n]) for n in hidden) and "lm_head.weight" not in hidden
+    assert all(named[n].ndim == 2 for n in hidden) and "lm_head.weight" not in hidden
     assert len(muon) + sum(len(g["params"]) for g in optimizer.adamw.param_groups) == len(named)  # each param once
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "draft_model", "dflash", "dspark"])
+def test_every_kind_splits_its_output_heads_and_tables_from_its_hidden_matrices(target, kind):
+    head, _ = tiny_head(kind, target)
+    hidden = hidden_matrices(head)
+    named = {n: p for n, p in head.named_parameters() if p.requires_grad}
+    to_muon = sorted(n for n, p in named.items() if id(p) in hidden)
+    assert not any("head" in n or "embed" in n for n in to_muon), to_muon  # lm_head(s), markov / confidence heads
+    assert to_muon and isinstance(make_optimizer(head, TrainConfig(optimizer="muon")), MuonAdamW)
+
+
+def test_a_head_of_output_tables_alone_is_refused_for_muon():
+    with pytest.raises(ValueError, match="no hidden matrix.*train.optimizer=adamw"):
+        make_optimizer(torch.nn.ModuleDict({"lm_head": torch.nn.Linear(4, 8)}), TrainConfig(optimizer="muon"))
 
 
 @pytest.mark.parametrize("name", ["adamw", "muon"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,8 @@ class State:
     tokens: int
     wandb_id: str | None = None
     tau: float | None = None  # the last in-training acceptance eval, as the checkpoint's drafter card has it
-    seconds: float = 0.0  # wall time in the training loop (its evals and checkpoints too), over every resumed piece
+    seconds: float = 0.0  # wall time in the training loop up to the last step, over every resumed piece
+    stages: dict = field(default_factory=dict)  # regeneration and features as the run's first piece measured them
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -72,7 +73,7 @@ def save(
         optim = {} if engine is not None else {"optimizer": optimizer.state_dict()}
         torch.save({**optim, "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         meta: dict[str, Any] = {"step": state.step, "tokens": state.tokens, "wandb_id": state.wandb_id}
-        meta |= {"fingerprint": fingerprint, "seconds": round(state.seconds, 3)}
+        meta |= {"fingerprint": fingerprint, "seconds": round(state.seconds, 3), "stages": state.stages}
         (tmp / "trainer.json").write_text(json.dumps(meta, indent=2) + "\n")
         move_into_place(tmp, final)
         for old in checkpoints(out)[keep:]:
@@ -116,7 +117,8 @@ def load_latest(
             torch.cuda.set_rng_state(loaded["rng"]["cuda"])
         meta = loaded["meta"]
         log(f"resumed from {folder} at step {meta['step']}")
-        return State(meta["step"], meta["tokens"], meta["wandb_id"], loaded["tau"], meta.get("seconds", 0.0))
+        stages = meta.get("stages", {})
+        return State(meta["step"], meta["tokens"], meta["wandb_id"], loaded["tau"], meta.get("seconds", 0.0), stages)
     if failures:
         raise ValueError(
             "no usable checkpoint: " + "; ".join(failures) + ". Delete them to start over, or restore a good copy"

@@ -79,3 +79,10 @@ class RunConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     resume: bool = False  # continue from the newest good checkpoint in out/checkpoints
     imports: list[str] = field(default_factory=list)  # modules to import first (custom head kinds and losses)
+
+    def __post_init__(self) -> None:
+        if self.data.distill.answers > 1 and not self.data.self_distill:
+            raise ValueError(
+                f"data.distill.answers={self.data.distill.answers} draws answers by regeneration: set "
+                "data.self_distill=true, or drop it (the source's answers are one per conversation)"
+            )

@@ -15,8 +15,7 @@ from draftsmith.serve.shared.conversations import Conversation, Skipped, load_co
 
 from .chat import encode_all
 from .config import RunConfig
-from .distill import distill, distill_path
-from .distill_file import read_rows
+from .distill import Regenerated, distill, distill_path
 from .features import (
     MANIFEST,
     CachedFeatures,
@@ -35,8 +34,8 @@ TrainingData = ExampleDataset | CachedFeatures  # what make_dataset returns: tok
 def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerator, say) -> tuple[list, Skipped, dict]:
     """The train split of data.source, with the target's own answers under data.self_distill (regenerated once into
     the answers file, shards beside it merged in, then reused from it), and what this run regenerated:
-    {"conversations", "seconds"} (empty when nothing)."""
-    data = cfg.data
+    {"rows" (a conversation's each draw is a row), "answers_per_conversation", "seconds"}, empty when nothing."""
+    data, stage = cfg.data, {}
     convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
     where = f"data.source={data.source}"
     if data.self_distill:
@@ -48,12 +47,14 @@ def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerato
         path = distill_path(data, target, cfg.target.cache_dir)
         say(f"self-distillation: {target.target_id}'s answers to {len(convs)} conversations, in {path}")
         args = (acc.process_index, acc.num_processes, acc.wait_for_everyone, cfg.target.cache_dir, say)
-        before, began = len(read_rows(path)), time.perf_counter()
-        convs, where = distill(convs, target, data.distill, path, data.max_length, skipped, *args), str(path)
-        made = len(read_rows(path)) - before
-        stage = {"conversations": made, "seconds": time.perf_counter() - began} if made else {}
+        made: list[Regenerated] = []
+        convs = distill(convs, target, data.distill, path, data.max_length, skipped, *args, done=made.append)
+        where = str(path)
+        if made and made[0].conversations:  # rows answered here (draws counted apart), with the backend's start
+            rows, seconds = made[0].conversations, made[0].seconds + made[0].start_s
+            stage = {"rows": rows, "answers_per_conversation": data.distill.answers, "seconds": seconds}
     check_generated_by(convs, target.target_id, where)
-    return convs, skipped, stage if data.self_distill else {}
+    return convs, skipped, stage
 
 
 def make_examples(

@@ -14,6 +14,7 @@ writes its shard (`data.distill.shard=i/n`), and whoever trains merges the shard
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -61,15 +62,19 @@ class Regenerated:
     truncated: int = 0  # answers that stopped at the token limit (kept, marked in their rows)
     looped: int = 0  # answers with fewer than half their 6-grams unique (turns.loops)
     start_s: float = 0.0  # the backend's start (vLLM's engine and its compile)
+    draws: int = 1  # rows per source conversation (data.distill.answers): `conversations` counts rows
 
     def __str__(self) -> str:
         if not self.conversations:
             return "nothing to regenerate: every conversation was already answered"
+        rows = f"{self.conversations} conversations"
+        if self.draws > 1:
+            rows = f"{self.conversations} rows ({self.draws} draws per conversation)"
         rate = self.tokens / max(self.seconds, 1e-9)
         start = f" (+{self.start_s:.0f} s to start it)" if self.start_s >= 1 else ""
         rejected = f", {self.rejected} stopped at a turn the chat template rejects" if self.rejected else ""
         return (
-            f"regenerated {self.conversations} conversations ({self.tokens} new tokens) in {self.seconds:.0f} s, "
+            f"regenerated {rows} ({self.tokens} new tokens) in {self.seconds:.0f} s, "
             f"{rate:.0f} tok/s, by {describe(self.generator)}{start}; of {self.answers} answers "
             f"{self.truncated} ({share(self.truncated, self.answers)}) hit the token limit and {self.looped} "
             f"({share(self.looped, self.answers)}) loop (fewer than half their 6-grams unique); {self.cut_short} "
@@ -140,7 +145,7 @@ def generate_into(
         if not todo:
             return Regenerated()
         backend = open_backend(target, cfg, limit, path.with_suffix(".vllm.log"), cache_dir, say)
-        done = Regenerated(generator=backend.generator, start_s=backend.start_s)
+        done = Regenerated(generator=backend.generator, start_s=backend.start_s, draws=cfg.answers)
         began = time.perf_counter()
         try:
             with tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not show, dynamic_ncols=True) as bar:
@@ -181,13 +186,15 @@ def distill(
     barrier: Callable[[], None] = lambda: None,
     cache_dir: str | None = None,
     say: Callable[[str], None] = print,
+    done: Callable[[Regenerated], None] = lambda _: None,
 ) -> list[Conversation]:
     """`convs` with the target's answers (input order, data.distill.answers draws of each; the unanswerable ones
     counted in `skipped`), generated into `path` where not there already (shards beside it merged in first). Over
     several processes the own
     decoder deals every world-th conversation to each rank's part file, which rank 0 then appends to `path`;
     vLLM runs on rank 0 alone (it takes every core, or every GPU it is given). With data.distill.shard=i/n only
-    the i-th of n contiguous slices is answered, into the shard's own file."""
+    the i-th of n contiguous slices is answered, into the shard's own file. `done` hears what this process
+    regenerated (its rows, tokens and time; not rows merged in from shards)."""
     if not convs:
         raise ValueError("self-distillation got no conversations: check data.source and data.max_conversations")
     limit = min(max_length, target.model.config.max_position_embeddings - TREE_ROOM)
@@ -214,8 +221,9 @@ def distill(
     if mine:
         quiet = say if rank == 0 else lambda _: None
         check = FidelityCheck(target, convs, cfg, own.with_suffix(".fidelity.json"), cache_dir, say)
-        done = generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, quiet, check.on_worker)
-        check.after(done.generator)
+        made = generate_into(own, mine, target, cfg, limit, rank == 0, cache_dir, quiet, check.on_worker)
+        check.after(made.generator)
+        done(made)
     if world > 1:
         barrier()
         if rank == 0 and split:
@@ -303,7 +311,10 @@ def main() -> None:
 
     @hydra.main(config_path="../conf", config_name="distill", version_base=None)
     def _main(cfg: DictConfig) -> None:
-        run(typed_or_exit(cfg, DistillRun, "draftsmith-regenerate"))
+        try:
+            run(typed_or_exit(cfg, DistillRun, "draftsmith-regenerate"))
+        except VllmUnavailable as e:  # its cause and its log's path are in the one line
+            sys.exit(f"draftsmith-regenerate: {e}")
 
     _main()
 

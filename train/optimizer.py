@@ -11,33 +11,41 @@ from torch.optim import AdamW, Muon, Optimizer
 
 from .config import TrainConfig
 
-OUTER = ("lm_head", "embed")  # 2-D but not hidden: an output or input table, which Muon is not meant for
-
 
 def make_optimizer(head: nn.Module, tc: TrainConfig) -> Optimizer:
-    named = [(n, p) for n, p in head.named_parameters() if p.requires_grad]
-    adamw = dict(lr=tc.lr, betas=(tc.betas[0], tc.betas[1]), weight_decay=tc.weight_decay)
+    params = [p for p in head.parameters() if p.requires_grad]
+    betas = (tc.betas[0], tc.betas[1])
     if tc.optimizer == "adamw":
-        return AdamW([p for _, p in named], **adamw)
-    hidden = [p for n, p in named if is_hidden_matrix(n, p)]
-    rest = [p for n, p in named if not is_hidden_matrix(n, p)]
-    return MuonAdamW(hidden, rest, adamw)
+        return AdamW(params, lr=tc.lr, betas=betas, weight_decay=tc.weight_decay)
+    hidden = hidden_matrices(head)
+    muon = [p for p in params if id(p) in hidden]
+    rest = [p for p in params if id(p) not in hidden]
+    if not muon:
+        raise ValueError("train.optimizer=muon found no hidden matrix in this head: use train.optimizer=adamw")
+    # update scaled to AdamW's RMS (match_rms_adamw), so one lr serves both
+    matrices = Muon(muon, lr=tc.lr, weight_decay=tc.weight_decay, adjust_lr_fn="match_rms_adamw")
+    return MuonAdamW(matrices, AdamW(rest, lr=tc.lr, betas=betas, weight_decay=tc.weight_decay) if rest else None)
 
 
-def is_hidden_matrix(name: str, p: nn.Parameter) -> bool:
-    return p.ndim == 2 and not any(part in name for part in OUTER)
+def hidden_matrices(head: nn.Module) -> set[int]:
+    """The ids of the weights of the head's Linear layers, except those of its output heads and tables (a module path
+    naming a head or an embedding: lm_head, Medusa's heads, DSpark's markov and confidence heads): Muon is meant for
+    hidden matrices, not for what maps to or from a vocabulary."""
+    found = set()
+    for name, module in head.named_modules():
+        outer = any("head" in part or "embed" in part for part in name.split("."))
+        if isinstance(module, nn.Linear) and not outer and module.weight.requires_grad:
+            found.add(id(module.weight))
+    return found
 
 
 class MuonAdamW(Optimizer):
-    """Muon over `hidden`, AdamW over `rest`. Its param_groups are the two optimizers' own groups, so a scheduler
-    that sets their lr sets both; Muon's update is scaled to AdamW's RMS (match_rms_adamw), so one lr serves both."""
+    """Muon over the hidden matrices, AdamW (where any parameter is left) over the rest. Its param_groups are the two
+    optimizers' own groups, so a scheduler that sets their lr sets both."""
 
-    def __init__(self, hidden: list[nn.Parameter], rest: list[nn.Parameter], adamw: dict) -> None:
-        if not hidden:
-            raise ValueError("train.optimizer=muon found no hidden matrix to optimize: use train.optimizer=adamw")
-        self.muon = Muon(hidden, lr=adamw["lr"], weight_decay=adamw["weight_decay"], adjust_lr_fn="match_rms_adamw")
-        self.adamw = AdamW(rest, **adamw) if rest else None
-        super().__init__([*hidden, *rest], {"lr": adamw["lr"]})
+    def __init__(self, muon: Muon, adamw: AdamW | None) -> None:
+        self.muon, self.adamw = muon, adamw
+        super().__init__([p for o in self.parts() for g in o.param_groups for p in g["params"]], muon.defaults)
         self.param_groups = [g for o in self.parts() for g in o.param_groups]
 
     def parts(self) -> Iterable[Optimizer]:

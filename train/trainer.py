@@ -239,9 +239,9 @@ def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples:
 
 
 def stages_line(stages: dict) -> str:
-    """`stages: regenerate 300 conversations in 312 s (0.96/s); features 151000 tokens in 98 s (1540.82/s); steps
-    525 steps in 410 s (1.28/s)`: where this run's time went (a stage it found cached is left out)."""
-    units = {"regenerate": "conversations", "features": "tokens", "steps": "steps"}
+    """`stages: regenerate 300 rows in 312 s (0.96/s); features 151000 tokens in 98 s (1540.82/s); steps 525 steps
+    in 410 s (1.28/s)`: where the run's time went, over its pieces (a stage it found cached is left out)."""
+    units = {"regenerate": "rows", "features": "tokens", "steps": "steps"}
     parts = []
     for stage, unit in units.items():
         if done := stages.get(stage):
@@ -306,6 +306,7 @@ class Loop:
             elif loaded.tau:  # kept for the final drafter's card, should no eval run after the resume
                 self.last_eval = {"tau": loaded.tau}
             state = loaded or state
+        state.stages = {**state.stages, **self.stages}  # what a first piece measured, unless this one measured it
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -347,8 +348,9 @@ class Loop:
                 "features": tc.features.mode,
                 "processes": self.acc.num_processes,
                 "data_info": self.data_info,
+                "examples": len(self.dataset),
                 "answer_tokens": int(self.token_counts.sum()),
-                "stages": {**self.stages, "steps": {"steps": state.step, "seconds": round(state.seconds, 3)}},
+                "stages": {**state.stages, "steps": {"steps": state.step, "seconds": round(state.seconds, 3)}},
             },
             acceptance=measured,
         )
@@ -362,7 +364,7 @@ class Loop:
         if self.acc.is_main_process:
             final = self.write_drafter(state, self.out / "final", weights)
             self.say(f"drafter written to {final}")
-            self.say(stages_line({**self.stages, "steps": {"steps": state.step, "seconds": state.seconds}}))
+            self.say(stages_line({**state.stages, "steps": {"steps": state.step, "seconds": state.seconds}}))
             assert self.log is not None, "restore() made it on the main process"
             self.log.close()
         self.acc.wait_for_everyone()

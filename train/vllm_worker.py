@@ -39,13 +39,14 @@ def make_llm(job: dict):
 def engine_args(job: dict) -> dict:
     """The job's engine arguments, and what seeded sampling needs on a CPU: vLLM rewinds a request's generator after
     a partial (chunked) prefill step, which a CPU generator cannot do (it has no offset), so there every prefill
-    runs whole unless the job says otherwise."""
+    runs whole unless the job says otherwise, and a step holds at least one whole prompt."""
     args = dict(job.get("engine_args", {}))
     if job.get("seeded"):
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            args.setdefault("enable_chunked_prefill", False)
+        if current_platform.is_cpu() and args.setdefault("enable_chunked_prefill", False) is False:
+            if "max_num_batched_tokens" in args:  # a whole prefill must fit one step
+                args["max_num_batched_tokens"] = max(args["max_num_batched_tokens"], job["max_model_len"])
     return args
 
 

@@ -26,6 +26,7 @@ ROLES = {
     "system": "system",
 }
 PART_SUFFIX = re.compile(r"_\d+$")  # ShareGPT V3 splits long chats into parts id_0, id_1, ...: keep parts together
+DRAW_SUFFIX = re.compile(r"~\d+$")  # regeneration's further draws of one conversation, <id>~1, ...: kept together
 
 
 @dataclass
@@ -85,6 +86,7 @@ def is_heldout(key: str, fraction: float) -> bool:
 
 
 def split_key(conv_id: str, source: str) -> str:
+    conv_id = DRAW_SUFFIX.sub("", conv_id)
     return PART_SUFFIX.sub("", conv_id) if source == "sharegpt" else conv_id
 
 
