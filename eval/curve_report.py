@@ -148,8 +148,8 @@ def write_curve(out: Path, points: list[Point], settings: dict, predict: list[fl
     head = [
         "# Learning curve",
         "",
-        f"`{settings['head']}` with `train={settings['recipe']}` {' '.join(settings['train_args'])} on "
-        f"`target={settings['target']}` {' '.join(settings['target_args'])}; each head evaluated on "
+        f"`{settings['head']}` with {' '.join(['`train=' + settings['recipe'] + '`', *settings['train_args']])} on "
+        f"{' '.join(['`target=' + settings['target'] + '`', *settings['target_args']])}; each head evaluated on "
         f"{settings['limit']} prompts per suite, {settings['max_new_tokens']} new tokens, in the shape its folder "
         f"records; 95% intervals over prompts. CPU-hours on {cores} cores"
         + (f" ({' and '.join(unmeasured)} not measured by any point: not charged)." if unmeasured else "."),

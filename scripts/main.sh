@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded default target (SmolLM2-135M-Instruct), end to end:
-#   1. train an EAGLE-3 head with train=quick: the target re-answers ShareGPT's conversations itself, through vLLM
-#      (the venv scripts/setup.sh makes; draftsmith's own decoder where vLLM is missing, said in one line), 8 answers
+#   1. train an EAGLE-3 head with train=quick: the target re-answers ShareGPT's conversations itself, sampled at
+#      temperature 0.7, top-p 0.8, through vLLM (the venv scripts/setup.sh makes; draftsmith's own decoder where vLLM is missing, said in one line), 8 answers
 #      checked against draftsmith's own fp32 greedy decoding; its features cached once; then the head's steps
 #   2. evaluate it against plain decoding, n-gram lookup and the two merged (eagle3_ngram) on MT-bench, twice over
 #      (repeats=2: the intervals cover prompts and repeats, and the repeat spread is the run's noise control)

@@ -148,9 +148,11 @@ def test_answers_that_repeat_themselves_are_counted():
     assert "of 4 answers 1 (25%) hit the token limit and 2 (50%) loop" in str(done)
 
 
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch, batch_size):
-    whole = distill(CONVS, target, cfg(batch_size=batch_size), tmp_path / "whole.jsonl", 512, Skipped())
+@pytest.mark.parametrize(("batch_size", "draws"), [(1, 1), (2, 1), (2, 2)])
+def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch, batch_size, draws):
+    """A kill loses no finished answer, also with several draws per conversation (each a row of its own)."""
+    run = cfg(batch_size=batch_size, **({"answers": draws, "temperature": 1.0} if draws > 1 else {}))
+    whole = distill(CONVS, target, run, tmp_path / "whole.jsonl", 512, Skipped())
     path, original, written = tmp_path / "killed.jsonl", distill_mod.append_row, []
 
     def killed_after_two(f, row):
@@ -163,15 +165,15 @@ def test_a_killed_run_resumes_without_duplicates(target, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(distill_mod, "append_row", killed_after_two)
     with pytest.raises(KeyboardInterrupt):
-        distill(CONVS, target, cfg(batch_size=batch_size), path, 512, Skipped())
+        distill(CONVS, target, run, path, 512, Skipped())
     assert len(path.read_bytes().splitlines()) == 3  # two rows and a torn one
     monkeypatch.setattr(distill_mod, "append_row", original)
-    resumed = distill(CONVS, target, cfg(batch_size=batch_size), path, 512, Skipped())
+    resumed = distill(CONVS, target, run, path, 512, Skipped())
     ids = file_ids(path)  # every line parses: the torn one was cut
-    assert len(ids) == len(set(ids)) == len(CONVS) and ids[:2] == written
+    assert len(ids) == len(set(ids)) == len(CONVS) * draws and ids[:2] == written
     assert as_dict(resumed) == as_dict(whole) and [c.id for c in resumed] == [c.id for c in whole]
     before = path.read_bytes()
-    distill(CONVS, target, cfg(batch_size=batch_size), path, 512, Skipped())  # all done: nothing appended
+    distill(CONVS, target, run, path, 512, Skipped())  # all done: nothing appended
     assert path.read_bytes() == before
 
 
@@ -274,6 +276,7 @@ def test_both_recipes_train_every_head_on_the_targets_own_answers(tmp_path):
                 overrides = [f"out={tmp_path}", f"head={head}", f"train={recipe}"]
                 c = typed(compose("train", overrides=overrides), RunConfig)
                 assert c.data.self_distill is True and c.data.distill.fidelity == 8 and c.head.kind == head
+                assert (c.data.distill.temperature, c.data.distill.top_p) == (0.7, 0.8)  # sampled: the data arms
         off = [f"out={tmp_path}", "head=draft_model", "train=quick", "data.self_distill=false"]
         c = typed(compose("train", overrides=off), RunConfig)
         assert not c.data.self_distill and c.head.num_layers == 2

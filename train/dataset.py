@@ -99,7 +99,7 @@ def make_dataset(
     cfg: RunConfig, target: LoadedTarget, layers: tuple, acc: Accelerator, say
 ) -> tuple[TrainingData, str, dict]:
     """Tokenized examples (online features) or a feature cache, built once by all processes together; and the
-    stages this run measured: {"regenerate": {"conversations", "seconds"}, "features": {"tokens", "seconds"}},
+    stages this run measured: {"regenerate": {"rows", ...}, "features": {"tokens", "seconds"}},
     each where it ran (a reused answers file or feature cache costs nothing now)."""
     fc, tok = cfg.train.features, target.tokenizer
     convs, skipped, regenerated = training_conversations(cfg, target, acc, say)

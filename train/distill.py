@@ -69,7 +69,7 @@ class Regenerated:
             return "nothing to regenerate: every conversation was already answered"
         rows = f"{self.conversations} conversations"
         if self.draws > 1:
-            rows = f"{self.conversations} rows ({self.draws} draws per conversation)"
+            rows = f"{self.conversations} rows of {self.draws} draws per conversation"
         rate = self.tokens / max(self.seconds, 1e-9)
         start = f" (+{self.start_s:.0f} s to start it)" if self.start_s >= 1 else ""
         rejected = f", {self.rejected} stopped at a turn the chat template rejects" if self.rejected else ""

@@ -244,7 +244,7 @@ def stages_line(stages: dict) -> str:
     units = {"regenerate": "rows", "features": "tokens", "steps": "steps"}
     parts = []
     for stage, unit in units.items():
-        if done := stages.get(stage):
+        if (done := stages.get(stage)) and unit in done:
             n, s = done[unit], max(done["seconds"], 1e-9)
             parts.append(f"{stage} {n} {unit} in {s:.0f} s ({n / s:.2f}/s)")
     return "stages: " + "; ".join(parts)
