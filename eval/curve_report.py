@@ -60,10 +60,14 @@ class Fit:
 def rate(points: list[Point], stage: str, per: str) -> float:
     """A stage's seconds per unit (`per`: a count the stage records, or a Point field), pooled over the points that
     measured the stage; 0 where none did."""
-    units = {id(p): p.stages[stage].get(per, getattr(p, per, None)) for p in points if p.stages.get(stage)}
-    measured = [p for p in points if units.get(id(p))]
-    total = sum(units[id(p)] for p in measured)
-    return sum(p.stages[stage]["seconds"] for p in measured) / total if total else 0.0
+    measured = [
+        (p.stages[stage]["seconds"], p.stages[stage].get(per, getattr(p, per, 0)))
+        for p in points
+        if p.stages.get(stage)
+    ]
+    measured = [(seconds, units) for seconds, units in measured if units]
+    total = sum(units for _, units in measured)
+    return sum(seconds for seconds, _ in measured) / total if total else 0.0
 
 
 def charge(points: list[Point], cores: int) -> list[str]:
