@@ -17,7 +17,7 @@ from draftsmith.serve.shared.cli import typed_or_exit
 from .methods import check_drafters
 from .replay_report import headline, write_replay_report
 from .report import busy, number, speedup_cell, write_report
-from .results import RunResult
+from .results import MethodResult, RunResult
 from .runner import EvalConfig, run_eval
 from .wandb_log import log_eval
 
@@ -40,6 +40,12 @@ def replay_report(cfg: EvalConfig) -> None:
     print(f"  report: {cfg.out}/report.md, results: {cfg.out}/replay_results.json")
 
 
+def plain_share(m: MethodResult) -> str:
+    """'  plain 35%': the share of steps that verified no draft (the policy's choice, or nothing found)."""
+    total = sum(m.steps.values())
+    return f"  plain {m.steps.get('plain', 0) / total:.0%}" if total and m.steps.get("plain") else ""
+
+
 def print_headline(r: RunResult) -> None:
     b = r.baseline
     lines = [
@@ -52,7 +58,7 @@ def print_headline(r: RunResult) -> None:
     for label, m in r.methods.items():
         lines.append(
             f"  {label:<13} {m.tokens_per_s:6.1f} tok/s  TPOT {m.tpot_ms:5.1f} ms  speedup {speedup_cell(m)}"
-            f"  tau {number(m, 'mean_acceptance_length')}  rows/step {m.mean_verify_rows:.2f}"
+            f"  tau {number(m, 'mean_acceptance_length')}  rows/step {m.mean_verify_rows:.2f}" + plain_share(m)
         )
     lossless, cache = r.lossless, r.prefix_cache
     check = f"lossless: {lossless.identical}/{lossless.checked} identical"

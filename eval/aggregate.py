@@ -54,6 +54,8 @@ def method_summary(name: str, m: Metrics) -> dict:
         "draft_ms_per_step": m.draft_ms_per_step,
         "requests": m.requests,
         "prefix_cache_hit_rate": m.prefix_hit_tokens / m.prefix_queried_tokens if m.prefix_queried_tokens else 0.0,
+        "steps": {"plain": m.plain_steps, "probe": m.probe_steps, "whole": m.whole_steps, "cut": m.cut_steps},
+        "calibration": m.calibration,
     }
 
 

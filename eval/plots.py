@@ -6,6 +6,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from .calibration_report import reliability_plot
 from .results import Compared, MethodResult, RunResult, StudyResult
 from .stats import position_intervals
 
@@ -128,5 +129,6 @@ def write_plots(results: RunResult, out: Path) -> list[Path]:
         acceptance_plot(results.methods, out / "acceptance.png"),
         category_plot(by_category, out / "speedup_by_category.png"),
         study_plot(results.study, out / "study.png") if results.study else None,
+        reliability_plot(results.methods, out / "calibration.png"),
     ]
     return [p for p in paths if p is not None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .calibration_report import calibration_table, steps_table
 from .machine import describe
 from .plots import write_plots
 from .results import Compared, Effect, MethodResult, RunResult, StudyResult, Summary, load_results
@@ -219,6 +220,13 @@ def settings_line(r: RunResult) -> str:
     )
 
 
+CALIBRATION_NOTE = (
+    "\n\nNodes whose parent was accepted, with the draft policy's acceptance estimate (spec.verify=policy) and what "
+    "was accepted; ECE: the expected calibration error over ten estimate bins. A drafter whose probabilities are "
+    "NaN, or that gives none, is judged by observed acceptance alone."
+)
+
+
 def render(r: RunResult, plots: list[Path]) -> str:
     source = f"suite {r.suite}" if r.suite else f"prompts {r.prompts_file}"
     partial = "\n\n**PARTIAL: interrupted; counts only the prompts every method finished.**" if r.partial else ""
@@ -232,7 +240,10 @@ def render(r: RunResult, plots: list[Path]) -> str:
         "## τ by category\n\n" + category_table(r, "mean_acceptance_length", "{:.2f}"),
         "## Per-position acceptance\n\n" + acceptance(r),
         "## Verify rows per step\n\n" + verify_rows(r),
+        "## Steps: plain, probe, whole or cut\n\n" + table(*steps_table(r.methods)),
     ]
+    if calibrated := calibration_table(r.methods):
+        parts.append("## Acceptance estimates against what was accepted\n\n" + table(*calibrated) + CALIBRATION_NOTE)
     if r.study:
         parts.append("## Prefix cache x speculation\n\n" + study(r.study))
     parts.append("## Noise\n\n" + noise_text(r))

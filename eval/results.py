@@ -16,7 +16,7 @@ from typing import Any
 
 # Bump it when results.json changes shape (a field added, renamed, moved or removed); a file of another version is
 # refused by load_results with the fix: re-run the eval.
-SCHEMA_VERSION = 2  # 2: verify rows per step and draft time per step in every summary
+SCHEMA_VERSION = 3  # 2: verify rows per step and draft time per step in every summary; 3: steps and calibration
 
 Interval = list[float] | None  # [low, high] of a 95% interval; None where there is none
 
@@ -43,6 +43,10 @@ class Summary:
     draft_ms_per_step: float  # time in the proposer (propose and accept) per target pass
     requests: int
     prefix_cache_hit_rate: float
+    steps: dict[str, int]  # target passes by what they verified: plain, probe, whole (a draft), cut (part of one)
+    # reliability tables of acceptance estimates (serve/engine/calibration.py), keyed "<drafter>/<depth>" for the
+    # draft policy's, ".../settled" past a request's first 32 steps, ".../own" for the drafter's own probabilities
+    calibration: dict[str, list[float]]
     # number name -> its interval (acceptance_rate_per_position: one per position; speedup where compared); empty
     # with fewer than two prompts
     intervals: dict[str, Any]

@@ -10,6 +10,7 @@ from draftsmith.heads.drafter_folder import read_meta
 from draftsmith.heads.kinds import DraftShape, by_spec, folder_shape, get, resolve
 from draftsmith.serve.engine.cost_profile import load_or_measure
 from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.policy import DraftPolicy
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import TreeConfig
@@ -126,7 +127,8 @@ def build_engine(
     prefix_cache_bytes: int = 1 << 30,
     cache_dir: str | None = None,
 ) -> Engine:
-    """cache_dir: the target's (target.cache_dir), where spec.verify=cost keeps this machine's verify cost curve."""
+    """cache_dir: the target's (target.cache_dir), where spec.verify=cost and policy keep this machine's verify cost
+    curve."""
     spec = resolve_shape(spec)  # the salt names the shape drafted
     proposer = make_proposer(spec, target)
     engine = Engine(
@@ -138,6 +140,10 @@ def build_engine(
         salt=engine_salt(target, spec),
         cuda_graphs=cuda_graphs,
     )
-    if spec.verify == "cost" and proposer is not None:
-        engine.schedule = CostSchedule(load_or_measure(engine, target.target_id, cache_dir))
+    if spec.verify != "fixed" and proposer is not None:
+        cost = load_or_measure(engine, target.target_id, cache_dir)
+        if spec.verify == "cost":
+            engine.schedule = CostSchedule(cost)
+        else:
+            engine.policy = DraftPolicy(cost, spec.policy)
     return engine

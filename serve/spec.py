@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from draftsmith.heads.kinds import KINDS, by_spec, specs
 from draftsmith.serve.engine.tree import TreeConfig
 
-VERIFY = ("fixed", "cost")
+VERIFY = ("fixed", "cost", "policy")
 
 
 @dataclass
@@ -34,6 +34,23 @@ class SuffixConfig:
 
 
 @dataclass
+class PolicyConfig:
+    """spec.policy: the draft policy's settings (spec.verify=policy)."""
+
+    probe_every: int = 16  # plain steps in a row before a probe (0: never probe)
+    prior_weight: float = 4.0  # request observations the engine's estimate from earlier requests counts as
+    half_life: float = 32.0  # request steps after which an observation weighs half
+
+    def __post_init__(self) -> None:
+        if self.probe_every < 0:
+            raise ValueError(f"spec.policy.probe_every must be >= 0 (0 = never probe), got {self.probe_every}")
+        if not self.prior_weight > 0:
+            raise ValueError(f"spec.policy.prior_weight must be > 0, got {self.prior_weight}")
+        if not self.half_life > 0:
+            raise ValueError(f"spec.policy.half_life must be > 0 (request steps), got {self.half_life}")
+
+
+@dataclass
 class SpecConfig:
     """Mirrors the hydra group `spec`; each method reads the fields it needs. The draft's shape (num_tokens, tree,
     choices) left None comes from the drafter folder (the shape it was made for), else the kind's default
@@ -57,8 +74,11 @@ class SpecConfig:
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
     # fixed: verify every draft whole | cost: verify the part that emits the most tokens per second, by the drafter's
     # accept probabilities and this machine's measured verify cost (serve/engine/schedule.py); a draft without
-    # accept probabilities (n-gram, suffix) is verified whole
+    # accept probabilities (n-gram, suffix) is verified whole | policy: decide before each step whether to draft,
+    # with which drafter and how deep, by acceptance calibrated on what the target accepted, then cut as cost does
+    # (serve/engine/policy.py)
     verify: str = "fixed"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)  # verify=policy's settings
 
     def __post_init__(self) -> None:  # checked when the config is built, before any model loads
         if self.name not in specs():
@@ -79,8 +99,11 @@ class SpecConfig:
             raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
         if self.verify not in VERIFY:
             raise ValueError(f"spec.verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
-        if self.verify == "cost" and self.name == "ar":
-            raise ValueError("spec.verify=cost cuts drafts and spec=ar drafts nothing: drop it or pick a drafting spec")
+        if self.verify != "fixed" and self.name == "ar":
+            raise ValueError(
+                f"spec.verify={self.verify} decides what is drafted and spec=ar drafts nothing: drop it or pick a "
+                "drafting spec"
+            )
         if self.draft_vocab and self.name not in vocab_specs():
             raise ValueError(draft_vocab_refusal(self.name))
 

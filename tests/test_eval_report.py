@@ -37,7 +37,7 @@ def tiny_target(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def evaluated(tiny_target, tmp_path_factory):
-    """One eval with two methods and the 2x2 study on a short shared document."""
+    """One eval with two methods (one under the draft policy) and the 2x2 study on a short shared document."""
     root = tmp_path_factory.mktemp("report")
     doc = root / "doc.md"
     doc.write_text("# Notes\n\n" + "Blocks of sixteen tokens are cached. " * 20 + "\n\n## Usage\n\nAsk.\n")
@@ -49,6 +49,8 @@ def evaluated(tiny_target, tmp_path_factory):
         "spec=ngram",
         "methods=[layerskip]",
         "methods.layerskip.layers=1",
+        "methods.layerskip.verify=policy",
+        "methods.layerskip.policy.probe_every=1",  # a step it leaves plain probes: estimates to report
         "suite=rag",
         f"suite.document={doc}",
         "limit=2",
@@ -70,8 +72,13 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
         "## τ by category",
         "## Per-position acceptance",
         "## Verify rows per step",
+        "## Steps: plain, probe, whole or cut",
+        "## Acceptance estimates against what was accepted",
     ):
         assert heading in text
+    steps = results.methods["layerskip"].steps
+    assert sum(steps.values()) == results.methods["layerskip"].target_forward_passes
+    assert "| layerskip | draft_model @ depth 1 |" in text  # the policy's estimates against what was accepted
     assert "| ngram |" in text and "| layerskip |" in text and "| method | rag | all |" in text
     assert "Greedy: 4/4 turns identical to plain decoding (lossless)." in text
     assert "**Finding:** The prefix cache" in text or "**Finding:** Finding withheld" in text  # a loaded machine
@@ -79,7 +86,7 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
     assert "Brackets: 95% intervals" in text and "## Noise" in text and "No turn was skipped." in text
     for key in ("device", "dtype", "torch", "commit"):
         assert f"| {key} |" in text
-    for png in ("acceptance.png", "speedup_by_category.png", "study.png"):
+    for png in ("acceptance.png", "speedup_by_category.png", "study.png", "calibration.png"):
         assert (out / png).read_bytes()[:4] == PNG and f"({png})" in text
     assert write_report(out).read_text() == text  # from results.json alone
 

@@ -23,6 +23,7 @@ from draftsmith.heads.drafter_folder import Recipe, TargetInfo, own_state, read_
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.policy import DraftPolicy
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import TreeConfig
@@ -30,7 +31,7 @@ from draftsmith.serve.export.base import Format
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_tokenizer, target_id
-from draftsmith.serve.spec import VERIFY, SpecConfig
+from draftsmith.serve.spec import VERIFY, PolicyConfig, SpecConfig
 from draftsmith.train.head import HeadConfig, build_head, trained_kind
 from draftsmith.train.trainer import feature_batch, loss_for
 from helpers import PROMPTS, SMALL, SMALL_PROMPT, exact_joint, pooled_chi2_pvalue, save_tiny_gguf, save_tiny_tokenizer
@@ -48,8 +49,10 @@ STEEP = CostSchedule(lambda rows: 1.0 + 0.01 * rows)
 
 
 def scheduled(engine: Engine, verify: str) -> Engine:
-    """The engine with spec.verify's schedule, on a made-up cost curve (the measured one: test_cost_profile.py)."""
+    """The engine with spec.verify's schedule or policy, on a made-up cost curve (the measured one:
+    test_cost_profile.py). The policy probes every 4th plain step, so a random head's drafts keep being verified."""
     engine.schedule = STEEP if verify == "cost" else None
+    engine.policy = DraftPolicy(STEEP.cost, PolicyConfig(probe_every=4)) if verify == "policy" else None
     return engine
 
 
@@ -161,16 +164,21 @@ def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, verify, tin
     rated = spy_accept_probs(proposer)
     engine = scheduled(Engine(target.model, proposer, max_seq_len=96), verify)
     plain = Engine(target.model, max_seq_len=96)
-    drafts, rows = 0, Counter()
+    drafts, rows, steps = 0, Counter(), Counter()
     for p in PROMPTS:
         out = engine.generate(p, 16, SamplingParams())
         assert out.output_ids == plain.generate(p, 16, SamplingParams()).output_ids, (kind, p)
-        assert len(out.metrics.accepted_per_position) <= spec.num_tokens
-        drafts += out.metrics.drafts
-        rows.update({i + 1: c for i, c in enumerate(out.metrics.verify_rows) if c})
+        m = out.metrics
+        assert len(m.accepted_per_position) <= spec.num_tokens
+        drafts += m.drafts
+        rows.update({i + 1: c for i, c in enumerate(m.verify_rows) if c})
+        steps.update(plain=m.plain_steps, probe=m.probe_steps, whole=m.whole_steps, cut=m.cut_steps)
+        assert sum((m.plain_steps, m.probe_steps, m.whole_steps, m.cut_steps)) == m.target_forward_passes
     assert drafts > 0
     if verify == "cost" and any(rated):  # drafts with accept probabilities: most cut
         assert rows[1 + proposer.max_tree_size] < drafts / 2, sorted(rows.items())
+    if verify == "policy":  # a random head stops paying: plain steps, with probes between them
+        print("STEPS", kind, dict(steps), sorted(rows.items()))
 
 
 def spy_accept_probs(proposer) -> list[bool]:

@@ -1,14 +1,17 @@
 """The speculative engine: prefill (with prefix cache), then propose -> (cut) -> verify -> keep, batch 1.
 
 Plain decoding is the same loop with no proposer: every step verifies an empty tree. With a cost schedule
-(spec.verify=cost, serve/engine/schedule.py) a step verifies only the part of the draft worth its rows; the proposer
-still hears about the tree it drafted.
+(spec.verify=cost, serve/engine/schedule.py) a step verifies only the part of the draft worth its rows; with a draft
+policy (spec.verify=policy, serve/engine/policy.py) the step decides first whether to draft, with what and how deep.
+Either way the proposer still hears about the tree it drafted.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -19,12 +22,15 @@ from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.graphs import cache_len, make_static_step, resolve_mode
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.observer import Observer
+from draftsmith.serve.engine.policy import DraftPolicy, Plan
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams, pick
 from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.engine.verify import verify
 from draftsmith.serve.proposers.base import Proposer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -37,6 +43,7 @@ class Engine:
     salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
     cuda_graphs: str = "auto"  # static-shape step (graphs.py): auto | compile | graphs | eager | off
     schedule: CostSchedule | None = None  # cut each draft to what pays for its verify rows (None: verify it whole)
+    policy: DraftPolicy | None = None  # decide before each step what to draft (takes the place of schedule)
     cache: KVCache = field(init=False, repr=False)
     accept_s: float = field(init=False, default=0.0)  # the proposer's accept() last step: part of its cost per step
 
@@ -100,6 +107,8 @@ class Engine:
             gen.seed()  # a fresh seed for this generator only: the global RNG is left alone
         if self.proposer:
             self.proposer.gen = gen  # drafts are sampled from the request's generator: a seed fixes the whole run
+        if self.policy is not None:
+            self.policy.start()
         m = Metrics(prompt_tokens=len(prompt_ids))
         begin = time.perf_counter()
         room = len(prompt_ids) + max_new_tokens + 1 + (self.proposer.max_tree_size if self.proposer else 0)
@@ -162,8 +171,8 @@ class Engine:
         """One target pass over [pending token, draft tree]; returns the new sequence length.
         budget: how many more tokens the request may emit (the pending one counted as emitted)."""
         cached = n - 1
-        drafted, propose_s = self.propose(tokens[:n], sp, budget)
-        kept = self.schedule.cut(drafted, propose_s + self.accept_s, sp.greedy) if self.schedule else None
+        plan = self.plan(tokens[:n], sp, budget, m)
+        drafted, kept, propose_s = plan.tree, plan.kept, plan.seconds
         tree = drafted if kept is None else drafted.subtree(kept)
         size = len(tree)
         if size == 0:
@@ -189,26 +198,44 @@ class Engine:
                 # the proposer's own node indices: it may keep state per node of the tree it drafted
                 drafted_path = path if kept is None else kept[path].tolist()
                 self.accept(tokens[: end + 1], drafted, drafted_path, verified)
+                if self.policy is not None:
+                    for o in self.policy.observe(plan, self.proposer.parts(), drafted_path):
+                        m.record_estimate(o.part, o.depth, o.estimate, o.own, o.hit, o.settled)
             if watching:
                 watching.accept(tokens[: end + 1], path, verified)
         m.draft_s += propose_s + self.accept_s
         return end + 1
 
-    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> tuple[DraftTree, float]:
-        """The proposer's draft (an empty one for plain decoding) and the seconds it took."""
+    def plan(self, tokens: Tensor, sp: SamplingParams, budget: int, m: Metrics) -> Plan:
+        """What this step verifies: the policy's choice, else the proposer's draft, cut by the schedule if any."""
         if self.proposer is None:
-            return DraftTree.empty(tokens.device), 0.0
+            return Plan(DraftTree.empty(tokens.device))
+        if self.policy is not None:
+            plan = self.policy.plan(self.proposer.parts(), tokens, sp, budget, self.timed)
+        else:
+            proposer = self.proposer
+            tree, seconds = self.timed(lambda: proposer.propose(tokens, sp, budget))
+            kept = self.schedule.cut(tree, seconds + self.accept_s, sp.greedy) if self.schedule else None
+            plan = Plan(tree, kept, 0, seconds, "whole" if kept is None else "cut")
+        nothing = plan.part < 0 or not len(plan.tree) or plan.kept is not None and not len(plan.kept)
+        if nothing and plan.decision != "probe":
+            plan.decision = "plain"
+        m.record_decision(plan.decision)
+        return plan
+
+    def timed(self, call: Callable[[], T]) -> tuple[T, float]:
+        """The call's result and its seconds (a GPU synchronised around it when they steer a cost decision)."""
         begin = time.perf_counter()
-        tree = self.proposer.propose(tokens, sp, budget)
-        if self.schedule is not None:
+        out = call()
+        if self.schedule is not None or self.policy is not None:
             self.sync()
-        return tree, time.perf_counter() - begin
+        return out, time.perf_counter() - begin
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         assert self.proposer is not None, "only a proposer is told what was accepted"
         begin = time.perf_counter()
         self.proposer.accept(tokens, tree, path, out)
-        if self.schedule is not None:
+        if self.schedule is not None or self.policy is not None:
             self.sync()
         self.accept_s = time.perf_counter() - begin
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from draftsmith.serve.engine.calibration import reliability_add
+
 
 @dataclass
 class Metrics:
@@ -21,6 +23,15 @@ class Metrics:
     ttft_s: float = 0.0  # summed over requests
     total_s: float = 0.0
     requests: int = 1  # pooled totals start from Metrics(requests=0)
+    # how each step with a proposer went (spec.verify=cost or policy): nothing verified, a probe, a draft verified
+    # whole, or cut to the nodes that pay
+    plain_steps: int = 0
+    probe_steps: int = 0
+    whole_steps: int = 0
+    cut_steps: int = 0
+    # reliability tables (calibration.reliability_add), keyed "<drafter>/<depth>" for the policy's estimates,
+    # ".../settled" for those past a request's first 32 steps, ".../own" for the drafter's own probabilities
+    calibration: dict[str, list[float]] = field(default_factory=dict)
 
     def record_step(self, draft_size: int, accepted: int, rows: int = 1) -> None:
         """One target pass. draft_size, accepted: drafted and accepted nodes within the output only (the engine
@@ -39,10 +50,24 @@ class Metrics:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
+    def record_decision(self, decision: str) -> None:
+        name = f"{decision}_steps"
+        setattr(self, name, getattr(self, name) + 1)
+
+    def record_estimate(self, drafter: str, depth: int, estimate: float, own: float | None, hit: bool, settled: bool):
+        """A verified node whose parent was accepted: what acceptance it was estimated at, and whether it was."""
+        key = f"{drafter}/{depth}"
+        for k, p in ((key, estimate), (f"{key}/settled", estimate if settled else None), (f"{key}/own", own)):
+            if p is not None:
+                self.calibration[k] = reliability_add(self.calibration.get(k, []), p, hit)
+
     def merge(self, other: Metrics) -> None:
         """Pool counters over requests (tau is pooled over drafts, not a mean of means)."""
         for name, value in vars(other).items():
-            if isinstance(value, list):
+            if isinstance(value, dict):
+                mine = getattr(self, name)
+                setattr(self, name, {k: add_lists(mine.get(k, []), value.get(k, [])) for k in mine.keys() | value})
+            elif isinstance(value, list):
                 setattr(self, name, add_lists(getattr(self, name), value))
             else:
                 setattr(self, name, getattr(self, name) + value)
@@ -83,6 +108,6 @@ class Metrics:
         return self.new_tokens / self.total_s if self.total_s else 0.0
 
 
-def add_lists(a: list[int], b: list[int]) -> list[int]:
+def add_lists(a: list, b: list) -> list:
     n = max(len(a), len(b))
     return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]

@@ -44,6 +44,7 @@ class DraftTree:
     # [n] float: each node's estimated chance of acceptance given its parent's (the draft's probability of its token
     # under its parent's distribution); None: unknown, the tree is verified whole
     accept_probs: Tensor | None = None
+    match_len: int = 0  # a lookup draft's strength where it has no probabilities: the tokens its match is long
 
     def __post_init__(self) -> None:
         self.depths = tree_depths(self.parents)
@@ -74,7 +75,7 @@ class DraftTree:
         parents = torch.where(p >= 0, new_index[p.clamp_min(0)], p)
         draft = None if self.draft_probs is None else self.draft_probs[keep]
         accept = None if self.accept_probs is None else self.accept_probs[keep]
-        return DraftTree(self.tokens[keep], parents, draft, accept)
+        return DraftTree(self.tokens[keep], parents, draft, accept, self.match_len)
 
     def children(self) -> list[list[int]]:
         """children()[0] are the root's, children()[i + 1] are node i's, in proposal order."""

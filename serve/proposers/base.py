@@ -24,6 +24,8 @@ class Proposer:
     gen: torch.Generator | None = None  # draw random drafts from this; the engine sets the request's generator
     mergeable = False  # rebuilds its state from the target's outputs after each step, so it can take a path
     # through nodes it did not draft (serve/proposers/hybrid.py merges n-gram lookup into its tree)
+    by_lookup = False  # drafts by looking up the tokens so far (n-gram, suffix): costs next to nothing, so the draft
+    # policy (serve/engine/policy.py) drafts it first and judges the draft itself, not its expected worth
 
     @property
     def slot_caches(self) -> list[SlotCache]:
@@ -45,6 +47,11 @@ class Proposer:
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         """The target accepted tree nodes `path`; tokens now ends with the next pending token.
         target: the target's outputs for the verified tokens (old pending token, then the path)."""
+
+    def parts(self) -> list[Proposer]:
+        """The drafters the draft policy chooses among each step; each is asked to propose on its own, and the
+        whole (this proposer) is told what was accepted. One drafter: itself."""
+        return [self]
 
     def forget(self) -> None:
         """Drop what earlier requests taught it (suffix decoding's global tree), e.g. after a warm-up."""

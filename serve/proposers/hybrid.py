@@ -73,6 +73,9 @@ class HybridProposer(Proposer):
         self.drafter.accept(tokens, tree, path, out)
         self.lookup.accept(tokens, tree, path, out)
 
+    def parts(self) -> list[Proposer]:
+        return [self.lookup, self.drafter]
+
     def forget(self) -> None:
         self.drafter.forget()
         self.lookup.forget()

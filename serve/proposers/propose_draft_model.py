@@ -77,8 +77,9 @@ class DraftModelProposer(Proposer):
         return DraftTree.chain(torch.tensor(drafted, device=dev), draft_probs, torch.tensor(own, device=dev))
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
-        # slots hold the old pending token, then drafts 1..k-1 of this k-token chain; the accepted prefix is valid
-        self.cached += min(len(path), len(tree) - 1)
+        # slots hold the old pending token, then drafts 1..k-1 of this k-token chain; the accepted prefix is valid.
+        # A step that drafted nothing (a plain one the draft policy chose) wrote no slot: the next draft catches up
+        self.cached += min(len(path), len(tree) - 1) if len(tree) else 0
 
     def run(self, tokens: Tensor, logits: bool = True) -> Tensor:
         """Feed tokens at the next slots; returns the last row's logits."""

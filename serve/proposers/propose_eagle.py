@@ -6,7 +6,8 @@ feature) stays empty and is never attended. The target features themselves are k
 prefix-cache hit of h tokens, slot h needs the feature of token h-1, which the target does not recompute.
 Both go through the prefix cache with the target's KV. After each verification the accepted tokens' slots are
 recomputed from the target's real features, which also gives the head's prediction for the next pending
-token: the first level of the next draft.
+token: the first level of the next draft. That recomputation waits for the next draft: a step the draft policy
+(serve/engine/policy.py) leaves plain costs the head nothing, and the slots it skipped run in one forward later.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class EagleProposer(Proposer):
         self.cache: KVCache | None = None
         self.store: FeatureStore | None = None  # per token: the target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
+        self.known = 0  # tokens [0, known) have their features stored (the last one pending)
         self.feature: Tensor | None = None  # [H] the head's prediction for the pending token's feature
         self.logits: Tensor | None = None  # [1, vocab] its logits: the root's children
 
@@ -65,12 +67,12 @@ class EagleProposer(Proposer):
     def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
         self.keep_features(start, out)
-        self.cached = max(start, 1)
+        self.cached, self.known = max(start, 1), tokens.numel()
         self.extend(tokens)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
-        self.keep_features(self.cached - 1, out)
-        self.extend(tokens)  # drafted slots are overwritten with KV from the real features
+        self.keep_features(self.known - 1, out)  # the next draft runs the new slots (drafted ones are overwritten)
+        self.known = tokens.numel()
 
     def keep_features(self, first: int, out: ForwardOut) -> None:
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
@@ -95,8 +97,10 @@ class EagleProposer(Proposer):
         and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache).
         Those slots are scratch: accept() overwrites them from the target's features, whatever the depth."""
         n, k, dev, depth = tokens.numel(), self.tree.width, tokens.device, min(self.depth, budget)
-        if n != self.cached:
-            raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {n}")
+        if n != self.known:
+            raise RuntimeError(f"the drafter holds {self.known} tokens, the engine passed {n}")
+        if self.cached < n:
+            self.extend(tokens)
         sampled = k == 1 and not sp.greedy
         visible = torch.zeros(1, n + (depth - 1) * k, dtype=torch.bool, device=dev)
         visible[:, 1:n] = True

@@ -29,6 +29,7 @@ class NgramConfig:
 
 class NgramProposer(Proposer):
     name = "ngram"
+    by_lookup = True
 
     def __init__(self, cfg: NgramConfig) -> None:
         self.cfg = cfg
@@ -39,7 +40,9 @@ class NgramProposer(Proposer):
         for n in range(self.cfg.max_n, self.cfg.min_n - 1, -1):
             draft = lookup(history, n, k)
             if draft is not None:
-                return DraftTree.chain(draft)
+                tree = DraftTree.chain(draft)
+                tree.match_len = n
+                return tree
         return DraftTree.empty(tokens.device)
 
 

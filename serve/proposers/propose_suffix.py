@@ -260,6 +260,7 @@ class SuffixProposer(Proposer):
     target emits (in prefill and accept), so the next propose only matches and drafts."""
 
     name = "suffix"
+    by_lookup = True
 
     def __init__(self, cfg: SuffixConfig, num_tokens: int = 24, min_score: float = 0.0) -> None:
         if num_tokens < 1:
@@ -312,7 +313,10 @@ class SuffixProposer(Proposer):
         if not draft.tokens or draft.score < self.min_score:
             return DraftTree.empty(tokens.device)
         as_tensor = torch.tensor
-        return DraftTree(as_tensor(draft.tokens, device=tokens.device), as_tensor(draft.parents, device=tokens.device))
+        dev = tokens.device
+        return DraftTree(
+            as_tensor(draft.tokens, device=dev), as_tensor(draft.parents, device=dev), match_len=draft.match_len
+        )
 
     def speculate(self, deepest: int = UNBOUNDED) -> Draft:
         """The better of the request tree's and the global tree's drafts (the request's on ties), no node deeper

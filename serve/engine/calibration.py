@@ -1,0 +1,115 @@
+"""Acceptance estimates calibrated on what the target accepted: per request and per drafter, updated every step.
+
+A draft node's estimate is the observed acceptance of nodes like it (given its parent's): the same drafter, depth
+and strength. Strength is the drafter's own probability for the node, in ten bins, where it gives one; a lookup's
+match length where it drafts by lookup; nothing otherwise (a drafter with NaN probabilities falls back there). A
+drafter with constant probabilities lands in one bin: judged by observed acceptance alone, as it must be.
+
+A request's counts decay with a half-life in steps, so one that turns from prose to code re-learns. They sit on the
+engine's counts over earlier requests, weighted as `prior_weight` observations, which sit on the drafter's own
+probability (1/2 where it gives none) weighted as one; where no request has seen a key, a deeper node starts from its
+parent level's estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+BINS = 10
+DEPTHS = 4  # depths past this share their estimates
+Key = tuple[int, int, int, int]  # (part, depth, strength kind: 0 none, 1 probability bin, 2 match length; value)
+
+
+@dataclass
+class Counts:
+    seen: float = 0.0
+    hits: float = 0.0
+    step: int = 0  # the request step these counts were last decayed to
+
+
+def bin_of(p: float) -> int:
+    return min(int(p * BINS), BINS - 1)
+
+
+def node_key(part: int, depth: int, prob: float | None, match_len: int) -> Key:
+    """What a node's estimate is pooled by: its probability's bin, else its lookup's match length, else its depth."""
+    d = min(depth, DEPTHS)
+    if prob is not None and math.isfinite(prob):
+        return (part, d, 1, bin_of(min(max(prob, 0.0), 1.0)))
+    return (part, d, 2, min(match_len, 8)) if match_len else (part, d, 0, 0)
+
+
+def default_rate(key: Key) -> float:
+    """Before anything is observed: the drafter's probability (its bin's middle), else even odds."""
+    return (key[3] + 0.5) / BINS if key[2] == 1 else 0.5
+
+
+@dataclass
+class Acceptance:
+    prior_weight: float = 4.0  # observations the engine's pooled estimate counts as in a request's
+    half_life: float = 32.0  # request steps after which an observation weighs half
+    pooled: dict[Key, Counts] = field(default_factory=dict)  # earlier requests, undecayed
+    mine: dict[Key, Counts] = field(default_factory=dict)  # this request, decayed
+    tally: dict[Key, Counts] = field(default_factory=dict)  # this request, undecayed: pooled at its end
+    step: int = 0
+
+    def start(self) -> None:
+        """A new request: the last one's counts join the pool."""
+        for key, c in self.tally.items():
+            pool = self.pooled.setdefault(key, Counts())
+            pool.seen, pool.hits = pool.seen + c.seen, pool.hits + c.hits
+        self.mine, self.tally, self.step = {}, {}, 0
+
+    def tick(self) -> None:
+        self.step += 1
+
+    def rate(self, key: Key) -> float:
+        pool = self.pooled.get(key)
+        prior = self.unseen(key) if pool is None else (pool.hits + default_rate(key)) / (pool.seen + 1.0)
+        c = self.mine.get(key)
+        if c is None:
+            return prior
+        self.decay(c)
+        return (c.hits + self.prior_weight * prior) / (c.seen + self.prior_weight)
+
+    def unseen(self, key: Key) -> float:
+        """A key no earlier request saw: a node one level deeper is estimated as its parent's level is (a draft cut
+        short never verifies its deep nodes, and would never learn them from an even-odds guess); depth 1 by the
+        drafter's own probability, else even odds."""
+        part, depth, kind, value = key
+        return self.rate((part, depth - 1, kind, value)) if depth > 1 else default_rate(key)
+
+    def observe(self, key: Key, hit: bool) -> None:
+        c = self.mine.setdefault(key, Counts(step=self.step))
+        self.decay(c)
+        c.seen, c.hits = c.seen + 1.0, c.hits + hit
+        t = self.tally.setdefault(key, Counts())
+        t.seen, t.hits = t.seen + 1.0, t.hits + hit
+
+    def decay(self, c: Counts) -> None:
+        if c.step < self.step:
+            f = 0.5 ** ((self.step - c.step) / self.half_life)
+            c.seen, c.hits, c.step = c.seen * f, c.hits * f, self.step
+
+
+def reliability_add(table: list[float], predicted: float, hit: bool) -> list[float]:
+    """One observation into a reliability table: [count per bin..., predicted sum per bin..., hits per bin...]."""
+    if not table:
+        table = [0.0] * (3 * BINS)
+    b = bin_of(min(max(predicted, 0.0), 1.0))
+    table[b] += 1.0
+    table[BINS + b] += predicted
+    table[2 * BINS + b] += float(hit)
+    return table
+
+
+def calibration_error(table: list[float]) -> float | None:
+    """Expected calibration error: the count-weighted mean |predicted - observed| over bins; None when empty."""
+    if not table:
+        return None
+    n = table[:BINS]
+    total = sum(n)
+    if not total:
+        return None
+    return sum(abs(table[BINS + b] - table[2 * BINS + b]) for b in range(BINS) if n[b]) / total

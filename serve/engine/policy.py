@@ -1,0 +1,282 @@
+"""spec.verify=policy: decide before drafting. Each step picks what to draft and verify, or a plain step, by expected
+emitted tokens per second of step.
+
+The proposer's parts (serve/proposers/base.py `parts`: a drafter, or a lookup and a drafter) are judged two ways. A
+lookup (n-gram, suffix) costs next to nothing to draft, so it drafts first and its draft itself is judged. A drafter
+that costs a forward per level is judged before it drafts, at each depth, by what its last draft would be worth cut
+to that depth at today's calibrated estimates (its deeper levels from its last draft that deep): expected emitted
+tokens and verify rows, against its measured draft time there. The best of plain, each lookup draft and each drafter
+at each depth is taken. A draft is cut to the nodes that pay, as spec.verify=cost cuts (serve/engine/schedule.py), by
+calibrated estimates (serve/engine/calibration.py) instead of the drafter's own probabilities.
+
+A request whose drafts stop paying goes plain. After `probe_every` plain steps in a row it probes: the lookup's first
+node if one drafted, else the cheapest drafter's depth 1, verified whole. So a probe costs at most one draft level
+and one verify row per `probe_every` steps, and a request whose acceptance comes back is drafting again within
+`probe_every` steps. Likewise a drafter drafting short of its deepest goes one level deeper every `probe_every`-th
+draft, so deeper levels that came to pay are found.
+
+Lossless as the cost cut is: whether a step drafts, and how deep, depends on earlier steps only; a drawn (sampled)
+draft is cut by whole levels, level d by what the levels above it say (schedule.stopped_levels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from draftsmith.serve.engine.calibration import Acceptance, Key, node_key
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.schedule import Cost, best_levels, best_subset, path_probs, stopped_levels
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.spec import PolicyConfig
+
+T = TypeVar("T")
+Timed = Callable[[Callable[[], T]], tuple[T, float]]  # runs a call, returns its result and seconds
+SETTLED = 32  # request steps after which its estimates count as settled (the calibration report's second table)
+EMA = 0.2  # weight of the newest draft time
+
+
+@dataclass
+class Plan:
+    """One step's decision: what the chosen part drafted (empty: a plain step) and which of its nodes are verified."""
+
+    tree: DraftTree
+    kept: Tensor | None = None  # node indices verified (ascending); None: all
+    part: int = -1  # the part that drafted it (-1: none)
+    seconds: float = 0.0  # drafting, every part asked
+    decision: str = "plain"  # plain | whole | cut | probe
+    keys: list[Key] = field(default_factory=list)  # per node: what its estimate pools with
+    estimates: list[float] = field(default_factory=list)  # per node: its estimated acceptance given its parent's
+
+
+@dataclass
+class Drafted:
+    """A draft's shape and what each node's estimate pools with: enough to judge it again at new estimates."""
+
+    parents: list[int]
+    depths: list[int]
+    keys: list[Key]
+
+
+@dataclass
+class Observed:
+    """A verified node whose parent was accepted: what it was estimated at, and whether it was kept."""
+
+    part: str
+    depth: int
+    estimate: float
+    own: float | None  # the drafter's own probability, if it gives a finite one
+    hit: bool
+    settled: bool
+
+
+@dataclass
+class DraftPolicy:
+    cost: Cost
+    cfg: PolicyConfig = field(default_factory=PolicyConfig)
+    acceptance: Acceptance = field(init=False)
+    draft_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (part, depth) -> seconds to draft
+    last: dict[int, Drafted] = field(default_factory=dict)  # part -> its last draft
+    deep: dict[int, Drafted] = field(default_factory=dict)  # part -> its last draft as deep as it drafts
+    deepest: dict[int, int] = field(default_factory=dict)  # part -> the deepest draft it made
+    plain_run: int = 0  # plain steps in a row
+    shallow_run: dict[int, int] = field(default_factory=dict)  # part -> drafts in a row below its deepest
+
+    def __post_init__(self) -> None:
+        self.acceptance = Acceptance(self.cfg.prior_weight, self.cfg.half_life)
+
+    def start(self) -> None:
+        """A new request: its estimates start from the engine's."""
+        self.acceptance.start()
+        self.plain_run = 0
+
+    def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
+        self.acceptance.tick()
+        spent, best, best_rate = 0.0, Plan(DraftTree.empty(tokens.device)), 0.0
+        found: Plan | None = None  # a lookup's draft, for a probe
+        for i, part in enumerate(parts):
+            if part.by_lookup:
+                tree, s = timed(lambda part=part: part.propose(tokens, sp, budget))  # type: ignore[misc]
+                spent += s
+                if len(tree):
+                    candidate, rate = self.judge(i, tree, spent, sp)
+                    found = found or candidate
+                    if rate > best_rate:
+                        best, best_rate = candidate, rate
+        plain_rate = 1.0 / (spent + self.cost(1))
+        if best_rate <= plain_rate:
+            best, best_rate = Plan(DraftTree.empty(tokens.device)), plain_rate
+        chosen: tuple[int, int] | None = None  # (part, depth) of a drafter worth drafting
+        for i, part in enumerate(parts):
+            if not part.by_lookup:
+                depth, rate = self.best_depth(i, budget, spent, sp.greedy)
+                if rate > best_rate:
+                    chosen, best_rate = (i, depth), rate
+        if chosen is not None:
+            best = self.draft(parts, self.deeper_now_and_then(*chosen), tokens, sp, budget, spent, timed)
+        elif best.part < 0 and self.probe_due():
+            best = self.probe(parts, found, tokens, sp, spent, timed)
+        best.seconds = max(best.seconds, spent)
+        self.plain_run = self.plain_run + 1 if best.part < 0 or best.kept is not None and not len(best.kept) else 0
+        return best
+
+    def draft(
+        self,
+        parts: list[Proposer],
+        chosen: tuple[int, int],
+        tokens: Tensor,
+        sp: SamplingParams,
+        budget: int,
+        spent: float,
+        timed: Timed,
+    ) -> Plan:
+        i, depth = chosen
+        tree, s = timed(lambda: parts[i].propose(tokens, sp, min(budget, depth)))
+        self.learn_draft_time(i, tree, s)
+        plan, _ = self.judge(i, tree, spent + s, sp)
+        self.remember(i, plan)
+        return plan
+
+    def probe(
+        self,
+        parts: list[Proposer],
+        found: Plan | None,
+        tokens: Tensor,
+        sp: SamplingParams,
+        spent: float,
+        timed: Timed,
+    ) -> Plan:
+        """The cheapest look at whether drafting pays again: a lookup's first node, else a drafter's depth 1."""
+        if found is not None:
+            first = torch.zeros(1, dtype=torch.long, device=tokens.device)
+            return Plan(found.tree, first, found.part, spent, "probe", found.keys, found.estimates)
+        drafters = [i for i, part in enumerate(parts) if not part.by_lookup]
+        if not drafters:
+            return Plan(DraftTree.empty(tokens.device))
+        i = min(drafters, key=lambda j: self.time_at(j, 1))
+        tree, s = timed(lambda: parts[i].propose(tokens, sp, 1))
+        self.learn_draft_time(i, tree, s)
+        keys, estimates = self.estimate(i, tree)
+        plan = Plan(tree, None, i, spent + s, "probe", keys, estimates)
+        self.remember(i, plan)
+        return plan
+
+    def deeper_now_and_then(self, i: int, depth: int) -> tuple[int, int]:
+        """Every probe_every-th draft below drafter i's deepest goes one level deeper, so what the deeper levels are
+        worth is measured again: they may have come to pay."""
+        if depth >= self.deepest.get(i, 0) or not self.cfg.probe_every:
+            return i, depth
+        self.shallow_run[i] = self.shallow_run.get(i, 0) + 1
+        if self.shallow_run[i] < self.cfg.probe_every:
+            return i, depth
+        self.shallow_run[i] = 0
+        return i, depth + 1
+
+    def probe_due(self) -> bool:
+        return self.cfg.probe_every > 0 and self.plain_run + 1 >= self.cfg.probe_every
+
+    def judge(self, i: int, tree: DraftTree, spent: float, sp: SamplingParams) -> tuple[Plan, float]:
+        """Part i's draft cut to the nodes worth their rows by calibrated estimates, and its expected rate."""
+        keys, estimates = self.estimate(i, tree)
+        P, depths = path_probs(tree.parents.tolist(), estimates), tree.depths.tolist()
+        drawn = tree.draft_probs is not None
+        keep = self.cut(P, depths, spent, sp.greedy, drawn)
+        rate = (1.0 + sum(P[k] for k in keep)) / (spent + self.cost(1 + len(keep)))
+        whole = len(keep) == len(tree)
+        kept = None if whole else torch.tensor(keep, dtype=torch.long, device=tree.tokens.device)
+        return Plan(tree, kept, i, spent, "whole" if whole else "cut", keys, estimates), rate
+
+    def cut(self, P: list[float], depths: list[int], spent: float, greedy: bool, drawn: bool) -> list[int]:
+        if greedy:
+            return best_subset(P, self.cost, spent)
+        if not drawn:
+            return best_levels(P, depths, self.cost, spent)
+        return stopped_levels(P, depths, self.cost, spent)
+
+    def remember(self, i: int, plan: Plan) -> None:
+        if not len(plan.tree):
+            return
+        drafted = Drafted(plan.tree.parents.tolist(), plan.tree.depths.tolist(), plan.keys)
+        self.last[i] = drafted
+        if max(drafted.depths) >= self.deepest.get(i, 0):
+            self.deep[i] = drafted
+
+    def worth(self, i: int, depth: int, greedy: bool) -> tuple[float, int]:
+        """Drafter i's last draft (or its last one this deep) cut to `depth` and judged at today's estimates: its
+        expected accepted tokens and the rows it would verify. A sampled draft is judged as a deterministic one: a
+        guess made before drafting looks at no draw."""
+        d = self.last[i] if max(self.last[i].depths) >= depth else self.deep[i]
+        within = [v for v, dv in enumerate(d.depths) if dv <= depth]  # prefix-closed, in order
+        index = {v: j for j, v in enumerate(within)}
+        parents = [index.get(d.parents[v], -1) for v in within]
+        P = path_probs(parents, [self.acceptance.rate(d.keys[v]) for v in within])
+        keep = self.cut(P, [d.depths[v] for v in within], self.time_at(i, depth), greedy, False)
+        return sum(P[k] for k in keep), 1 + len(keep)
+
+    def estimate(self, i: int, tree: DraftTree) -> tuple[list[Key], list[float]]:
+        own = tree.accept_probs.float().tolist() if tree.accept_probs is not None else [None] * len(tree)
+        keys = [node_key(i, d, p, tree.match_len) for d, p in zip(tree.depths.tolist(), own, strict=True)]
+        return keys, [self.acceptance.rate(k) for k in keys]
+
+    def best_depth(self, i: int, budget: int, spent: float, greedy: bool) -> tuple[int, float]:
+        """The depth at which drafter i's expected rate is best, and that rate. A drafter never seen drafts its
+        whole shape once, so its depth, time and worth get measured."""
+        if i not in self.last:
+            return budget, math.inf
+        best, best_rate = 0, 0.0
+        for d in range(1, min(self.deepest[i], budget) + 1):
+            gain, rows = self.worth(i, d, greedy)
+            rate = (1.0 + gain) / (spent + self.time_at(i, d) + self.cost(rows))
+            if rate > best_rate:
+                best, best_rate = d, rate
+        return best, best_rate
+
+    def time_at(self, i: int, depth: int) -> float:
+        """Drafter i's measured time to draft `depth` levels; an unmeasured depth scales the nearest measured one."""
+        exact = self.draft_s.get((i, depth))
+        if exact is not None:
+            return exact
+        known = [d for (j, d) in self.draft_s if j == i]
+        if not known:
+            return 0.0
+        near = min(known, key=lambda d: abs(d - depth))
+        return self.draft_s[(i, near)] * depth / near
+
+    def learn_draft_time(self, i: int, tree: DraftTree, seconds: float) -> None:
+        if not len(tree):
+            return
+        depth = int(tree.depths.max())
+        self.deepest[i] = max(self.deepest.get(i, 0), depth)
+        old = self.draft_s.get((i, depth))
+        self.draft_s[(i, depth)] = seconds if old is None else ema(old, seconds)
+
+    def observe(self, plan: Plan, parts: list[Proposer], path: list[int]) -> list[Observed]:
+        """What the target accepted of the plan's tree (path: drafted node indices): every verified node whose parent
+        was accepted updates its estimate."""
+        if plan.part < 0:
+            return []
+        tree = plan.tree
+        kept = range(len(tree)) if plan.kept is None else plan.kept.tolist()
+        if not kept:
+            return []
+        on_path, parents, depths = set(path), tree.parents.tolist(), tree.depths.tolist()
+        own = tree.accept_probs.float().tolist() if tree.accept_probs is not None else None
+        name, settled, seen = parts[plan.part].name, self.acceptance.step > SETTLED, []
+        for v in kept:
+            if parents[v] >= 0 and parents[v] not in on_path:
+                continue
+            hit = v in on_path
+            self.acceptance.observe(plan.keys[v], hit)
+            p = own[v] if own is not None and math.isfinite(own[v]) else None
+            seen.append(Observed(name, depths[v], plan.estimates[v], p, hit, settled))
+        return seen
+
+
+def ema(old: float, new: float) -> float:
+    return old + EMA * (new - old)

@@ -1,0 +1,197 @@
+"""spec.verify=policy (serve/engine/policy.py): each step decides before drafting, from acceptance calibrated on what
+the target accepted (serve/engine/calibration.py). On a tiny random target with scripted drafters: a drafter that
+stops paying goes plain and probes, one that pays drafts every step, a lookup that pays is taken without asking the
+drafter, and output stays plain decoding's throughout."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from draftsmith.serve.engine.calibration import BINS, Acceptance, calibration_error, node_key, reliability_add
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.metrics import Metrics
+from draftsmith.serve.engine.policy import DraftPolicy
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.engine.tree import DraftTree
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.spec import PolicyConfig, SpecConfig
+from helpers import PROMPTS
+
+GREEDY = SamplingParams()
+NEW = 48
+# made-up verify cost: a row costs 0.3 of a step, so a node pays when it is accepted more than about 30% of the time
+COST = lambda rows: 1.0 + 0.3 * (rows - 1)  # noqa: E731
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_dir):
+    return load_model(tiny_llama_dir("llama"), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def future(target) -> list[int]:
+    """Prompt 0 and its plain greedy continuation."""
+    out = Engine(target, max_seq_len=128).generate(PROMPTS[0], NEW, GREEDY)
+    return [*PROMPTS[0], *out.output_ids]
+
+
+class Scripted(Proposer):
+    """Drafts a chain of the target's own continuation while right(length) holds, else tokens it never emits."""
+
+    def __init__(self, future: list[int], right, depth: int = 3, lookup: bool = False, name: str = "scripted"):
+        self.future, self.right, self.depth, self.by_lookup, self.name = future, right, depth, lookup, name
+        self.max_tree_size, self.asked = depth, 0
+
+    def propose(self, tokens, sp, budget) -> DraftTree:
+        self.asked += 1
+        n, k = tokens.numel(), min(self.depth, budget)
+        good = self.future[n : n + k]
+        chain = good if self.right(n) else [(t + 1) % 128 for t in good]
+        if not chain:
+            return DraftTree.empty()
+        tree = DraftTree.chain(torch.tensor(chain))
+        if self.by_lookup:
+            tree.match_len = 3
+        return tree
+
+
+class Pair(Proposer):
+    """A lookup and a drafter, as serve/proposers/hybrid.py pairs them: the policy chooses between its parts."""
+
+    name = "pair"
+
+    def __init__(self, lookup: Proposer, drafter: Proposer) -> None:
+        self.lookup, self.drafter = lookup, drafter
+        self.max_tree_size = lookup.max_tree_size + drafter.max_tree_size
+
+    def parts(self) -> list[Proposer]:
+        return [self.lookup, self.drafter]
+
+
+def run(target, proposer: Proposer, future: list[int], probe_every: int = 8) -> tuple[list[str], Metrics]:
+    """Generate prompt 0 under the policy; each step's decision, in order, and the metrics."""
+    engine = Engine(target, proposer, max_seq_len=128)
+    engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=probe_every))
+    decisions: list[str] = []
+    plan = engine.plan
+
+    def spied(*args):
+        p = plan(*args)
+        decisions.append(p.decision)
+        return p
+
+    engine.plan = spied  # type: ignore[method-assign]
+    out = engine.generate(PROMPTS[0], NEW, GREEDY)
+    assert out.output_ids == future[len(PROMPTS[0]) :]  # the target's own output, whatever the policy chose
+    return decisions, out.metrics
+
+
+def test_a_drafter_that_pays_drafts_every_step_whole(target, future):
+    decisions, m = run(target, Scripted(future, lambda n: True), future)
+    assert "plain" not in decisions and decisions.count("whole") >= len(decisions) - 3, decisions
+    assert m.mean_acceptance_length > 3
+
+
+def test_a_drafter_that_stops_paying_goes_plain_and_probes(target, future):
+    turn = len(PROMPTS[0]) + 12
+    decisions, m = run(target, Scripted(future, lambda n: n < turn), future, probe_every=8)
+    first_plain = decisions.index("plain")
+    assert first_plain >= 4  # it drafted while its drafts paid
+    late = decisions[first_plain + 4 :]
+    assert late.count("plain") >= 0.8 * len(late)  # then stopped drafting
+    assert 0 < m.probe_steps <= len(decisions) / 8 + 1  # and probed, at most once per probe_every steps
+    runs = "".join("p" if d == "plain" else "x" for d in decisions[first_plain:]).split("x")
+    assert max(len(r) for r in runs) <= 7  # never more than probe_every - 1 plain steps without a look
+
+
+def test_a_request_whose_drafts_come_back_drafts_again(target, future):
+    start = len(PROMPTS[0])
+    bad = range(start + 4, start + 24)  # wrong for a stretch, then right again
+    decisions, _ = run(target, Scripted(future, lambda n: n not in bad, depth=2), future, probe_every=4)
+    assert "plain" in decisions and "plain" not in decisions[-6:], decisions
+
+
+def test_probe_every_zero_never_probes(target, future):
+    decisions, m = run(target, Scripted(future, lambda n: False), future, probe_every=0)
+    assert m.probe_steps == 0 and decisions[8:].count("plain") >= len(decisions) - 10  # estimates only decay back
+
+
+def test_a_lookup_that_pays_is_taken_and_the_drafter_is_not_asked(target, future):
+    lookup = Scripted(future, lambda n: True, depth=4, lookup=True, name="lookup")
+    drafter = Scripted(future, lambda n: False, depth=2, name="drafter")
+    decisions, m = run(target, Pair(lookup, drafter), future)
+    assert drafter.asked <= 2  # measured once (its first draft), then never worth asking
+    assert lookup.asked == len(decisions) and "plain" not in decisions and decisions[-1] == "whole"
+    seen = {k: sum(v[:BINS]) for k, v in m.calibration.items()}
+    assert seen["lookup/1"] > 10 * seen.get("drafter/1", 0.1)  # estimates came from the part that drafted
+
+
+def test_a_lookup_that_misses_is_cut_and_the_drafter_takes_over(target, future):
+    lookup = Scripted(future, lambda n: False, depth=4, lookup=True, name="lookup")
+    drafter = Scripted(future, lambda n: True, depth=3, name="drafter")
+    decisions, m = run(target, Pair(lookup, drafter), future)
+    assert drafter.asked >= len(decisions) - 4 and m.mean_acceptance_length > 2.5
+
+
+def test_acceptance_learns_an_overconfident_drafter():
+    """A drafter that says 0.95 and is right 30% of the time is estimated near 0.3 within a request, and a new request
+    starts from what the engine learnt."""
+    acc = Acceptance()
+    key = node_key(0, 1, 0.95, 0)
+    assert acc.rate(key) == pytest.approx(0.95)  # nothing seen: the drafter's own word
+    hits = [bool(h) for h in torch.rand(200, generator=torch.Generator().manual_seed(0)) < 0.3]
+    for h in hits:
+        acc.tick()
+        acc.observe(key, h)
+    assert abs(acc.rate(key) - 0.3) < 0.15  # the drafter's word still weighs as 4 of ~50 decayed observations
+    acc.start()
+    assert abs(acc.rate(key) - sum(hits) / len(hits)) < 0.01  # pooled over the finished request
+
+
+def test_estimates_forget_with_the_half_life():
+    acc = Acceptance(prior_weight=1.0, half_life=4.0)
+    key = node_key(0, 1, None, 0)
+    for _ in range(40):
+        acc.tick()
+        acc.observe(key, True)
+    for _ in range(40):
+        acc.tick()
+        acc.observe(key, False)
+    assert acc.rate(key) < 0.1  # the recent misses dominate, not the 50/50 total
+
+
+def test_nan_and_constant_probabilities_fall_back_to_observed_acceptance():
+    nan, lookup = node_key(0, 2, math.nan, 0), node_key(0, 2, None, 3)
+    assert nan[2] == 0 and lookup[2] == 2  # NaN: by depth alone; a lookup: by its match length
+    assert node_key(0, 1, 0.5, 0) == node_key(0, 1, 0.55, 0)  # constant probabilities share one bin
+
+
+def test_reliability_tables_and_the_expected_calibration_error():
+    table: list[float] = []
+    for p, hit in [(0.9, True), (0.9, True), (0.1, False), (0.1, False)]:
+        table = reliability_add(table, p, hit)
+    assert calibration_error(table) == pytest.approx(0.1)
+    assert calibration_error([]) is None
+    m, other = Metrics(), Metrics()
+    m.record_estimate("eagle3", 1, 0.8, 0.95, True, settled=False)
+    other.record_estimate("eagle3", 1, 0.6, None, False, settled=True)
+    m.merge(other)
+    assert sum(m.calibration["eagle3/1"][:BINS]) == 2 and sum(m.calibration["eagle3/1/settled"][:BINS]) == 1
+    assert sum(m.calibration["eagle3/1/own"][:BINS]) == 1
+
+
+def test_policy_settings_are_checked_when_built():
+    with pytest.raises(ValueError, match="spec.policy.probe_every must be >= 0"):
+        PolicyConfig(probe_every=-1)
+    with pytest.raises(ValueError, match="spec.policy.half_life must be > 0"):
+        PolicyConfig(half_life=0)
+    with pytest.raises(ValueError, match="spec.verify must be one of fixed, cost, policy"):
+        SpecConfig("ngram", verify="always")
+    with pytest.raises(ValueError, match="spec.verify=policy decides what is drafted and spec=ar drafts nothing"):
+        SpecConfig("ar", verify="policy")
