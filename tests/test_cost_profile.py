@@ -25,7 +25,7 @@ from helpers import build_tiny_chat_target, exactly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-QUICK = ProfileSettings(repeats=1, warmup=0, context=16)
+QUICK = ProfileSettings(repeats=1, warmup=0, context=16, busy=float("inf"))  # whatever else loads the test machine
 TARGET = "tiny@00000000"
 
 
@@ -138,11 +138,24 @@ def test_verify_cost_on_a_kind_without_accept_probs_drafts_as_fixed(chat_target,
     assert a.metrics.verify_rows == b.metrics.verify_rows and a.metrics.drafts == b.metrics.drafts
 
 
-def test_spec_verify_takes_fixed_or_cost():
-    with pytest.raises(ValueError, match="spec.verify must be one of fixed, cost, got 'always'"):
+def test_spec_verify_takes_fixed_cost_or_policy():
+    with pytest.raises(ValueError, match="spec.verify must be one of fixed, cost, policy, got 'always'"):
         SpecConfig("ngram", verify="always")
     with pytest.raises(ValueError, match="spec=ar drafts nothing"):
         SpecConfig("ar", verify="cost")
+
+
+def test_a_curve_measured_on_a_busy_machine_is_used_once_then_measured_again(engine, measured, tmp_path, caplog):
+    busy = ProfileSettings(repeats=1, warmup=0, context=16, busy=-1.0)  # any load counts as busy
+    with caplog.at_level(logging.WARNING, logger="draftsmith.serve.cost_profile"):
+        curve = load_or_measure(engine, TARGET, str(tmp_path), busy)
+    assert len(curve.seconds) == 5 and "this run uses it, the next one measures it again" in caplog.text
+    assert "busy_load" in json.loads(path_of(engine, tmp_path).read_text())
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="draftsmith.serve.cost_profile"):
+        load_or_measure(engine, TARGET, str(tmp_path), QUICK)
+    assert len(measured) == 2 and "was measured on a busy machine" in caplog.text
+    assert "busy_load" not in json.loads(path_of(engine, tmp_path).read_text())  # an idle measure replaces it
 
 
 def test_an_unwritable_cache_measures_and_uses_the_curve_from_memory(engine, measured, tmp_path, caplog):
@@ -154,7 +167,7 @@ def test_an_unwritable_cache_measures_and_uses_the_curve_from_memory(engine, mea
 
 
 def test_profiles_of_different_contexts_live_side_by_side(engine, measured, tmp_path):
-    short = ProfileSettings(repeats=1, warmup=0, context=8)
+    short = ProfileSettings(repeats=1, warmup=0, context=8, busy=float("inf"))
     for settings in (QUICK, short, QUICK, short):
         load_or_measure(engine, TARGET, str(tmp_path), settings)
     assert len(measured) == 2

@@ -4,7 +4,9 @@ What a verify row costs depends on the CPU, its thread count, the target and its
 where the engine runs, through the engine's own forward (the static step when it uses one), at a representative
 context length: after a warm-up pass, a few interleaved repeats of every row count, the median of each, made
 non-decreasing. The JSON file records a fingerprint of what it was measured on; a file whose fingerprint differs, or
-that is not a whole curve, is measured again and rewritten, never trusted.
+that is not a whole curve, is measured again and rewritten, never trusted. A curve measured while other processes
+loaded the CPU (the load average past `busy` per CPU) is used by the run that measured it, saying so, and measured
+again by the next one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -56,6 +59,7 @@ class ProfileSettings:
     repeats: int = 3
     warmup: int = 1
     context: int = CONTEXT
+    busy: float = 1.5  # a 1-minute load average past this many per usable CPU: others shared the CPU
 
 
 def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict[str, Any]:
@@ -118,10 +122,21 @@ def load_or_measure(
         return curve
     say = log.info if why == ABSENT else log.warning  # a file that cannot be trusted is worth a look
     say("verify cost profile %s %s: measuring %d row counts", path, why, rows)
+    load = busy_load(settings.busy)
     curve = CostCurve(measure(engine, rows, context, settings))
+    record = {"fingerprint": expected, **asdict(curve)}
+    if load is not None:
+        log.warning(
+            "verify cost profile %s measured while other processes loaded the CPU (load average %.2f on %d CPUs): "
+            "this run uses it, the next one measures it again",
+            path,
+            load,
+            usable_cpus(),
+        )
+        record["busy_load"] = load
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(path, json.dumps({"fingerprint": expected, **asdict(curve)}, indent=1) + "\n")
+        write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     except OSError as e:  # a read-only cache costs a re-measure next time, not the engine
         log.warning("verify cost profile not saved (%s): this engine uses it from memory", e)
     return curve
@@ -139,10 +154,24 @@ def read_profile(path: Path, expected: dict[str, Any]) -> tuple[CostCurve | None
         return None, "lacks its fingerprint or seconds"
     if data["fingerprint"] != expected:
         return None, f"is stale (measured for {data['fingerprint']})"
+    if "busy_load" in data:
+        return None, f"was measured on a busy machine (load average {data['busy_load']})"
     seconds = data["seconds"]
     if not valid_seconds(seconds, expected["rows"]):
         return None, "holds no valid curve (needs one positive, finite, non-decreasing time per row count)"
     return CostCurve([float(s) for s in seconds]), ""
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def busy_load(per_cpu: float) -> float | None:
+    """The 1-minute load average when it is past per_cpu per usable CPU (others are sharing it), else None."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load = os.getloadavg()[0]
+    return round(load, 2) if load > per_cpu * usable_cpus() else None
 
 
 def valid_seconds(seconds: Any, rows: int) -> bool:
