@@ -263,12 +263,15 @@ def warm_up(engines: dict[Arm, Engine], prompt: Prompt, tokenizer, cfg: EvalConf
 
 
 def start_cold(engine: Engine) -> None:
-    """Forget the warm-up and earlier repeats: no prefix-cache hits from them, and no drafting from their answers
-    (suffix decoding's global tree), so every repeat measures the same thing."""
+    """Forget the warm-up and earlier repeats: no prefix-cache hits from them, no drafting from their answers (suffix
+    decoding's global tree) and no estimate learnt from them (the draft policy's), so every repeat measures the same
+    thing."""
     if engine.prefix_cache is not None:
         engine.prefix_cache.reset()
     if engine.proposer:
         engine.proposer.forget()
+    if engine.policy is not None:
+        engine.policy.forget()
 
 
 def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig, dtype: str | None) -> MethodResult:

@@ -109,7 +109,9 @@ def lookup_proposer(spec: SpecConfig) -> NgramProposer | SuffixProposer | None:
         return NgramProposer(NgramConfig(spec.ngram_tokens, spec.min_n, spec.max_n))
     if lookup == "suffix":
         assert spec.num_tokens is not None, "resolve_shape resolved it"
-        return SuffixProposer(spec.suffix, spec.suffix_tokens, spec.num_tokens if spec.ngram_policy == "prefer" else 0)
+        # under the draft policy every suffix draft is judged by the policy, not gated by its score first
+        gated = spec.ngram_policy == "prefer" and spec.verify != "policy"
+        return SuffixProposer(spec.suffix, spec.suffix_tokens, spec.num_tokens if gated else 0)
     return None
 
 

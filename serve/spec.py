@@ -99,6 +99,12 @@ class SpecConfig:
             raise ValueError(f"spec.draft_vocab must be >= 0 (0 = the full vocabulary), got {self.draft_vocab}")
         if self.verify not in VERIFY:
             raise ValueError(f"spec.verify must be one of {', '.join(VERIFY)}, got {self.verify!r}")
+        if self.verify == "policy" and self.ngram_policy == "merge" and (self.ngram_tokens or self.suffix_tokens):
+            raise ValueError(
+                "spec.ngram_policy=merge verifies the lookup's and the drafter's drafts together, and "
+                "spec.verify=policy picks one of them each step: set spec.ngram_policy=prefer, or spec.verify=cost to "
+                "keep merge"
+            )
         if self.verify != "fixed" and self.name == "ar":
             raise ValueError(
                 f"spec.verify={self.verify} decides what is drafted and spec=ar drafts nothing: drop it or pick a "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.serve.engine.tree import DraftTree, tree_depths
+from draftsmith.serve.engine.tree import DraftTree, python_depths
 from draftsmith.serve.models.loader import load_model
 
 T, F = True, False
@@ -61,7 +61,8 @@ def test_not_a_chain_even_when_depths_are():
 
 
 def test_tree_depths_deep():
-    assert tree_depths(torch.tensor([-1, 0, 1, 2, -1, 4, 1])).tolist() == [1, 2, 3, 4, 1, 2, 3]
+    assert python_depths([-1, 0, 1, 2, -1, 4, 1]) == [1, 2, 3, 4, 1, 2, 3]
+    assert DraftTree(torch.arange(3), torch.tensor([-1, 0, 0])).depths.tolist() == [1, 2, 2]
 
 
 def test_attention_mask_by_hand():

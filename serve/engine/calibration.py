@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 BINS = 10
 DEPTHS = 4  # depths past this share their estimates
-Key = tuple[int, int, int, int]  # (part, depth, strength kind: 0 none, 1 probability bin, 2 match length; value)
+# (part, sampled, depth, strength kind: 0 none, 1 probability bin, 2 match length; its value)
+Key = tuple[int, bool, int, int, int]
 
 
 @dataclass
@@ -32,17 +33,18 @@ def bin_of(p: float) -> int:
     return min(int(p * BINS), BINS - 1)
 
 
-def node_key(part: int, depth: int, prob: float | None, match_len: int) -> Key:
-    """What a node's estimate is pooled by: its probability's bin, else its lookup's match length, else its depth."""
+def node_key(part: int, sampled: bool, depth: int, prob: float | None, match_len: int) -> Key:
+    """What a node's estimate is pooled by: its drafter, whether the request samples, its depth, and its probability's
+    bin, else its lookup's match length, else nothing more."""
     d = min(depth, DEPTHS)
     if prob is not None and math.isfinite(prob):
-        return (part, d, 1, bin_of(min(max(prob, 0.0), 1.0)))
-    return (part, d, 2, min(match_len, 8)) if match_len else (part, d, 0, 0)
+        return (part, sampled, d, 1, bin_of(min(max(prob, 0.0), 1.0)))
+    return (part, sampled, d, 2, min(match_len, 8)) if match_len else (part, sampled, d, 0, 0)
 
 
 def default_rate(key: Key) -> float:
     """Before anything is observed: the drafter's probability (its bin's middle), else even odds."""
-    return (key[3] + 0.5) / BINS if key[2] == 1 else 0.5
+    return (key[4] + 0.5) / BINS if key[3] == 1 else 0.5
 
 
 @dataclass
@@ -53,18 +55,26 @@ class Acceptance:
     mine: dict[Key, Counts] = field(default_factory=dict)  # this request, decayed
     tally: dict[Key, Counts] = field(default_factory=dict)  # this request, undecayed: pooled at its end
     step: int = 0
+    memo: dict[Key, float] = field(default_factory=dict)  # rates asked this step, until an observation
 
     def start(self) -> None:
         """A new request: the last one's counts join the pool."""
         for key, c in self.tally.items():
             pool = self.pooled.setdefault(key, Counts())
             pool.seen, pool.hits = pool.seen + c.seen, pool.hits + c.hits
-        self.mine, self.tally, self.step = {}, {}, 0
+        self.mine, self.tally, self.step, self.memo = {}, {}, 0, {}
 
     def tick(self) -> None:
         self.step += 1
+        self.memo.clear()
 
     def rate(self, key: Key) -> float:
+        known = self.memo.get(key)
+        if known is None:
+            known = self.memo[key] = self.fresh_rate(key)
+        return known
+
+    def fresh_rate(self, key: Key) -> float:
         pool = self.pooled.get(key)
         prior = self.unseen(key) if pool is None else (pool.hits + default_rate(key)) / (pool.seen + 1.0)
         c = self.mine.get(key)
@@ -77,10 +87,11 @@ class Acceptance:
         """A key no earlier request saw: a node one level deeper is estimated as its parent's level is (a draft cut
         short never verifies its deep nodes, and would never learn them from an even-odds guess); depth 1 by the
         drafter's own probability, else even odds."""
-        part, depth, kind, value = key
-        return self.rate((part, depth - 1, kind, value)) if depth > 1 else default_rate(key)
+        part, sampled, depth, kind, value = key
+        return self.rate((part, sampled, depth - 1, kind, value)) if depth > 1 else default_rate(key)
 
     def observe(self, key: Key, hit: bool) -> None:
+        self.memo.clear()
         c = self.mine.setdefault(key, Counts(step=self.step))
         self.decay(c)
         c.seen, c.hits = c.seen + 1.0, c.hits + hit

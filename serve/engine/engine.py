@@ -211,10 +211,10 @@ class Engine:
         if self.proposer is None:
             return Plan(DraftTree.empty(tokens.device))
         if self.policy is not None:
-            plan = self.policy.plan(self.proposer.parts(), tokens, sp, budget, self.timed)
+            plan = self.policy.plan(self.proposer.parts(), tokens, sp, budget, self.clocked)
         else:
             proposer = self.proposer
-            tree, seconds = self.timed(lambda: proposer.propose(tokens, sp, budget))
+            tree, seconds = self.clocked(lambda: proposer.propose(tokens, sp, budget))
             kept = self.schedule.cut(tree, seconds + self.accept_s, sp.greedy) if self.schedule else None
             plan = Plan(tree, kept, 0, seconds, "whole" if kept is None else "cut")
         nothing = plan.part < 0 or not len(plan.tree) or plan.kept is not None and not len(plan.kept)
@@ -223,7 +223,7 @@ class Engine:
         m.record_decision(plan.decision)
         return plan
 
-    def timed(self, call: Callable[[], T]) -> tuple[T, float]:
+    def clocked(self, call: Callable[[], T]) -> tuple[T, float]:
         """The call's result and its seconds (a GPU synchronised around it when they steer a cost decision)."""
         begin = time.perf_counter()
         out = call()

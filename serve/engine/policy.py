@@ -10,10 +10,14 @@ at each depth is taken. A draft is cut to the nodes that pay, as spec.verify=cos
 calibrated estimates (serve/engine/calibration.py) instead of the drafter's own probabilities.
 
 A request whose drafts stop paying goes plain. After `probe_every` plain steps in a row it probes: the lookup's first
-node if one drafted, else the cheapest drafter's depth 1, verified whole. So a probe costs at most one draft level
-and one verify row per `probe_every` steps, and a request whose acceptance comes back is drafting again within
-`probe_every` steps. Likewise a drafter drafting short of its deepest goes one level deeper every `probe_every`-th
-draft, so deeper levels that came to pay are found.
+node if one drafted, else the cheapest drafter's first node (its whole first level where it samples its draft). So a
+probe costs at most one draft level and one verify row per `probe_every` + 1 steps, and a request whose acceptance
+comes back is drafting again within `probe_every` + 1 steps. Likewise a drafter drafting short of its deepest goes
+one level deeper every `probe_every`-th draft, so deeper levels that came to pay are found.
+
+Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
+learnt from drafts that follow a drafted step: the first draft after plain steps also runs the drafter over the
+tokens it skipped (serve/proposers/propose_eagle.py), which a later draft does not pay.
 
 Lossless as the cost cut is: whether a step drafts, and how deep, depends on earlier steps only; a drawn (sampled)
 draft is cut by whole levels, level d by what the levels above it say (schedule.stopped_levels).
@@ -81,15 +85,23 @@ class DraftPolicy:
     cost: Cost
     cfg: PolicyConfig = field(default_factory=PolicyConfig)
     acceptance: Acceptance = field(init=False)
-    draft_s: dict[tuple[int, int], float] = field(default_factory=dict)  # (part, depth) -> seconds to draft
-    last: dict[int, Drafted] = field(default_factory=dict)  # part -> its last draft
-    deep: dict[int, Drafted] = field(default_factory=dict)  # part -> its last draft as deep as it drafts
-    deepest: dict[int, int] = field(default_factory=dict)  # part -> the deepest draft it made
+    draft_s: dict[tuple[int, int], float] = field(init=False)  # (part, depth) -> seconds to draft
+    last: dict[int, Drafted] = field(init=False)  # part -> its last draft
+    deep: dict[int, Drafted] = field(init=False)  # part -> its last draft as deep as it drafts
+    deepest: dict[int, int] = field(init=False)  # part -> the deepest draft it made
+    shallow_run: dict[int, int] = field(init=False)  # part -> drafts in a row below its deepest
     plain_run: int = 0  # plain steps in a row
-    shallow_run: dict[int, int] = field(default_factory=dict)  # part -> drafts in a row below its deepest
+    empties: dict[str, DraftTree] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.forget()
+
+    def forget(self) -> None:
+        """Back to knowing nothing: no estimate, draft time or draft of earlier requests (an eval's repeats each
+        start cold)."""
         self.acceptance = Acceptance(self.cfg.prior_weight, self.cfg.half_life)
+        self.draft_s, self.last, self.deep, self.deepest, self.shallow_run = {}, {}, {}, {}, {}
+        self.plain_run = 0
 
     def start(self) -> None:
         """A new request: its estimates start from the engine's."""
@@ -98,7 +110,8 @@ class DraftPolicy:
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
-        spent, best, best_rate = 0.0, Plan(DraftTree.empty(tokens.device)), 0.0
+        empty = Plan(self.empty_tree(tokens.device))
+        spent, best, best_rate = 0.0, empty, 0.0
         found: Plan | None = None  # a lookup's draft, for a probe
         for i, part in enumerate(parts):
             if part.by_lookup:
@@ -111,11 +124,11 @@ class DraftPolicy:
                         best, best_rate = candidate, rate
         plain_rate = 1.0 / (spent + self.cost(1))
         if best_rate <= plain_rate:
-            best, best_rate = Plan(DraftTree.empty(tokens.device)), plain_rate
+            best, best_rate = empty, plain_rate
         chosen: tuple[int, int] | None = None  # (part, depth) of a drafter worth drafting
         for i, part in enumerate(parts):
             if not part.by_lookup:
-                depth, rate = self.best_depth(i, budget, spent, sp.greedy)
+                depth, rate = self.best_depth(i, budget, spent, sp)
                 if rate > best_rate:
                     chosen, best_rate = (i, depth), rate
         if chosen is not None:
@@ -123,8 +136,16 @@ class DraftPolicy:
         elif best.part < 0 and self.probe_due():
             best = self.probe(parts, found, tokens, sp, spent, timed)
         best.seconds = max(best.seconds, spent)
-        self.plain_run = self.plain_run + 1 if best.part < 0 or best.kept is not None and not len(best.kept) else 0
+        nothing = best.part < 0 or best.kept is not None and not len(best.kept)
+        self.plain_run = self.plain_run + 1 if nothing else 0
         return best
+
+    def empty_tree(self, device: torch.device) -> DraftTree:
+        """One empty tree per device for every plain step (nothing reads it but to see it is empty)."""
+        tree = self.empties.get(str(device))
+        if tree is None:
+            tree = self.empties[str(device)] = DraftTree.empty(device)
+        return tree
 
     def draft(
         self,
@@ -152,18 +173,20 @@ class DraftPolicy:
         spent: float,
         timed: Timed,
     ) -> Plan:
-        """The cheapest look at whether drafting pays again: a lookup's first node, else a drafter's depth 1."""
+        """The cheapest look at whether drafting pays again: a lookup's first node, else a drafter's first node (its
+        first level where it draws the draft: which of its siblings is verified must not depend on their draws)."""
+        first = torch.zeros(1, dtype=torch.long, device=tokens.device)
         if found is not None:
-            first = torch.zeros(1, dtype=torch.long, device=tokens.device)
             return Plan(found.tree, first, found.part, spent, "probe", found.keys, found.estimates)
         drafters = [i for i, part in enumerate(parts) if not part.by_lookup]
         if not drafters:
-            return Plan(DraftTree.empty(tokens.device))
+            return Plan(self.empty_tree(tokens.device))
         i = min(drafters, key=lambda j: self.time_at(j, 1))
         tree, s = timed(lambda: parts[i].propose(tokens, sp, 1))
         self.learn_draft_time(i, tree, s)
-        keys, estimates = self.estimate(i, tree)
-        plan = Plan(tree, None, i, spent + s, "probe", keys, estimates)
+        keys, estimates = self.estimate(i, tree, sp)
+        kept = None if tree.draft_probs is not None or len(tree) <= 1 else first
+        plan = Plan(tree, kept, i, spent + s, "probe", keys, estimates)
         self.remember(i, plan)
         return plan
 
@@ -179,14 +202,13 @@ class DraftPolicy:
         return i, depth + 1
 
     def probe_due(self) -> bool:
-        return self.cfg.probe_every > 0 and self.plain_run + 1 >= self.cfg.probe_every
+        return self.cfg.probe_every > 0 and self.plain_run >= self.cfg.probe_every
 
     def judge(self, i: int, tree: DraftTree, spent: float, sp: SamplingParams) -> tuple[Plan, float]:
         """Part i's draft cut to the nodes worth their rows by calibrated estimates, and its expected rate."""
-        keys, estimates = self.estimate(i, tree)
-        P, depths = path_probs(tree.parents.tolist(), estimates), tree.depths.tolist()
-        drawn = tree.draft_probs is not None
-        keep = self.cut(P, depths, spent, sp.greedy, drawn)
+        keys, estimates = self.estimate(i, tree, sp)
+        P, depths = path_probs(tree.parent_list, estimates), tree.depth_list
+        keep = self.cut(P, depths, spent, sp.greedy, tree.draft_probs is not None)
         rate = (1.0 + sum(P[k] for k in keep)) / (spent + self.cost(1 + len(keep)))
         whole = len(keep) == len(tree)
         kept = None if whole else torch.tensor(keep, dtype=torch.long, device=tree.tokens.device)
@@ -199,43 +221,46 @@ class DraftPolicy:
             return best_levels(P, depths, self.cost, spent)
         return stopped_levels(P, depths, self.cost, spent)
 
-    def remember(self, i: int, plan: Plan) -> None:
-        if not len(plan.tree):
-            return
-        drafted = Drafted(plan.tree.parents.tolist(), plan.tree.depths.tolist(), plan.keys)
-        self.last[i] = drafted
-        if max(drafted.depths) >= self.deepest.get(i, 0):
-            self.deep[i] = drafted
-
-    def worth(self, i: int, depth: int, greedy: bool) -> tuple[float, int]:
-        """Drafter i's last draft (or its last one this deep) cut to `depth` and judged at today's estimates: its
-        expected accepted tokens and the rows it would verify. A sampled draft is judged as a deterministic one: a
-        guess made before drafting looks at no draw."""
-        d = self.last[i] if max(self.last[i].depths) >= depth else self.deep[i]
-        within = [v for v, dv in enumerate(d.depths) if dv <= depth]  # prefix-closed, in order
-        index = {v: j for j, v in enumerate(within)}
-        parents = [index.get(d.parents[v], -1) for v in within]
-        P = path_probs(parents, [self.acceptance.rate(d.keys[v]) for v in within])
-        keep = self.cut(P, [d.depths[v] for v in within], self.time_at(i, depth), greedy, False)
-        return sum(P[k] for k in keep), 1 + len(keep)
-
-    def estimate(self, i: int, tree: DraftTree) -> tuple[list[Key], list[float]]:
+    def estimate(self, i: int, tree: DraftTree, sp: SamplingParams) -> tuple[list[Key], list[float]]:
         own = tree.accept_probs.float().tolist() if tree.accept_probs is not None else [None] * len(tree)
-        keys = [node_key(i, d, p, tree.match_len) for d, p in zip(tree.depths.tolist(), own, strict=True)]
+        sampled = not sp.greedy
+        keys = [node_key(i, sampled, d, p, tree.match_len) for d, p in zip(tree.depth_list, own, strict=True)]
         return keys, [self.acceptance.rate(k) for k in keys]
 
-    def best_depth(self, i: int, budget: int, spent: float, greedy: bool) -> tuple[int, float]:
+    def remember(self, i: int, plan: Plan) -> None:
+        """Drafter i's draft, to judge its next one before drafting (an empty draft: worth nothing)."""
+        drafted = Drafted(plan.tree.parent_list, plan.tree.depth_list, plan.keys)
+        self.last[i] = drafted
+        if max(drafted.depths, default=0) >= self.deepest.get(i, 0):
+            self.deep[i] = drafted
+
+    def best_depth(self, i: int, budget: int, spent: float, sp: SamplingParams) -> tuple[int, float]:
         """The depth at which drafter i's expected rate is best, and that rate. A drafter never seen drafts its
         whole shape once, so its depth, time and worth get measured."""
         if i not in self.last:
             return budget, math.inf
         best, best_rate = 0, 0.0
-        for d in range(1, min(self.deepest[i], budget) + 1):
-            gain, rows = self.worth(i, d, greedy)
+        judged = {id(d): (d, path_probs(d.parents, [self.acceptance.rate(k) for k in d.keys])) for d in self.sources(i)}
+        for d in range(1, min(self.deepest.get(i, 0), budget) + 1):
+            gain, rows = self.worth(i, d, judged, sp.greedy)
             rate = (1.0 + gain) / (spent + self.time_at(i, d) + self.cost(rows))
             if rate > best_rate:
                 best, best_rate = d, rate
         return best, best_rate
+
+    def sources(self, i: int) -> list[Drafted]:
+        return [self.last[i]] + ([self.deep[i]] if i in self.deep and self.deep[i] is not self.last[i] else [])
+
+    def worth(self, i: int, depth: int, judged: dict, greedy: bool) -> tuple[float, int]:
+        """Drafter i's last draft (or its last one this deep) cut to `depth` and judged at today's estimates: its
+        expected accepted tokens and the rows it would verify. A sampled draft is judged as a deterministic one: a
+        guess made before drafting looks at no draw."""
+        last = self.last[i]
+        d, P = judged[id(last if max(last.depths, default=0) >= depth else self.deep[i])]
+        within = [v for v, dv in enumerate(d.depths) if dv <= depth]  # prefix-closed, in order
+        sub = [P[v] for v in within]  # a node's path probability is its ancestors': the same in any prefix-closed set
+        keep = self.cut(sub, [d.depths[v] for v in within], self.time_at(i, depth), greedy, False)
+        return sum(sub[k] for k in keep), 1 + len(keep)
 
     def time_at(self, i: int, depth: int) -> float:
         """Drafter i's measured time to draft `depth` levels; an unmeasured depth scales the nearest measured one."""
@@ -251,10 +276,13 @@ class DraftPolicy:
     def learn_draft_time(self, i: int, tree: DraftTree, seconds: float) -> None:
         if not len(tree):
             return
-        depth = int(tree.depths.max())
+        depth = max(tree.depth_list)
         self.deepest[i] = max(self.deepest.get(i, 0), depth)
         old = self.draft_s.get((i, depth))
-        self.draft_s[(i, depth)] = seconds if old is None else ema(old, seconds)
+        if old is None:
+            self.draft_s[(i, depth)] = seconds
+        elif not self.plain_run:  # after plain steps a draft also catches up on them: not its time to draft
+            self.draft_s[(i, depth)] = ema(old, seconds)
 
     def observe(self, plan: Plan, parts: list[Proposer], path: list[int]) -> list[Observed]:
         """What the target accepted of the plan's tree (path: drafted node indices): every verified node whose parent
@@ -265,7 +293,7 @@ class DraftPolicy:
         kept = range(len(tree)) if plan.kept is None else plan.kept.tolist()
         if not kept:
             return []
-        on_path, parents, depths = set(path), tree.parents.tolist(), tree.depths.tolist()
+        on_path, parents, depths = set(path), tree.parent_list, tree.depth_list
         own = tree.accept_probs.float().tolist() if tree.accept_probs is not None else None
         name, settled, seen = parts[plan.part].name, self.acceptance.step > SETTLED, []
         for v in kept:
@@ -273,7 +301,7 @@ class DraftPolicy:
                 continue
             hit = v in on_path
             self.acceptance.observe(plan.keys[v], hit)
-            p = own[v] if own is not None and math.isfinite(own[v]) else None
+            p = min(max(own[v], 0.0), 1.0) if own is not None and math.isfinite(own[v]) else None
             seen.append(Observed(name, depths[v], plan.estimates[v], p, hit, settled))
         return seen
 

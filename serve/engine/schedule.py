@@ -44,7 +44,7 @@ class CostSchedule:
             warn_once("a draft's accept_probs are not finite (a drafter with NaN weights?): verified whole")
             return None
         a = tree.accept_probs.float().clamp(0.0, 1.0).tolist()
-        parents, depths = tree.parents.tolist(), tree.depths.tolist()
+        parents, depths = tree.parent_list, tree.depth_list
         if greedy:
             keep = best_subset(path_probs(parents, a), self.cost, draft_s)
         elif tree.draft_probs is None:

@@ -47,7 +47,9 @@ class DraftTree:
     match_len: int = 0  # a lookup draft's strength where it has no probabilities: the tokens its match is long
 
     def __post_init__(self) -> None:
-        self.depths = tree_depths(self.parents)
+        self.parent_list: list[int] = self.parents.tolist()  # the same as Python ints, for per-node decisions
+        self.depth_list = python_depths(self.parent_list)
+        self.depths = torch.tensor(self.depth_list, dtype=torch.long, device=self.parents.device)
 
     @classmethod
     def chain(cls, tokens: Tensor, draft_probs: Tensor | None = None, accept_probs: Tensor | None = None) -> DraftTree:
@@ -80,7 +82,7 @@ class DraftTree:
     def children(self) -> list[list[int]]:
         """children()[0] are the root's, children()[i + 1] are node i's, in proposal order."""
         kids: list[list[int]] = [[] for _ in range(len(self) + 1)]
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.parent_list):
             kids[p + 1].append(i)
         return kids
 
@@ -94,18 +96,18 @@ class DraftTree:
         n = len(self)
         anc = torch.eye(n + 1, dtype=torch.bool, device=self.tokens.device)
         anc[1:, 0] = True
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.parent_list):
             if p >= 0:
                 anc[i + 1] |= anc[p + 1]
         prefix = torch.ones(n + 1, prefix_len, dtype=torch.bool, device=anc.device)
         return torch.cat([prefix, anc], dim=1)
 
 
-def tree_depths(parents: Tensor) -> Tensor:
+def python_depths(parents: list[int]) -> list[int]:
     depths: list[int] = []
-    for p in parents.tolist():
+    for p in parents:
         depths.append(1 if p < 0 else depths[p] + 1)
-    return torch.tensor(depths, dtype=torch.long, device=parents.device)
+    return depths
 
 
 def causal_mask(start: int, n: int, device) -> Tensor | None:
