@@ -55,13 +55,22 @@ def calibration_table(methods: dict[str, MethodResult]) -> Table | None:
                     f"{sum(t[2 * BINS :]) / n:.2f}" if n else "-",
                     ece(t),
                     ece(settled),
-                    ece(own) if own else "none (judged by observed acceptance alone)",
+                    own_cell(own),
                 ]
             )
     if not rows:
         return None
     header = ["method", "drafter", "nodes", "estimate", "observed", "ECE", "ECE after 32 steps", "ECE, own probs"]
     return header, rows
+
+
+def own_cell(own: list[float]) -> str:
+    """The drafter's own probabilities' ECE, or why the policy judged it by observed acceptance alone."""
+    if not own or not sum(own[:BINS]):
+        return "none or NaN: judged by observed acceptance alone"
+    if sum(1 for b in range(BINS) if own[b]) == 1 and sum(own[:BINS]) >= 16:
+        return f"{ece(own)} (all in one bin: judged by observed acceptance alone)"
+    return ece(own)
 
 
 def ece(t: list[float]) -> str:

@@ -253,3 +253,15 @@ def test_an_eval_repeat_starts_the_policy_cold(target, future):
 def test_merge_is_refused_under_the_policy():
     with pytest.raises(ValueError, match="set spec.ngram_policy=prefer, or spec.verify=cost to keep merge"):
         SpecConfig("eagle3", drafter="x", ngram_tokens=5, ngram_policy="merge", verify="policy")
+
+
+def test_the_report_says_when_a_drafter_is_judged_by_observed_acceptance_alone():
+    from draftsmith.eval.calibration_report import own_cell
+
+    constant: list[float] = []
+    for _ in range(20):
+        constant = reliability_add(constant, 0.5, True)
+    assert "judged by observed acceptance alone" in own_cell([])  # NaN or no probabilities
+    assert "all in one bin: judged by observed acceptance alone" in own_cell(constant)
+    spread = reliability_add(list(constant), 0.9, True)
+    assert own_cell(spread) == f"{calibration_error(spread):.3f}"
