@@ -107,7 +107,15 @@ def test_a_drafter_that_stops_paying_goes_plain_and_probes(target, future):
     assert late.count("plain") >= 0.8 * len(late)  # then stopped drafting
     assert 0 < m.probe_steps <= len(decisions) / 8 + 1  # and probed, at most once per probe_every steps
     runs = "".join("p" if d == "plain" else "x" for d in decisions[first_plain:]).split("x")
-    assert max(len(r) for r in runs) <= 8  # never more than probe_every plain steps without a look
+    assert max(len(r) for r in runs) <= 4 * 8  # never more than 4 x probe_every plain steps without a look
+
+
+def test_probes_that_find_nothing_back_off_to_four_times_probe_every(target, future):
+    decisions, _ = run(target, Scripted(future, lambda n: False), future, probe_every=2)
+    start = decisions.index("plain")  # after its first drafts, judged at even odds
+    assert set(decisions[start:]) == {"plain", "probe"}, decisions
+    gaps = [len(r) for r in "".join("p" if d == "plain" else "x" for d in decisions[start:]).split("x")[:-1]]
+    assert gaps[:3] == [2, 4, 8] and set(gaps[3:]) <= {8}, decisions
 
 
 def test_a_request_whose_drafts_come_back_drafts_again(target, future):

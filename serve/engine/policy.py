@@ -10,9 +10,11 @@ at each depth is taken. A draft is cut to the nodes that pay, as spec.verify=cos
 calibrated estimates (serve/engine/calibration.py) instead of the drafter's own probabilities.
 
 A request whose drafts stop paying goes plain. After `probe_every` plain steps in a row it probes: the lookup's first
-node if one drafted, else the cheapest drafter's first node (its whole first level where it samples its draft). So a
-probe costs at most one draft level and one verify row per `probe_every` + 1 steps, and a request whose acceptance
-comes back is drafting again within `probe_every` + 1 steps. Likewise a drafter drafting short of its deepest goes
+node if one drafted, else the cheapest drafter's first node (its whole first level where it samples its draft). A
+probe that does not bring drafting back doubles the wait for the next, up to 4 x `probe_every`; a draft worth making
+resets it. So probing costs at most one draft level and one verify row per `probe_every` + 1 steps, one per
+4 x `probe_every` + 1 in a request that stays plain, and a request whose acceptance comes back is drafting again
+within 4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its deepest goes
 one level deeper every `probe_every`-th draft, so deeper levels that came to pay are found.
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
@@ -91,6 +93,7 @@ class DraftPolicy:
     deepest: dict[int, int] = field(init=False)  # part -> the deepest draft it made
     shallow_run: dict[int, int] = field(init=False)  # part -> drafts in a row below its deepest
     plain_run: int = 0  # plain steps in a row
+    wait: int = 0  # plain steps in a row before the next probe
     empties: dict[str, DraftTree] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -101,12 +104,12 @@ class DraftPolicy:
         start cold)."""
         self.acceptance = Acceptance(self.cfg.prior_weight, self.cfg.half_life)
         self.draft_s, self.last, self.deep, self.deepest, self.shallow_run = {}, {}, {}, {}, {}
-        self.plain_run = 0
+        self.plain_run, self.wait = 0, self.cfg.probe_every
 
     def start(self) -> None:
         """A new request: its estimates start from the engine's."""
         self.acceptance.start()
-        self.plain_run = 0
+        self.plain_run, self.wait = 0, self.cfg.probe_every
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
@@ -135,6 +138,9 @@ class DraftPolicy:
             best = self.draft(parts, self.deeper_now_and_then(*chosen), tokens, sp, budget, spent, timed)
         elif best.part < 0 and self.probe_due():
             best = self.probe(parts, found, tokens, sp, spent, timed)
+            self.wait = min(2 * self.wait, 4 * self.cfg.probe_every)  # back to probe_every once drafting pays
+        if best.part >= 0 and best.decision != "probe" and (best.kept is None or len(best.kept)):
+            self.wait = self.cfg.probe_every
         best.seconds = max(best.seconds, spent)
         nothing = best.part < 0 or best.kept is not None and not len(best.kept)
         self.plain_run = self.plain_run + 1 if nothing else 0
@@ -202,7 +208,7 @@ class DraftPolicy:
         return i, depth + 1
 
     def probe_due(self) -> bool:
-        return self.cfg.probe_every > 0 and self.plain_run >= self.cfg.probe_every
+        return self.cfg.probe_every > 0 and self.plain_run >= self.wait
 
     def judge(self, i: int, tree: DraftTree, spent: float, sp: SamplingParams) -> tuple[Plan, float]:
         """Part i's draft cut to the nodes worth their rows by calibrated estimates, and its expected rate."""

@@ -6,8 +6,9 @@ feature) stays empty and is never attended. The target features themselves are k
 prefix-cache hit of h tokens, slot h needs the feature of token h-1, which the target does not recompute.
 Both go through the prefix cache with the target's KV. After each verification the accepted tokens' slots are
 recomputed from the target's real features, which also gives the head's prediction for the next pending
-token: the first level of the next draft. That recomputation waits for the next draft: a step the draft policy
-(serve/engine/policy.py) leaves plain costs the head nothing, and the slots it skipped run in one forward later.
+token: the first level of the next draft. That recomputation, and the features' projection, wait for the next draft:
+a step the draft policy (serve/engine/policy.py) leaves plain costs the head nothing, and the tokens it skipped run in
+one forward later.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class EagleProposer(Proposer):
         self.cache: KVCache | None = None
         self.store: FeatureStore | None = None  # per token: the target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
-        self.known = 0  # tokens [0, known) have their features stored (the last one pending)
+        self.known = 0  # tokens [0, known) have their target outputs kept (the last one pending)
+        self.unstored: list[tuple[int, ForwardOut]] = []  # target outputs not yet made features: (first token, out)
         self.feature: Tensor | None = None  # [H] the head's prediction for the pending token's feature
         self.logits: Tensor | None = None  # [1, vocab] its logits: the root's children
 
@@ -66,13 +68,22 @@ class EagleProposer(Proposer):
 
     def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
+        self.unstored = []
         self.keep_features(start, out)
         self.cached, self.known = max(start, 1), tokens.numel()
         self.extend(tokens)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
-        self.keep_features(self.known - 1, out)  # the next draft runs the new slots (drafted ones are overwritten)
+        self.unstored.append((self.known - 1, out))  # the next draft stores them and runs the new slots
         self.known = tokens.numel()
+
+    def store_unstored(self) -> None:
+        """The kept target outputs, consecutive tokens, made features in one projection."""
+        first, outs = self.unstored[0][0], [out for _, out in self.unstored]
+        hidden = torch.cat([o.hidden for o in outs])
+        aux = [torch.cat([o.aux[j] for o in outs]) for j in range(len(outs[0].aux))]
+        self.keep_features(first, ForwardOut(outs[0].logits, hidden, aux))
+        self.unstored = []
 
     def keep_features(self, first: int, out: ForwardOut) -> None:
         """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
@@ -99,6 +110,8 @@ class EagleProposer(Proposer):
         n, k, dev, depth = tokens.numel(), self.tree.width, tokens.device, min(self.depth, budget)
         if n != self.known:
             raise RuntimeError(f"the drafter holds {self.known} tokens, the engine passed {n}")
+        if self.unstored:
+            self.store_unstored()
         if self.cached < n:
             self.extend(tokens)
         sampled = k == 1 and not sp.greedy
