@@ -16,8 +16,8 @@ from draftsmith.serve.shared.cli import typed_or_exit
 
 from .methods import check_drafters
 from .replay_report import headline, write_replay_report
-from .report import busy, number, speedup_cell, write_report
-from .results import MethodResult, RunResult
+from .report import busy, number, plain_share, speedup_cell, write_report
+from .results import RunResult
 from .runner import EvalConfig, run_eval
 from .wandb_log import log_eval
 
@@ -38,12 +38,6 @@ def replay_report(cfg: EvalConfig) -> None:
         sys.exit(f"draftsmith-eval: {e}")
     print(headline(result))
     print(f"  report: {cfg.out}/report.md, results: {cfg.out}/replay_results.json")
-
-
-def plain_share(m: MethodResult) -> str:
-    """'  plain 35%': the share of steps that verified no draft (the policy's choice, or nothing found)."""
-    total = sum(m.steps.values())
-    return f"  plain {m.steps.get('plain', 0) / total:.0%}" if total and m.steps.get("plain") else ""
 
 
 def print_headline(r: RunResult) -> None:

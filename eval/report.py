@@ -29,6 +29,12 @@ def speedup_cell(m: Compared) -> str:
     return ci(m.speedup, m.interval("speedup"), unit="x") + flag
 
 
+def plain_share(m: Summary) -> str:
+    """'  plain 35%': the share of steps that verified no draft (the policy's choice, or nothing found)."""
+    total = sum(m.steps.values())
+    return f"  plain {m.steps.get('plain', 0) / total:.0%}" if total and m.steps.get("plain") else ""
+
+
 def number(s: Summary, key: str, fmt: str = "{:.2f}") -> str:
     """A summary's number with its interval: number(m, "tpot_ms", "{:.1f}")."""
     return ci(getattr(s, key), s.interval(key), fmt)

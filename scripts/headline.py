@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.eval.machine import describe
-from draftsmith.eval.report import ci, number, speedup_cell
+from draftsmith.eval.report import ci, number, plain_share, speedup_cell
 from draftsmith.eval.results import RunResult, load_results
 
 
@@ -25,7 +25,7 @@ def mt_bench_lines(results: RunResult) -> list[str]:
         same = f"{loss.identical}/{loss.checked} identical" if loss.checked else "unchecked"
         lines.append(
             f"  {name:<12} {m.tokens_per_s:5.1f} tok/s  speedup {speedup_cell(m)}  "
-            f"tau {number(m, 'mean_acceptance_length')}  {same}"
+            f"tau {number(m, 'mean_acceptance_length')}  {same}" + plain_share(m)
         )
     if results.noise.noisy:
         lines.append("  NOISY: plain decoding of the same question varied between repeats; see the report")

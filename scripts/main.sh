@@ -23,9 +23,10 @@ read -r -a TRAIN_ARGS <<< "${MAIN_TRAIN_ARGS:-}"
 read -r -a RAG_ARGS <<< "${MAIN_RAG_ARGS:-}"
 # The evals and the export draft the shape the head folder records: train=quick makes an eagle3 head for depth 1,
 # its 3 best tokens side by side (conf/tuning/eagle3-quick.yaml). Deeper levels cost a head forward each and a quick
-# head's 2nd and 3rd positions rarely accept (docs/benchmarks.md, Draft shape and depth). The evals verify the part
-# of each draft that pays for its rows on this machine (spec.verify=cost): where verify rows are cheap that is the
-# whole draft, where a one-row step is fast against them (draftsmith's kernels on AVX-512) about 1.4 rows a step
+# head's 2nd and 3rd positions rarely accept (docs/benchmarks.md, Draft shape and depth). The evals run every method
+# under the draft policy (spec.verify=policy, docs/evaluation.md): each step drafts the lookup, the head or nothing,
+# whichever its acceptance so far and this machine's costs say emits the most per second, and verifies the part of
+# the draft that pays for its rows
 began=$(date +%s)
 stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
 # an eval killed part-way continues from its records.jsonl; a finished one is run again
@@ -43,12 +44,13 @@ else
 fi
 
 stage "2/4 MT-bench: plain vs EAGLE-3, n-gram, and EAGLE-3 with n-gram lookup -> $OUT/mt_bench"
-draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" spec.verify=cost \
-  'methods=[ngram,eagle3_ngram]' methods.eagle3_ngram.drafter="$HEAD/final" methods.eagle3_ngram.verify=cost \
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" spec.verify=policy \
+  'methods=[ngram,eagle3_ngram]' methods.ngram.verify=policy \
+  methods.eagle3_ngram.drafter="$HEAD/final" methods.eagle3_ngram.verify=policy \
   suite=mt_bench limit=8 max_new_tokens=64 repeats=2 out="$OUT/mt_bench" "$(resume "$OUT/mt_bench")" "$@"
 
 stage "3/4 rag: prefix cache x EAGLE-3, the 2x2 study -> $OUT/rag"
-draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" spec.verify=cost suite=rag study=prefix_x_spec \
+draftsmith-eval "$TARGET" spec=eagle3 spec.drafter="$HEAD/final" spec.verify=policy suite=rag study=prefix_x_spec \
   limit=6 max_new_tokens=64 out="$OUT/rag" "$(resume "$OUT/rag")" "${RAG_ARGS[@]}" "$@"
 
 stage "4/4 export for vLLM and SGLang -> $OUT/export-vllm"
