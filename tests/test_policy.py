@@ -273,3 +273,10 @@ def test_the_report_says_when_a_drafter_is_judged_by_observed_acceptance_alone()
     assert "all in one bin: judged by observed acceptance alone" in own_cell(constant)
     spread = reliability_add(list(constant), 0.9, True)
     assert own_cell(spread) == f"{calibration_error(spread):.3f}"
+
+
+def test_a_lookup_that_finds_nothing_does_not_back_the_probes_off(target, future):
+    engine = Engine(target, Empty(future, lambda n: True, lookup=True, name="lookup"), max_seq_len=128)
+    engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=4))
+    m = engine.generate(PROMPTS[0], 24, GREEDY).metrics
+    assert m.plain_steps == m.target_forward_passes and engine.policy.wait == 4  # nothing was probed

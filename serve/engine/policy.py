@@ -18,8 +18,8 @@ within 4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its dee
 one level deeper every `probe_every`-th draft, so deeper levels that came to pay are found.
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
-learnt from drafts that follow a drafted step: the first draft after plain steps also runs the drafter over the
-tokens it skipped (serve/proposers/propose_eagle.py), which a later draft does not pay.
+learnt from drafts that follow a step the same drafter drafted: the first draft after other steps also runs the
+drafter over the tokens it skipped (serve/proposers/propose_eagle.py), which a later draft does not pay.
 
 Lossless as the cost cut is: whether a step drafts, and how deep, depends on earlier steps only; a drawn (sampled)
 draft is cut by whole levels, level d by what the levels above it say (schedule.stopped_levels).
@@ -93,6 +93,7 @@ class DraftPolicy:
     deepest: dict[int, int] = field(init=False)  # part -> the deepest draft it made
     shallow_run: dict[int, int] = field(init=False)  # part -> drafts in a row below its deepest
     plain_run: int = 0  # plain steps in a row
+    previous: int = -1  # the part that drafted the last step (-1: none)
     wait: int = 0  # plain steps in a row before the next probe
     empties: dict[str, DraftTree] = field(default_factory=dict)
 
@@ -104,12 +105,12 @@ class DraftPolicy:
         start cold)."""
         self.acceptance = Acceptance(self.cfg.prior_weight, self.cfg.half_life)
         self.draft_s, self.last, self.deep, self.deepest, self.shallow_run = {}, {}, {}, {}, {}
-        self.plain_run, self.wait = 0, self.cfg.probe_every
+        self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
 
     def start(self) -> None:
         """A new request: its estimates start from the engine's."""
         self.acceptance.start()
-        self.plain_run, self.wait = 0, self.cfg.probe_every
+        self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
@@ -138,12 +139,14 @@ class DraftPolicy:
             best = self.draft(parts, self.deeper_now_and_then(*chosen), tokens, sp, budget, spent, timed)
         elif best.part < 0 and self.probe_due():
             best = self.probe(parts, found, tokens, sp, spent, timed)
-            self.wait = min(2 * self.wait, 4 * self.cfg.probe_every)  # back to probe_every once drafting pays
+            if best.decision == "probe":  # back to probe_every once drafting pays
+                self.wait = min(2 * self.wait, 4 * self.cfg.probe_every)
         if best.part >= 0 and best.decision != "probe" and (best.kept is None or len(best.kept)):
             self.wait = self.cfg.probe_every
         best.seconds = max(best.seconds, spent)
         nothing = best.part < 0 or best.kept is not None and not len(best.kept)
         self.plain_run = self.plain_run + 1 if nothing else 0
+        self.previous = best.part
         return best
 
     def empty_tree(self, device: torch.device) -> DraftTree:
@@ -287,7 +290,7 @@ class DraftPolicy:
         old = self.draft_s.get((i, depth))
         if old is None:
             self.draft_s[(i, depth)] = seconds
-        elif not self.plain_run:  # after plain steps a draft also catches up on them: not its time to draft
+        elif self.previous == i:  # after steps it did not draft, a draft also catches up on them: not its time
             self.draft_s[(i, depth)] = ema(old, seconds)
 
     def observe(self, plan: Plan, parts: list[Proposer], path: list[int]) -> list[Observed]:

@@ -30,6 +30,8 @@ from draftsmith.serve.proposers.base import Proposer
 from draftsmith.serve.proposers.topk_trees import rerank, tree_size
 from draftsmith.serve.spec import SpecConfig
 
+BACKLOG = 64  # tokens of target outputs kept unprojected at most (a head the policy or a lookup leaves out for long)
+
 
 class EagleProposer(Proposer):
     mergeable = True
@@ -50,7 +52,8 @@ class EagleProposer(Proposer):
         self.store: FeatureStore | None = None  # per token: the target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
         self.known = 0  # tokens [0, known) have their target outputs kept (the last one pending)
-        self.unstored: list[tuple[int, ForwardOut]] = []  # target outputs not yet made features: (first token, out)
+        # target outputs not yet made features: (first token, hidden, aux), consecutive tokens
+        self.unstored: list[tuple[int, Tensor, list[Tensor]]] = []
         self.feature: Tensor | None = None  # [H] the head's prediction for the pending token's feature
         self.logits: Tensor | None = None  # [1, vocab] its logits: the root's children
 
@@ -74,15 +77,17 @@ class EagleProposer(Proposer):
         self.extend(tokens)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
-        self.unstored.append((self.known - 1, out))  # the next draft stores them and runs the new slots
+        self.unstored.append((self.known - 1, out.hidden, out.aux))  # the next draft stores them, runs the new slots
         self.known = tokens.numel()
+        if self.known - 1 - self.unstored[0][0] > BACKLOG:  # a head left out for long: project what it has so far
+            self.store_unstored()
 
     def store_unstored(self) -> None:
         """The kept target outputs, consecutive tokens, made features in one projection."""
-        first, outs = self.unstored[0][0], [out for _, out in self.unstored]
-        hidden = torch.cat([o.hidden for o in outs])
-        aux = [torch.cat([o.aux[j] for o in outs]) for j in range(len(outs[0].aux))]
-        self.keep_features(first, ForwardOut(outs[0].logits, hidden, aux))
+        first, kept = self.unstored[0][0], self.unstored
+        hidden = torch.cat([h for _, h, _ in kept])
+        aux = [torch.cat([a[j] for _, _, a in kept]) for j in range(len(kept[0][2]))]
+        self.keep_features(first, ForwardOut(hidden, hidden, aux))
         self.unstored = []
 
     def keep_features(self, first: int, out: ForwardOut) -> None:
@@ -106,7 +111,7 @@ class EagleProposer(Proposer):
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         """Level d's nodes sit at position n-1+d; the nodes expanded at level d take slots n+(d-1)*topk onwards
         and see the real slots, their ancestors and themselves (the target's tree mask, over the head's cache).
-        Those slots are scratch: accept() overwrites them from the target's features, whatever the depth."""
+        Those slots are scratch: the next draft overwrites them from the target's features, whatever the depth."""
         n, k, dev, depth = tokens.numel(), self.tree.width, tokens.device, min(self.depth, budget)
         if n != self.known:
             raise RuntimeError(f"the drafter holds {self.known} tokens, the engine passed {n}")
