@@ -30,6 +30,7 @@ from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.loader import fp32_arithmetic, load_model
 from draftsmith.serve.models.target import LoadedTarget
+from draftsmith.serve.proposers import propose_eagle
 from draftsmith.serve.proposers.hybrid import HybridProposer
 from draftsmith.serve.proposers.propose_eagle import EagleProposer
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
@@ -713,8 +714,6 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path, tiny_llama_
 def test_a_head_left_out_of_many_steps_keeps_a_bounded_backlog(kind, target, plain, trained, monkeypatch):
     """Steps the head does not draft keep only the target's hidden rows (no logits), made features at its next draft
     or once BACKLOG tokens pile up; output stays plain decoding's and the head still drafts and gets accepted."""
-    from draftsmith.serve.proposers import propose_eagle
-
     monkeypatch.setattr(propose_eagle, "BACKLOG", 6)
     proposer = EagleProposer(trained[kind], kind, 3)
     propose, accept, steps, backlog = proposer.propose, proposer.accept, [0], []

@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+from draftsmith.eval.calibration_report import own_cell
+from draftsmith.eval.runner import start_cold
 from draftsmith.serve.engine.calibration import BINS, Acceptance, calibration_error, node_key, reliability_add
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.metrics import Metrics
@@ -248,8 +250,6 @@ def test_the_drafters_own_probabilities_are_reported_within_0_and_1(target, futu
 
 
 def test_an_eval_repeat_starts_the_policy_cold(target, future):
-    from draftsmith.eval.runner import start_cold
-
     engine = Engine(target, Scripted(future, lambda n: True), max_seq_len=128)
     engine.policy = DraftPolicy(COST)
     engine.generate(PROMPTS[0], 8, GREEDY)
@@ -264,8 +264,6 @@ def test_merge_is_refused_under_the_policy():
 
 
 def test_the_report_says_when_a_drafter_is_judged_by_observed_acceptance_alone():
-    from draftsmith.eval.calibration_report import own_cell
-
     constant: list[float] = []
     for _ in range(20):
         constant = reliability_add(constant, 0.5, True)

@@ -28,6 +28,9 @@ class Counts:
     hits: float = 0.0
     step: int = 0  # the request step these counts were last decayed to
 
+    def add(self, seen: float, hits: float) -> None:
+        self.seen, self.hits = self.seen + seen, self.hits + hits
+
 
 def bin_of(p: float) -> int:
     return min(int(p * BINS), BINS - 1)
@@ -60,8 +63,7 @@ class Acceptance:
     def start(self) -> None:
         """A new request: the last one's counts join the pool."""
         for key, c in self.tally.items():
-            pool = self.pooled.setdefault(key, Counts())
-            pool.seen, pool.hits = pool.seen + c.seen, pool.hits + c.hits
+            self.pooled.setdefault(key, Counts()).add(c.seen, c.hits)
         self.mine, self.tally, self.step, self.memo = {}, {}, 0, {}
 
     def tick(self) -> None:
@@ -94,9 +96,8 @@ class Acceptance:
         self.memo.clear()
         c = self.mine.setdefault(key, Counts(step=self.step))
         self.decay(c)
-        c.seen, c.hits = c.seen + 1.0, c.hits + hit
-        t = self.tally.setdefault(key, Counts())
-        t.seen, t.hits = t.seen + 1.0, t.hits + hit
+        c.add(1.0, hit)
+        self.tally.setdefault(key, Counts()).add(1.0, hit)
 
     def decay(self, c: Counts) -> None:
         if c.step < self.step:
@@ -117,10 +118,7 @@ def reliability_add(table: list[float], predicted: float, hit: bool) -> list[flo
 
 def calibration_error(table: list[float]) -> float | None:
     """Expected calibration error: the count-weighted mean |predicted - observed| over bins; None when empty."""
-    if not table:
-        return None
-    n = table[:BINS]
-    total = sum(n)
+    total = sum(table[:BINS])
     if not total:
         return None
-    return sum(abs(table[BINS + b] - table[2 * BINS + b]) for b in range(BINS) if n[b]) / total
+    return sum(abs(table[BINS + b] - table[2 * BINS + b]) for b in range(BINS)) / total

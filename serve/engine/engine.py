@@ -199,8 +199,7 @@ class Engine:
                 drafted_path = path if kept is None else kept[path].tolist()
                 self.accept(tokens[: end + 1], drafted, drafted_path, verified)
                 if self.policy is not None:
-                    for o in self.policy.observe(plan, self.proposer.parts(), drafted_path):
-                        m.record_estimate(o.part, o.depth, o.estimate, o.own, o.hit, o.settled)
+                    self.policy.observe(plan, drafted_path, m)
             if watching:
                 watching.accept(tokens[: end + 1], path, verified)
         m.draft_s += propose_s + self.accept_s
@@ -217,8 +216,7 @@ class Engine:
             tree, seconds = self.clocked(lambda: proposer.propose(tokens, sp, budget))
             kept = self.schedule.cut(tree, seconds + self.accept_s, sp.greedy) if self.schedule else None
             plan = Plan(tree, kept, 0, seconds, "whole" if kept is None else "cut")
-        nothing = plan.part < 0 or not len(plan.tree) or plan.kept is not None and not len(plan.kept)
-        if nothing and plan.decision != "probe":
+        if plan.verifies_nothing and plan.decision != "probe":
             plan.decision = "plain"
         m.record_decision(plan.decision)
         return plan
@@ -235,7 +233,7 @@ class Engine:
         assert self.proposer is not None, "only a proposer is told what was accepted"
         begin = time.perf_counter()
         self.proposer.accept(tokens, tree, path, out)
-        if self.schedule is not None or self.policy is not None:
+        if self.schedule is not None:  # the schedule charges accept's time to the next draft
             self.sync()
         self.accept_s = time.perf_counter() - begin
 

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from draftsmith.serve.engine.calibration import Acceptance, Key, node_key
+from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.schedule import Cost, best_levels, best_subset, path_probs, stopped_levels
 from draftsmith.serve.engine.tree import DraftTree
@@ -59,27 +60,16 @@ class Plan:
     decision: str = "plain"  # plain | whole | cut | probe
     keys: list[Key] = field(default_factory=list)  # per node: what its estimate pools with
     estimates: list[float] = field(default_factory=list)  # per node: its estimated acceptance given its parent's
+    own: list[float | None] = field(default_factory=list)  # per node: the drafter's own probability, where finite
+    name: str = ""  # the part's name (the calibration report's)
 
+    @property
+    def verifies_nothing(self) -> bool:
+        return self.part < 0 or not len(self.tree) or self.kept is not None and not len(self.kept)
 
-@dataclass
-class Drafted:
-    """A draft's shape and what each node's estimate pools with: enough to judge it again at new estimates."""
-
-    parents: list[int]
-    depths: list[int]
-    keys: list[Key]
-
-
-@dataclass
-class Observed:
-    """A verified node whose parent was accepted: what it was estimated at, and whether it was kept."""
-
-    part: str
-    depth: int
-    estimate: float
-    own: float | None  # the drafter's own probability, if it gives a finite one
-    hit: bool
-    settled: bool
+    @property
+    def deepest(self) -> int:
+        return max(self.tree.depth_list, default=0)
 
 
 @dataclass
@@ -88,9 +78,8 @@ class DraftPolicy:
     cfg: PolicyConfig = field(default_factory=PolicyConfig)
     acceptance: Acceptance = field(init=False)
     draft_s: dict[tuple[int, int], float] = field(init=False)  # (part, depth) -> seconds to draft
-    last: dict[int, Drafted] = field(init=False)  # part -> its last draft
-    deep: dict[int, Drafted] = field(init=False)  # part -> its last draft as deep as it drafts
-    deepest: dict[int, int] = field(init=False)  # part -> the deepest draft it made
+    last: dict[int, Plan] = field(init=False)  # part -> its last draft
+    deep: dict[int, Plan] = field(init=False)  # part -> its last draft as deep as any it made
     shallow_run: dict[int, int] = field(init=False)  # part -> drafts in a row below its deepest
     plain_run: int = 0  # plain steps in a row
     previous: int = -1  # the part that drafted the last step (-1: none)
@@ -104,7 +93,7 @@ class DraftPolicy:
         """Back to knowing nothing: no estimate, draft time or draft of earlier requests (an eval's repeats each
         start cold)."""
         self.acceptance = Acceptance(self.cfg.prior_weight, self.cfg.half_life)
-        self.draft_s, self.last, self.deep, self.deepest, self.shallow_run = {}, {}, {}, {}, {}
+        self.draft_s, self.last, self.deep, self.shallow_run = {}, {}, {}, {}
         self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
 
     def start(self) -> None:
@@ -141,11 +130,11 @@ class DraftPolicy:
             best = self.probe(parts, found, tokens, sp, spent, timed)
             if best.decision == "probe":  # back to probe_every once drafting pays
                 self.wait = min(2 * self.wait, 4 * self.cfg.probe_every)
-        if best.part >= 0 and best.decision != "probe" and (best.kept is None or len(best.kept)):
+        if best.decision != "probe" and not best.verifies_nothing:
             self.wait = self.cfg.probe_every
         best.seconds = max(best.seconds, spent)
-        nothing = best.part < 0 or best.kept is not None and not len(best.kept)
-        self.plain_run = self.plain_run + 1 if nothing else 0
+        best.name = parts[best.part].name if best.part >= 0 else ""
+        self.plain_run = self.plain_run + 1 if best.verifies_nothing else 0
         self.previous = best.part
         return best
 
@@ -186,23 +175,22 @@ class DraftPolicy:
         first level where it draws the draft: which of its siblings is verified must not depend on their draws)."""
         first = torch.zeros(1, dtype=torch.long, device=tokens.device)
         if found is not None:
-            return Plan(found.tree, first, found.part, spent, "probe", found.keys, found.estimates)
+            return replace(found, kept=first, seconds=spent, decision="probe")
         drafters = [i for i, part in enumerate(parts) if not part.by_lookup]
         if not drafters:
             return Plan(self.empty_tree(tokens.device))
         i = min(drafters, key=lambda j: self.time_at(j, 1))
         tree, s = timed(lambda: parts[i].propose(tokens, sp, 1))
         self.learn_draft_time(i, tree, s)
-        keys, estimates = self.estimate(i, tree, sp)
         kept = None if tree.draft_probs is not None or len(tree) <= 1 else first
-        plan = Plan(tree, kept, i, spent + s, "probe", keys, estimates)
+        plan = Plan(tree, kept, i, spent + s, "probe", *self.estimate(i, tree, sp))
         self.remember(i, plan)
         return plan
 
     def deeper_now_and_then(self, i: int, depth: int) -> tuple[int, int]:
         """Every probe_every-th draft below drafter i's deepest goes one level deeper, so what the deeper levels are
         worth is measured again: they may have come to pay."""
-        if depth >= self.deepest.get(i, 0) or not self.cfg.probe_every:
+        if depth >= self.deepest(i) or not self.cfg.probe_every:
             return i, depth
         self.shallow_run[i] = self.shallow_run.get(i, 0) + 1
         if self.shallow_run[i] < self.cfg.probe_every:
@@ -215,13 +203,13 @@ class DraftPolicy:
 
     def judge(self, i: int, tree: DraftTree, spent: float, sp: SamplingParams) -> tuple[Plan, float]:
         """Part i's draft cut to the nodes worth their rows by calibrated estimates, and its expected rate."""
-        keys, estimates = self.estimate(i, tree, sp)
+        keys, estimates, own = self.estimate(i, tree, sp)
         P, depths = path_probs(tree.parent_list, estimates), tree.depth_list
         keep = self.cut(P, depths, spent, sp.greedy, tree.draft_probs is not None)
         rate = (1.0 + sum(P[k] for k in keep)) / (spent + self.cost(1 + len(keep)))
         whole = len(keep) == len(tree)
         kept = None if whole else torch.tensor(keep, dtype=torch.long, device=tree.tokens.device)
-        return Plan(tree, kept, i, spent, "whole" if whole else "cut", keys, estimates), rate
+        return Plan(tree, kept, i, spent, "whole" if whole else "cut", keys, estimates, own), rate
 
     def cut(self, P: list[float], depths: list[int], spent: float, greedy: bool, drawn: bool) -> list[int]:
         if greedy:
@@ -230,45 +218,54 @@ class DraftPolicy:
             return best_levels(P, depths, self.cost, spent)
         return stopped_levels(P, depths, self.cost, spent)
 
-    def estimate(self, i: int, tree: DraftTree, sp: SamplingParams) -> tuple[list[Key], list[float]]:
-        own = tree.accept_probs.float().tolist() if tree.accept_probs is not None else [None] * len(tree)
-        sampled = not sp.greedy
-        keys = [node_key(i, sampled, d, p, tree.match_len) for d, p in zip(tree.depth_list, own, strict=True)]
-        return keys, [self.acceptance.rate(k) for k in keys]
+    def estimate(
+        self, i: int, tree: DraftTree, sp: SamplingParams
+    ) -> tuple[list[Key], list[float], list[float | None]]:
+        """Per node: what its estimate pools with, the estimate, and the drafter's own probability (in [0, 1], None
+        where it gives none or a non-finite one)."""
+        raw = tree.accept_probs.float().tolist() if tree.accept_probs is not None else [None] * len(tree)
+        own = [min(max(p, 0.0), 1.0) if p is not None and math.isfinite(p) else None for p in raw]
+        keys = [node_key(i, not sp.greedy, d, p, tree.match_len) for d, p in zip(tree.depth_list, own, strict=True)]
+        return keys, [self.acceptance.rate(k) for k in keys], own
 
     def remember(self, i: int, plan: Plan) -> None:
         """Drafter i's draft, to judge its next one before drafting (an empty draft: worth nothing)."""
-        drafted = Drafted(plan.tree.parent_list, plan.tree.depth_list, plan.keys)
-        self.last[i] = drafted
-        if max(drafted.depths, default=0) >= self.deepest.get(i, 0):
-            self.deep[i] = drafted
+        self.last[i] = plan
+        if plan.deepest >= self.deepest(i):
+            self.deep[i] = plan
+
+    def deepest(self, i: int) -> int:
+        """The deepest draft drafter i made."""
+        return self.deep[i].deepest if i in self.deep else 0
 
     def best_depth(self, i: int, budget: int, spent: float, sp: SamplingParams) -> tuple[int, float]:
         """The depth at which drafter i's expected rate is best, and that rate. A drafter never seen drafts its
         whole shape once, so its depth, time and worth get measured."""
         if i not in self.last:
             return budget, math.inf
+        last, deep = self.last[i], self.deep[i]
+        today = {id(p): self.path_probs_now(p) for p in (last, deep)}
         best, best_rate = 0, 0.0
-        judged = {id(d): (d, path_probs(d.parents, [self.acceptance.rate(k) for k in d.keys])) for d in self.sources(i)}
-        for d in range(1, min(self.deepest.get(i, 0), budget) + 1):
-            gain, rows = self.worth(i, d, judged, sp.greedy)
+        for d in range(1, min(deep.deepest, budget) + 1):
+            source = last if last.deepest >= d else deep
+            gain, rows = self.worth(source, today[id(source)], d, self.time_at(i, d), sp.greedy)
             rate = (1.0 + gain) / (spent + self.time_at(i, d) + self.cost(rows))
             if rate > best_rate:
                 best, best_rate = d, rate
         return best, best_rate
 
-    def sources(self, i: int) -> list[Drafted]:
-        return [self.last[i]] + ([self.deep[i]] if i in self.deep and self.deep[i] is not self.last[i] else [])
+    def path_probs_now(self, plan: Plan) -> list[float]:
+        """Each node's chance of being emitted at today's estimates."""
+        return path_probs(plan.tree.parent_list, [self.acceptance.rate(k) for k in plan.keys])
 
-    def worth(self, i: int, depth: int, judged: dict, greedy: bool) -> tuple[float, int]:
-        """Drafter i's last draft (or its last one this deep) cut to `depth` and judged at today's estimates: its
-        expected accepted tokens and the rows it would verify. A sampled draft is judged as a deterministic one: a
-        guess made before drafting looks at no draw."""
-        last = self.last[i]
-        d, P = judged[id(last if max(last.depths, default=0) >= depth else self.deep[i])]
-        within = [v for v, dv in enumerate(d.depths) if dv <= depth]  # prefix-closed, in order
+    def worth(self, plan: Plan, P: list[float], depth: int, draft_s: float, greedy: bool) -> tuple[float, int]:
+        """A past draft cut to `depth` and judged with path probabilities P: its expected accepted tokens and the
+        rows it would verify. A sampled draft is judged as a deterministic one: a guess made before drafting looks at
+        no draw."""
+        depths = plan.tree.depth_list
+        within = [v for v, dv in enumerate(depths) if dv <= depth]  # prefix-closed, in order
         sub = [P[v] for v in within]  # a node's path probability is its ancestors': the same in any prefix-closed set
-        keep = self.cut(sub, [d.depths[v] for v in within], self.time_at(i, depth), greedy, False)
+        keep = self.cut(sub, [depths[v] for v in within], draft_s, greedy, False)
         return sum(sub[k] for k in keep), 1 + len(keep)
 
     def time_at(self, i: int, depth: int) -> float:
@@ -286,33 +283,25 @@ class DraftPolicy:
         if not len(tree):
             return
         depth = max(tree.depth_list)
-        self.deepest[i] = max(self.deepest.get(i, 0), depth)
         old = self.draft_s.get((i, depth))
         if old is None:
             self.draft_s[(i, depth)] = seconds
         elif self.previous == i:  # after steps it did not draft, a draft also catches up on them: not its time
             self.draft_s[(i, depth)] = ema(old, seconds)
 
-    def observe(self, plan: Plan, parts: list[Proposer], path: list[int]) -> list[Observed]:
+    def observe(self, plan: Plan, path: list[int], m: Metrics) -> None:
         """What the target accepted of the plan's tree (path: drafted node indices): every verified node whose parent
-        was accepted updates its estimate."""
-        if plan.part < 0:
-            return []
-        tree = plan.tree
-        kept = range(len(tree)) if plan.kept is None else plan.kept.tolist()
-        if not kept:
-            return []
-        on_path, parents, depths = set(path), tree.parent_list, tree.depth_list
-        own = tree.accept_probs.float().tolist() if tree.accept_probs is not None else None
-        name, settled, seen = parts[plan.part].name, self.acceptance.step > SETTLED, []
-        for v in kept:
-            if parents[v] >= 0 and parents[v] not in on_path:
+        was accepted updates its estimate, and goes into the request's reliability tables."""
+        if plan.verifies_nothing:
+            return
+        tree, on_path, settled = plan.tree, set(path), self.acceptance.step > SETTLED
+        for v in range(len(tree)) if plan.kept is None else plan.kept.tolist():
+            parent = tree.parent_list[v]
+            if parent >= 0 and parent not in on_path:
                 continue
             hit = v in on_path
             self.acceptance.observe(plan.keys[v], hit)
-            p = min(max(own[v], 0.0), 1.0) if own is not None and math.isfinite(own[v]) else None
-            seen.append(Observed(name, depths[v], plan.estimates[v], p, hit, settled))
-        return seen
+            m.record_estimate(plan.name, tree.depth_list[v], plan.estimates[v], plan.own[v], hit, settled)
 
 
 def ema(old: float, new: float) -> float:

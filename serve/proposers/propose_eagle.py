@@ -72,7 +72,7 @@ class EagleProposer(Proposer):
     def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
         self.unstored = []
-        self.keep_features(start, out)
+        self.keep_features(start, out.hidden, out.aux)
         self.cached, self.known = max(start, 1), tokens.numel()
         self.extend(tokens)
 
@@ -87,13 +87,12 @@ class EagleProposer(Proposer):
         first, kept = self.unstored[0][0], self.unstored
         hidden = torch.cat([h for _, h, _ in kept])
         aux = [torch.cat([a[j] for _, _, a in kept]) for j in range(len(kept[0][2]))]
-        self.keep_features(first, ForwardOut(hidden, hidden, aux))
+        self.keep_features(first, hidden, aux)
         self.unstored = []
 
-    def keep_features(self, first: int, out: ForwardOut) -> None:
-        """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
-        aux = torch.cat(out.aux, dim=-1) if out.aux else None
-        feats = self.head.target_features(out.hidden, aux)
+    def keep_features(self, first: int, hidden: Tensor, aux: list[Tensor]) -> None:
+        """The target's outputs for tokens first, first+1, ...: keep the features the head reads."""
+        feats = self.head.target_features(hidden, torch.cat(aux, dim=-1) if aux else None)
         assert self.store is not None, "reserve() comes first"
         self.store.features[first : first + feats.shape[0]] = feats
 
