@@ -278,3 +278,18 @@ def test_a_lookup_that_finds_nothing_does_not_back_the_probes_off(target, future
     engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=4))
     m = engine.generate(PROMPTS[0], 24, GREEDY).metrics
     assert m.plain_steps == m.target_forward_passes and engine.policy.wait == 4  # nothing was probed
+
+
+def test_a_first_request_too_short_for_the_drafters_shape_does_not_cap_its_depth(target, future):
+    """A draft cut short by the request's budget says nothing of how deep the drafter goes: a longer request
+    drafts its whole shape again (draftsmith-serve's warm-up is such a short request)."""
+    engine = Engine(target, Scripted(future, lambda n: True, depth=4), max_seq_len=128)
+    engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=8))
+    engine.generate(PROMPTS[0], 3, GREEDY)  # budget 2: a 2-deep draft
+    m = engine.generate(PROMPTS[0], 40, GREEDY).metrics
+    assert len(m.accepted_per_position) == 4 and m.mean_acceptance_length > 4
+
+
+def test_an_empty_probe_resets_the_wait_and_counts_once_per_wait(target, future):
+    decisions, m = run(target, Empty(future, lambda n: True), future, probe_every=4)
+    assert m.probe_steps <= len(decisions) // 5 + 1, decisions  # not every step once the first probe came up empty

@@ -80,6 +80,8 @@ class DraftPolicy:
     draft_s: dict[tuple[int, int], float] = field(init=False)  # (part, depth) -> seconds to draft
     last: dict[int, Plan] = field(init=False)  # part -> its last draft
     deep: dict[int, Plan] = field(init=False)  # part -> its last draft as deep as any it made
+    # parts whose deepest draft stopped short of the depth asked (or was empty): as deep as they draft
+    full: set[int] = field(init=False)
     shallow_run: dict[int, int] = field(init=False)  # part -> drafts in a row below its deepest
     plain_run: int = 0  # plain steps in a row
     previous: int = -1  # the part that drafted the last step (-1: none)
@@ -93,7 +95,7 @@ class DraftPolicy:
         """Back to knowing nothing: no estimate, draft time or draft of earlier requests (an eval's repeats each
         start cold)."""
         self.acceptance = Acceptance(self.cfg.prior_weight, self.cfg.half_life)
-        self.draft_s, self.last, self.deep, self.shallow_run = {}, {}, {}, {}
+        self.draft_s, self.last, self.deep, self.shallow_run, self.full = {}, {}, {}, {}, set()
         self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
 
     def start(self) -> None:
@@ -134,7 +136,7 @@ class DraftPolicy:
             self.wait = self.cfg.probe_every
         best.seconds = max(best.seconds, spent)
         best.name = parts[best.part].name if best.part >= 0 else ""
-        self.plain_run = self.plain_run + 1 if best.verifies_nothing else 0
+        self.plain_run = self.plain_run + 1 if best.verifies_nothing and best.decision != "probe" else 0
         self.previous = best.part
         return best
 
@@ -159,7 +161,7 @@ class DraftPolicy:
         tree, s = timed(lambda: parts[i].propose(tokens, sp, min(budget, depth)))
         self.learn_draft_time(i, tree, s)
         plan, _ = self.judge(i, tree, spent + s, sp)
-        self.remember(i, plan)
+        self.remember(i, plan, min(budget, depth))
         return plan
 
     def probe(
@@ -184,7 +186,7 @@ class DraftPolicy:
         self.learn_draft_time(i, tree, s)
         kept = None if tree.draft_probs is not None or len(tree) <= 1 else first
         plan = Plan(tree, kept, i, spent + s, "probe", *self.estimate(i, tree, sp))
-        self.remember(i, plan)
+        self.remember(i, plan, 1)
         return plan
 
     def deeper_now_and_then(self, i: int, depth: int) -> tuple[int, int]:
@@ -228,20 +230,26 @@ class DraftPolicy:
         keys = [node_key(i, not sp.greedy, d, p, tree.match_len) for d, p in zip(tree.depth_list, own, strict=True)]
         return keys, [self.acceptance.rate(k) for k in keys], own
 
-    def remember(self, i: int, plan: Plan) -> None:
-        """Drafter i's draft, to judge its next one before drafting (an empty draft: worth nothing)."""
-        self.last[i] = plan
-        if plan.deepest >= self.deepest(i):
+    def remember(self, i: int, plan: Plan, asked: int) -> None:
+        """Drafter i's draft, asked `asked` levels deep, to judge its next one before drafting (an empty draft: worth
+        nothing). A draft as deep as asked may not be as deep as the drafter goes (the request's budget, or a probe,
+        asked less): until one stops short, a budget past it drafts the whole shape again."""
+        self.last[i], before = plan, self.deepest(i)
+        if plan.deepest >= before:
             self.deep[i] = plan
+        if plan.deepest < asked or not plan.deepest:  # it stopped on its own (or drafted nothing): no need to ask more
+            self.full.add(i)
+        elif plan.deepest > before:  # deeper than ever, and as deep as asked: it may go deeper still
+            self.full.discard(i)
 
     def deepest(self, i: int) -> int:
         """The deepest draft drafter i made."""
         return self.deep[i].deepest if i in self.deep else 0
 
     def best_depth(self, i: int, budget: int, spent: float, sp: SamplingParams) -> tuple[int, float]:
-        """The depth at which drafter i's expected rate is best, and that rate. A drafter never seen drafts its
-        whole shape once, so its depth, time and worth get measured."""
-        if i not in self.last:
+        """The depth at which drafter i's expected rate is best, and that rate. A drafter not yet seen at its whole
+        shape drafts it once, so its depth, time and worth get measured."""
+        if i not in self.last or i not in self.full and budget > self.deepest(i):
             return budget, math.inf
         last, deep = self.last[i], self.deep[i]
         today = {id(p): self.path_probs_now(p) for p in (last, deep)}

@@ -30,7 +30,7 @@ from draftsmith.serve.proposers.base import Proposer
 from draftsmith.serve.proposers.topk_trees import rerank, tree_size
 from draftsmith.serve.spec import SpecConfig
 
-BACKLOG = 64  # tokens of target outputs kept unprojected at most (a head the policy or a lookup leaves out for long)
+BACKLOG = 64  # tokens of target outputs kept unprojected before a step projects them (a head left out for long)
 
 
 class EagleProposer(Proposer):
