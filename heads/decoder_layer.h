@@ -26,7 +26,13 @@ struct Step {
 extern "C" void decoder_layer(const float* x, int64_t n, const LayerWeights* w, const Step* s, float* k_cache,
                               float* v_cache, float* work, float* out);
 
-inline int64_t layer_work(const LayerWeights* w) {
+// floats per row of the layer past its input norm
+inline int64_t after_input_work(const LayerWeights* w) {
   const int64_t qkv_width = (w->heads + 2 * w->kv_heads) * w->head_dim;
   return 3 * w->hidden + qkv_width + w->heads * w->head_dim + 3 * w->intermediate;
 }
+
+inline int64_t layer_work(const LayerWeights* w) { return w->hidden + after_input_work(w); }
+
+// EAGLE-3's attention input is two normed halves: 2 hidden a row
+inline int64_t eagle3_work(const LayerWeights* w) { return 2 * w->hidden + after_input_work(w); }

@@ -6,7 +6,8 @@ calls, wrappers, checks, allocations, a dozen per layer. Measured inside a step,
 evicted the interpreter's own data from the caches, that Python costs several times what a microbenchmark says (an
 RMSNorm's wrapper: ~18 us in a step against ~3 us alone). One call per layer runs the same kernels in the same
 order, so a layer gives the same bits by either road. Where it runs: where rope_attention.takes does, for layers
-whose linears are packed in panels (fused qkv and gate-up), q/k norms (Qwen3) included.
+whose linears are packed in panels (fused qkv and gate-up), q/k norms (Qwen3) included. EAGLE-3's midlayer
+(heads/eagle3.py), whose attention reads two normed halves and whose residual is the feature, has a call of its own.
 """
 
 from __future__ import annotations
@@ -53,8 +54,13 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 @functools.cache
-def work_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("decoder_layer_work", [ctypes.POINTER(LAYER)], I64)
+def eagle3_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return kernels.bind("eagle3_layer", [P, P, I64, ctypes.POINTER(LAYER), P, ctypes.POINTER(STEP), P, P, P, P])
+
+
+@functools.cache
+def work_kernel(name: str = "decoder_layer_work") -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    return kernels.bind(name, [ctypes.POINTER(LAYER)], I64)
 
 
 Caches = tuple[Tensor | None, Tensor | None]
@@ -70,6 +76,7 @@ class Plan:
     width: int  # the fused qkv projection's outputs
     work: int  # floats per row of scratch (heads/decoder_layer.h, layer_work)
     watch: Watch
+    hidden_norm: int = 0  # EAGLE-3's norm of the feature half (its data pointer; 0: a Llama layer)
 
 
 # beside the layers, not on them: a deep copy of a layer must not carry pointers into the original's tensors
@@ -78,6 +85,8 @@ PLANS: weakref.WeakKeyDictionary[Any, Plan] = weakref.WeakKeyDictionary()
 READS = (
     "input_layernorm.weight",
     "input_layernorm.eps",
+    "hidden_norm.weight",
+    "hidden_norm.eps",
     "post_attention_layernorm.weight",
     "post_attention_layernorm.eps",
     *(f"self_attn.{norm}.{p}" for norm in ("q_norm", "k_norm") for p in ("weight", "eps")),
@@ -117,37 +126,48 @@ def watch(layer: Any) -> Watch | None:
     called = [attn, mlp, layer.input_layernorm, layer.post_attention_layernorm]
     called += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     called += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []
+    called += [layer.hidden_norm] if hasattr(layer, "hidden_norm") else []
     return seen if seen.keep_plain(called) else None
 
 
 def current_tensors(layer: Any) -> dict[str, Tensor] | None:
     """What the kernel reads of the layer, up to date (a stale packed linear repacks here), by its LAYER field: the 4
-    packed weights, the 2 norms, and the qkv bias and q and k norms where the layer has them. None where a norm or a
-    projection does not fit: q/k norms the kernel cannot apply (rope_attention.norms_fit), a norm that is not an
-    RMSNorm (EAGLE-1's Identity, a LayerNorm, a subclass with its own forward), two eps, linears not packed in fp32
-    panels (any format), a bias past the q/k/v projections, or a module that is not a Llama layer at all."""
+    packed weights, the 2 norms, and the qkv bias, q and k norms and EAGLE-3's hidden_norm where the layer has them.
+    None where a norm or a projection does not fit: q/k norms the kernel cannot apply (rope_attention.norms_fit), a
+    norm that is not an RMSNorm (EAGLE-1's Identity, a LayerNorm, a subclass with its own forward), two eps, linears
+    not packed in fp32 panels (any format), a bias past the q/k/v projections, or a module that is not a Llama layer
+    at all."""
     if not all(hasattr(layer, name) for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if not rope_attention.norms_fit(attn) or not all(map(is_rms_norm, norms)) or norms[0].eps != norms[1].eps:
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, *layer_norms_past(layer))
+    if not rope_attention.norms_fit(attn) or not all(map(is_rms_norm, norms)) or len({n.eps for n in norms}) > 1:
         return None
-    hidden = norms[0].weight.shape[0]
+    weights = [n.weight for n in norms]
+    hidden = weights[0].shape[0]
     qk = rope_attention.qk_norms(attn)
-    vectors = [n.weight for n in norms] + list(qk[:2] if qk is not None else ())
-    if not all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors) or norms[1].weight.shape != (hidden,):
+    vectors = weights[:2] + list(qk[:2] if qk is not None else ())
+    fp32 = all(v.dtype == torch.float32 and v.is_contiguous() for v in vectors + weights[2:])
+    if not fp32 or any(w.shape != (hidden,) for w in weights[1:]):
         return None  # the modules run it (and name a wrong dtype)
     qkv, gate_up = fused_linear(attn, "qkv_proj"), fused_linear(mlp, "gate_up_proj")
     if qkv is None or gate_up is None or any(m.bias is not None for m in (attn.o_proj, gate_up, mlp.down_proj)):
         return None
     packs = [current_packed(m) for m in (qkv, attn.o_proj, gate_up, mlp.down_proj)]
     inter, d = mlp.down_proj.in_features, attn.head_dim
-    expected = ((hidden, qkv.out_features), (attn.n_heads * d, hidden), (hidden, 2 * inter), (inter, hidden))
+    width = hidden * (len(norms) - 1)  # attention reads the normed stream, or EAGLE-3's two normed halves
+    expected = ((width, qkv.out_features), (attn.n_heads * d, hidden), (hidden, 2 * inter), (inter, hidden))
     if not all(panels.holds(p, i, o) for p, (i, o) in zip(packs, expected, strict=True)):
         return None
     names = (*LINEARS, "input_norm", "post_norm", "q_norm", "k_norm")[: len(packs + vectors)]
     named = dict(zip(names, packs + vectors, strict=True))
+    named |= {"hidden_norm": weights[2]} if len(weights) > 2 else {}
     return named | ({"qkv_bias": qkv.bias} if qkv.bias is not None else {})
+
+
+def layer_norms_past(layer: Any) -> tuple:
+    """Norms a layer has beyond Llama's two: EAGLE-3's hidden_norm over the feature half of its attention's input."""
+    return (layer.hidden_norm,) if hasattr(layer, "hidden_norm") else ()
 
 
 def make_plan(layer: Any, held: dict[str, Tensor], seen: Watch) -> Plan:
@@ -160,9 +180,12 @@ def make_plan(layer: Any, held: dict[str, Tensor], seen: Watch) -> Plan:
     weights.eps = layer.input_layernorm.eps
     if "q_norm" in held:
         weights.qk_norm = QKNORM(held["q_norm"].data_ptr(), held["k_norm"].data_ptr(), attn.q_norm.eps)
-    work = work_kernel()
-    assert work is not None, "the library that has decoder_layer has decoder_layer_work"
-    return Plan(weights, list(held.values()), (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, work(weights), seen)
+    eagle3 = "hidden_norm" in held
+    work = work_kernel("eagle3_layer_work" if eagle3 else "decoder_layer_work")
+    assert work is not None, "the library that has decoder_layer has its work sizes"
+    width = (attn.n_heads + 2 * attn.n_kv) * attn.head_dim
+    norm = held["hidden_norm"].data_ptr() if eagle3 else 0
+    return Plan(weights, list(held.values()), width, work(weights), seen, norm)
 
 
 def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask) -> Tensor:
@@ -175,6 +198,25 @@ def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor
     assert fn is not None, "takes() found the kernel"
     k, v = caches
     fn(rows.data_ptr(), n, made.weights, step, k.data_ptr(), v.data_ptr(), work.data_ptr(), out.data_ptr())
+    return out
+
+
+def run_eagle3(
+    made: Plan, embeds: Tensor, feature: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask
+) -> Tensor:
+    """EAGLE-3's midlayer (a plan with its hidden_norm) over embeds and feature [1, n, hidden]: the layer's output,
+    k and v written to the caches at slots start .. start+n-1."""
+    assert made.hidden_norm, "a plan of an EAGLE-3 midlayer"
+    rows, feats, n = input_rows(embeds, made), input_rows(feature, made), embeds.shape[1]
+    if feats.shape != rows.shape:
+        raise ValueError(f"feature {tuple(feats.shape)} must match the embeddings {tuple(rows.shape)}")
+    step, held = step_struct(made, n, rope, caches, start, mask)  # held: what step points into, alive through the call
+    work, out = rows.new_empty(n * made.work), torch.empty_like(rows)
+    fn = eagle3_kernel()
+    assert fn is not None, "the library that has decoder_layer has eagle3_layer"
+    k, v = caches
+    args = (rows.data_ptr(), feats.data_ptr(), n, made.weights, made.hidden_norm, step)
+    fn(*args, k.data_ptr(), v.data_ptr(), work.data_ptr(), out.data_ptr())
     return out
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.heads import decoder_layer
 from draftsmith.heads.draft_vocab import DraftVocabHead
 from draftsmith.heads.head_base import EagleConfig, borrow, default_target_layers, sdpa_mask
 
@@ -76,6 +77,8 @@ class Eagle3Layer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, embeds, feature, cos, sin, kc, vc, start: int, mask) -> Tensor:
+        if plan := decoder_layer.takes(self, embeds, (kc, vc), start, mask):  # fp32 CPU: one call, the same bits
+            return decoder_layer.run_eagle3(plan, embeds, feature, (cos, sin), (kc, vc), start, mask)  # type: ignore[arg-type]
         return self.finish(feature, self.self_attn(self.attn_input(embeds, feature), cos, sin, kc, vc, start, mask))
 
 

@@ -51,6 +51,8 @@ EXPORTS = (
     "silu_mul",
     "decoder_layer",
     "decoder_layer_work",
+    "eagle3_layer",
+    "eagle3_layer_work",
     "stack_work",
     "decoder_stack",
 )

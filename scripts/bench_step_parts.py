@@ -15,9 +15,15 @@
    bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step against the bandwidth limit
    (every weight it reads, once per token)
 
+3. with --drafter DIR, a trained drafter's draft step beside the target's step it follows, as the engine runs them:
+   the target decodes a token (which evicts the drafter's weights from the caches), the drafter takes it and drafts
+   one level, and the draft step is set against the time its weights' bytes take at the probe's bandwidth and its
+   multiply-adds at this CPU's measured fp32 peak
+
 bf16 runs where the CPU has oneDNN bf16 kernels (AVX512-BF16, AMX); on AVX2, where it is emulated, fp32 alone.
 
   python scripts/bench_step_parts.py [--context 300] [--rounds 6] [--dtypes bfloat16,float32] [--rows 1,2,4,8,32]
+  python scripts/bench_step_parts.py --sections drafter --drafter runs/main/eagle3/final
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import os
 import time
 from contextlib import ExitStack
+from pathlib import Path
 from unittest import mock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,9 +42,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from draftsmith.heads import decoder_stack, kernels, llama, packed, panel_codes, panels  # noqa: E402
+from draftsmith.heads.drafter_folder import read_meta  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
+from draftsmith.serve.build import build_engine  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
-from draftsmith.serve.engine.tree import causal_mask  # noqa: E402
+from draftsmith.serve.engine.metrics import Metrics  # noqa: E402
+from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.engine.tree import DraftTree, causal_mask  # noqa: E402
+from draftsmith.serve.spec import SpecConfig  # noqa: E402
 from draftsmith.serve.models.target import (
     TargetConfig,  # noqa: E402
     load_target,  # noqa: E402
@@ -252,6 +264,70 @@ def limit_section(best: dict[tuple[str, str], float], gbs: float, dtypes: list[s
             )
 
 
+def fp32_peak_gflops(rounds: int) -> float:
+    """This CPU's fp32 multiply-add pace on every thread: the best of rounds 1024-square matmuls."""
+    a = torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(rounds * 2):
+        t = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t)
+    return 2 * 1024**3 / best / 1e9
+
+
+def drafter_section(folder: str, context: int, rounds: int, gbs: float) -> None:
+    """The drafter's one-level draft step after each target decode step, interleaved, min and median over steps."""
+    target = load_target(TargetConfig(dtype="float32"))
+    spec = SpecConfig(name=read_meta(Path(folder))["kind"], drafter=folder)
+    engine = build_engine(target, spec, prefix_cache=False, max_seq_len=context + 64 * (rounds + 1) + 64)
+    proposer = engine.proposer
+    assert proposer is not None, "a drafter spec builds a proposer"
+    tokens = torch.zeros(context + 64 * (rounds + 1) + 1, dtype=torch.long)
+    tokens[:context] = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0))
+    sp, empty, times = SamplingParams(temperature=0.0), DraftTree.empty(), {"target": [], "draft": []}
+    with torch.inference_mode():
+        n = engine.prefill(tokens, context, sp, None, Metrics())
+        for step in range(64 * (rounds + 1)):  # the first 64 warm up
+            begin = time.perf_counter()
+            out = engine.forward(tokens[n - 1 : n], torch.arange(n - 1, n), n - 1, None)
+            tokens[n] = out.logits[-1].argmax()
+            middle = time.perf_counter()
+            proposer.accept(tokens[: n + 1], empty, [], out)  # a plain step's token, then a draft of one level
+            proposer.propose(tokens[: n + 1], sp, 1)
+            end = time.perf_counter()
+            n += 1
+            if step >= 64:
+                times["target"].append(middle - begin)
+                times["draft"].append(end - middle)
+    mb, macs = draft_weights(proposer.head) if hasattr(proposer, "head") else (0.0, 0.0)
+    bytes_s, flops_s = mb / gbs / 1e3, 2 * macs / fp32_peak_gflops(rounds) / 1e9
+    target_min = min(times["target"])
+    print(f"{spec.name} draft step of one level ({folder}) after each target step, {len(times['draft'])} steps (ms)")
+    for name, ts in times.items():
+        ts = sorted(ts)
+        print(f"  {name:7s} min {ts[0] * 1e3:6.3f}  median {ts[len(ts) // 2] * 1e3:6.3f}  {ts[0] / target_min:5.2f}x")
+    limit = max(bytes_s, flops_s)
+    print(
+        f"  its weights: {mb:.1f} MB, {macs / 1e6:.1f}M multiply-adds a row; limit {limit * 1e3:.3f} ms (bytes "
+        f"{bytes_s * 1e3:.3f} ms at {gbs:.1f} GB/s, FLOPs {flops_s * 1e3:.3f} ms): the draft step takes "
+        f"{min(times['draft']) / limit:.2f}x it at its min, {sorted(times['draft'])[len(times['draft']) // 2] / limit:.2f}x at its median"
+    )
+
+
+def draft_weights(head: torch.nn.Module) -> tuple[float, float]:
+    """MB a one-level draft streams (every packed linear the head owns once: fc, its layer, its lm_head; not the
+    borrowed target embedding or lm_head) and its multiply-adds per row."""
+    borrowed = {id(m) for name, m in head.named_children() if name in ("embed_tokens", "target_lm_head")}
+    mb = macs = 0.0
+    for name, m in head.named_modules():
+        if id(m) in borrowed or name.startswith("target_lm_head"):
+            continue
+        if isinstance(m, packed.FusedLinear) or isinstance(m, packed.PackedLinear) and m.packed is not None:
+            mb += m.current().nbytes / 1e6
+            macs += m.out_features * (m.parts[0].in_features if isinstance(m, packed.FusedLinear) else m.in_features)
+    return mb, macs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=300, help="tokens in the cache when a step runs")
@@ -268,9 +344,20 @@ def main() -> None:
         default=[1, 2, 4, 8, 32],
         help="row counts for the linears alone (1: a decode step; a few: a verify; 32: a prefill chunk)",
     )
+    p.add_argument("--drafter", help="a trained drafter folder: its draft step beside the target's (section drafter)")
+    p.add_argument(
+        "--sections",
+        type=lambda s: s.split(","),
+        default=["step", "linears", "drafter"],
+        help="which to run of step, linears and drafter (drafter: where --drafter names one)",
+    )
     args = p.parse_args()
-    best = step_section(args.context, args.rounds, args.dtypes)
-    limit_section(best, linears_section(args.rounds, args.dtypes, args.rows), args.dtypes)
+    best = step_section(args.context, args.rounds, args.dtypes) if "step" in args.sections else {}
+    gbs = linears_section(args.rounds, args.dtypes, args.rows) if "linears" in args.sections else bandwidth_gbs(args.rounds)
+    if best:
+        limit_section(best, gbs, args.dtypes)
+    if args.drafter and "drafter" in args.sections:
+        drafter_section(args.drafter, args.context, args.rounds, gbs)
 
 
 if __name__ == "__main__":

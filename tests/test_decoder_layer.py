@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from draftsmith.heads import decoder_layer, decoder_stack, kernels
+from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.packed import pack_linears
 from draftsmith.serve.models.loader import load_model
-from helpers import four_steps, without
+from helpers import eagle_head, four_steps, without
 
 pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
 
@@ -115,3 +117,32 @@ def test_a_norm_of_another_class_takes_the_modules(tiny_llama_dir):
     got = steps(model)[1][0]
     with without(decoder_layer):
         assert torch.equal(got, steps(model)[1][0])
+
+
+def test_eagle3_midlayer_in_one_call_gives_the_modules_bits(tiny_llama_dir):
+    """EAGLE-3's midlayer (two normed halves in, the feature as residual) in one call: a prefill and a draft level of
+    two siblings give the modules' outputs and cache, bit for bit."""
+    target = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
+    head = eagle_head("eagle3", target).eval().requires_grad_(False)
+    pack_linears(head)
+    c, gen = head.config, torch.Generator().manual_seed(0)
+    feats, toks = torch.randn(1, 6, c.hidden_size, generator=gen), torch.randint(0, c.vocab_size, (1, 6), generator=gen)
+    prefill = torch.ones(4, 5, dtype=torch.bool).tril(1)
+    prefill[:, 0] = False  # slot 0 holds no pair
+    level = torch.zeros(2, 7, dtype=torch.bool)
+    level[:, 1:5], level[0, 5], level[1, 6] = True, True, True
+
+    def run() -> list[torch.Tensor]:
+        cache = KVCache.allocate(1, c.num_key_value_heads, c.head_dim, 8, torch.float32, "cpu")
+        with torch.inference_mode():
+            first = head(feats[:, :4], toks[:, :4], torch.arange(1, 5), cache, 1, prefill)
+            second = head(feats[:, 4:], toks[:, 4:], torch.tensor([5, 5]), cache, 5, level)
+        return [first, second, cache.k[0].clone(), cache.v[0].clone()]
+
+    with torch.inference_mode():
+        x, caches = torch.zeros(1, 1, c.hidden_size), (torch.zeros(1), torch.zeros(1))
+        assert decoder_layer.takes(head.midlayer, x, caches, 0, None) is not None
+    one_call = run()
+    with without(decoder_layer):
+        modules = run()
+    assert all(torch.equal(g, w) for g, w in zip(one_call, modules, strict=True))
