@@ -202,7 +202,13 @@ def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor
 
 
 def run_eagle3(
-    made: Plan, embeds: Tensor, feature: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask
+    made: Plan,
+    embeds: Tensor,
+    feature: Tensor,
+    rope: tuple[Tensor, Tensor],
+    caches: tuple[Tensor, Tensor],
+    start: int,
+    mask,
 ) -> Tensor:
     """EAGLE-3's midlayer (a plan with its hidden_norm) over embeds and feature [1, n, hidden]: the layer's output,
     k and v written to the caches at slots start .. start+n-1."""

@@ -49,11 +49,11 @@ from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: 
 from draftsmith.serve.engine.metrics import Metrics  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.engine.tree import DraftTree, causal_mask  # noqa: E402
-from draftsmith.serve.spec import SpecConfig  # noqa: E402
 from draftsmith.serve.models.target import (
     TargetConfig,  # noqa: E402
     load_target,  # noqa: E402
 )
+from draftsmith.serve.spec import SpecConfig  # noqa: E402
 
 
 def lean_packed(self, x):
@@ -301,17 +301,18 @@ def drafter_section(folder: str, context: int, rounds: int, gbs: float) -> None:
                 times["draft"].append(end - middle)
     mb, macs = draft_weights(proposer.head) if hasattr(proposer, "head") else (0.0, 0.0)
     bytes_s, flops_s = mb / gbs / 1e3, 2 * macs / fp32_peak_gflops(rounds) / 1e9
-    target_min = min(times["target"])
+    limit, least = max(bytes_s, flops_s), {name: sorted(ts) for name, ts in times.items()}
     print(f"{spec.name} draft step of one level ({folder}) after each target step, {len(times['draft'])} steps (ms)")
-    for name, ts in times.items():
-        ts = sorted(ts)
-        print(f"  {name:7s} min {ts[0] * 1e3:6.3f}  median {ts[len(ts) // 2] * 1e3:6.3f}  {ts[0] / target_min:5.2f}x")
-    limit = max(bytes_s, flops_s)
+    for name, ts in least.items():
+        median = ts[len(ts) // 2]
+        print(f"  {name:7s} min {ts[0] * 1e3:6.3f}  median {median * 1e3:6.3f}  {ts[0] / least['target'][0]:5.2f}x")
     print(
         f"  its weights: {mb:.1f} MB, {macs / 1e6:.1f}M multiply-adds a row; limit {limit * 1e3:.3f} ms (bytes "
-        f"{bytes_s * 1e3:.3f} ms at {gbs:.1f} GB/s, FLOPs {flops_s * 1e3:.3f} ms): the draft step takes "
-        f"{min(times['draft']) / limit:.2f}x it at its min, {sorted(times['draft'])[len(times['draft']) // 2] / limit:.2f}x at its median"
+        f"{bytes_s * 1e3:.3f} ms at {gbs:.1f} GB/s, FLOPs {flops_s * 1e3:.3f} ms)"
     )
+    draft = least["draft"]
+    least_x, median_x = draft[0] / limit, draft[len(draft) // 2] / limit
+    print(f"  the draft step: {least_x:.2f}x the limit at its min, {median_x:.2f}x at its median")
 
 
 def draft_weights(head: torch.nn.Module) -> tuple[float, float]:
@@ -353,7 +354,11 @@ def main() -> None:
     )
     args = p.parse_args()
     best = step_section(args.context, args.rounds, args.dtypes) if "step" in args.sections else {}
-    gbs = linears_section(args.rounds, args.dtypes, args.rows) if "linears" in args.sections else bandwidth_gbs(args.rounds)
+    gbs = (
+        linears_section(args.rounds, args.dtypes, args.rows)
+        if "linears" in args.sections
+        else bandwidth_gbs(args.rounds)
+    )
     if best:
         limit_section(best, gbs, args.dtypes)
     if args.drafter and "drafter" in args.sections:

@@ -638,3 +638,33 @@ def exactly(code: str, w: torch.Tensor) -> torch.Tensor:
     from draftsmith.heads import panel_codes
 
     return w.bfloat16().float() if code == "bf16" else panel_codes.quantized(w, code)
+
+
+def left_out_four_steps_in_five(engine, plain: dict, prompts, max_new: int) -> tuple[int, list[int]]:
+    """Greedy runs whose drafter drafts one step in five, as the draft policy or a lookup may leave it: each output is
+    plain decoding's. Returns the tokens accepted and, per step, the target-output rows the drafter holds untaken."""
+    from draftsmith.serve.engine.sampling import SamplingParams
+    from draftsmith.serve.engine.tree import DraftTree
+    from draftsmith.serve.proposers.slots import SlotProposer
+
+    proposer = engine.proposer
+    propose, accept, steps, waiting = proposer.propose, proposer.accept, [0], []
+
+    def one_in_five(tokens, sp, budget):
+        steps[0] += 1
+        return propose(tokens, sp, budget) if steps[0] % 5 == 0 else DraftTree.empty()
+
+    def watched(*args):
+        accept(*args)
+        if isinstance(proposer, SlotProposer):
+            waiting.append(sum(out.hidden.shape[0] for out in proposer.waiting))
+        else:  # EAGLE: (first token, hidden rows, tapped layers)
+            waiting.append(sum(h.shape[0] for _, h, _ in proposer.unstored))
+
+    proposer.propose, proposer.accept = one_in_five, watched
+    accepted = 0
+    for p in prompts:
+        out = engine.generate(p, max_new, SamplingParams())
+        assert out.output_ids == plain[tuple(p)].output_ids
+        accepted += out.metrics.accepted_tokens
+    return accepted, waiting

@@ -28,6 +28,7 @@ from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import LoadedTarget
+from draftsmith.serve.proposers import base
 from draftsmith.serve.proposers.propose_dflash import DFlashProposer
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.batch import FeatureBatch
@@ -44,6 +45,7 @@ from helpers import (
     head_features,
     joint_pvalues,
     kv_prefix,
+    left_out_four_steps_in_five,
     perturbed,
     same_kv,
     spy_budgets,
@@ -319,7 +321,7 @@ def test_greedy_output_equals_plain(num_tokens, topk, total, target, plain, trai
             passes += m.target_forward_passes
     finally:
         del trained.draft
-    assert len(forwards) == len(paths) + len(PROMPTS)  # one drafter forward per step (and one per prefill)
+    assert len(forwards) == passes  # one drafter forward per draft: the prefill's drafts the first step
     assert accepted > 0 and passes < sum(r.metrics.target_forward_passes for r in plain.values())
     assert any(len(path) >= 2 for path in paths)  # a later slot was accepted too
     if topk == 1:
@@ -483,3 +485,18 @@ def test_draftsmith_train_head_dflash_train_quick(chat_target, tmp_path):
     evals = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if "eval/tau" in x]
     assert evals and all(e["eval/tau"] >= 1.0 for e in evals)
     assert "acceptance eval skipped" not in done.stdout + done.stderr
+
+
+def test_a_head_left_out_of_steps_runs_no_forward_on_them(target, plain, trained, monkeypatch):
+    """Steps the head does not draft keep the target's outputs for its next draft (or until BACKLOG pile up): one
+    block forward per draft, none for the steps between; output stays plain decoding's."""
+    monkeypatch.setattr(base, "BACKLOG", 6)
+    forwards, draft = [], trained.draft
+    trained.draft = lambda *a: forwards.append(1) or draft(*a)
+    try:
+        engine = Engine(target, DFlashProposer(trained, 3), max_seq_len=MAX_SEQ)
+        accepted, waiting = left_out_four_steps_in_five(engine, plain, PROMPTS, MAX_NEW)
+    finally:
+        del trained.draft
+    assert accepted > 0 and max(waiting) <= 6 + 4  # taken in once past the bound (a step adds at most 4 rows)
+    assert len(forwards) <= len(PROMPTS) + len(waiting) // 5 + 1  # the prefills' and the drafts', not one per step

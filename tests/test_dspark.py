@@ -31,6 +31,7 @@ from helpers import (
     greedy_continuations,
     head_features,
     joint_pvalues,
+    left_out_four_steps_in_five,
     tiny_info,
 )
 
@@ -263,3 +264,10 @@ def test_train_quick_makes_a_head_for_a_chain_of_its_block():
         cfg = compose("train", overrides=["head=dspark", "train=quick"])
     assert cfg.head.kind == "dspark" and cfg.head.args.block_size == 4 and cfg.head.draft.num_tokens == 4
     assert cfg.head.args.markov_type == "vanilla" and cfg.head.loss.slot_weights is None
+
+
+def test_a_head_left_out_of_steps_stays_lossless(target, plain, trained):
+    """Steps the head does not draft leave their outputs waiting; the draft after them takes them in first."""
+    engine = Engine(target, DSparkProposer(trained, 4), max_seq_len=MAX_SEQ)
+    accepted, _ = left_out_four_steps_in_five(engine, plain, PROMPTS, MAX_NEW)
+    assert accepted > 0

@@ -27,10 +27,10 @@ from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.loader import fp32_arithmetic, load_model
 from draftsmith.serve.models.target import LoadedTarget
-from draftsmith.serve.proposers import propose_eagle
+from draftsmith.serve.proposers import base
 from draftsmith.serve.proposers.hybrid import HybridProposer
 from draftsmith.serve.proposers.propose_eagle import EagleProposer
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
@@ -51,6 +51,7 @@ from helpers import (
     head_features,
     joint_pvalues,
     kv_prefix,
+    left_out_four_steps_in_five,
     perturbed,
     same_kv,
     spy_budgets,
@@ -714,24 +715,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path, tiny_llama_
 def test_a_head_left_out_of_many_steps_keeps_a_bounded_backlog(kind, target, plain, trained, monkeypatch):
     """Steps the head does not draft keep only the target's hidden rows (no logits), made features at its next draft
     or once BACKLOG tokens pile up; output stays plain decoding's and the head still drafts and gets accepted."""
-    monkeypatch.setattr(propose_eagle, "BACKLOG", 6)
-    proposer = EagleProposer(trained[kind], kind, 3)
-    propose, accept, steps, backlog = proposer.propose, proposer.accept, [0], []
-
-    def one_in_five(tokens, sp, budget):  # the head drafts one step in five, as a policy or a lookup may leave it
-        steps[0] += 1
-        return propose(tokens, sp, budget) if steps[0] % 5 == 0 else DraftTree.empty()
-
-    def watched(*args):
-        accept(*args)
-        backlog.append(sum(h.shape[0] for _, h, _ in proposer.unstored))
-        assert all(len(entry) == 3 for entry in proposer.unstored)  # first token, hidden rows, tapped layers
-
-    proposer.propose, proposer.accept = one_in_five, watched
-    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
-    accepted = 0
-    for p in PROMPTS:
-        out = engine.generate(p, MAX_NEW, GREEDY)
-        assert out.output_ids == plain[tuple(p)].output_ids
-        accepted += out.metrics.accepted_tokens
+    monkeypatch.setattr(base, "BACKLOG", 6)
+    engine = Engine(target, EagleProposer(trained[kind], kind, 3), max_seq_len=MAX_SEQ)
+    accepted, backlog = left_out_four_steps_in_five(engine, plain, PROMPTS, MAX_NEW)
     assert accepted > 0 and max(backlog) <= 6 + 4  # projected once past the bound (a step adds at most 4 rows)

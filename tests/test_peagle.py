@@ -33,6 +33,7 @@ from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, target_id
+from draftsmith.serve.proposers import base
 from draftsmith.serve.proposers.propose_peagle import PEagleProposer
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.spec import SpecConfig
@@ -57,6 +58,7 @@ from helpers import (
     joint_pvalues,
     kv_prefix,
     layer_shapes,
+    left_out_four_steps_in_five,
     perturbed,
     run_command,
     same_kv,
@@ -289,7 +291,7 @@ def test_greedy_output_equals_plain_with_one_head_forward_per_draft(layers, k, t
             m = out.metrics
             check_metrics(m, out.output_ids, k)
             assert m.draft_tokens <= m.drafts * proposer.max_tree_size
-            assert len(calls) == m.target_forward_passes + 1  # the prefill's, then one per verification
+            assert len(calls) == m.target_forward_passes  # the prefill's, then one per later draft
             calls.clear()
             accepted, passes = accepted + m.accepted_tokens, passes + m.target_forward_passes
             deep += sum(m.accepted_per_position[1:])
@@ -565,3 +567,18 @@ def test_quick_and_full_presets_for_peagle():
     check_loss_options(loss_for("peagle"), quick.head.loss_options(), "peagle")
     with pytest.raises(ValueError, match="head.loss.ttt_steps is not an option of the peagle loss"):
         check_loss_options(loss_for("peagle"), {"ttt_steps": 2}, "peagle")
+
+
+def test_a_head_left_out_of_steps_runs_no_forward_on_them(target, plain, trained, monkeypatch):
+    """Steps the head does not draft keep the target's outputs for its next draft (or until BACKLOG pile up): one
+    head forward per draft, none for the steps between; output stays plain decoding's and drafts still get accepted."""
+    monkeypatch.setattr(base, "BACKLOG", 6)
+    calls = count_forwards(trained[1])
+    try:
+        engine = Engine(target, PEagleProposer(trained[1], 4), max_seq_len=MAX_SEQ)
+        accepted, waiting = left_out_four_steps_in_five(engine, plain, PROMPTS, MAX_NEW)
+    finally:
+        del trained[1].forward
+    steps = len(waiting)
+    assert accepted > 0 and max(waiting) <= 6 + 4  # taken in once past the bound (a step adds at most 4 rows)
+    assert len(calls) <= len(PROMPTS) + steps // 5 + 1  # the prefills' and the drafts', not one per step

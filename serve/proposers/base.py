@@ -16,6 +16,10 @@ from draftsmith.heads.llama import ForwardOut
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 
+# tokens of target outputs a drafter keeps untaken before it takes them in (a drafter the draft policy leaves out for
+# long: serve/engine/policy.py); until then a plain step costs it nothing
+BACKLOG = 64
+
 
 class Proposer:
     name = "none"

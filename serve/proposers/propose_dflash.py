@@ -4,8 +4,8 @@ The drafter's cache holds, per layer, the keys and values of the context: slot j
 target's features of token j, at position j (it depends on tokens[: j + 1] only, so it goes through the prefix
 cache with the target's KV). With the pending token at position p, the block [pending token, mask x (B-1)] runs at
 slots and positions p .. p+B-1, attending to context slots [0, p) and to the whole block; slot i's logits draft
-depth i. The block's own keys and values are scratch: the next accept() writes the real context of the verified
-tokens over them, so a rejected draft leaves nothing behind.
+depth i. The block's own keys and values are scratch: the next take_in() writes the real context of the verified
+tokens over them before the next draft, so a rejected draft leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kv_cache import KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut
 from draftsmith.serve.drafters import load_drafter
-from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.slots import SlotProposer
 from draftsmith.serve.spec import SpecConfig
@@ -53,34 +52,27 @@ class DFlashProposer(SlotProposer):
         if self.head.cos.shape[0] < room:  # the block reaches block_size - 1 positions past the pending token
             self.head.rope_cache(room)
 
-    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
-        """Context slots [0, start) came from the prefix cache; the target's outputs cover tokens [start, n-1)."""
+    def begin(self, start: int) -> None:
         self.cached = start
-        self.extend(tokens, out)
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
-        self.extend(tokens, out)
-
-    def extend(self, tokens: Tensor, out: ForwardOut) -> None:
-        """The verified tokens' context into slots cached.., then the next block from the pending token (the last)."""
+    def take_in(self, out: ForwardOut) -> None:
+        """The verified tokens' context into slots cached.."""
         context = self.head.target_features(out.hidden, torch.cat(out.aux, dim=-1))
-        s, n = self.cached, tokens.numel()
+        s, rows = self.cached, context.shape[0]
         assert self.cache is not None, "reserve() comes first"
-        if s + context.shape[0] != n - 1:
-            raise RuntimeError(f"the drafter holds {s} tokens and got {context.shape[0]} more, the engine has {n}")
-        self.head.write_context(context, torch.arange(s, n - 1, device=tokens.device), self.cache, s)
-        self.cached = n - 1
-        self.draft_block(tokens[n - 1])
+        self.head.write_context(context, torch.arange(s, s + rows, device=context.device), self.cache, s)
+        self.cached = s + rows
+
+    def forward(self, tokens: Tensor) -> None:
+        """The next block from the pending token (the last), every verified token's context written."""
+        self.check_pending(tokens)
+        self.draft_block(tokens[-1])
 
     def draft_block(self, pending: Tensor) -> None:
         """The block [pending token, mask x (B-1)] from context slots [0, cached): each mask slot's logits."""
         assert self.cache is not None, "reserve() comes first"
         block = self.head.block_tokens(pending)
         self.logits = self.head.logits(self.head.draft(block, self.cached, self.cache)[1:]).float()
-
-    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
-        self.check_pending(tokens)
-        return self.draft_slots(sp, budget)
 
     def check_pending(self, tokens: Tensor) -> None:
         """The engine's sequence is the drafter's context plus the pending token."""

@@ -44,8 +44,7 @@ class DSparkProposer(DFlashProposer):
         self.hidden = self.head.normed(out)
         self.logits = self.head.base_logits(self.hidden).float()
 
-    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
-        self.check_pending(tokens)
+    def draft(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         depth = min(self.depth, budget)
         if self.tree.width == 1:
             return self.chain(tokens[-1], depth, sp)

@@ -26,11 +26,10 @@ from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
+from draftsmith.serve.proposers import base
 from draftsmith.serve.proposers.base import Proposer
 from draftsmith.serve.proposers.topk_trees import rerank, tree_size
 from draftsmith.serve.spec import SpecConfig
-
-BACKLOG = 64  # tokens of target outputs kept unprojected before a step projects them (a head left out for long)
 
 
 class EagleProposer(Proposer):
@@ -79,7 +78,7 @@ class EagleProposer(Proposer):
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         self.unstored.append((self.known - 1, out.hidden, out.aux))  # the next draft stores them, runs the new slots
         self.known = tokens.numel()
-        if self.known - 1 - self.unstored[0][0] > BACKLOG:  # a head left out for long: project what it has so far
+        if self.known - 1 - self.unstored[0][0] > base.BACKLOG:  # a head left out for long: project what it has so far
             self.store_unstored()
 
     def store_unstored(self) -> None:

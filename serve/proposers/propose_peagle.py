@@ -2,7 +2,7 @@
 
 The drafter cache is laid out as EagleProposer's: slot j holds the real pair (target feature of token j-1, token
 j) at position j, slot 0 stays empty, and the per-token target features go through the prefix cache with the
-target's KV. After each verification (and after the prefill) one forward runs the new real pairs and, behind the
+target's KV. Before each draft (and after the prefill) one forward runs the new real pairs and, behind the
 last one (the pending token's), K-1 mask slots at the next positions, under a plain causal mask: the last real
 pair's logits give draft 1, mask slot d's give draft d+1. The mask slots sit past the real ones and the drafted
 tokens never enter the drafter, so rejected drafts leave nothing to discard: the next forward writes the real
@@ -20,8 +20,7 @@ from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
 from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.serve.drafters import load_drafter
-from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.slots import SlotProposer
 from draftsmith.serve.spec import SpecConfig
@@ -37,6 +36,7 @@ class PEagleProposer(SlotProposer):
         super().__init__(head, num_tokens or head.config.num_depths, tree, generator)
         self.store: FeatureStore | None = None  # per token: the fused target feature the head reads
         self.cached = 0  # slots [0, cached) hold real pairs
+        self.featured = 0  # tokens [0, featured) have their target features stored
 
     @property
     def slot_caches(self) -> list[SlotCache]:
@@ -51,23 +51,17 @@ class PEagleProposer(SlotProposer):
         if self.head.cos.shape[0] < room:  # mask slots reach K-1 positions past the pending token
             self.head.rope_cache(room)
 
-    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
-        """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
-        self.keep_features(start, out)
-        self.cached = max(start, 1)
-        self.draft_forward(tokens)
+    def begin(self, start: int) -> None:
+        self.cached, self.featured = max(start, 1), start  # tokens [0, featured) have their features stored
 
-    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
-        self.keep_features(self.cached - 1, out)
-        self.draft_forward(tokens)
-
-    def keep_features(self, first: int, out: ForwardOut) -> None:
-        """The target's outputs are for tokens first, first+1, ...; keep the features the head reads."""
+    def take_in(self, out: ForwardOut) -> None:
+        """Keep the features the head reads of the target's outputs."""
         feats = self.head.target_features(out.hidden, torch.cat(out.aux, dim=-1))
         assert self.store is not None, "reserve() comes first"
-        self.store.features[first : first + feats.shape[0]] = feats
+        self.store.features[self.featured : self.featured + feats.shape[0]] = feats
+        self.featured += feats.shape[0]
 
-    def draft_forward(self, tokens: Tensor) -> None:
+    def forward(self, tokens: Tensor) -> None:
         """Real pairs into slots [cached, n), then K-1 mask slots n.. (scratch): one forward, K rows of logits."""
         s, n, k, dev = self.cached, tokens.numel(), self.depth - 1, tokens.device
         assert self.store is not None, "reserve() comes first"
@@ -78,11 +72,6 @@ class PEagleProposer(SlotProposer):
         h = self.head(feats[None], toks[None], torch.arange(s, n + k, device=dev), self.cache, s, mask)
         self.logits = self.head.logits(h[0, n - 1 - s :]).float()
         self.cached = n
-
-    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
-        if tokens.numel() != self.cached:
-            raise RuntimeError(f"the drafter holds {self.cached} tokens, the engine passed {tokens.numel()}")
-        return self.draft_slots(sp, budget)
 
 
 def peagle_proposer(spec: SpecConfig, target: LoadedTarget) -> PEagleProposer:

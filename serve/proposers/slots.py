@@ -1,4 +1,8 @@
-"""The base of the parallel drafters' proposers: one head forward drafts every depth's logits at once."""
+"""The base of the parallel drafters' proposers: one head forward drafts every depth's logits at once.
+
+The target's outputs for the tokens each step verified wait for the next draft: a step the draft policy
+(serve/engine/policy.py) leaves plain costs the head nothing, and the tokens it skipped are taken in by one forward
+(or once base.BACKLOG of them pile up)."""
 
 from __future__ import annotations
 
@@ -7,9 +11,11 @@ from torch import Tensor
 
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.kv_cache import KVCache
+from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.peagle import PEagleHead
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
+from draftsmith.serve.proposers import base
 from draftsmith.serve.proposers.base import Proposer
 from draftsmith.serve.proposers.topk_trees import slot_tree, tree_size
 
@@ -27,6 +33,56 @@ class SlotProposer(Proposer):
         self.max_tree_size = tree_size(self.tree, depth, head.lm_head.out_features)
         self.cache: KVCache | None = None
         self.logits: Tensor | None = None
+        self.known = 0  # tokens the engine holds (the last one pending)
+        self.waiting: list[ForwardOut] = []  # the target's outputs for verified tokens, not yet taken in
+        self.drafted_for = 0  # tokens the logits were drafted after
+
+    def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
+        """Slots [0, start) came from the prefix cache; out covers tokens [start, n-1)."""
+        self.begin(start)
+        self.waiting, self.known = [out], tokens.numel()
+        self.catch_up(tokens)
+
+    def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
+        self.waiting.append(out)
+        self.known = tokens.numel()
+        if sum(o.hidden.shape[0] for o in self.waiting) > base.BACKLOG:
+            self.take_waiting()
+
+    def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        if tokens.numel() != self.known:
+            raise RuntimeError(f"the drafter holds {self.known} tokens, the engine passed {tokens.numel()}")
+        self.catch_up(tokens)
+        return self.draft(tokens, sp, budget)
+
+    def catch_up(self, tokens: Tensor) -> None:
+        """The waiting outputs taken in, then the forward that drafts after the pending token (once per step)."""
+        self.take_waiting()
+        if self.drafted_for != tokens.numel():
+            self.forward(tokens)
+            self.drafted_for = tokens.numel()
+
+    def take_waiting(self) -> None:
+        if self.waiting:
+            outs, self.waiting = self.waiting, []
+            hidden = torch.cat([o.hidden for o in outs])
+            aux = [torch.cat([o.aux[j] for o in outs]) for j in range(len(outs[0].aux))]
+            self.take_in(ForwardOut(outs[-1].logits, hidden, aux))
+
+    def begin(self, start: int) -> None:
+        """A new sequence whose first `start` slots came from the prefix cache."""
+        raise NotImplementedError
+
+    def take_in(self, out: ForwardOut) -> None:
+        """The target's outputs for the next tokens the drafter has not taken in."""
+        raise NotImplementedError
+
+    def forward(self, tokens: Tensor) -> None:
+        """The head's forward after tokens (every output taken in): the logits a draft is made from."""
+        raise NotImplementedError
+
+    def draft(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
+        return self.draft_slots(sp, budget)
 
     def draft_slots(self, sp: SamplingParams, budget: int) -> DraftTree:
         """Level d takes slot d's top-k under the level above's topk best nodes (by cumulative log-prob): a slot's
