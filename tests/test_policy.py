@@ -15,7 +15,7 @@ from draftsmith.eval.runner import start_cold
 from draftsmith.serve.engine.calibration import BINS, Acceptance, calibration_error, node_key, reliability_add
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.metrics import Metrics
-from draftsmith.serve.engine.policy import DraftPolicy
+from draftsmith.serve.engine.policy import REJUDGE, DraftPolicy
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.loader import load_model
@@ -110,6 +110,22 @@ def test_a_drafter_that_stops_paying_goes_plain_and_probes(target, future):
     assert 0 < m.probe_steps <= len(decisions) / 8 + 1  # and probed, at most once per probe_every steps
     runs = "".join("p" if d == "plain" else "x" for d in decisions[first_plain:]).split("x")
     assert max(len(r) for r in runs) <= 4 * 8  # never more than 4 x probe_every plain steps without a look
+
+
+def test_a_plain_run_judges_its_drafter_every_fourth_step(target, future, monkeypatch):
+    """Nothing is observed in a plain run: the drafter is judged again every REJUDGE-th step, not every step."""
+    judged: list[int] = []
+    best_depth = DraftPolicy.best_depth
+
+    def counted(self, i, *args):
+        judged.append(self.plain_run)
+        return best_depth(self, i, *args)
+
+    monkeypatch.setattr(DraftPolicy, "best_depth", counted)
+    decisions, _ = run(target, Scripted(future, lambda n: False), future, probe_every=0)
+    plain = decisions.count("plain")
+    assert plain > 3 * REJUDGE and all(run % REJUDGE == 0 for run in judged)
+    assert len(judged) <= len(decisions) - plain + plain // REJUDGE + 1
 
 
 def test_probes_that_find_nothing_back_off_to_four_times_probe_every(target, future):

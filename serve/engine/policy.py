@@ -9,13 +9,14 @@ tokens and verify rows, against its measured draft time there. The best of plain
 at each depth is taken. A draft is cut to the nodes that pay, as spec.verify=cost cuts (serve/engine/schedule.py), by
 calibrated estimates (serve/engine/calibration.py) instead of the drafter's own probabilities.
 
-A request whose drafts stop paying goes plain. After `probe_every` plain steps in a row it probes: the lookup's first
-node if one drafted, else the cheapest drafter's first node (its whole first level where it samples its draft). A
-probe that does not bring drafting back doubles the wait for the next, up to 4 x `probe_every`; a draft worth making
-resets it. So probing costs at most one draft level and one verify row per `probe_every` + 1 steps, one per
-4 x `probe_every` + 1 in a request that stays plain, and a request whose acceptance comes back is drafting again
-within 4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its deepest goes
-one level deeper every `probe_every`-th draft, so deeper levels that came to pay are found.
+A request whose drafts stop paying goes plain; within a plain run the drafters are judged again every REJUDGE-th step
+(nothing is observed meanwhile, so the decision holds), and a plain step costs next to nothing. After `probe_every`
+plain steps in a row it probes: the lookup's first node if one drafted, else the cheapest drafter's first node (its
+whole first level where it samples its draft). A probe that does not bring drafting back doubles the wait for the
+next, up to 4 x `probe_every`; a draft worth making resets it. So probing costs at most one draft level and one verify
+row per `probe_every` + 1 steps, one per 4 x `probe_every` + 1 in a request that stays plain, and a request whose
+acceptance comes back is drafting again within 4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its
+deepest goes one level deeper every `probe_every`-th draft, so deeper levels that came to pay are found.
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
 learnt from drafts that follow a step the same drafter drafted: the first draft after other steps also runs the
@@ -47,6 +48,7 @@ T = TypeVar("T")
 Timed = Callable[[Callable[[], T]], tuple[T, float]]  # runs a call, returns its result and seconds
 SETTLED = 32  # request steps after which its estimates count as settled (the calibration report's second table)
 EMA = 0.2  # weight of the newest draft time
+REJUDGE = 4  # a plain run judges its drafters again every this many steps
 
 
 @dataclass
@@ -122,7 +124,7 @@ class DraftPolicy:
             best, best_rate = empty, plain_rate
         chosen: tuple[int, int] | None = None  # (part, depth) of a drafter worth drafting
         for i, part in enumerate(parts):
-            if not part.by_lookup:
+            if not part.by_lookup and self.rejudged():
                 depth, rate = self.best_depth(i, budget, spent, sp)
                 if rate > best_rate:
                     chosen, best_rate = (i, depth), rate
@@ -199,6 +201,11 @@ class DraftPolicy:
             return i, depth
         self.shallow_run[i] = 0
         return i, depth + 1
+
+    def rejudged(self) -> bool:
+        """Whether this step judges the drafters again: every step but within a plain run, every REJUDGE-th (nothing
+        is observed in a plain run, and the estimates only decay toward the engine's, so a decision holds)."""
+        return self.plain_run % REJUDGE == 0
 
     def probe_due(self) -> bool:
         return self.cfg.probe_every > 0 and self.plain_run >= self.wait
