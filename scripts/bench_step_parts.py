@@ -17,8 +17,9 @@
 
 3. with --drafter DIR, a trained drafter's draft step beside the target's step it follows, as the engine runs them:
    the target decodes a token (which evicts the drafter's weights from the caches), the drafter takes it and drafts
-   one level, and the draft step is set against the time its weights' bytes take at the probe's bandwidth and its
-   multiply-adds at this CPU's measured fp32 peak
+   one level (every other step with its layer module by module instead of one kernel call), and the draft step is
+   set against the time its weights' bytes take at the probe's bandwidth and its multiply-adds at this CPU's
+   measured fp32 peak
 
 bf16 runs where the CPU has oneDNN bf16 kernels (AVX512-BF16, AMX); on AVX2, where it is emulated, fp32 alone.
 
@@ -41,7 +42,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.heads import decoder_stack, kernels, llama, packed, panel_codes, panels  # noqa: E402
+from draftsmith.heads import decoder_layer, decoder_stack, kernels, llama, packed, panel_codes, panels  # noqa: E402
 from draftsmith.heads.drafter_folder import read_meta  # noqa: E402
 from draftsmith.heads.packed import can_pack  # noqa: E402
 from draftsmith.serve.build import build_engine  # noqa: E402
@@ -275,6 +276,10 @@ def fp32_peak_gflops(rounds: int) -> float:
     return 2 * 1024**3 / best / 1e9
 
 
+MODULES = "draft (layer module by module)"  # as before heads/decoder_layer.py's one call took EAGLE-3's midlayer
+ONE_CALL_LAYER_OFF = [(decoder_layer, "takes", lambda *args: None)]
+
+
 def drafter_section(folder: str, context: int, rounds: int, gbs: float) -> None:
     """The drafter's one-level draft step after each target decode step, interleaved, min and median over steps."""
     target = load_target(TargetConfig(dtype="float32"))
@@ -284,7 +289,8 @@ def drafter_section(folder: str, context: int, rounds: int, gbs: float) -> None:
     assert proposer is not None, "a drafter spec builds a proposer"
     tokens = torch.zeros(context + 64 * (rounds + 1) + 1, dtype=torch.long)
     tokens[:context] = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0))
-    sp, empty, times = SamplingParams(temperature=0.0), DraftTree.empty(), {"target": [], "draft": []}
+    sp, empty = SamplingParams(temperature=0.0), DraftTree.empty()
+    times: dict[str, list[float]] = {"target": [], "draft": [], MODULES: []}
     with torch.inference_mode():
         n = engine.prefill(tokens, context, sp, None, Metrics())
         for step in range(64 * (rounds + 1)):  # the first 64 warm up
@@ -292,20 +298,22 @@ def drafter_section(folder: str, context: int, rounds: int, gbs: float) -> None:
             out = engine.forward(tokens[n - 1 : n], torch.arange(n - 1, n), n - 1, None)
             tokens[n] = out.logits[-1].argmax()
             middle = time.perf_counter()
-            proposer.accept(tokens[: n + 1], empty, [], out)  # a plain step's token, then a draft of one level
-            proposer.propose(tokens[: n + 1], sp, 1)
+            # every other step the drafter's layer runs module by module (the same bits: the engine's state holds)
+            with patched(ONE_CALL_LAYER_OFF if step % 2 else []):
+                proposer.accept(tokens[: n + 1], empty, [], out)  # a plain step's token, then a draft of one level
+                proposer.propose(tokens[: n + 1], sp, 1)
             end = time.perf_counter()
             n += 1
             if step >= 64:
                 times["target"].append(middle - begin)
-                times["draft"].append(end - middle)
+                times[MODULES if step % 2 else "draft"].append(end - middle)
     mb, macs = draft_weights(proposer.head) if hasattr(proposer, "head") else (0.0, 0.0)
     bytes_s, flops_s = mb / gbs / 1e3, 2 * macs / fp32_peak_gflops(rounds) / 1e9
     limit, least = max(bytes_s, flops_s), {name: sorted(ts) for name, ts in times.items()}
     print(f"{spec.name} draft step of one level ({folder}) after each target step, {len(times['draft'])} steps (ms)")
     for name, ts in least.items():
         median = ts[len(ts) // 2]
-        print(f"  {name:7s} min {ts[0] * 1e3:6.3f}  median {median * 1e3:6.3f}  {ts[0] / least['target'][0]:5.2f}x")
+        print(f"  {name:30s} min {ts[0] * 1e3:6.3f}  median {median * 1e3:6.3f}  {ts[0] / least['target'][0]:5.2f}x")
     print(
         f"  its weights: {mb:.1f} MB, {macs / 1e6:.1f}M multiply-adds a row; limit {limit * 1e3:.3f} ms (bytes "
         f"{bytes_s * 1e3:.3f} ms at {gbs:.1f} GB/s, FLOPs {flops_s * 1e3:.3f} ms)"
