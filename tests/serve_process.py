@@ -41,8 +41,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(target: Path, tmp: Path, *args: str) -> Iterator[Server]:
-    """draftsmith-serve on `target` (float32) with `args`, its output in tmp/server.log."""
+def running_server(target: Path, tmp: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """draftsmith-serve on `target` (float32) with `args` (and `env`, else the tests' ENV), its output in
+    tmp/server.log."""
     port, log = free_port(), tmp / "server.log"
     args = (f"target.path={target}", "target.dtype=float32", f"port={port}", *args)
     with open(log, "w") as out:
@@ -50,7 +51,7 @@ def running_server(target: Path, tmp: Path, *args: str) -> Iterator[Server]:
             [sys.executable, "-m", "draftsmith.serve.http", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=ENV,
+            env=ENV if env is None else env,
             cwd=tmp,
         )
     url = f"http://127.0.0.1:{port}"

@@ -1,6 +1,7 @@
 """Online adaptation, the server's side (serve/adapt/): the capture of each request from the forwards the engine
-ran, the bounded store the trainer reads as a feature cache, head versions swapped in between requests, and the
-rollback of a version that does worse on live traffic. Output stays the target's throughout."""
+ran, the bounded store the trainer reads as a feature cache (identical prompts once, each client capped), head
+versions swapped in between requests, the rollback of a version the trainer's paired verdict judged worse, and a
+rolled-back version's line never served. Output stays the target's throughout."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from draftsmith.serve.adapt import store as store_module
 from draftsmith.serve.adapt.adaptation import Adaptation
 from draftsmith.serve.adapt.capture import Captured, CaptureObserver
 from draftsmith.serve.adapt.config import AdaptConfig
-from draftsmith.serve.adapt.judge import LiveJudge
+from draftsmith.serve.adapt.judge import LiveTally
 from draftsmith.serve.adapt.store import CaptureStore
+from draftsmith.serve.adapt.verdict import Verdict
 from draftsmith.serve.adapt.versions import LiveRecord, Workspace
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
@@ -45,9 +47,9 @@ def engine_for(setup, prefix_cache: bool = True):
     return build_engine(target, spec, prefix_cache, 128), spec
 
 
-def capture(engine, prompt: list[int], max_new: int = MAX_NEW) -> tuple[list[int], Captured]:
+def capture(engine, prompt: list[int], max_new: int = MAX_NEW, client: str = "local") -> tuple[list[int], Captured]:
     got: list[Captured] = []
-    g = engine.generate(prompt, max_new, GREEDY, CaptureObserver(prompt, "v0000", got.append))
+    g = engine.generate(prompt, max_new, GREEDY, CaptureObserver(prompt, "v0000", got.append, client))
     assert len(got) == 1
     return g.output_ids, got[0]
 
@@ -98,20 +100,39 @@ def test_the_store_is_a_feature_cache_the_trainer_reads(setup, tmp_path):
 
 def test_past_its_cap_the_oldest_requests_go_first(setup, tmp_path):
     engine, _ = engine_for(setup, prefix_cache=False)
-    _, c = capture(engine, PROMPTS[0])
+    made = [capture(engine, p)[1] for p in PROMPTS[:4]]
     store = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1)
-    for _ in range(3):
+    for c in made[:3]:
         store.add(c)
     store.close()
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert [s["seq"] for s in manifest["shards"]] == [2] and manifest["capture"]["evicted"] == 2
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00000002.safetensors"]
     again = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1 << 30)  # a restart numbers on
-    again.add(c)
+    again.add(made[3])
     again.close()
     assert [s["seq"] for s in json.loads((tmp_path / "manifest.json").read_text())["shards"]] == [2, 3]
     with pytest.raises(ValueError, match="another target"):
         CaptureStore(tmp_path, "other", engine.target_layers, cap_bytes=1)
+
+
+def test_identical_prompts_count_once_and_each_client_keeps_its_cap(setup, tmp_path):
+    engine, _ = engine_for(setup, prefix_cache=False)
+    store = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1 << 30, client_cap=2)
+    garbage = [capture(engine, PROMPTS[0], client="key:attacker")[1] for _ in range(4)]  # the same prompt, 4 times
+    garbage += [capture(engine, p, client="key:attacker")[1] for p in PROMPTS[1:4]]
+    normal = [capture(engine, p, client="user:alice")[1] for p in (PROMPTS[4], PROMPTS[4][1:])]
+    for c in [normal[0], *garbage, normal[1]]:
+        store.add(c)
+    store.close()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    clients = [s["client"] for s in manifest["shards"]]
+    assert clients.count("key:attacker") == 2 and clients.count("user:alice") == 2  # the first normal one stays
+    assert manifest["capture"]["duplicates"] == 3
+    kept = [s["prompt"] for s in manifest["shards"] if s["client"] == "key:attacker"]
+    assert kept == [garbage[-2].meta["prompt"], garbage[-1].meta["prompt"]]  # the client's own oldest went
+    assert len({s["prompt"] for s in manifest["shards"]}) == 4
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == sorted(s["file"] for s in manifest["shards"])
 
 
 def test_a_full_disk_stops_capture_not_serving(setup, tmp_path, monkeypatch, caplog):
@@ -132,13 +153,16 @@ def test_a_full_disk_stops_capture_not_serving(setup, tmp_path, monkeypatch, cap
     assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids == out
 
 
-def nudged_version(ws: Workspace, version: str, scale: float) -> None:
-    """A published head version: v0000's weights scaled, written like the trainer writes one."""
+def nudged_version(ws: Workspace, version: str, scale: float, parent: int | None = None) -> None:
+    """A published head version: v0000's weights scaled, written like the trainer writes one (version.json naming
+    its parent, when given)."""
     src = ws.folder("v0000")
     out = ws.folder(version)
     shutil.copytree(src, out)
     weights = {k: v * scale if v.is_floating_point() else v for k, v in load_file(src / "model.safetensors").items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"kind": "eagle3"})
+    if parent is not None:
+        (out / "version.json").write_text(json.dumps({"version": int(version[1:]), "parent": parent}))
     ws.publish(version)
 
 
@@ -156,14 +180,14 @@ def serve(a: Adaptation, prompt: list[int]) -> list[int]:
 
 def test_a_published_version_is_swapped_in_between_requests(setup, tmp_path):
     a = adaptation_for(setup, tmp_path)
-    plain = [a.engine.generate(p, MAX_NEW, GREEDY).output_ids for p in PROMPTS[:2]]
+    plain = [a.engine.generate(p, MAX_NEW, GREEDY).output_ids for p in PROMPTS[:4]]
     assert a.ws.latest() == "v0000" and (a.ws.folder("v0000") / "model.safetensors").is_file()
     drafted = json.loads((a.ws.folder("v0000") / "config.json").read_text())["draft"]
     assert drafted["num_tokens"] == 3  # the shape served (spec.num_tokens=3), not the folder's own
     first = a.engine.proposer
-    assert [serve(a, p) for p in PROMPTS[:2]] == plain
+    assert [serve(a, p) for p in PROMPTS[:2]] == plain[:2]
     nudged_version(a.ws, "v0001", 0.5)
-    assert [serve(a, p) for p in PROMPTS[:2]] == plain  # the new head drafts, the target decides
+    assert [serve(a, p) for p in PROMPTS[2:4]] == plain[2:]  # the new head drafts, the target decides
     assert a.engine.proposer is not first and a.record.live == "v0001" and a.record.previous == "v0000"
     assert LiveRecord.read(a.ws).live == "v0001"
     a.store.close()
@@ -172,26 +196,52 @@ def test_a_published_version_is_swapped_in_between_requests(setup, tmp_path):
     assert versions == ["v0000", "v0000", "v0001", "v0001"]
 
 
-def test_a_version_worse_on_live_traffic_is_rolled_back(setup, tmp_path):
+def verdict(ws: Workspace, version: str, against: str, gain: float) -> None:
+    """What the trainer writes once `version` served its window (train/adapt_review.py)."""
+    Verdict(version, against, requests=2, gain=gain, roll_back=gain < 0).write(ws)
+
+
+def test_a_version_the_trainer_judged_worse_is_rolled_back(setup, tmp_path):
     a = adaptation_for(setup, tmp_path, window=2)
     for _ in range(2):
-        a.judge.served("v0000", accepted=10, drafts=10)  # tau 2
-    nudged_version(a.ws, "v0001", 0.5)
+        a.tally.served("v0000", accepted=10, drafts=10)  # live tau 2: not compared with another version's
+    nudged_version(a.ws, "v0001", 0.5, parent=0)
     a.between_requests()
     assert a.record.live == "v0001"
-    a.judge.served("v0001", accepted=0, drafts=10)
+    a.tally.served("v0001", accepted=0, drafts=10)  # a far lower live tau, on other requests: no judgment
     a.between_requests()
-    assert a.record.live == "v0001"  # one request is not a judgment
-    a.judge.served("v0001", accepted=1, drafts=10)
+    assert a.record.live == "v0001"
+    verdict(a.ws, "v0001", "v0000", gain=-0.2)
     a.between_requests()
     record = LiveRecord.read(a.ws)
     assert record.live == "v0000" and record.rejected == ["v0001"] and a.ws.latest() == "v0001"
     a.between_requests()
     assert a.record.live == "v0000"  # the rejected version is not taken again
-    nudged_version(a.ws, "v0002", 0.8)
+    nudged_version(a.ws, "v0002", 0.8, parent=0)
     a.between_requests()
     assert a.record.live == "v0002"
+    verdict(a.ws, "v0002", "v0000", gain=0.0)  # no worse on the same requests: it stays, for good
+    a.between_requests()
+    assert a.record.live == "v0002" and a.record.rejected == ["v0001"]
     a.store.close()
+
+
+def test_a_rolled_back_versions_line_never_serves(setup, tmp_path):
+    a = adaptation_for(setup, tmp_path)
+    plain = a.engine.generate(PROMPTS[0], MAX_NEW, GREEDY).output_ids
+    nudged_version(a.ws, "v0001", 0.5, parent=0)
+    assert serve(a, PROMPTS[0]) == plain and a.record.live == "v0001"
+    nudged_version(a.ws, "v0002", 0.7, parent=1)  # trained from v0001 while it served, published before its verdict
+    verdict(a.ws, "v0001", "v0000", gain=-0.1)
+    assert serve(a, PROMPTS[0]) == plain and a.record.live == "v0000" and a.record.rejected == ["v0001"]
+    nudged_version(a.ws, "v0003", 0.9, parent=2)  # v0002's child: the line still descends from v0001
+    assert serve(a, PROMPTS[0]) == plain and a.record.live == "v0000"
+    assert a.ws.tainted("v0003", a.record.rejected) and a.ws.live_version() == "v0000"
+    nudged_version(a.ws, "v0004", 0.6, parent=0)
+    assert serve(a, PROMPTS[0]) == plain and a.record.live == "v0004" and a.ws.live_version() == "v0004"
+    a.store.close()
+    shards = json.loads((a.ws.capture / "manifest.json").read_text())["shards"]
+    assert all(s["version"] in ("v0000", "v0001", "v0004") for s in shards)
 
 
 def test_a_version_that_does_not_load_is_passed_over(setup, tmp_path):
@@ -204,16 +254,12 @@ def test_a_version_that_does_not_load_is_passed_over(setup, tmp_path):
     a.store.close()
 
 
-def test_the_live_judge_waits_for_a_window_and_judges_once():
-    j = LiveJudge(window=3, margin=0.1)
+def test_the_live_tally_counts_only_requests_that_drafted():
+    t = LiveTally()
+    t.served("v0000", 8, 4)  # tau 3
     for _ in range(5):
-        j.served("v0000", 4, 4)  # tau 2
-    assert j.should_roll_back("v0001", "v0000") is None
-    for _ in range(3):
-        j.served("v0001", 15, 16)  # tau 1.9375 >= 2 - 0.1
-    assert j.should_roll_back("v0001", "v0000") is False
-    assert j.should_roll_back("v0001", "v0000") is None  # judged for good
-    assert j.should_roll_back("v0000", None) is None
+        t.served("v0001", 0, 0)  # max_tokens=1, an EOS first: nothing drafted, nothing said about the head
+    assert t.summary() == {"v0000": {"requests": 1, "accepted": 8, "drafts": 4, "tau": 3.0}}
 
 
 def test_adapt_needs_a_drafter_that_reads_features(setup, tmp_path):
@@ -221,18 +267,6 @@ def test_adapt_needs_a_drafter_that_reads_features(setup, tmp_path):
     engine = build_engine(target, SpecConfig(name="ngram"), True, 128)
     with pytest.raises(ValueError, match="adapt=true adapts a trained drafter"):
         Adaptation(AdaptConfig(dir=str(tmp_path)), target, tcfg, SpecConfig(name="ngram"), engine)
-
-
-def test_requests_that_draft_nothing_and_a_restart_do_not_roll_back():
-    j = LiveJudge(window=2, margin=0.0)
-    j.served("v0000", 8, 4)  # tau 3
-    for _ in range(5):
-        j.served("v0001", 0, 0)  # max_tokens=1, an EOS first: nothing drafted, nothing said about the head
-    assert j.should_roll_back("v0001", "v0000") is None
-    restarted = LiveJudge(window=2, margin=0.0)
-    for _ in range(2):
-        restarted.served("v0001", 1, 10)
-    assert restarted.should_roll_back("v0001", "v0000") is None  # no history of v0000 to compare with
 
 
 def test_a_workspace_is_carried_on_only_with_its_own_drafter(setup, tmp_path):

@@ -1,6 +1,9 @@
 """The adaptation trainer (train/adapt*.py) on a tiny target: a capture store written in the server's format from
 the target's real features, a replay cache, rounds that publish (or not) atomically, damaged shards skipped, a
-publish killed half-way, rollbacks followed, and the offline tau's run counting."""
+publish killed half-way, rollbacks followed, and the offline tau's run counting. No client steers it: each client's
+held-back requests judge as one group (identical prompts once), one client alone publishes nothing, a candidate that
+loses on any group is refused, a rolled-back version's line is never trained from, and a live version is judged
+against the one it replaced on the same requests it served."""
 
 from __future__ import annotations
 
@@ -22,18 +25,25 @@ from safetensors.torch import save_file
 from draftsmith.heads.drafter_folder import Recipe, TargetInfo, read_meta, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
+from draftsmith.serve.adapt.capture import prompt_digest
+from draftsmith.serve.adapt.config import AdaptConfig
+from draftsmith.serve.adapt.verdict import Verdict
 from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.models.target import load_target
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train import adapt_versions
 from draftsmith.train.adapt import start
+from draftsmith.train.adapt_data import Shard, split_heldout
 from draftsmith.train.adapt_gate import offline_tau, run_lengths
+from draftsmith.train.adapt_groups import GroupScore, refusal
+from draftsmith.train.adapt_review import review
 from draftsmith.train.adapt_round import Abandoned, TrainerState, run_round
 from draftsmith.train.features import target_states
 from helpers import ENV, export_drafters
 
 LAYERS = (0, 1, 2)  # EAGLE-3's default layers of the 3-layer tiny target
 FAST = dict(publish_every=4, holdout=0.25, steps=40, batch_size=4, lr=3e-3, ttt_steps=2, max_length=64)
+FAST |= dict(min_gain=0.0)  # the tiny head's gains are small; the default's reason is in docs/serving.md
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +78,9 @@ def requests(target, count: int) -> list[dict]:
     return out
 
 
-def write_capture(folder: Path, reqs: list[dict]) -> None:
-    """One shard per request as the server writes them (the last row never ran: have=0, zeros), and the manifest."""
+def write_capture(folder: Path, reqs: list[dict], clients: list[str] | None = None, version: str = "v0000") -> None:
+    """One shard per request as the server writes them (the last row never ran: have=0, zeros), and the manifest;
+    clients: each request's (None: a store written before clients were recorded)."""
     folder.mkdir(parents=True, exist_ok=True)
     shards = []
     for seq, r in enumerate(reqs):
@@ -81,8 +92,11 @@ def write_capture(folder: Path, reqs: list[dict]) -> None:
         tensors = {"input_ids": r["input_ids"], "loss_mask": r["loss_mask"], "offsets": torch.tensor([0, n])}
         tensors |= {"hidden": hidden.bfloat16(), "aux": aux.bfloat16(), "have": have}
         name = f"shard-{seq:08d}.safetensors"
-        save_file(tensors, str(folder / name), metadata={"seq": str(seq), "version": "v0000"})
+        save_file(tensors, str(folder / name), metadata={"seq": str(seq), "version": version})
         shards.append({"file": name, "examples": 1, "seq": seq, "bytes": (folder / name).stat().st_size})
+        shards[-1] |= {"version": version, "prompt": prompt_digest(r["input_ids"][:5].tolist())}
+        if clients is not None:
+            shards[-1]["client"] = clients[seq]
     key = {"format_version": 1, "target": "tiny", "layers": list(LAYERS), "dtype": "bfloat16", "source": "capture"}
     manifest = {"key": key, "target": "tiny", "layers": list(LAYERS), "dtype": "bfloat16", "shards": shards}
     (folder / "manifest.json").write_text(json.dumps(manifest))
@@ -102,12 +116,12 @@ def write_replay(folder: Path, reqs: list[dict], target_id: str) -> Path:
     return folder
 
 
-def workspace(tmp_path: Path, tiny, replay: bool = True, **options) -> Path:
+def workspace(tmp_path: Path, tiny, replay: bool = True, clients: list[str] | None = None, **options) -> Path:
     """ADAPT_DIR as the server leaves it: adapt.json, versions/v0000, 12 captured requests."""
     tcfg, target, v0000, reqs, _ = tiny
     root = tmp_path / "adapt"
     shutil.copytree(v0000, root / "versions" / "v0000")
-    write_capture(root / "capture", reqs[:12])
+    write_capture(root / "capture", reqs[:12], clients)
     folder = write_replay(tmp_path / "replay", reqs[12:], target.target_id) if replay else None
     opts = {**FAST, "replay": str(folder) if folder else None, **options}
     adapt = {"target": asdict(tcfg), "drafter": str(root / "versions" / "v0000"), "options": opts}
@@ -129,7 +143,8 @@ def test_a_better_candidate_is_published(tmp_path, tiny):
     result = run_round(trainer, TrainerState())
     assert result.published == "v0001", result
     assert result.tau_candidate > result.tau_live
-    assert (result.captured, result.heldout, result.skipped) == (9, 3, 0) and result.replay == 4
+    assert (result.captured, result.heldout, result.skipped) == (9, 3 + 1, 0) and result.replay == 3  # 1: replay's
+    assert set(result.groups) == {"unknown", "replay"}  # the store's requests (no clients recorded) and the replay
     versions = root / "versions"
     assert (versions / "LATEST").read_text() == "v0001\n"
     record = json.loads((versions / "v0001" / "version.json").read_text())
@@ -146,7 +161,7 @@ def test_a_better_candidate_is_published(tmp_path, tiny):
 
 
 def test_nothing_is_published_below_min_gain(tmp_path, tiny):
-    root = workspace(tmp_path, tiny, replay=False, min_gain=100.0, steps=3)
+    root = workspace(tmp_path, tiny, replay=False, min_gain=100.0, steps=3, min_clients=1)
     result = run_round(start(root), TrainerState())
     assert result.published is None and "not above" in result.reason and result.replay == 0
     assert sorted(p.name for p in (root / "versions").iterdir()) == ["v0000"]
@@ -159,7 +174,7 @@ def test_damaged_shards_are_skipped(tmp_path, tiny, caplog):
     corrupt.write_bytes(corrupt.read_bytes()[:200])
     with caplog.at_level(logging.WARNING):
         result = run_round(start(root), TrainerState())
-    assert result.skipped == 2 and result.captured == 7 and result.steps == 3
+    assert result.skipped == 2 and result.captured + result.heldout == 7 + 3 + 1 and result.steps == 3
     assert sum("skipped" in r.getMessage() for r in caplog.records) == 2
     assert json.loads((root / "trainer.jsonl").read_text())["skipped"] == 2
 
@@ -196,11 +211,81 @@ def test_rounds_start_from_the_live_version(tmp_path, tiny):
     trainer, state = start(root), TrainerState()
     assert run_round(trainer, state).base == "v0001"
     (root / "live.json").write_text(json.dumps({**live, "live": "v0002"}))  # a rejected one is never trained on
-    assert run_round(trainer, state).base == "v0000"
+    assert run_round(trainer, state).base == "v0001"  # the newest version not rolled back
     assert trainer.ws.next_version() == 3
     shutil.copytree(versions / "v0000", versions / "v0003")
     trainer.ws.publish("v0003")  # published, not swapped in yet: the next round goes on from it, not from live
     assert run_round(trainer, state).base == "v0003"
+
+
+def test_rounds_never_continue_a_rolled_back_versions_line(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, steps=2, min_gain=100.0)
+    versions = root / "versions"
+    for number, parent in ((1, 0), (2, 1), (3, 2)):  # v0002 trained from v0001 before v0001 was rolled back
+        shutil.copytree(versions / "v0000", versions / f"v000{number}")
+        (versions / f"v000{number}" / "version.json").write_text(json.dumps({"version": number, "parent": parent}))
+    (versions / "LATEST").write_text("v0003\n")
+    live = {"live": "v0000", "previous": None, "rejected": ["v0001"], "tau": {}}
+    (root / "live.json").write_text(json.dumps(live))
+    trainer, state = start(root), TrainerState()
+    assert run_round(trainer, state).base == "v0000"
+    assert trainer.ws.tainted("v0003", ["v0001"]) and not trainer.ws.tainted("v0000", ["v0001"])
+
+
+def test_min_gain_defaults_above_zero():
+    assert AdaptConfig().min_gain > 0 and AdaptConfig().min_clients >= 2 and AdaptConfig().client_cap >= 1
+
+
+def test_the_held_back_slice_spans_clients_and_counts_a_prompt_once():
+    normal = [Shard(f"b{i}", i, "user:bob", f"p{i}") for i in range(8)]
+    burst = [Shard(f"a{i}", 8 + i, "key:attacker", "garbage" if i < 4 else f"g{i}") for i in range(8)]
+    split = split_heldout(normal + burst, 0.25)
+    held = {s.client for s in split.heldout}
+    assert held == {"user:bob", "key:attacker"}  # not the newest requests, which are all the attacker's
+    assert [s.client for s in split.heldout].count("key:attacker") == 1  # 5 distinct prompts: 4 repeats count once
+    everything = split.train + split.heldout
+    assert len(everything) == 8 + 5 and sum(s.prompt == "garbage" for s in everything) == 1
+    assert not {s.file for s in split.train} & {s.file for s in split.heldout}
+    again = split_heldout(normal + burst + [Shard(f"a{i}", 90 + i, "key:attacker", f"h{i}") for i in range(8)], 0.25)
+    bob = [s.file for s in split.heldout if s.client == "user:bob"]
+    assert [s.file for s in again.heldout if s.client == "user:bob"] == bob  # another client's burst moves nothing
+
+
+def test_one_clients_traffic_alone_publishes_nothing(tmp_path, tiny):
+    root = workspace(tmp_path, tiny, replay=False, clients=["key:attacker"] * 12, min_clients=2)
+    result = run_round(start(root), TrainerState())
+    assert result.published is None and "min_clients=2" in result.reason and result.steps == 0
+    assert sorted(p.name for p in (root / "versions").iterdir()) == ["v0000"]
+
+
+def test_a_candidate_that_loses_on_any_client_is_refused():
+    def scores(**gains: float) -> dict[str, GroupScore]:
+        return {name: GroupScore(4, 1.5, 1.5 + gain) for name, gain in gains.items()}
+
+    assert "loses" in refusal(scores(attacker=0.3, bob=-0.05), 2, 0.02)  # a big gain on one client's own text
+    assert "not above" in refusal(scores(attacker=0.03, bob=0.0), 2, 0.02)
+    assert refusal(scores(attacker=0.05, bob=0.01), 2, 0.02) is None
+    assert "min_clients" in refusal(scores(attacker=0.5), 2, 0.02)
+
+
+def test_a_live_version_is_judged_against_the_one_it_replaced_on_the_requests_it_served(tmp_path, tiny):
+    clients = ["key:a", "key:b"] * 6
+    root = workspace(tmp_path, tiny, clients=clients, rollback_window=4)
+    trainer = start(root)
+    assert run_round(trainer, TrainerState()).published == "v0001"  # better on held-out requests
+    versions, capture = root / "versions", root / "capture"
+    shutil.copytree(versions / "v0000", versions / "v0002")  # the untrained head again: worse than v0001
+    (root / "live.json").write_text(json.dumps({"live": "v0002", "previous": "v0001", "rejected": []}))
+    assert review(trainer) is None  # it has served nothing yet
+    write_capture(capture, tiny[3][:6], clients[:6], version="v0002")
+    verdict = review(trainer)
+    assert verdict is not None and verdict.roll_back and verdict.gain < 0 and verdict.against == "v0001"
+    assert set(verdict.groups) == {"key:a", "key:b"} and verdict.requests == 6
+    assert Verdict.read(trainer.ws, "v0002") == verdict and review(trainer) is None  # judged once
+    (root / "live.json").write_text(json.dumps({"live": "v0001", "previous": "v0000", "rejected": ["v0002"]}))
+    write_capture(capture, tiny[3][:6], clients[:6], version="v0001")
+    kept = review(trainer)
+    assert kept is not None and not kept.roll_back and kept.gain > 0
 
 
 def test_a_stopped_round_publishes_nothing(tmp_path, tiny):

@@ -2,8 +2,10 @@
 
 It reads everything from ADAPT_DIR/adapt.json (the target, the first drafter, the `adaptation` settings), runs at
 the lowest CPU priority, polls the capture store, and once publish_every requests were captured since its last
-round runs one (train/adapt_round.py), publishing versions the server swaps in. SIGTERM abandons the round in
-progress; a half-written version is never visible (train/adapt_versions.py).
+round runs one (train/adapt_round.py), publishing versions the server swaps in; and once a new live version has served
+rollback_window requests, it judges it against the version it replaced on them (train/adapt_review.py), which the
+server rolls back on. SIGTERM abandons the round in progress; a half-written version is never visible
+(train/adapt_versions.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from draftsmith.serve.adapt.versions import Workspace, read_json
 from draftsmith.serve.models.target import TargetConfig, load_target
 
 from .adapt_data import listed_shards
+from .adapt_review import review
 from .adapt_round import Abandoned, Trainer, TrainerState, load_head, open_replay, run_round
 
 log = logging.getLogger("draftsmith.train.adapt")
@@ -101,6 +104,10 @@ def serve_rounds(trainer: Trainer, state: TrainerState, parent: int = 0) -> None
         if orphaned(parent):
             log.warning("the server that started this trainer is gone: stopping")
             return
+        try:
+            review(trainer)
+        except Exception:  # a failed review is retried at the next poll; the server keeps the live version
+            log.exception("reviewing the live version failed")
         if not due(trainer, state):
             time.sleep(POLL_S)
             continue

@@ -1,11 +1,18 @@
 """The adaptation trainer's examples: captured requests (ADAPT_DIR/capture, one request per shard, read so that a
 missing, corrupt or misshapen shard is skipped, never fatal) and a seeded replay sample of the head's original
-training features (a train/features.py cache), cut to one window each and mixed."""
+training features (a train/features.py cache), cut to one window each and mixed.
+
+Which requests judge: within each client's requests (identical prompts counted once), the fraction `holdout` picked
+by a hash of the prompt, not by arrival: one client's burst of new requests is split like the rest of its traffic
+instead of all judging, and it moves no other client's held-back requests. A replay cache's judging part is a fixed
+seeded sample, never trained on in a round."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +24,7 @@ from .features import CachedFeatures
 
 log = logging.getLogger(__name__)
 
+REPLAY_JUDGED = 256  # the most replay examples kept from training to judge with (more only slows a round)
 Item = dict[str, Tensor]  # input_ids, loss_mask, hidden and (when the head reads layers) aux, as CachedFeatures'
 
 
@@ -26,11 +34,18 @@ class Shard:
 
     file: str
     seq: int
+    client: str = "unknown"  # a store written before clients were recorded: one client
+    prompt: str | None = None  # the prompt's digest (serve/adapt/capture.py)
+    version: str | None = None  # the head version that served it
+
+    @property
+    def key(self) -> str:
+        return self.prompt or self.file
 
 
 @dataclass
 class Split:
-    """A manifest snapshot cut into training shards (older) and the held-back judging slice (newest)."""
+    """A manifest snapshot cut into training shards and the held-back judging slice."""
 
     train: list[Shard]
     heldout: list[Shard]
@@ -44,16 +59,44 @@ class ReadResult:
 
 def listed_shards(manifest: dict) -> list[Shard]:
     """The manifest's shards, oldest first (by capture sequence number)."""
-    shards = [Shard(s["file"], int(s.get("seq", i))) for i, s in enumerate(manifest.get("shards", []))]
+    shards = [
+        Shard(s["file"], int(s.get("seq", i)), str(s.get("client", "unknown")), s.get("prompt"), s.get("version"))
+        for i, s in enumerate(manifest.get("shards", []))
+    ]
     return sorted(shards, key=lambda s: s.seq)
 
 
+def distinct(shards: list[Shard]) -> list[Shard]:
+    """Identical prompts count once: the first of them stays."""
+    seen: set[str] = set()
+    out = []
+    for s in shards:
+        if s.key not in seen:
+            seen.add(s.key)
+            out.append(s)
+    return out
+
+
+def by_client(shards: list[Shard]) -> dict[str, list[Shard]]:
+    groups: dict[str, list[Shard]] = defaultdict(list)
+    for s in shards:
+        groups[s.client].append(s)
+    return dict(groups)
+
+
 def split_heldout(shards: list[Shard], holdout: float) -> Split:
-    """The newest `holdout` fraction (at least one request) judges; the older rest trains."""
-    if not shards:
-        return Split([], [])
-    held = min(len(shards), max(1, round(len(shards) * holdout)))
-    return Split(shards[: len(shards) - held], shards[len(shards) - held :])
+    """Per client, of its distinct prompts: the `holdout` fraction with the lowest prompt hashes judges (at least one
+    of a client with two or more), the rest trains. Both lists stay oldest first."""
+    held: set[str] = set()
+    for own in by_client(distinct(shards)).values():
+        count = min(len(own) - 1, max(1, round(len(own) * holdout))) if len(own) > 1 else 0
+        held |= {s.key for s in sorted(own, key=lambda s: rank(s.key))[:count]}
+    kept = distinct(shards)
+    return Split([s for s in kept if s.key not in held], [s for s in kept if s.key in held])
+
+
+def rank(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def read_captured(folder: Path, shards: list[Shard], layers: tuple[int, ...], stored: list[int]) -> ReadResult:
@@ -110,12 +153,27 @@ def pick_layers(aux: Tensor, n: int, width: int, layers: tuple[int, ...], stored
     return aux.view(n, len(stored), width)[:, index].reshape(n, -1)
 
 
-def replay_sample(cache: CachedFeatures | None, count: int, rng: random.Random) -> ReadResult:
-    """`count` examples of the replay cache drawn without replacement (all of it when it holds fewer)."""
-    out = ReadResult()
+def replay_pools(cache: CachedFeatures | None, holdout: float, seed: int) -> tuple[list[int], list[int]]:
+    """(judging, training) example indices of the replay cache: a fixed seeded `holdout` fraction judges (none of a
+    cache of one example), the rest may be trained on."""
+    if cache is None:
+        return [], []
+    order = list(range(len(cache)))
+    random.Random(seed).shuffle(order)
+    judged = min(len(order) - 1, max(1, round(len(order) * holdout)), REPLAY_JUDGED) if len(order) > 1 else 0
+    return order[:judged], order[judged:]
+
+
+def replay_sample(cache: CachedFeatures | None, count: int, rng: random.Random, pool: list[int]) -> ReadResult:
+    """`count` examples of the replay cache's `pool` drawn without replacement (all of it when it holds fewer)."""
     if cache is None or count <= 0:
-        return out
-    for i in rng.sample(range(len(cache)), min(count, len(cache))):
+        return ReadResult()
+    return read_replay(cache, rng.sample(pool, min(count, len(pool))))
+
+
+def read_replay(cache: CachedFeatures, indices: list[int]) -> ReadResult:
+    out = ReadResult()
+    for i in indices:
         try:
             out.items.append(cache[i])
         except Exception as e:

@@ -1,6 +1,7 @@
 """One round of online adaptation: snapshot the capture store, fine-tune the live head on the captured requests mixed
-with a replay sample of its original training data, judge the candidate against the live head on the newest held-back
-requests, and publish it as the next version when it is better by more than min_gain."""
+with a replay sample of its original training data, judge the candidate against the live head on the same held-back
+requests (each client's, and the replay cache's judging sample: one group each, train/adapt_groups.py), and publish it
+as the next version when it gains more than min_gain over the groups and loses no more than that on any."""
 
 from __future__ import annotations
 
@@ -29,8 +30,21 @@ from draftsmith.serve.adapt.versions import Workspace, read_json, version_name, 
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import LoadedTarget, native_bf16
 
-from .adapt_data import Item, listed_shards, read_captured, replay_sample, split_heldout, window
-from .adapt_gate import Shape, judge
+from .adapt_data import (
+    Item,
+    ReadResult,
+    Shard,
+    by_client,
+    listed_shards,
+    read_captured,
+    read_replay,
+    replay_pools,
+    replay_sample,
+    split_heldout,
+    window,
+)
+from .adapt_gate import Shape
+from .adapt_groups import REPLAY, as_rows, mean_gain, refusal, score_groups, too_few
 from .adapt_versions import VersionRecord, publish
 from .batch import FeatureBatch
 from .dataset import pad_id
@@ -78,8 +92,10 @@ class RoundResult:
     heldout: int = 0
     steps: int = 0
     loss: float | None = None
-    tau_candidate: float | None = None
+    tau_candidate: float | None = None  # the mean over the judging groups
     tau_live: float | None = None
+    clients: list[str] = field(default_factory=list)  # the clients whose requests it trained on
+    groups: dict[str, dict] = field(default_factory=dict)  # judging group -> requests, tau_base, tau_candidate, gain
     published: str | None = None
     reason: str = ""
     cpu_s: float = 0.0
@@ -232,41 +248,72 @@ def train_and_judge(trainer: Trainer, state: TrainerState, result: RoundResult) 
     live = load_head(trainer, result.base)
     stored = list(manifest.get("layers", []))
     rng = random.Random(opts.seed + state.round)
-    train_shards = rng.sample(split.train, min(len(split.train), opts.steps * opts.batch_size))
-    captured = read_captured(ws.capture, sorted(train_shards, key=lambda s: s.seq), live.layers, stored)
-    held = read_captured(ws.capture, split.heldout, live.layers, stored)
-    replay = replay_sample(trainer.replay, round(opts.replay_ratio * len(captured.items)), rng)
+    judge_pool, train_pool = replay_pools(trainer.replay, opts.holdout, opts.seed)
+    train_shards = sorted(rng.sample(split.train, min(len(split.train), opts.steps * opts.batch_size)), key=seq)
+    captured = read_captured(ws.capture, train_shards, live.layers, stored)
+    replay = replay_sample(trainer.replay, round(opts.replay_ratio * len(captured.items)), rng, train_pool)
+    groups, held_skipped = held_back(trainer, split.heldout, live.layers, stored, judge_pool)
     result.captured, result.replay = len(captured.items), len(replay.items)
-    result.skipped = captured.skipped + held.skipped + replay.skipped
+    result.clients = sorted({s.client for s in train_shards})
+    result.skipped = captured.skipped + held_skipped + replay.skipped
+    result.heldout = sum(len(items) for items in groups.values())
     items = usable(captured.items + replay.items, opts.max_length)
-    judged = usable(held.items, opts.max_length)
-    result.heldout = len(judged)
     if not captured.items or not items:
         result.reason = "no readable captured training request"
         return
-    if not judged:
+    if not groups:
         result.reason = "no readable held-out request to judge by"
         return
-    shape = Shape.of(live.meta["draft"])
-    pad = pad_id(trainer.target.tokenizer)
-    heldout = batches(judged, opts.batch_size, pad, trainer, live.layers)
-    result.tau_live = round(judge(live.module, heldout, shape), 4)
+    if reason := too_few(list(groups), opts.min_clients):
+        result.reason = reason  # refused before training: no gain could publish it
+        return
     candidate = load_head(trainer, result.base)
     loss, tokens = fine_tune(trainer, state, candidate, items, rng)
-    result.loss = round(loss, 5)
-    result.steps = opts.steps
-    result.tau_candidate = round(judge(candidate.module, heldout, shape), 4)
-    if result.tau_candidate <= result.tau_live + opts.min_gain:
-        result.reason = f"held-out tau {result.tau_candidate} is not above live {result.tau_live} + {opts.min_gain}"
+    result.loss, result.steps = round(loss, 5), opts.steps
+    pad = pad_id(trainer.target.tokenizer)
+    batched = {name: batches(got, opts.batch_size, pad, trainer, live.layers) for name, got in groups.items()}
+    sizes = {name: len(got) for name, got in groups.items()}
+    scores = score_groups(candidate.module, live.module, batched, sizes, Shape.of(live.meta["draft"]))
+    result.groups = as_rows(scores)
+    result.tau_live = round(sum(s.tau_base for s in scores.values()) / len(scores), 4)
+    result.tau_candidate = round(result.tau_live + mean_gain(scores), 4)
+    if reason := refusal(scores, opts.min_clients, opts.min_gain):
+        result.reason = reason
         return
     number = ws.next_version()
     record = VersionRecord(
         number,
         version_number(result.base),
         time.time(),
-        {"captured": result.captured, "replay": result.replay, "steps": result.steps},
-        {"requests": result.heldout, "tau_candidate": result.tau_candidate, "tau_parent": result.tau_live},
+        {"captured": result.captured, "replay": result.replay, "steps": result.steps, "clients": result.clients},
+        {"requests": result.heldout, "tau_candidate": result.tau_candidate, "tau_parent": result.tau_live}
+        | {"groups": result.groups},
     )
     result.published = publish(ws, record, write_version(trainer, live, candidate, result, tokens))
     state.optimizer_base = result.published  # the optimizer state continues the published weights
     assert result.published == version_name(number)
+
+
+def seq(shard: Shard) -> int:
+    return shard.seq
+
+
+def held_back(
+    trainer: Trainer, shards: list[Shard], layers: tuple[int, ...], stored: list[int], replay_pool: list[int]
+) -> tuple[dict[str, list[Item]], int]:
+    """The judging groups' usable requests: each client's held-back ones, and as many of the replay cache's judging
+    sample as the largest client group has; and how many could not be read."""
+    groups: dict[str, list[Item]] = {}
+    skipped = 0
+    for client, own in by_client(shards).items():
+        got = read_captured(trainer.ws.capture, own, layers, stored)
+        skipped += got.skipped
+        if judged := usable(got.items, trainer.options.max_length):
+            groups[client] = judged
+    if trainer.replay is not None and replay_pool:
+        size = max((len(g) for g in groups.values()), default=0)
+        got = read_replay(trainer.replay, replay_pool[:size]) if size else ReadResult()
+        skipped += got.skipped
+        if judged := usable(got.items, trainer.options.max_length):
+            groups[REPLAY] = judged
+    return groups, skipped

@@ -1,5 +1,7 @@
-"""The server's side of online adaptation: capture each finished request, swap in the head versions the trainer
-publishes (between requests, without a restart), judge each on live traffic and roll it back if it does worse.
+"""The server's side of online adaptation: capture each finished request (with the client that sent it), swap in
+the head versions the trainer publishes (between requests, without a restart), and roll a version back when the
+trainer's paired verdict on the requests it served says it did worse than the one it replaced. A version descended
+from one rolled back is never swapped in.
 
 Everything here runs in the engine thread between requests, or in the capture store's writer thread; the head
 only drafts, so whatever version serves, the output is the target's.
@@ -16,9 +18,10 @@ from prometheus_client import CollectorRegistry, Gauge
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.adapt.capture import Captured, CaptureObserver
 from draftsmith.serve.adapt.config import AdaptConfig
-from draftsmith.serve.adapt.judge import LiveJudge
+from draftsmith.serve.adapt.judge import LiveTally
 from draftsmith.serve.adapt.store import CaptureStore
 from draftsmith.serve.adapt.trainer_process import TrainerProcess
+from draftsmith.serve.adapt.verdict import Verdict
 from draftsmith.serve.adapt.versions import LiveRecord, Workspace, version_name, version_number
 from draftsmith.serve.build import engine_salt, make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
@@ -30,7 +33,7 @@ from draftsmith.serve.spec import SpecConfig
 log = logging.getLogger("draftsmith.serve.adapt")
 
 
-class JudgeObserver(Observer):
+class TallyObserver(Observer):
     """Counts a finished request toward the live tau of the version that served it."""
 
     def __init__(self, adaptation: Adaptation, version: str) -> None:
@@ -38,7 +41,7 @@ class JudgeObserver(Observer):
 
     def finish(self, generation: Generation) -> None:
         m = generation.metrics
-        self.adaptation.judge.served(self.version, m.accepted_tokens, m.drafts)
+        self.adaptation.tally.served(self.version, m.accepted_tokens, m.drafts)
 
 
 class Adaptation:
@@ -59,34 +62,39 @@ class Adaptation:
         if not (self.ws.folder(self.record.live) / "config.json").is_file():
             log.warning("live.json names %s, which is gone: serving v0000", self.record.live)
             self.record.live, self.record.previous = version_name(0), None
-        self.judge = LiveJudge(cfg.rollback_window, cfg.rollback_margin)
+        self.tally = LiveTally()
         self.served_version = version_name(0)  # the version the engine drafts with: v0000 is spec.drafter's copy
         self.swap_to(self.record.live)
         cap = int(cfg.capture_gb * 2**30)
-        self.store = CaptureStore(self.ws.capture, target.target_id, engine.target_layers, cap)
+        self.store = CaptureStore(
+            self.ws.capture, target.target_id, engine.target_layers, cap, client_cap=cfg.client_cap
+        )
         settings = {"target": asdict(target_cfg), "drafter": str(self.ws.folder(version_name(0)))}
         self.trainer = TrainerProcess(self.ws, settings | {"options": asdict(cfg)}) if cfg.trainer else None
 
-    def observer(self, prompt_ids: list[int]) -> Observer:
-        """What watches one request: its capture, and the live tally of the version serving it."""
+    def observer(self, prompt_ids: list[int], client: str = "local") -> Observer:
+        """What watches one request: its capture (under its client: serve/http/client.py), and the live tally of
+        the version serving it."""
         live = self.record.live
-        return Observers(CaptureObserver(prompt_ids, live, self.captured), JudgeObserver(self, live))
+        return Observers(CaptureObserver(prompt_ids, live, self.captured, client), TallyObserver(self, live))
 
     def captured(self, c: Captured) -> None:
         self.store.add(c)
 
     def between_requests(self) -> None:
-        """Roll the live version back if it did worse than the one before it; else take a newer published one."""
+        """Roll the live version back if the trainer's verdict says so; else take a newer published version whose
+        line holds no rolled-back version."""
         r = self.record
-        if self.judge.should_roll_back(r.live, r.previous):
-            assert r.previous is not None, "judged against the previous version"
-            log.warning("head %s rolled back to %s: live tau fell below the previous head's", r.live, r.previous)
+        verdict = Verdict.read(self.ws, r.live) if r.previous is not None else None
+        if verdict is not None and verdict.roll_back and verdict.against == r.previous:
+            why = f"on the {verdict.requests} requests it served, its tau was {verdict.gain:+.4f} from the last head's"
+            log.warning("head %s rolled back to %s: %s", r.live, r.previous, why)
             r.rejected.append(r.live)
             self.go_live(r.previous, previous=None)
             return
         self.save_record()
         latest = self.ws.latest()
-        if latest and version_number(latest) > version_number(r.live) and latest not in r.rejected:
+        if latest and version_number(latest) > version_number(r.live) and not self.ws.tainted(latest, r.rejected):
             self.go_live(latest, previous=r.live)
 
     def go_live(self, version: str, previous: str | None) -> None:
@@ -110,7 +118,7 @@ class Adaptation:
         log.info("head %s swapped in", version)
 
     def save_record(self) -> None:
-        self.record.tau = self.judge.summary()
+        self.record.tau = self.tally.summary()
         self.record.write(self.ws)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
@@ -118,7 +126,7 @@ class Adaptation:
             Gauge(name, doc, registry=registry).set_function(read)
 
         gauge("draftsmith_adapt_head_version", "The head version serving", lambda: version_number(self.record.live))
-        gauge("draftsmith_adapt_rollbacks", "Head versions rolled back on live tau", lambda: len(self.record.rejected))
+        gauge("draftsmith_adapt_rollbacks", "Versions rolled back or not loaded", lambda: len(self.record.rejected))
         gauge("draftsmith_adapt_captured_requests", "Requests in the capture store", lambda: len(self.store.shards))
         gauge("draftsmith_adapt_capture_bytes", "Bytes in the capture store", lambda: self.store.bytes)
         gauge("draftsmith_adapt_capture_stopped", "1 once capture stopped (a failed write)", lambda: self.stopped)

@@ -9,6 +9,7 @@ No target forward runs for capture.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class Captured:
     hidden: Tensor  # bf16 [n, H]: the target's final normed hidden state per position
     aux: Tensor  # bf16 [n, k*H]: the inputs of the drafter's target layers
     have: Tensor  # uint8 [n]: 1 where a forward ran the row
-    meta: dict[str, str]  # the version that served, accepted draft tokens, drafts, time
+    meta: dict[str, str]  # the version that served, the client, the prompt's digest, accepted, drafts, time
 
     @property
     def tokens(self) -> int:
@@ -42,8 +43,10 @@ class Captured:
 class CaptureObserver(Observer):
     wants_outputs = True
 
-    def __init__(self, prompt_ids: list[int], version: str, done: Callable[[Captured], None]) -> None:
-        self.prompt_ids, self.version, self.done = prompt_ids, version, done
+    def __init__(
+        self, prompt_ids: list[int], version: str, done: Callable[[Captured], None], client: str = "local"
+    ) -> None:
+        self.prompt_ids, self.version, self.done, self.client = prompt_ids, version, done, client
         self.pieces: list[tuple[int, Tensor, Tensor]] = []  # (first position, hidden rows, aux rows)
 
     def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
@@ -77,10 +80,16 @@ class CaptureObserver(Observer):
         mask = torch.zeros(n, dtype=torch.uint8)
         mask[len(self.prompt_ids) :] = 1
         m = g.metrics
-        meta = {"version": self.version, "accepted": str(m.accepted_tokens), "drafts": str(m.drafts)}
+        meta = {"version": self.version, "client": self.client, "prompt": prompt_digest(self.prompt_ids)}
+        meta |= {"accepted": str(m.accepted_tokens), "drafts": str(m.drafts)}
         meta["time"] = f"{time.time():.3f}"
         return Captured(torch.tensor(ids, dtype=torch.int32), mask, hidden, aux, have, meta)
 
 
 def to_storage(t: Tensor) -> Tensor:
     return t.detach().to("cpu", STORAGE_DTYPE, copy=True)
+
+
+def prompt_digest(prompt_ids: list[int]) -> str:
+    """What makes two requests the same prompt: identical prompts count once in the store and in judging."""
+    return hashlib.sha256(torch.tensor(prompt_ids, dtype=torch.int64).numpy().tobytes()).hexdigest()[:32]

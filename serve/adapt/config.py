@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+COUNTS: tuple[str, ...] = ("publish_every", "steps", "batch_size", "ttt_steps", "threads", "rollback_window")
+COUNTS += ("max_length", "min_clients", "client_cap")  # settings that must be >= 1
+
 
 @dataclass
 class AdaptConfig:
@@ -13,7 +16,7 @@ class AdaptConfig:
     capture_gb: float = 2.0  # the capture store's cap; past it the oldest requests go first
     trainer: bool = True  # start the trainer beside the server (false: capture and hot swap only)
     publish_every: int = 32  # captured requests between the trainer's rounds
-    holdout: float = 0.25  # the newest fraction of captured requests, held back to judge a candidate
+    holdout: float = 0.25  # each client's fraction of its requests (picked by a hash of the prompt) held back to judge
     steps: int = 60  # optimizer steps per round
     batch_size: int = 4
     lr: float = 2e-4
@@ -21,16 +24,21 @@ class AdaptConfig:
     replay: str | None = None  # a feature cache of the drafter's original training data; None: no replay (warned)
     replay_ratio: float = 1.0  # replay examples per captured training example in a round
     threads: int = 1  # the trainer's torch threads; it runs at the lowest CPU priority
-    min_gain: float = 0.0  # a candidate is published when its held-out tau beats the live head's by more than this
-    rollback_window: int = 16  # live requests a new version serves before it is judged
-    rollback_margin: float = 0.0  # rolled back when its live tau < the previous version's - this
+    # a candidate is published when its paired held-out tau gain, averaged over the judging groups, exceeds this and
+    # no group loses more than this. Above 0: a swap empties the prefix cache (its salt names the drafter) and risks
+    # a live window, and a few dozen held-back requests cannot resolve a smaller gain (docs/serving.md)
+    min_gain: float = 0.02
+    min_clients: int = 2  # judging groups a candidate needs: clients with held-back requests, plus replay when set
+    client_cap: int = 64  # captured requests kept per client; past it that client's oldest go first
+    rollback_window: int = 16  # captured requests a new version serves before the trainer judges it on them
+    rollback_margin: float = 0.0  # rolled back when its paired tau on them < the previous version's - this
     max_length: int = 512  # the trainer's tokens per example (a longer one keeps a window from its answer's start)
     seed: int = 0  # the trainer's sampling of examples and replay, offset by the round
 
     def __post_init__(self) -> None:
         if self.capture_gb <= 0:
             raise ValueError(f"adaptation.capture_gb must be > 0, got {self.capture_gb}")
-        for key in ("publish_every", "steps", "batch_size", "ttt_steps", "threads", "rollback_window", "max_length"):
+        for key in COUNTS:
             if getattr(self, key) < 1:
                 raise ValueError(f"adaptation.{key} must be >= 1, got {getattr(self, key)}")
         if not 0 < self.holdout < 1:

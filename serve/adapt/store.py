@@ -4,6 +4,9 @@ One request per safetensors shard (train/features.py's tensors for one example, 
 atomically, then manifest.json rewritten atomically: a reader sees whole shards only. A writer thread does the
 disk work so serving never waits on it; when its queue is full a request is dropped, not waited for. Past the cap
 the oldest shards are deleted. A write that fails (a full disk) stops capture and says why, once; serving goes on.
+
+So that no client fills the training data: a prompt already stored is not stored again (identical prompts count
+once, whoever sent them), and each client keeps at most `client_cap` requests, its own oldest going first.
 """
 
 from __future__ import annotations
@@ -31,13 +34,21 @@ def shard_name(seq: int) -> str:
 
 
 class CaptureStore:
-    def __init__(self, folder: Path, target_id: str, layers: tuple[int, ...], cap_bytes: int, queue_size: int = 64):
-        self.folder, self.cap_bytes = Path(folder), cap_bytes
+    def __init__(
+        self,
+        folder: Path,
+        target_id: str,
+        layers: tuple[int, ...],
+        cap_bytes: int,
+        queue_size: int = 64,
+        client_cap: int | None = None,
+    ):
+        self.folder, self.cap_bytes, self.client_cap = Path(folder), cap_bytes, client_cap
         self.folder.mkdir(parents=True, exist_ok=True)
         self.key = {"format_version": FORMAT_VERSION, "target": target_id, "layers": list(layers)}
         self.key |= {"dtype": "bfloat16", "source": "capture"}
         self.shards: list[dict] = []
-        self.seq, self.evicted, self.dropped = 0, 0, 0
+        self.seq, self.evicted, self.dropped, self.duplicates = 0, 0, 0, 0
         self.stopped: str | None = None
         self.resume()
         self.pending: queue.Queue[Captured | None] = queue.Queue(queue_size)
@@ -62,6 +73,7 @@ class CaptureStore:
         self.shards = [s for s in made.get("shards", []) if (self.folder / s["file"]).is_file()]
         self.seq = made.get("capture", {}).get("next_seq", 0)
         self.evicted = made.get("capture", {}).get("evicted", 0)
+        self.duplicates = made.get("capture", {}).get("duplicates", 0)
 
     def add(self, captured: Captured) -> None:
         """From the engine thread: queue the request for the writer; never blocks."""
@@ -85,16 +97,12 @@ class CaptureStore:
         self.pending.task_done()
 
     def write(self, c: Captured) -> None:
-        seq = self.seq
-        path = self.folder / shard_name(seq)
-        tensors = {"input_ids": c.input_ids, "loss_mask": c.loss_mask, "hidden": c.hidden, "aux": c.aux}
-        tensors |= {"have": c.have, "offsets": torch.tensor([0, c.tokens])}
+        path = self.folder / shard_name(self.seq)
         try:
-            write_file_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={**c.meta, "seq": str(seq)}))
-            self.seq = seq + 1
-            shard = {"file": path.name, "examples": 1, "seq": seq, "bytes": path.stat().st_size}
-            self.shards.append(shard | {"tokens": c.tokens, "masked_tokens": int(c.loss_mask.sum())})
-            self.evict()
+            if self.holds(c.meta.get("prompt")):
+                self.duplicates += 1  # not stored again: one client repeating itself does not fill the store
+            else:
+                self.write_shard(c, path)
             self.write_manifest()
         except OSError as e:  # a full disk, a folder gone: capture stops, serving does not
             self.stopped = f"{type(e).__name__}: {e}"
@@ -102,14 +110,40 @@ class CaptureStore:
             with contextlib.suppress(OSError):
                 self.write_manifest()  # says it stopped, where the disk still takes it
 
+    def holds(self, prompt: str | None) -> bool:
+        return prompt is not None and any(s.get("prompt") == prompt for s in self.shards)
+
+    def write_shard(self, c: Captured, path: Path) -> None:
+        seq = self.seq
+        tensors = {"input_ids": c.input_ids, "loss_mask": c.loss_mask, "hidden": c.hidden, "aux": c.aux}
+        tensors |= {"have": c.have, "offsets": torch.tensor([0, c.tokens])}
+        write_file_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={**c.meta, "seq": str(seq)}))
+        self.seq = seq + 1
+        shard = {"file": path.name, "examples": 1, "seq": seq, "bytes": path.stat().st_size}
+        shard |= {key: c.meta[key] for key in ("version", "client", "prompt") if key in c.meta}
+        self.shards.append(shard | {"tokens": c.tokens, "masked_tokens": int(c.loss_mask.sum())})
+        self.evict_client(c.meta.get("client"))
+        self.evict()
+
     def write_manifest(self) -> None:
         write_text_atomic(self.folder / MANIFEST, json.dumps(self.manifest(), indent=1) + "\n")
 
     def evict(self) -> None:
         while len(self.shards) > 1 and self.bytes > self.cap_bytes:
-            old = self.shards.pop(0)
-            (self.folder / old["file"]).unlink(missing_ok=True)
-            self.evicted += 1
+            self.remove(self.shards[0])
+
+    def evict_client(self, client: str | None) -> None:
+        """A client past its cap loses its own oldest requests, never another client's."""
+        if self.client_cap is None or client is None:
+            return
+        own = [s for s in self.shards if s.get("client") == client]
+        for old in own[: max(0, len(own) - self.client_cap)]:
+            self.remove(old)
+
+    def remove(self, shard: dict) -> None:
+        self.shards.remove(shard)
+        (self.folder / shard["file"]).unlink(missing_ok=True)
+        self.evicted += 1
 
     def manifest(self) -> dict:
         capture: dict[str, int | str | None] = {
@@ -118,7 +152,7 @@ class CaptureStore:
             "next_seq": self.seq,
             "evicted": self.evicted,
         }
-        capture |= {"dropped": self.dropped, "stopped": self.stopped}
+        capture |= {"dropped": self.dropped, "duplicates": self.duplicates, "stopped": self.stopped}
         return {
             "key": self.key,
             "target": self.key["target"],

@@ -3,11 +3,13 @@
     capture/        the captured requests (store.py)
     versions/       v0000 (the drafter served first), v0001, ...: drafter folders; LATEST names the newest
     live.json       the version serving, the one before it, the ones rolled back, each one's live tau
+    verdicts/       vNNNN.json: the trainer's paired judgment of a live version against the one it replaced
     adapt.json      what the trainer is started with
     trainer.jsonl   the trainer's rounds
 
 A version is published by renaming a finished folder into versions/, then replacing LATEST; a reader that goes by
-LATEST never sees a half-written version.
+LATEST never sees a half-written version. Its version.json names its parent: a version descended from one rolled
+back (its line) is never served nor trained from.
 """
 
 from __future__ import annotations
@@ -78,21 +80,36 @@ class Workspace:
     def manifest(self) -> dict | None:
         return read_json(self.capture / "manifest.json")
 
+    @property
+    def verdicts(self) -> Path:
+        return self.root / "verdicts"
+
     def live_version(self) -> str:
-        """The version a trainer goes on from: the newest published one (LATEST) unless it was rolled back, since
-        the server swaps it in at its next request; else live.json's "live" (the server's choice after a rollback);
-        else v0000. Never a rejected version."""
+        """The version a trainer goes on from: the newest one, from LATEST (the server swaps it in at its next
+        request) or live.json's "live" down, that neither was rolled back nor descends from one that was; else v0000.
+        A version trained before its parent was rolled back is passed over with its parent."""
         live = read_json(self.live_file) or {}
-        rejected = live.get("rejected") or []
-        for name in (self.latest(), live.get("live")):
-            if (
-                isinstance(name, str)
-                and VERSION.fullmatch(name)
-                and name not in rejected
-                and self.folder(name).is_dir()
-            ):
+        rejected = [r for r in live.get("rejected") or [] if isinstance(r, str)]
+        named = [n for n in (self.latest(), live.get("live")) if isinstance(n, str) and VERSION.fullmatch(n)]
+        for n in range(max((version_number(x) for x in named), default=0), 0, -1):
+            name = version_name(n)
+            if (self.folder(name) / "config.json").is_file() and not self.tainted(name, rejected):
                 return name
         return version_name(0)
+
+    def parent(self, version: str) -> str | None:
+        """The version it was trained from (its version.json); None for v0000 and a version placed by hand."""
+        parent = (read_json(self.folder(version) / "version.json") or {}).get("parent")
+        return version_name(parent) if isinstance(parent, int) and 0 <= parent < version_number(version) else None
+
+    def tainted(self, version: str, rejected: list[str]) -> bool:
+        """Whether `version` or any version it descends from was rolled back."""
+        name: str | None = version
+        while name is not None:  # parents are strictly older: the walk ends
+            if name in rejected:
+                return True
+            name = self.parent(name)
+        return False
 
     def next_version(self) -> int:
         """One past the highest complete version (one renamed into place before LATEST moved counts too)."""

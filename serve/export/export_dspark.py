@@ -132,7 +132,7 @@ def own_chain(head: DSparkHead, aux: Tensor, first: Tensor, start: int) -> tuple
     prop.cached = start
     prop.draft_block(first)
     tokens = torch.cat([torch.zeros(start, dtype=torch.long), first[None]])
-    tree = prop.propose(tokens, SamplingParams(), head.config.block_size)
+    tree = prop.draft(tokens, SamplingParams(), head.config.block_size)  # the block drafted above, as propose would
     prevs = torch.cat([first[None], tree.tokens[:-1]])
     rows = torch.stack([prop.slot(k, prev, None)[0] for k, prev in enumerate(prevs)])
     assert tree.accept_probs is not None

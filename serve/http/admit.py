@@ -9,11 +9,14 @@ from dataclasses import dataclass
 from pydantic import ValidationError
 
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.http.bounds import Bounds
+from draftsmith.serve.http.chat_text import ChatEncoder
 from draftsmith.serve.http.errors import APIError, invalid
+from draftsmith.serve.http.json_checks import MAX_DEPTH, check_json
 from draftsmith.serve.http.schemas import UNSUPPORTED, ChatRequest, Message
-from draftsmith.serve.models.target import encode_chat
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy, as vLLM takes it (1/T would overflow the logits)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union tags (or with a "[")
 
@@ -25,6 +28,7 @@ class Limits:
     model_name: str
     context: int  # prompt + completion tokens the engine holds
     default_max_tokens: int | None  # a request's budget when it sets none; None: what the context has left
+    bounds: Bounds  # messages, characters, stop strings
 
 
 @dataclass
@@ -39,6 +43,8 @@ class Admitted:
 def parse(body: bytes) -> ChatRequest:
     try:
         data = json.loads(body)
+    except RecursionError:
+        raise too_deep() from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid(
             f"We could not parse the JSON body of your request ({e}). The body must be a JSON object; "
@@ -46,10 +52,20 @@ def parse(body: bytes) -> ChatRequest:
         ) from None
     if not isinstance(data, dict):
         raise invalid(f"The body of your request must be a JSON object, got a JSON {type(data).__name__}.")
+    check_json(data)
     try:
         return ChatRequest.model_validate(data)
     except ValidationError as e:
         raise refusal(e) from None
+
+
+def too_deep() -> APIError:
+    return invalid(
+        f"The JSON body of your request is nested too deeply (a chat-completions request needs under {MAX_DEPTH} "
+        "levels).",
+        None,
+        "invalid_value",
+    )
 
 
 def refusal(e: ValidationError) -> APIError:
@@ -74,7 +90,7 @@ def dotted(loc: tuple) -> str:
     return out
 
 
-def admit(req: ChatRequest, tokenizer, limits: Limits) -> Admitted:
+def admit(req: ChatRequest, encoder: ChatEncoder, limits: Limits) -> Admitted:
     if req.model != limits.model_name:
         raise APIError(
             404,
@@ -83,8 +99,35 @@ def admit(req: ChatRequest, tokenizer, limits: Limits) -> Admitted:
             "model_not_found",
         )
     refuse_unsupported(req)
-    prompt_ids = encode(tokenizer, req.messages)
-    return Admitted(req, prompt_ids, budget(req, len(prompt_ids), limits), sampling(req), stop_strings(req))
+    chat = messages_in_bounds(req.messages, limits)
+    prompt_ids = encode(encoder, chat)
+    stop = stop_strings(req, limits.bounds.stop_chars)
+    return Admitted(req, prompt_ids, budget(req, len(prompt_ids), limits), sampling(req), stop)
+
+
+def messages_in_bounds(messages: list[Message], limits: Limits) -> list[dict]:
+    """The chat the template takes, refused before any template or tokenizer runs when it cannot fit: more
+    messages, or more characters, than the context could hold."""
+    bounds = limits.bounds
+    if len(messages) > bounds.messages:
+        raise invalid(
+            f"Your request has {len(messages)} messages; this server takes at most {bounds.messages} "
+            f"(limits.max_messages; the model's context is {limits.context} tokens). Send fewer.",
+            "messages",
+            "context_length_exceeded",
+        )
+    chat = [
+        {"role": "system" if m.role == "developer" else m.role, "content": text(m, i)} for i, m in enumerate(messages)
+    ]
+    chars = sum(len(m["content"]) for m in chat)
+    if chars > bounds.prompt_chars:
+        raise invalid(
+            f"Your messages hold {chars} characters; this server takes at most {bounds.prompt_chars} "
+            f"(limits.max_prompt_chars), more than its {limits.context}-token context could hold. Shorten them.",
+            "messages",
+            "context_length_exceeded",
+        )
+    return chat
 
 
 def refuse_unsupported(req: ChatRequest) -> None:
@@ -106,12 +149,9 @@ def refuse_unsupported(req: ChatRequest) -> None:
         raise invalid("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
 
 
-def encode(tokenizer, messages: list[Message]) -> list[int]:
-    chat = [
-        {"role": "system" if m.role == "developer" else m.role, "content": text(m, i)} for i, m in enumerate(messages)
-    ]
+def encode(encoder: ChatEncoder, chat: list[dict]) -> list[int]:
     try:
-        return encode_chat(tokenizer, chat)
+        return encoder.encode(chat)
     except Exception as e:  # the template's own checks (e.g. roles out of order) are the client's to fix
         raise invalid(f"The messages do not fit the model's chat template: {e}", "messages") from None
 
@@ -172,14 +212,23 @@ def sampling(req: ChatRequest) -> SamplingParams:
     if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
         raise invalid(f"Invalid 'seed': {req.seed} is outside the 64-bit range.", "seed", "invalid_value")
     temperature = 1.0 if req.temperature is None else req.temperature  # OpenAI's default
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = 1.0 if req.top_p is None else req.top_p
     return SamplingParams(temperature, top_p, req.top_k or 0, req.seed)
 
 
-def stop_strings(req: ChatRequest) -> list[str]:
+def stop_strings(req: ChatRequest, max_chars: int) -> list[str]:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP:
         raise invalid(f"Invalid 'stop': at most {MAX_STOP} stop strings, got {len(stop)}.", "stop", "invalid_value")
     if any(not s for s in stop):
         raise invalid("Invalid 'stop': a stop string must not be empty.", "stop", "invalid_value")
+    if (longest := max((len(s) for s in stop), default=0)) > max_chars:
+        raise invalid(
+            f"Invalid 'stop': a stop string of {longest} characters; this server takes at most {max_chars} "
+            "(limits.max_stop_chars).",
+            "stop",
+            "invalid_value",
+        )
     return stop

@@ -17,8 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from draftsmith.serve.http.admit import Admitted, Limits, admit, parse
-from draftsmith.serve.http.errors import APIError, server_error
+from draftsmith.serve.http.admission import Admission
+from draftsmith.serve.http.admit import Admitted
+from draftsmith.serve.http.auth import CLIENT, OPEN_PATHS, KeyCheck
+from draftsmith.serve.http.body import read_body
+from draftsmith.serve.http.client import client_id
+from draftsmith.serve.http.errors import APIError, server_error, unexpected
 from draftsmith.serve.http.metrics import CONTENT_TYPE, ServeMetrics
 from draftsmith.serve.http.responses import DONE, Reply, event, model_card, stats
 from draftsmith.serve.http.worker import Done, Failed, Job, Piece, Worker
@@ -26,14 +30,15 @@ from draftsmith.serve.http.worker import Done, Failed, Job, Piece, Worker
 
 @dataclass
 class Backend:
-    """What the handlers share: the engine's worker, the tokenizer prompts are encoded with, the limits requests are
-    checked against."""
+    """What the handlers share: the engine's worker, the admission of requests (off the event loop) and the limits
+    it checks them against, the API keys taken (none: no key asked for)."""
 
     worker: Worker
-    tokenizer: object
-    limits: Limits
+    admission: Admission
     spec: str
     metrics: ServeMetrics
+    keys: list[str] = field(default_factory=list)
+    metrics_need_key: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     closers: list[Callable[[], None]] = field(default_factory=list)  # run at shutdown, after the worker stopped
 
@@ -44,13 +49,18 @@ def make_app(backend: Backend) -> FastAPI:
         backend.worker.start()
         yield
         await asyncio.to_thread(backend.worker.stop)
+        backend.admission.close()
         for close in backend.closers:
             await asyncio.to_thread(close)
 
     app = FastAPI(title="draftsmith-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(APIError, lambda request, e: e.response())
     app.add_exception_handler(HTTPException, http_error)
-    name = backend.limits.model_name
+    app.add_exception_handler(Exception, unexpected)
+    open_paths = OPEN_PATHS if backend.metrics_need_key else (*OPEN_PATHS, "/metrics")
+    app.add_middleware(KeyCheck, keys=backend.keys, open_paths=open_paths)
+    limits = backend.admission.limits
+    name = limits.model_name
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -66,10 +76,18 @@ def make_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        admitted = admit(parse(await request.body()), backend.tokenizer, backend.limits)
+        body = await read_body(request, limits.bounds.body_bytes, limits.bounds.body_timeout_s)
+        admitted = await backend.admission(body)
+        salt = cache_salt(getattr(request.state, CLIENT, None), admitted.request.cache_salt)
         job = Job(
-            admitted.prompt_ids, admitted.max_new_tokens, admitted.sampling, admitted.stop, asyncio.get_running_loop()
+            admitted.prompt_ids,
+            admitted.max_new_tokens,
+            admitted.sampling,
+            admitted.stop,
+            asyncio.get_running_loop(),
+            salt,
         )
+        job.client = client_id(request, admitted.request.user)  # adaptation's per-client caps and judging
         backend.worker.submit(job)
         reply = Reply(name, backend.spec)
         if admitted.request.stream:
@@ -135,6 +153,13 @@ async def cancel_on_disconnect(request: Request, job: Job) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     job.cancel()
+
+
+def cache_salt(client: str | None, asked: str | None) -> str:
+    """Whose prefix-cache entries a request may hit: its API key's, and within them its cache_salt's."""
+    if client is None and asked is None:
+        return ""
+    return f"{client or ''}:{asked or ''}"
 
 
 def job_stats(reply: Reply, job: Job, g) -> dict:

@@ -24,12 +24,15 @@ class TextStream:
             return ""
         self.ids += new_ids
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cut = self.first_stop(text)
+        # only what was not returned yet is searched: the new text and the held-back tail, which is shorter than the
+        # longest stop string (a stop string cannot start inside the text already returned)
+        fresh = text[self.sent :]
+        cut = self.first_stop(fresh)
         if cut is not None:
             self.stopped = True
-            return self.take(text, cut)
-        end = len(text.rstrip(REPLACEMENT)) if text.endswith(REPLACEMENT) else len(text)
-        return self.take(text, end - self.held(text[:end]))
+            return self.take(text, self.sent + cut)
+        settled = fresh.rstrip(REPLACEMENT) if fresh.endswith(REPLACEMENT) else fresh
+        return self.take(text, self.sent + len(settled) - self.held(settled))
 
     def flush(self) -> str:
         """The rest, once the output is complete."""
@@ -37,13 +40,13 @@ class TextStream:
             return ""
         return self.take(self.tokenizer.decode(self.ids, skip_special_tokens=True), None)
 
-    def first_stop(self, text: str) -> int | None:
-        # a stop string cannot start inside the text already returned: a tail that could begin one is held back
-        found = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
+    def first_stop(self, fresh: str) -> int | None:
+        found = [i for i in (fresh.find(s) for s in self.stop) if i >= 0]
         return min(found) if found else None
 
     def held(self, text: str) -> int:
-        """How many characters at text's end begin a stop string (held back until the next tokens settle it)."""
+        """How many characters at text's end begin a stop string (held back until the next tokens settle it).
+        admit.py caps the stop strings' length, which bounds this loop."""
         for k in range(min(len(text), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
             if any(s.startswith(text[-k:]) for s in self.stop):
                 return k

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi.responses import JSONResponse
+from starlette.requests import Request
+
+log = logging.getLogger("draftsmith.serve")
 
 
 class APIError(Exception):
@@ -15,15 +20,18 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ) -> None:
+        message, param = printable(message), None if param is None else printable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -41,3 +49,14 @@ def overloaded(waiting: int) -> APIError:
         code="overloaded",
         kind="server_error",
     )
+
+
+def printable(text: str) -> str:
+    """text that encodes as UTF-8: a lone surrogate echoed back from a request would fail the response itself."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+async def unexpected(request: Request, e: Exception) -> JSONResponse:
+    """Whatever no other handler caught: a JSON 500 that names no internals (the traceback goes to the log)."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=e)
+    return server_error("The server had an error while processing your request; it is logged. Retry.").response()

@@ -56,7 +56,10 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int | None = None  # None: 1, as OpenAI
     return_token_ids: bool = False  # not OpenAI's (vLLM's extra_body): the prompt's and the completion's token ids
-    user: str | None = None  # an end-user id: accepted, not used
+    user: str | None = None  # an end-user id: adaptation's client when the request has no API key (client.py)
+    # not OpenAI's (vLLM's extra_body): requests share prefix-cache entries only with requests of the same salt (and
+    # the same API key)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # the API's parameters the engine does not implement: refused unless at a value in UNSUPPORTED
     logprobs: bool | None = None
     top_logprobs: int | None = None

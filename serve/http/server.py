@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import uvicorn
@@ -11,10 +12,15 @@ from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.observer import Observer
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.http.admission import Admission
 from draftsmith.serve.http.admit import Limits
 from draftsmith.serve.http.app import Backend, make_app
+from draftsmith.serve.http.auth import api_keys, exposure_problem
+from draftsmith.serve.http.bounds import resolve
+from draftsmith.serve.http.chat_text import ChatEncoder
 from draftsmith.serve.http.config import ServeConfig
 from draftsmith.serve.http.metrics import ServeMetrics
+from draftsmith.serve.http.protocol import timed_h11
 from draftsmith.serve.http.worker import Job, Worker
 from draftsmith.serve.models.target import encode_chat, load_target
 
@@ -39,11 +45,13 @@ def build_backend(cfg: ServeConfig, observers: Sequence[Callable[[Job], Observer
     if cfg.adapt:
         adaptation = Adaptation(cfg.adaptation, target, cfg.target, cfg.spec, engine)
         adaptation.register_metrics(metrics.registry)
-        watchers.append(lambda job: adaptation.observer(job.prompt_ids))
+        watchers.append(lambda job: adaptation.observer(job.prompt_ids, job.client))
         between, closers = adaptation.between_requests, [adaptation.close]
     worker = Worker(engine, target.tokenizer, metrics, cfg.max_queue, watchers, between)
-    limits = Limits(name, engine.max_seq_len, cfg.max_tokens)
-    return Backend(worker, target.tokenizer, limits, cfg.spec.name, metrics, closers=closers)
+    limits = Limits(name, engine.max_seq_len, cfg.max_tokens, resolve(cfg.limits, engine.max_seq_len))
+    admission = Admission(ChatEncoder(target.tokenizer, cfg.parse_special_tokens), limits)
+    keys = api_keys(cfg.api_key)
+    return Backend(worker, admission, cfg.spec.name, metrics, keys, cfg.metrics_need_key, closers=closers)
 
 
 def warm_up(engine: Engine, prompt_ids: list[int]) -> None:
@@ -59,10 +67,28 @@ def warm_up(engine: Engine, prompt_ids: list[int]) -> None:
 
 
 def serve(cfg: ServeConfig) -> None:
+    if (problem := exposure_problem(cfg.host, api_keys(cfg.api_key), cfg.allow_unauthenticated)) is not None:
+        sys.exit(f"draftsmith-serve: {problem}")  # before the model loads: nothing is served open by mistake
     backend = build_backend(cfg)
+    limits = backend.admission.limits
+    keyed = f", {len(backend.keys)} API key(s)" if backend.keys else ""
     print(
-        f"draftsmith-serve: {backend.limits.model_name} (spec={backend.spec}, context {backend.limits.context} "
-        f"tokens) on http://{cfg.host}:{cfg.port}/v1",
+        f"draftsmith-serve: {limits.model_name} (spec={backend.spec}, context {limits.context} tokens{keyed}) on "
+        f"http://{cfg.host}:{cfg.port}/v1",
         flush=True,
     )
-    uvicorn.run(make_app(backend), host=cfg.host, port=cfg.port, log_level=cfg.log_level)
+    uvicorn.Server(uvicorn_config(cfg, backend)).run()
+
+
+def uvicorn_config(cfg: ServeConfig, backend: Backend) -> uvicorn.Config:
+    bounds = cfg.limits
+    return uvicorn.Config(
+        make_app(backend),
+        host=cfg.host,
+        port=cfg.port,
+        log_level=cfg.log_level,
+        http=timed_h11(bounds.header_timeout_s),
+        timeout_keep_alive=bounds.timeout_keep_alive_s,
+        limit_concurrency=bounds.limit_concurrency,
+        h11_max_incomplete_event_size=bounds.max_header_kb * 1024,
+    )

@@ -16,7 +16,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from draftsmith.serve.engine.engine import Engine
@@ -56,12 +57,14 @@ class Job:
     sampling: SamplingParams
     stop: list[str]
     loop: asyncio.AbstractEventLoop
+    cache_salt: str = ""  # the client's: its prefix-cache entries are its own (app.py: the API key, the cache_salt)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None
     first_token: float | None = None
     ended: bool = False  # Done or Failed was posted
+    client: str = "local"  # who sent it (client.py): adaptation's per-client caps and judging group by it
 
     def post(self, event: Piece | Done | Failed) -> None:
         """From the engine thread to the handler waiting on `events`."""
@@ -100,6 +103,22 @@ class JobObserver(Observer):
         if self.text.stopped or g.finished_by == "eos":
             return "stop"
         return "length" if g.finished_by == "length" else "abort"
+
+
+@contextmanager
+def client_salt(engine: Engine, salt: str) -> Iterator[None]:
+    """The engine's prefix-cache salt with the client's added for one request: a client's prompts hit only its own
+    entries, so a hit (its count, or its speed) tells nothing about what other clients sent. The engine thread is
+    the only one that reads or changes the salt, and a head swapped in between requests sets a new base."""
+    if not salt:
+        yield
+        return
+    base = engine.salt
+    engine.salt = f"{base}|client={salt}"
+    try:
+        yield
+    finally:
+        engine.salt = base
 
 
 class Worker:
@@ -173,7 +192,8 @@ class Worker:
         self.metrics.running.set(1)
         self.current = job
         try:
-            g = self.engine.generate(job.prompt_ids, job.max_new_tokens, job.sampling, observer)
+            with client_salt(self.engine, job.cache_salt):
+                g = self.engine.generate(job.prompt_ids, job.max_new_tokens, job.sampling, observer)
         except Exception as e:  # the server goes on; the request gets a 500 and the log the traceback
             log.exception("the engine failed on a request")
             self.metrics.ended_early("error")

@@ -1,0 +1,31 @@
+"""Which client a request is from, for online adaptation's per-client caps and judging (serve/adapt/): the API key
+auth.py checked (the same id the prefix cache is keyed by), else any `Authorization: Bearer` value (no keys are set:
+it is the client's word, as `user` is), else the request's `user` field, else the peer's address (not its port,
+which changes per connection). Each is hashed, so no key is written into the capture store and the id is short."""
+
+from __future__ import annotations
+
+import hashlib
+
+from fastapi import Request
+
+from draftsmith.serve.http.auth import CLIENT
+
+BEARER = "bearer "
+
+
+def client_id(request: Request, user: str | None) -> str:
+    checked = getattr(request.state, CLIENT, None)  # the checked key's sha256, in hex
+    if checked:
+        return f"key:{checked[:16]}"
+    auth = request.headers.get("authorization", "")
+    if auth[: len(BEARER)].lower() == BEARER and auth[len(BEARER) :].strip():
+        return tagged("key", auth[len(BEARER) :].strip())
+    if user:
+        return tagged("user", user)
+    return tagged("peer", request.client.host if request.client else "unknown")
+
+
+def tagged(kind: str, value: str) -> str:
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{kind}:{digest}"
