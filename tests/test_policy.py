@@ -136,6 +136,17 @@ def test_probes_that_find_nothing_back_off_to_four_times_probe_every(target, fut
     assert gaps[:3] == [2, 4, 8] and set(gaps[3:]) <= {8}, decisions
 
 
+def test_the_wait_before_a_probe_goes_on_from_one_request_to_the_next(target, future):
+    """A drafter that stopped paying is looked at once per wait across requests, not again early in each request."""
+    engine = Engine(target, Scripted(future, lambda n: False), max_seq_len=128)
+    engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=2))
+    engine.generate(PROMPTS[0], NEW, GREEDY)
+    assert engine.policy.wait == 8  # backed off to 4 x probe_every
+    for _ in range(3):
+        m = engine.generate(PROMPTS[0], 12, GREEDY).metrics
+        assert m.probe_steps <= 1 and m.plain_steps >= m.target_forward_passes - 1  # not at steps 2, 4 and 8 again
+
+
 def test_a_request_whose_drafts_come_back_drafts_again(target, future):
     start = len(PROMPTS[0])
     bad = range(start + 4, start + 24)  # wrong for a stretch, then right again

@@ -14,8 +14,9 @@ A request whose drafts stop paying goes plain; within a plain run the drafters a
 plain steps in a row it probes: the lookup's first node if one drafted, else the cheapest drafter's first node (its
 whole first level where it samples its draft). A probe that does not bring drafting back doubles the wait for the
 next, up to 4 x `probe_every`; a draft worth making resets it. So probing costs at most one draft level and one verify
-row per `probe_every` + 1 steps, one per 4 x `probe_every` + 1 in a request that stays plain, and a request whose
-acceptance comes back is drafting again within 4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its
+row per `probe_every` + 1 steps, one per 4 x `probe_every` + 1 while requests stay plain (the plain run and the wait go
+on from one request to the next), and a request whose acceptance comes back is drafting again within
+4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its
 deepest goes one level deeper every `probe_every`-th draft, so deeper levels that came to pay are found.
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
@@ -101,9 +102,10 @@ class DraftPolicy:
         self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
 
     def start(self) -> None:
-        """A new request: its estimates start from the engine's."""
+        """A new request: its estimates start from the engine's. The plain run and the wait before the next probe go
+        on from the last request's: a drafter that stopped paying is looked at once per wait, not once per request."""
         self.acceptance.start()
-        self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
+        self.previous = -1
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
