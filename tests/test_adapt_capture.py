@@ -135,6 +135,29 @@ def test_identical_prompts_count_once_and_each_client_keeps_its_cap(setup, tmp_p
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == sorted(s["file"] for s in manifest["shards"])
 
 
+def test_past_the_byte_cap_the_heaviest_client_gives_up_its_own_requests(setup, tmp_path):
+    engine, _ = engine_for(setup, prefix_cache=False)
+    victim = [capture(engine, p, client="user:alice")[1] for p in PROMPTS[:2]]
+    burst = [p[cut:] for p in PROMPTS[2:] for cut in range(3)]  # distinct prompts: none counted as a duplicate
+    attacker = [capture(engine, p, client="key:attacker")[1] for p in burst]
+    sizes = CaptureStore(tmp_path / "size", "tiny", engine.target_layers, cap_bytes=1 << 30)
+    for c in victim + attacker:
+        sizes.add(c)
+    sizes.close()  # the writes are done
+    held = {
+        client: sum(s["bytes"] for s in sizes.shards if s["client"] == client)
+        for client in ("user:alice", "key:attacker")
+    }
+    cap = held["user:alice"] + held["key:attacker"] // 3  # the burst passes it; the victim holds under half of it
+    assert held["user:alice"] <= cap // 2
+    store = CaptureStore(tmp_path / "store", "tiny", engine.target_layers, cap_bytes=cap, client_cap=64)
+    for c in victim + attacker:  # the victim first, then the burst
+        store.add(c)
+    store.close()
+    clients = [s["client"] for s in json.loads((tmp_path / "store" / "manifest.json").read_text())["shards"]]
+    assert clients.count("user:alice") == 2 and 0 < clients.count("key:attacker") < len(attacker)
+
+
 def test_a_full_disk_stops_capture_not_serving(setup, tmp_path, monkeypatch, caplog):
     engine, _ = engine_for(setup, prefix_cache=False)
     store = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1 << 30)

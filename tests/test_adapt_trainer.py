@@ -28,6 +28,7 @@ from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.adapt.capture import prompt_digest
 from draftsmith.serve.adapt.config import AdaptConfig
 from draftsmith.serve.adapt.verdict import Verdict
+from draftsmith.serve.adapt.versions import Workspace
 from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.models.target import load_target
 from draftsmith.serve.spec import SpecConfig
@@ -230,6 +231,21 @@ def test_rounds_never_continue_a_rolled_back_versions_line(tmp_path, tiny):
     trainer, state = start(root), TrainerState()
     assert run_round(trainer, state).base == "v0000"
     assert trainer.ws.tainted("v0003", ["v0001"]) and not trainer.ws.tainted("v0000", ["v0001"])
+
+
+def test_a_line_that_cannot_be_read_to_its_root_is_never_served(tmp_path):
+    """v0003's parent v0002 (a child of the rejected v0001) deleted by hand, or a version.json unreadable: its line
+    cannot be checked, so it counts as tainted."""
+    ws = Workspace(tmp_path)
+    ws.versions.mkdir(parents=True)
+    for number, parent in ((0, None), (3, 2), (4, 0)):
+        folder = ws.versions / f"v000{number}"
+        folder.mkdir()
+        if parent is not None:
+            (folder / "version.json").write_text(json.dumps({"version": number, "parent": parent}))
+    assert ws.tainted("v0003", ["v0001"]) and not ws.tainted("v0004", ["v0001"])
+    (ws.versions / "v0004" / "version.json").write_text("{not json")
+    assert ws.tainted("v0004", []) and not ws.tainted("v0000", [])
 
 
 def test_min_gain_defaults_above_zero():

@@ -7,6 +7,7 @@ per client, tiny temperatures, deep nesting and lone surrogates."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import socket
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
+from uvicorn.server import ServerState
 
+from draftsmith.serve.http.protocol import timed_h11
 from draftsmith.serve.models.target import encode_chat
 from helpers import ENV, build_tiny_chat_target, user
 from serve_process import running_server
@@ -86,6 +90,8 @@ def test_every_route_but_health_needs_a_key(server):
         assert httpx.get(f"{server.url}/v1/models", headers=headers, timeout=30).status_code == 401
         assert httpx.get(f"{server.url}/metrics", headers=headers, timeout=30).status_code == 401
     assert openai_error(post(server, body(), {"Authorization": "Bearer wrong"}), 401, "invalid_api_key")
+    twice = [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")]  # a proxy may read either
+    openai_error(httpx.post(f"{server.url}/v1/chat/completions", json=body(), headers=twice, timeout=30), 400)
     for key in (KEY, ENV_KEY):  # either key of a rotation works
         headers = {"Authorization": f"Bearer {key}"}
         assert post(server, body(), headers=headers).status_code == 200
@@ -284,8 +290,19 @@ def nested(depth: int) -> str:
         (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "Hi"}]}', "model"),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi \\udfff there"}]}', "messages[0].content"),
         (b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "\\ud800": 1}', None),
+        (
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1' + b"0" * 5000 + b"}",
+            None,
+        ),
     ],
-    ids=["nested-100k", "nested-3000-in-a-part", "surrogate-in-model", "surrogate-in-content", "surrogate-in-a-key"],
+    ids=[
+        "nested-100k",
+        "nested-3000-in-a-part",
+        "surrogate-in-model",
+        "surrogate-in-content",
+        "surrogate-in-a-key",
+        "an-integer-of-5000-digits",
+    ],
 )
 def test_deep_nesting_and_lone_surrogates_get_a_json_400(server, raw, param):
     r = post(server, raw)
@@ -403,3 +420,47 @@ def test_one_key_on_the_command_line_is_a_list_of_one():
     assert exposure_problem("::1", [], allow_unauthenticated=False) is None
     assert exposure_problem("localhost", [], allow_unauthenticated=False) is None
     assert "api_key" in (exposure_problem("example.org", [], allow_unauthenticated=False) or "")
+
+
+class PeerTransport(asyncio.Transport):
+    """Just enough of a socket's transport for uvicorn's protocol: its peer's address, and whether it was closed."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__()
+        self.host, self.closed = host, False
+
+    def get_extra_info(self, name, default=None):
+        return {"peername": (self.host, 40000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def write(self, data) -> None:
+        pass
+
+
+def test_one_address_holds_at_most_connections_per_peer_and_loopback_is_not_capped():
+    async def connect(cls, config, state, host: str):
+        protocol = cls(config=config, server_state=state, app_state={})
+        transport = PeerTransport(host)
+        protocol.connection_made(transport)
+        return protocol, transport
+
+    async def scenario() -> None:
+        cls = timed_h11(10.0, per_peer=2)
+        config = uvicorn.Config(app=lambda scope, receive, send: None, http=cls)
+        config.load()
+        state = ServerState()
+        remote = [await connect(cls, config, state, "203.0.113.5") for _ in range(3)]
+        local = [await connect(cls, config, state, "127.0.0.1") for _ in range(3)]
+        assert [t.closed for _, t in remote] == [False, False, True] and not any(t.closed for _, t in local)
+        remote[0][0].connection_lost(None)  # one leaves: another may come
+        _, again = await connect(cls, config, state, "203.0.113.5")
+        assert not again.closed
+        for protocol, _ in remote[1:2] + local:
+            protocol.connection_lost(None)
+
+    asyncio.run(scenario())

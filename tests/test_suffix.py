@@ -307,6 +307,20 @@ def test_forget_drops_earlier_answers(target):
     assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).metrics.mean_acceptance_length == first
 
 
+def test_one_clients_answers_never_draft_anothers(target):
+    """The global tree is kept per client (draftsmith-serve sets it per API key or cache_salt): a second client asking
+    what the first asked drafts from its prompt alone, as a fresh engine does, while the first drafts from its answer."""
+    proposer = SuffixProposer(SuffixConfig())
+    engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
+    fresh = engine.generate(PROMPTS[0], MAX_NEW, GREEDY).metrics.mean_acceptance_length  # client "" learns it
+    proposer.set_client("alice")
+    engine.generate(PROMPTS[1], MAX_NEW, GREEDY)
+    proposer.set_client("bob")
+    assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).metrics.mean_acceptance_length == fresh
+    proposer.set_client("")
+    assert engine.generate(PROMPTS[0], MAX_NEW, GREEDY).metrics.mean_acceptance_length > fresh
+
+
 @pytest.fixture(scope="module")
 def small(tiny_llama_dir):
     """Vocabulary-8 target and the exact plain-sampling distribution of the 3 tokens after a repetitive prompt."""

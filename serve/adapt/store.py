@@ -16,6 +16,7 @@ import json
 import logging
 import queue
 import threading
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -130,7 +131,16 @@ class CaptureStore:
 
     def evict(self) -> None:
         while len(self.shards) > 1 and self.bytes > self.cap_bytes:
-            self.remove(self.shards[0])
+            self.remove(self.oldest_of_heaviest())
+
+    def oldest_of_heaviest(self) -> dict:
+        """Past the byte cap, the client holding the most bytes gives up its oldest request: one client's long requests
+        push out its own, not everyone else's (a lone client: simply the oldest)."""
+        held: Counter[str | None] = Counter()
+        for shard in self.shards:
+            held[shard.get("client")] += shard["bytes"]
+        heaviest = max(held, key=lambda client: held[client])
+        return next(s for s in self.shards if s.get("client") == heaviest)
 
     def evict_client(self, client: str | None) -> None:
         """A client past its cap loses its own oldest requests, never another client's."""

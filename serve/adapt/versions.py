@@ -103,13 +103,25 @@ class Workspace:
         return version_name(parent) if isinstance(parent, int) and 0 <= parent < version_number(version) else None
 
     def tainted(self, version: str, rejected: list[str]) -> bool:
-        """Whether `version` or any version it descends from was rolled back."""
+        """Whether `version` or any version it descends from was rolled back, or its line cannot be read to the root
+        (a version folder gone, a version.json unreadable or naming no valid parent): a line that cannot be checked
+        is not served."""
         name: str | None = version
         while name is not None:  # parents are strictly older: the walk ends
-            if name in rejected:
+            if name in rejected or not self.line_readable(name):
                 return True
             name = self.parent(name)
         return False
+
+    def line_readable(self, version: str) -> bool:
+        """Its folder is there, and its version.json, if any (one placed by hand has none), names a valid parent."""
+        folder = self.folder(version)
+        if not folder.is_dir():
+            return False
+        if not (folder / "version.json").exists():
+            return True
+        parent = (read_json(folder / "version.json") or {}).get("parent", "unreadable")
+        return version == version_name(0) or isinstance(parent, int) and 0 <= parent < version_number(version)
 
     def next_version(self) -> int:
         """One past the highest complete version (one renamed into place before LATEST moved counts too)."""

@@ -45,7 +45,7 @@ def parse(body: bytes) -> ChatRequest:
         data = json.loads(body)
     except RecursionError:
         raise too_deep() from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, and an integer past Python's 4300 digits
         raise invalid(
             f"We could not parse the JSON body of your request ({e}). The body must be a JSON object; "
             "check the JSON and the Content-Type: application/json header."

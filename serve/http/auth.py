@@ -45,6 +45,14 @@ def exposure_problem(host: str, keys: Sequence[str], allow_unauthenticated: bool
     )
 
 
+def one_authorization(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The request's Authorization header; several are refused, as a proxy and this server might each read another."""
+    found = [value for name, value in headers if name.lower() == b"authorization"]
+    if len(found) > 1:
+        raise APIError(400, "Send one Authorization header, not several.", code="several_authorization_headers")
+    return found[0] if found else None
+
+
 def digest(key: str | bytes) -> bytes:
     # compared as digests: equal lengths, so the comparison's time says nothing of a key's length either
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
@@ -63,7 +71,7 @@ class KeyCheck:
             await self.app(scope, receive, send)
             return
         try:
-            client = self.identify(dict(scope["headers"]).get(b"authorization"))
+            client = self.identify(one_authorization(scope["headers"]))
         except APIError as e:
             await e.response()(scope, receive, send)
             return

@@ -23,6 +23,7 @@ class BoundsConfig:
     header_timeout_s: float = 10.0  # a connection that has not sent a whole request head in this time is closed
     timeout_keep_alive_s: int = 5  # an idle keep-alive connection is closed after this (uvicorn's timeout_keep_alive)
     limit_concurrency: int = 512  # connections and requests at once; past it, 503 (uvicorn's limit_concurrency)
+    connections_per_peer: int = 64  # connections one non-loopback address holds at once; past it, closed at once
     max_header_kb: int = 16  # a request head past this is refused with 400 (uvicorn's h11_max_incomplete_event_size)
 
     def __post_init__(self) -> None:
@@ -33,6 +34,8 @@ class BoundsConfig:
         for name in ("max_stop_chars", "body_timeout_s", "header_timeout_s", "timeout_keep_alive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"limits.{name} must be > 0, got {getattr(self, name)}")
+        if self.connections_per_peer < 1:
+            raise ValueError(f"limits.connections_per_peer must be >= 1, got {self.connections_per_peer}")
         if self.limit_concurrency < 2:
             raise ValueError(f"limits.limit_concurrency must be >= 2, got {self.limit_concurrency}")
         if self.max_header_kb < 1:

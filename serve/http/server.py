@@ -87,7 +87,7 @@ def uvicorn_config(cfg: ServeConfig, backend: Backend) -> uvicorn.Config:
         host=cfg.host,
         port=cfg.port,
         log_level=cfg.log_level,
-        http=timed_h11(bounds.header_timeout_s),
+        http=timed_h11(bounds.header_timeout_s, bounds.connections_per_peer),
         timeout_keep_alive=bounds.timeout_keep_alive_s,
         limit_concurrency=bounds.limit_concurrency,
         h11_max_incomplete_event_size=bounds.max_header_kb * 1024,

@@ -108,8 +108,11 @@ class JobObserver(Observer):
 @contextmanager
 def client_salt(engine: Engine, salt: str) -> Iterator[None]:
     """The engine's prefix-cache salt with the client's added for one request: a client's prompts hit only its own
-    entries, so a hit (its count, or its speed) tells nothing about what other clients sent. The engine thread is
+    entries, so a hit (its count, or its speed) tells nothing about what other clients sent; likewise what a proposer
+    learns across requests (suffix decoding's global tree) is kept per client. The engine thread is
     the only one that reads or changes the salt, and a head swapped in between requests sets a new base."""
+    if (proposer := getattr(engine, "proposer", None)) is not None:  # suffix decoding's global tree: the client's own
+        proposer.set_client(salt)
     if not salt:
         yield
         return

@@ -59,3 +59,7 @@ class Proposer:
 
     def forget(self) -> None:
         """Drop what earlier requests taught it (suffix decoding's global tree), e.g. after a warm-up."""
+
+    def set_client(self, client: str) -> None:
+        """Whose earlier requests the next ones may draft from, where a proposer learns across requests (suffix
+        decoding's global tree): each client's own, as its prefix-cache entries are ("": the one shared set)."""

@@ -80,6 +80,10 @@ class HybridProposer(Proposer):
         self.drafter.forget()
         self.lookup.forget()
 
+    def set_client(self, client: str) -> None:
+        self.drafter.set_client(client)
+        self.lookup.set_client(client)
+
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         found = self.lookup.propose(tokens, sp, budget)
         if self.policy == "prefer" and len(found):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import sys
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,7 @@ from draftsmith.serve.proposers.base import Proposer
 from draftsmith.serve.spec import SpecConfig, SuffixConfig
 
 UNBOUNDED = sys.maxsize  # no budget: drafts only as deep as num_tokens and the match allow
+MAX_CLIENTS = 64  # clients whose global trees are kept (draftsmith-serve with API keys or cache_salt)
 
 
 class Node:
@@ -271,10 +272,22 @@ class SuffixProposer(Proposer):
         self.forget()
 
     def forget(self) -> None:
-        self.glob = SuffixTree(self.cfg.max_tree_depth) if self.cfg.max_cached_requests else None
-        self.cached: deque[int] = deque()  # response ids in the global tree, oldest first
+        # per client: its global tree of responses and their ids in it, oldest first (the least recent client first)
+        self.clients: OrderedDict[str, tuple[SuffixTree | None, deque[int]]] = OrderedDict()
         self.matches: list[Node] = []  # where the request's latest tokens sit in the global tree
         self.requests = 0
+        self.set_client("")
+
+    def set_client(self, client: str) -> None:
+        """The global tree of this client's responses: one client's drafts never follow another's text, whose
+        acceptance (or speed) would confirm a guess at it. At most MAX_CLIENTS trees, the least recent dropped."""
+        if client not in self.clients:
+            glob = SuffixTree(self.cfg.max_tree_depth) if self.cfg.max_cached_requests else None
+            self.clients[client] = (glob, deque())
+            while len(self.clients) > MAX_CLIENTS:
+                self.clients.popitem(last=False)
+        self.clients.move_to_end(client)
+        self.glob, self.cached = self.clients[client]
 
     def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         ids = tokens.tolist()
