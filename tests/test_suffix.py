@@ -308,8 +308,9 @@ def test_forget_drops_earlier_answers(target):
 
 
 def test_one_clients_answers_never_draft_anothers(target):
-    """The global tree is kept per client (draftsmith-serve sets it per API key or cache_salt): a second client asking
-    what the first asked drafts from its prompt alone, as a fresh engine does, while the first drafts from its answer."""
+    """The global tree is kept per client (draftsmith-serve sets it per API key or cache_salt): a second client
+    asking what the first asked drafts from its prompt alone, as a fresh engine does; the first drafts from its
+    answer."""
     proposer = SuffixProposer(SuffixConfig())
     engine = Engine(target, proposer, max_seq_len=MAX_SEQ)
     fresh = engine.generate(PROMPTS[0], MAX_NEW, GREEDY).metrics.mean_acceptance_length  # client "" learns it
