@@ -12,6 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from draftsmith.serve.export.vllm_sweep import SweepError, read_sweep
 from draftsmith.serve.shared.cli import typed_or_exit
 
 from .methods import check_drafters
@@ -83,11 +84,24 @@ def noise_lines(r: RunResult) -> list[str]:
     return out
 
 
+def sweep_line(path: str | None) -> str:
+    """The vLLM recommendation of a draft-length sweep, read before the run so that a bad file ends it first."""
+    if path is None:
+        return ""
+    try:
+        return "  " + read_sweep(path).line()
+    except SweepError as e:
+        sys.exit(f"draftsmith-eval: vllm_sweep: {e}")
+
+
 @hydra.main(config_path="../conf", config_name="eval", version_base=None)
 def _main(cfg: DictConfig) -> None:
     config = typed_or_exit(cfg, EvalConfig, "draftsmith-eval", check_drafters)
+    sweep = sweep_line(config.vllm_sweep)
     if config.replay is not None:
         replay_report(config)
+        if sweep:
+            print(sweep)
         return
     hc = HydraConfig.get()
     if hc.mode == RunMode.MULTIRUN:  # each sweep job in out/<job number>, grouped together in W&B
@@ -95,6 +109,8 @@ def _main(cfg: DictConfig) -> None:
         config.wandb.group = config.wandb.group or Path(hc.sweep.dir).name
     results = evaluate(config)
     print_headline(results)
+    if sweep:
+        print(sweep)
     print(f"  report: {config.out}/report.md, results: {config.out}/results.json")
     if results.partial:
         sys.exit(130)  # interrupted: the partial report is written, the caller still learns it stopped early

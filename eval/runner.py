@@ -85,6 +85,7 @@ class EvalConfig:
     replay: Any = None
     replay_labels: list[str] | None = None  # one per log; default: the files' names
     window: int = 25  # requests per window of a replay log
+    vllm_sweep: str | None = None  # a draft-length sweep's results.json: its vLLM recommendation is printed too
 
 
 NOISY_SPREAD = 0.10  # plain decoding's time per token of the same prompt varying more than this between repeats

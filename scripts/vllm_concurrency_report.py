@@ -1,5 +1,7 @@
 """The statistics, table and plot of scripts/vllm_concurrency.py: plain vLLM against vLLM with a drafter, level by
-level of concurrency, from the blocks it measured (one block: one arm driven at one concurrency in one round).
+level of concurrency, from the blocks it measured (one block: one arm driven at one concurrency in one round), pass
+by pass (one pass: plain against one draft setting, K=2 or the recommended schedule); the draft lengths compared
+and the recommendation from them are scripts/vllm_draft_lengths_report.py's.
 
 Throughput is output tokens over a block's wall time, pooled over rounds (sums, then ratios, as eval/stats.py
 pools); its interval and the speedup's are a bootstrap over rounds, the two arms' blocks of a round drawn together.
@@ -15,13 +17,17 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
+from vllm_draft_lengths_report import draft_lengths_section
 
 from draftsmith.eval.plots import errors, save
 from draftsmith.eval.report import ci, table
 from draftsmith.eval.stats import Bootstrap, Interval, interval, ratio
+from draftsmith.serve.export.draft_lengths import Point
+from draftsmith.serve.export.vllm_sweep import Sweep, record
 
 ARMS = ("plain", "spec")
 PLOT = "speedup_vs_concurrency.png"
+SCHEDULE = "schedule"  # the pass that serves the recommended batch-size schedule
 
 
 @dataclass
@@ -42,6 +48,7 @@ class Block:
     drafts: float = 0.0  # growth of vLLM's spec-decode counters over the block
     accepted: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds each server used during the block
+    draft: str = ""  # its pass: the spec arm's draft setting ("K=2", "schedule"), on both arms' blocks
 
     @property
     def tokens(self) -> int:
@@ -205,23 +212,24 @@ def levels_table(rows: list[Level]) -> str:
     return table(header, [row_cells(r) for r in rows])
 
 
-def speedup_plot(rows: list[Level], path: Path) -> Path:
-    fig = Figure(figsize=(10, 3.8))
-    left, right = fig.subplots(1, 2)
-    ns = [r.concurrency for r in rows]
-    series = (("throughput_speedup", "throughput (spec / plain)", 0.97), ("tpot_speedup", "TPOT (plain / spec)", 1.03))
-    for key, label, shift in series:  # shifted apart on the log axis so that the error bars do not overlap
+def speedup_series(ax, passes: dict[str, list[Level]], key: str) -> None:
+    """One series per pass, shifted apart on the log axis so that the error bars do not overlap."""
+    for i, (label, rows) in enumerate(passes.items()):
         keep = [r for r in rows if getattr(r, key) is not None]
         ys, ivs = [getattr(r, key) for r in keep], [getattr(r, f"{key}_interval") for r in keep]
-        xs = [shift * r.concurrency for r in keep]
-        left.errorbar(xs, ys, yerr=errors(ys, ivs), marker="o", capsize=3, label=label)
-    left.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    left.set(xscale="log", xlabel="concurrent requests", ylabel="speedup", title="speculation's speedup (95% CI)")
-    for a in ARMS:
-        keep = [r for r in rows if r.tok_s[a] is not None]
-        ys, ivs = [r.tok_s[a] for r in keep], [r.tok_s_interval[a] for r in keep]
-        right.errorbar([r.concurrency for r in keep], ys, yerr=errors(ys, ivs), marker="o", capsize=3, label=a)
-    right.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens / s", title="throughput (95% CI)")
+        xs = [r.concurrency * 1.04 ** (i - (len(passes) - 1) / 2) for r in keep]
+        ax.errorbar(xs, ys, yerr=errors(ys, ivs), marker="o", capsize=3, label=label or "spec")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+
+
+def speedup_plot(passes: dict[str, list[Level]], path: Path) -> Path:
+    fig = Figure(figsize=(10, 3.8))
+    left, right = fig.subplots(1, 2)
+    ns = sorted({r.concurrency for rows in passes.values() for r in rows})
+    speedup_series(left, passes, "throughput_speedup")
+    left.set(xscale="log", xlabel="concurrent requests", ylabel="spec / plain", title="throughput speedup (95% CI)")
+    speedup_series(right, passes, "tpot_speedup")
+    right.set(xscale="log", xlabel="concurrent requests", ylabel="plain / spec", title="TPOT speedup (95% CI)")
     for ax in (left, right):
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.minorticks_off()
@@ -260,17 +268,27 @@ def failures(blocks: list[Block]) -> str:
     failed = [b for b in blocks for r in b.requests if r.text is None]
     if not failed:
         return ""
-    where = sorted({(b.arm, b.concurrency) for b in failed})
+    where = sorted({(f"{b.draft} {b.arm}".strip(), b.concurrency) for b in failed})
     return f"**{len(failed)} requests failed** (not counted), in " + ", ".join(f"{a} N={n}" for a, n in where) + "."
 
 
-def render(rows: list[Level], blocks: list[Block], meta: dict, plot: Path) -> str:
+def pass_section(label: str, rows: list[Level], spec: dict | None) -> str:
+    """One pass's table and verdict, under a heading with its draft setting where it has a label."""
+    options = {k: v for k, v in (spec or {}).items() if k not in ("method", "model")}
+    head = (f"## {label}" + (f": `{json.dumps(options)}`" if options else "") + "\n\n") if label else ""
+    return head + levels_table(rows) + "\n\n" + verdict(rows)
+
+
+def render(passes: dict[str, list[Level]], blocks: list[Block], meta: dict, plot: Path, sweep: Sweep | None) -> str:
+    specs = {p["label"]: p.get("spec") for p in meta.get("passes", [])}
+    schedule = points(passes.get(SCHEDULE, []), 0)
     parts = [
         "# Speculation under concurrency, through vLLM",
         meta["setting"],
-        levels_table(rows),
-        verdict(rows),
-        few_rounds(rows),
+        draft_lengths_section(sweep, schedule) if sweep else "",
+        f"**The schedule's pass failed**: {meta['schedule_failed']}" if meta.get("schedule_failed") else "",
+        *(pass_section(label, rows, specs.get(label)) for label, rows in passes.items()),
+        few_rounds([r for rows in passes.values() for r in rows]),
         failures(blocks),
         "N: requests in flight (closed loop). tok/s: output tokens over the block's wall time, pooled over rounds. "
         "TPOT: (latency - TTFT) / (tokens - 1) per request, streamed, mean over requests. Speedups: spec / plain for "
@@ -283,12 +301,43 @@ def render(rows: list[Level], blocks: list[Block], meta: dict, plot: Path) -> st
     return "\n\n".join(p for p in parts if p) + "\n"
 
 
-def write_report(blocks: list[Block], meta: dict, out: Path) -> list[Level]:
-    rows = levels(blocks)
-    plot = speedup_plot(rows, out / PLOT)
-    n, why = stops_paying(rows)
-    result = {**meta, "levels": [asdict(r) for r in rows], "stops_paying_at": n, "stops_paying_because": why}
+def by_pass(blocks: list[Block]) -> dict[str, list[Block]]:
+    found: dict[str, list[Block]] = {}
+    for b in blocks:
+        found.setdefault(b.draft, []).append(b)
+    return found
+
+
+def points(rows: list[Level], k: int) -> list[Point]:
+    return [Point(k, r.concurrency, r.throughput_speedup, r.throughput_speedup_interval) for r in rows]
+
+
+def sweep_of(meta: dict, passes: dict[str, list[Level]], out: Path) -> Sweep | None:
+    """The draft-length sweep: every pass of a fixed K (meta["passes"]), where meta says how it was served."""
+    ks = {p["label"]: p["k"] for p in meta.get("passes", []) if p.get("k")}
+    measured = [p for label, rows in passes.items() if label in ks for p in points(rows, ks[label])]
+    if "sweep" not in meta or not measured:
+        return None
+    return Sweep(**meta["sweep"], points=measured, source=str(out / "results.json"))
+
+
+def pass_entries(meta: dict, passes: dict[str, list[Level]]) -> list[dict]:
+    known = {p["label"]: p for p in meta.get("passes", [])}
+    entries = []
+    for label, rows in passes.items():
+        n, why = stops_paying(rows)
+        found = {"levels": [asdict(r) for r in rows], "stops_paying_at": n, "stops_paying_because": why}
+        entries.append(known.get(label, {"label": label}) | found)
+    return entries
+
+
+def write_report(blocks: list[Block], meta: dict, out: Path) -> dict[str, list[Level]]:
+    """results.json, report.md and the plot; the levels of each pass, by its label."""
+    passes = {label: levels(bs) for label, bs in by_pass(blocks).items()}
+    plot = speedup_plot(passes, out / PLOT)
+    sweep = sweep_of(meta, passes, out)
+    result = meta | {"passes": pass_entries(meta, passes)} | ({"draft_lengths": record(sweep)} if sweep else {})
     result["blocks"] = [asdict(b) | {"requests": [asdict(r) | {"text": None} for r in b.requests]} for b in blocks]
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "report.md").write_text(render(rows, blocks, meta, plot))
-    return rows
+    (out / "report.md").write_text(render(passes, blocks, meta, plot, sweep))
+    return passes

@@ -1,5 +1,6 @@
 """scripts/vllm_concurrency_report.py: throughput pooled over rounds and paired by round, TPOT paired by request,
-τ from the counters, identical outputs counted, and the concurrency at which speculation stops paying."""
+τ from the counters, identical outputs counted, the concurrency at which speculation stops paying, and, over
+passes of several draft lengths, the recommendation per level written to results.json and report.md."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ from pathlib import Path
 import pytest
 from vllm_concurrency_report import Block, Level, Request, level, stops_paying, tpot_s, verdict, write_report
 
+from draftsmith.serve.export.vllm_sweep import read_sweep
 
-def block(arm: str, n: int, rnd: int, wall: float, tpot: float, text: str = "a", drafts: float = 0, acc: float = 0):
+
+def block(
+    arm: str, n: int, rnd: int, wall: float, tpot: float, text: str = "a", drafts: float = 0, acc: float = 0, draft=""
+):
     requests = [Request(f"{rnd}/{i}", 10, tpot, text) for i in range(2 * n)]
     cpu = {a: 1.0 if a == arm else 0.1 for a in ("plain", "spec")}  # the idle server: a tenth of the busy one
-    return Block(arm, n, rnd, wall, requests, drafts, acc, cpu)
+    return Block(arm, n, rnd, wall, requests, drafts, acc, cpu, draft)
 
 
 def test_tpot_leaves_out_what_it_cannot_time() -> None:
@@ -66,9 +71,50 @@ def test_the_report_is_written(tmp_path: Path) -> None:
     ]
     rows = write_report(blocks, {"setting": "a test"}, tmp_path)
     result = json.loads((tmp_path / "results.json").read_text())
-    assert [lv["concurrency"] for lv in result["levels"]] == [1, 2] == [r.concurrency for r in rows]
-    assert result["stops_paying_at"] == 1  # equal speeds: it does not pay
+    (entry,) = result["passes"]
+    assert [lv["concurrency"] for lv in entry["levels"]] == [1, 2] == [r.concurrency for r in rows[""]]
+    assert entry["stops_paying_at"] == 1  # equal speeds: it does not pay
+    assert "draft_lengths" not in result  # no pass of a known K: nothing to recommend from
     report = (tmp_path / "report.md").read_text()
     assert "| N | plain tok/s |" in report and "stops paying at N=1" in report and "idle one 0.8 CPU s" in report
     assert "over 2 round(s) only" in report
     assert (tmp_path / "speedup_vs_concurrency.png").stat().st_size > 0
+
+
+def k_pass(label: str, speedups: dict[int, float], rounds: int = 5, schedule: bool = False) -> list[Block]:
+    """Plain and spec blocks of one pass; spec's wall time is plain's / speedup, varying a little by round."""
+    blocks = []
+    for n, speedup in speedups.items():
+        for r in range(rounds):
+            wall = 4.0 + 0.1 * r
+            blocks += [block("plain", n, r, wall, 0.05, draft=label)]
+            blocks += [block("spec", n, r, wall / (speedup * (1 + 0.01 * (r % 2))), 0.04, draft=label, drafts=4)]
+    return blocks
+
+
+SWEEP = {"method": "eagle3", "model": "/x/export", "machine": "AMD EPYC (avx2), 2 cores", "vllm": "0.32.0"}
+
+
+def sweep_meta(labels: list[tuple[str, int | None]]) -> dict:
+    passes = [{"label": label, "k": k, "spec": {"num_speculative_tokens": k or 3}} for label, k in labels]
+    return {"setting": "a test", "passes": passes, "sweep": SWEEP | {"date": "2026-12-06 11:30 UTC", "default_k": 1}}
+
+
+def test_several_draft_lengths_give_a_recommendation_per_level(tmp_path: Path) -> None:
+    blocks = k_pass("K=1", {1: 1.1, 4: 1.05, 16: 0.8}) + k_pass("K=3", {1: 1.4, 4: 0.9, 16: 0.6})
+    blocks += k_pass("schedule", {1: 1.38, 4: 1.04, 16: 0.98})
+    meta = sweep_meta([("K=1", 1), ("K=3", 3), ("schedule", None)])
+    passes = write_report(blocks, meta, tmp_path)
+    assert list(passes) == ["K=1", "K=3", "schedule"]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [p["label"] for p in result["passes"]] == ["K=1", "K=3", "schedule"]
+    assert {p["k"] for p in result["draft_lengths"]["points"]} == {1, 3}  # the schedule pass is not a K
+    sweep = read_sweep(tmp_path / "results.json")
+    assert [(c.concurrency, c.k) for c in sweep.choices()] == [(1, 3), (4, 1), (16, 0)]
+    report = (tmp_path / "report.md").read_text()
+    assert "| N | K=1 (card) | K=3 | schedule | recommended |" in report
+    assert "**Recommendation: speculation off above 4 concurrent requests.**" in report
+    assert '"num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 4, 1], [5, 16, 0]]' in report
+    assert "N=1: K=3 at 1.41x [1.40, 1.41] instead of 1.10x" in report and "N=4: the card's K (1.05x" in report
+    assert "N=16: plain decoding (1.00x) instead of 0.80x" in report
+    assert "## K=3: `" in report and "no `n_predict`" in report

@@ -27,6 +27,8 @@ class ExportConfig:
     push: bool = False
     gguf_target: str | None = None  # format=gguf: the target GGUF llama.cpp runs beside the head (default: the
     # GGUF the target was read from, e.g. the built-in SmolLM2's)
+    vllm_sweep: str | None = None  # a draft-length sweep's results.json (scripts/vllm_concurrency.py): the card
+    # recommends the draft length per concurrency level from it
 
 
 def run(cfg: ExportConfig) -> None:
@@ -36,7 +38,8 @@ def run(cfg: ExportConfig) -> None:
         validate(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target, cfg.gguf_target)
         print(f"{cfg.out}: a valid {cfg.format} export of {cfg.drafter}")
         return
-    out = export(Path(cfg.drafter), cfg.format, Path(cfg.out), cfg.target, cfg.dtype, cfg.overwrite, cfg.gguf_target)
+    settings = (cfg.target, cfg.dtype, cfg.overwrite, cfg.gguf_target, cfg.vllm_sweep)
+    out = export(Path(cfg.drafter), cfg.format, Path(cfg.out), *settings)
     print(f"exported {cfg.drafter} to {out} ({cfg.format}, {cfg.dtype}), validated; serve commands in {out}/README.md")
 
 

@@ -8,18 +8,24 @@ from shlex import quote
 from typing import TYPE_CHECKING
 
 from draftsmith.heads.drafter_folder import shape_text
+from draftsmith.serve.export.card_concurrency import concurrency_section
 
 if TYPE_CHECKING:
     from draftsmith.serve.export.base import Format, Source
+    from draftsmith.serve.export.vllm_sweep import Sweep
 
 EXPORT_MARK = "Exported by draftsmith from"  # in every export's README.md: overwrite=true replaces only such folders
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "llamacpp": "llama.cpp"}
 LLAMACPP_CONVERT = "python ~/.cache/draftsmith/llama.cpp/src/convert_hf_to_gguf.py"  # scripts/llamacpp_build.sh
 
 
+def vllm_k(src: Source, f: Format) -> int | None:
+    return f.vllm_depth(src) if f.vllm_depth else src.shape.num_tokens
+
+
 def vllm_command(src: Source, out: Path, f: Format, options: tuple = ()) -> str:
-    depth = f.vllm_depth(src) if f.vllm_depth else src.shape.num_tokens
-    spec = {"method": f.vllm, "model": str(out), "num_speculative_tokens": depth} | dict(f.vllm_options + options)
+    spec = {"method": f.vllm, "model": str(out), "num_speculative_tokens": vllm_k(src, f)}
+    spec |= dict(f.vllm_options + options)
     return f"vllm serve {src.target_dir.resolve()} --speculative-config '{json.dumps(spec)}'"
 
 
@@ -125,7 +131,18 @@ def container(weights: str) -> str:
     return "GGUF" if weights.endswith(".gguf") else "safetensors"
 
 
-def export_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | None = None) -> str:
+def concurrency_text(src: Source, fmt: str, out: Path, sweep: Sweep | None) -> str:
+    """For a format vLLM serves: the draft length per concurrency a sweep measured, or that none was."""
+    f = src.formats[fmt]
+    if not f.vllm:
+        return ""
+    return concurrency_section(sweep, vllm_k(src, f), out, lambda options: vllm_command(src, out, f, options)) + "\n"
+
+
+def export_card(
+    src: Source, fmt: str, dtype: str, out: Path, token_map: str | None = None, sweep: Sweep | None = None
+) -> str:
+    """sweep: a measured draft-length sweep through vLLM, recommended from in its own section."""
     meta, recipe = src.meta, src.meta.get("recipe", {})
     sizes = ", ".join(f"{k}={v}" for k, v in meta["config"].items() if k != "model")
     return (
@@ -138,6 +155,7 @@ def export_card(src: Source, fmt: str, dtype: str, out: Path, token_map: str | N
         f"{recipe.get('tokens', 0)} tokens {recipe.get('extra') or ''}\n\n"
         f"{measured(recipe)}\n\n"
         f"## Serve\n\n{serve_section(src, fmt, out, token_map)}\n"
+        f"{concurrency_text(src, fmt, out, sweep)}"
         f"Re-check this folder: `draftsmith-export drafter={quote(str(src.folder.resolve()))} format={fmt} "
         f"out={quote(str(out))} target.path={quote(str(src.target_dir.resolve()))}{gguf_flag(src, fmt)} check=true`\n"
     )

@@ -29,6 +29,7 @@ from draftsmith.serve.export.base import (
     read_source,
 )
 from draftsmith.serve.export.card import EXPORT_MARK, export_card
+from draftsmith.serve.export.vllm_sweep import Sweep, SweepError, read_sweep
 from draftsmith.serve.models.target import DTYPES, TargetConfig
 
 # ---------------------------------------------------------------- exporters, one per (kind, format)
@@ -61,6 +62,24 @@ def check_out(out: Path, drafter: Path, overwrite: bool) -> None:
             f"out={out} is not an earlier export (no README.md by draftsmith-export): overwrite=true replaces only "
             "an export, never a training run or other files; choose another out, or remove it yourself"
         )
+
+
+def sweep_for(path: str | None, fmt: str, f: Format) -> Sweep | None:
+    """The draft-length sweep the card recommends from, refused when unreadable or measured for another method."""
+    if path is None:
+        return None
+    if not f.vllm:
+        raise ExportError(f"vllm_sweep={path}: format={fmt} is not served by vLLM; drop vllm_sweep or use format=vllm")
+    try:
+        sweep = read_sweep(path)
+    except SweepError as e:
+        raise ExportError(f"vllm_sweep: {e}") from e
+    if sweep.method != f.vllm:
+        raise ExportError(
+            f"vllm_sweep={path} measured vLLM's {sweep.method!r} method, but this export is served as {f.vllm!r}: "
+            "sweep this export (bash scripts/vllm_concurrency.sh --export OUT) and give that results.json"
+        )
+    return sweep
 
 
 def is_export(folder: Path) -> bool:
@@ -104,9 +123,11 @@ def export(
     dtype: str = "bf16",
     overwrite: bool = False,
     gguf_target: str | None = None,
+    vllm_sweep: str | None = None,
 ) -> Path:
     """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation. gguf_target: the
-    target GGUF llama.cpp runs the head beside (format=gguf), where the target was not read from one."""
+    target GGUF llama.cpp runs the head beside (format=gguf), where the target was not read from one. vllm_sweep:
+    a draft-length sweep's results.json (scripts/vllm_concurrency.py) the card recommends from."""
     from draftsmith.serve.export.checks import check_export  # which imports this module
 
     drafter, out = Path(drafter).expanduser(), Path(out).expanduser()
@@ -117,11 +138,12 @@ def export(
     src = read_source(drafter, target_cfg or TargetConfig(), gguf_target)
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
+    sweep = sweep_for(vllm_sweep, fmt, f)
     exp = f.export(src)
     with temp_folder_beside(out, mode=0o755) as tmp:  # 755: an engine in a container may run as another user
         write(exp, src, f, dtype, tmp)
         token_map = TOKEN_MAP if exp.token_map is not None else None
-        (tmp / "README.md").write_text(export_card(src, fmt, dtype, out.resolve(), token_map))
+        (tmp / "README.md").write_text(export_card(src, fmt, dtype, out.resolve(), token_map, sweep))
         check_export(tmp, src, fmt)
         move_into_place(tmp, out)
     return out
