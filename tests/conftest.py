@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from draftsmith.heads.files import DEFAULT_CACHE  # noqa: E402
 from draftsmith.serve.models.target import TargetConfig, resolve_target  # noqa: E402
-from helpers import build_tiny  # noqa: E402
+from helpers import build_tiny, build_tiny_chat_target  # noqa: E402
 
 workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if workers:  # pytest-xdist's workers share the cores
@@ -58,3 +58,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(smollm2_dir, tmp_path_factory) -> Path:
+    """A tiny random chat target with SmolLM2's tokenizer and ChatML template (one per test module)."""
+    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)

@@ -15,14 +15,9 @@ from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.serve.__main__ import GenerateConfig
 from draftsmith.serve.__main__ import run as generate
 from draftsmith.serve.shared.cli import typed
-from helpers import SPEC_KEYS, build_tiny_chat_target
+from helpers import SPEC_KEYS
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}
-
-
-@pytest.fixture(scope="module")
-def tiny_target(smollm2_dir, tmp_path_factory):
-    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
 
 
 def run(module: str, *args: str, cwd) -> subprocess.CompletedProcess:

@@ -23,16 +23,10 @@ from draftsmith.eval.wandb_log import log_eval
 from draftsmith.heads import kernels
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.wandb_run import WandbConfig
-from helpers import build_tiny_chat_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline"}
 PNG = b"\x89PNG"
-
-
-@pytest.fixture(scope="module")
-def tiny_target(smollm2_dir, tmp_path_factory):
-    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")

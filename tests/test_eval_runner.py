@@ -30,7 +30,7 @@ from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, load_target
 from draftsmith.serve.spec import SpecConfig
 from draftsmith.train.head import HeadConfig, build_head
-from helpers import SPEC_KEYS, build_tiny_chat_target, eval_config
+from helpers import SPEC_KEYS, eval_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -39,11 +39,6 @@ ROWS = [
     {"id": "b", "category": "code", "prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"},
     {"id": "c", "category": "code", "prompt": "x = 1\nx = 1\nx = 1\nx ="},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny_target(smollm2_dir, tmp_path_factory):
-    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -31,17 +30,12 @@ from draftsmith.serve.http.worker import Done, Failed, Job, Worker
 from draftsmith.serve.models.target import TargetConfig, encode_chat, load_target
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.spec import SpecConfig
-from helpers import build_tiny_chat_target, said, user
+from helpers import said, user
 from serve_process import running_server
 
 MODEL = "tiny"
 NEW = 24
 PROMPT = "Tell me about the sea, the sea, the sea."
-
-
-@pytest.fixture(scope="module")
-def tiny_target(smollm2_dir, tmp_path_factory) -> Path:
-    return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir)
 
 
 @pytest.fixture(scope="module")
