@@ -188,41 +188,35 @@ def make_plan(layer: Any, held: dict[str, Tensor], seen: Watch) -> Plan:
     return Plan(weights, list(held.values()), width, work(weights), seen, norm)
 
 
-def run(made: Plan, x: Tensor, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask) -> Tensor:
-    """x [1, n, hidden] through the layer `made` was planned for; k and v written to the caches at slots
-    start .. start+n-1."""
-    rows, n = input_rows(x, made), x.shape[1]
-    step, held = step_struct(made, n, rope, caches, start, mask)  # held: what step points into, alive through the call
-    work, out = rows.new_empty(n * made.work), torch.empty_like(rows)
-    fn = kernel()
-    assert fn is not None, "takes() found the kernel"
-    k, v = caches
-    fn(rows.data_ptr(), n, made.weights, step, k.data_ptr(), v.data_ptr(), work.data_ptr(), out.data_ptr())
-    return out
-
-
-def run_eagle3(
+def run(
     made: Plan,
-    embeds: Tensor,
-    feature: Tensor,
+    x: Tensor,
     rope: tuple[Tensor, Tensor],
     caches: tuple[Tensor, Tensor],
     start: int,
     mask,
+    feature: Tensor | None = None,
 ) -> Tensor:
-    """EAGLE-3's midlayer (a plan with its hidden_norm) over embeds and feature [1, n, hidden]: the layer's output,
-    k and v written to the caches at slots start .. start+n-1."""
-    assert made.hidden_norm, "a plan of an EAGLE-3 midlayer"
-    rows, feats, n = input_rows(embeds, made), input_rows(feature, made), embeds.shape[1]
-    if feats.shape != rows.shape:
-        raise ValueError(f"feature {tuple(feats.shape)} must match the embeddings {tuple(rows.shape)}")
+    """x [1, n, hidden] through the layer `made` was planned for (EAGLE-3's midlayer, a plan with its hidden_norm: x
+    the embeddings, feature [1, n, hidden] the other half and the residual); k and v written to the caches at slots
+    start .. start+n-1."""
+    rows, n = input_rows(x, made), x.shape[1]
     step, held = step_struct(made, n, rope, caches, start, mask)  # held: what step points into, alive through the call
     work, out = rows.new_empty(n * made.work), torch.empty_like(rows)
+    k, v = caches
+    tail = (k.data_ptr(), v.data_ptr(), work.data_ptr(), out.data_ptr())
+    if not made.hidden_norm:
+        fn = kernel()
+        assert fn is not None, "takes() found the kernel"
+        fn(rows.data_ptr(), n, made.weights, step, *tail)
+        return out
+    assert feature is not None, "EAGLE-3's midlayer reads the feature too"
+    feats = input_rows(feature, made)
+    if feats.shape != rows.shape:
+        raise ValueError(f"feature {tuple(feats.shape)} must match the embeddings {tuple(rows.shape)}")
     fn = eagle3_kernel()
     assert fn is not None, "the library that has decoder_layer has eagle3_layer"
-    k, v = caches
-    args = (rows.data_ptr(), feats.data_ptr(), n, made.weights, made.hidden_norm, step)
-    fn(*args, k.data_ptr(), v.data_ptr(), work.data_ptr(), out.data_ptr())
+    fn(rows.data_ptr(), feats.data_ptr(), n, made.weights, made.hidden_norm, step, *tail)
     return out
 
 

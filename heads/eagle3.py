@@ -78,7 +78,7 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, feature, cos, sin, kc, vc, start: int, mask) -> Tensor:
         if plan := decoder_layer.takes(self, embeds, (kc, vc), start, mask):  # fp32 CPU: one call, the same bits
-            return decoder_layer.run_eagle3(plan, embeds, feature, (cos, sin), (kc, vc), start, mask)
+            return decoder_layer.run(plan, embeds, (cos, sin), (kc, vc), start, mask, feature)
         return self.finish(feature, self.self_attn(self.attn_input(embeds, feature), cos, sin, kc, vc, start, mask))
 
 

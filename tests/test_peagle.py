@@ -582,3 +582,22 @@ def test_a_head_left_out_of_steps_runs_no_forward_on_them(target, plain, trained
     steps = len(waiting)
     assert accepted > 0 and max(waiting) <= 6 + 4  # taken in once past the bound (a step adds at most 4 rows)
     assert len(calls) <= len(PROMPTS) + steps // 5 + 1  # the prefills' and the drafts', not one per step
+
+
+def test_a_prefill_drafts_afresh_whatever_the_last_request_drafted_after(target, trained):
+    """A new request as long as the last one's last draft point: its prefill still runs the head, no stale logits."""
+    prompt = PROMPTS[1]
+    seen = []
+
+    def after_prefill(engine) -> None:
+        prefill = engine.proposer.prefill
+        engine.proposer.prefill = lambda *a: (prefill(*a), seen.append(engine.proposer.logits.clone()))
+
+    fresh, used = (Engine(target, PEagleProposer(trained[1], 4), max_seq_len=MAX_SEQ) for _ in range(2))
+    for engine in (fresh, used):
+        after_prefill(engine)
+    fresh.generate(prompt, 1, GREEDY)
+    used.generate(PROMPTS[0], 8, GREEDY)
+    used.proposer.drafted_for = len(prompt) + 1  # as if the last request's last draft came after that many tokens
+    used.generate(prompt, 1, GREEDY)
+    assert torch.equal(seen[0], seen[-1])

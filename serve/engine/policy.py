@@ -16,8 +16,8 @@ whole first level where it samples its draft). A probe that does not bring draft
 next, up to 4 x `probe_every`; a draft worth making resets it. So probing costs at most one draft level and one verify
 row per `probe_every` + 1 steps, one per 4 x `probe_every` + 1 while requests stay plain (the plain run and the wait go
 on from one request to the next), and a request whose acceptance comes back is drafting again within
-4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its
-deepest goes one level deeper every `probe_every`-th draft, so deeper levels that came to pay are found.
+4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its deepest goes one level deeper every
+`probe_every`-th draft, so deeper levels that came to pay are found.
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
 learnt from drafts that follow a step the same drafter drafted: the first draft after other steps also runs the

@@ -21,6 +21,12 @@ from draftsmith.serve.engine.tree import DraftTree
 BACKLOG = 64
 
 
+def joined(pieces: list[tuple[Tensor, list[Tensor]]]) -> tuple[Tensor, list[Tensor]]:
+    """The target's outputs of consecutive steps, (hidden rows, tapped layers' rows) each, as one run of rows."""
+    hidden = torch.cat([h for h, _ in pieces])
+    return hidden, [torch.cat([aux[j] for _, aux in pieces]) for j in range(len(pieces[0][1]))]
+
+
 class Proposer:
     name = "none"
     target_layers: tuple[int, ...] = ()  # target layers whose inputs the proposer wants (EAGLE-3)

@@ -83,10 +83,8 @@ class EagleProposer(Proposer):
 
     def store_unstored(self) -> None:
         """The kept target outputs, consecutive tokens, made features in one projection."""
-        first, kept = self.unstored[0][0], self.unstored
-        hidden = torch.cat([h for _, h, _ in kept])
-        aux = [torch.cat([a[j] for _, _, a in kept]) for j in range(len(kept[0][2]))]
-        self.keep_features(first, hidden, aux)
+        first = self.unstored[0][0]
+        self.keep_features(first, *base.joined([(h, aux) for _, h, aux in self.unstored]))
         self.unstored = []
 
     def keep_features(self, first: int, hidden: Tensor, aux: list[Tensor]) -> None:

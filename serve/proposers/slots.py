@@ -40,7 +40,7 @@ class SlotProposer(Proposer):
     def prefill(self, tokens: Tensor, start: int, out: ForwardOut) -> None:
         """Slots [0, start) came from the prefix cache; out covers tokens [start, n-1)."""
         self.begin(start)
-        self.waiting, self.known = [out], tokens.numel()
+        self.waiting, self.known, self.drafted_for = [out], tokens.numel(), 0  # the last request's logits are stale
         self.catch_up(tokens)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
@@ -65,9 +65,7 @@ class SlotProposer(Proposer):
     def take_waiting(self) -> None:
         if self.waiting:
             outs, self.waiting = self.waiting, []
-            hidden = torch.cat([o.hidden for o in outs])
-            aux = [torch.cat([o.aux[j] for o in outs]) for j in range(len(outs[0].aux))]
-            self.take_in(ForwardOut(outs[-1].logits, hidden, aux))
+            self.take_in(ForwardOut(outs[-1].logits, *base.joined([(o.hidden, o.aux) for o in outs])))
 
     def begin(self, start: int) -> None:
         """A new sequence whose first `start` slots came from the prefix cache."""
