@@ -136,6 +136,16 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
     return (probs @ v.float()).view(b, h, n, d).to(q.dtype)
 
 
+def write_slots(cache: Tensor, slots: Tensor, new: Tensor) -> None:
+    """new [b, kv_heads, n, d] into cache [b, kv_heads, max_len, d] at slots [n], the same for every row (static
+    shapes, CUDA graphs), or at slots [b, n], each row its own (batched regeneration, train/batch_decode.py)."""
+    new = new.to(cache.dtype)
+    if slots.dim() == 1:
+        cache.index_copy_(2, slots, new)
+    else:
+        cache.scatter_(2, slots[:, None, :, None].expand_as(new), new)
+
+
 def use_grouped_attention(q: Tensor, mask: Tensor | None) -> bool:
     small = q.shape[2] == 1 or (mask is not None and mask.dtype == torch.bool and mask.shape[0] == 1)
     return small and q.shape[2] <= SMALL_N and q.dtype != torch.float32 and q.device.type == "cpu"
@@ -204,7 +214,8 @@ class Attention(nn.Module):
     ) -> Tensor:
         """x: [b, n, in_dim]; cos/sin broadcast to [b, heads, n, head_dim]. Without a cache (training)
         the n tokens attend among themselves; with one, their KV goes to slots [start, start+n), or to the
-        slots a tensor `start` [n] names, attending then over every cache slot that `mask` [.., n, max_len] allows.
+        slots a tensor `start` names ([n], or [b, n]: each row its own), attending then over every cache slot that
+        `mask` [.., n, max_len] allows.
         mask as plans (Transformer.layers_forward, CPU bf16/fp16): batch-invariant attention, same bits per row."""
         b, n, _ = x.shape
         cached = k_cache is not None and v_cache is not None and isinstance(start, int)
@@ -215,10 +226,10 @@ class Attention(nn.Module):
                 out = rope_attention.rope_attention(fused(x), cos, sin, caches, start, mask, self.n_heads, norms)  # type: ignore[arg-type]
                 return self.o_proj(out)
         q, k, v = self.qkv(x, cos, sin)
-        if isinstance(start, Tensor):  # static shapes (CUDA graphs): write at slots, attend over the whole cache
+        if isinstance(start, Tensor):  # write at slots, attend over the whole cache (`mask` says what is visible)
             assert k_cache is not None and v_cache is not None, "slots are cache slots"
-            k_cache.index_copy_(2, start, k.to(k_cache.dtype))
-            v_cache.index_copy_(2, start, v.to(v_cache.dtype))
+            write_slots(k_cache, start, k)
+            write_slots(v_cache, start, v)
             k, v = k_cache, v_cache
         elif k_cache is not None:
             assert v_cache is not None, "a cache has both halves"
@@ -375,8 +386,7 @@ class Transformer(nn.Module):
         if stack := decoder_stack.takes(layers, DecoderLayer.forward, x, cache, start, mask):  # fp32 CPU: one call
             assert cache is not None and isinstance(start, int), "takes() checked"
             return decoder_stack.run(stack, x, (cos, sin), cache, start, mask, target_layers)
-        if cache is not None and batch_invariant(x):
-            assert isinstance(start, int), "slot tensors (CUDA graphs) never take the CPU plans"
+        if cache is not None and batch_invariant(x) and isinstance(start, int):  # slot tensors keep SDPA
             c = self.config
             n = tokens.shape[1]
             mask = make_plans(mask, start, n, c.num_attention_heads // c.num_key_value_heads, x.device)

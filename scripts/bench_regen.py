@@ -1,10 +1,12 @@
 """Regeneration throughput: vLLM against draftsmith's own batched decoder, on the same conversations, one run.
 
-Each backend re-answers the same ShareGPT conversations turn by turn (greedy, the target in its default dtype,
-each backend's default conversations in flight) into a file of its own; printed per backend: conversations, new
-tokens, generation seconds (vLLM's start-up apart), tokens/s, and the ratio. Run it on an idle machine.
+Each backend re-answers the same ShareGPT conversations turn by turn (greedy unless --temperature, the target in
+its default dtype, each backend's default conversations in flight) into a file of its own; printed per backend:
+conversations, new tokens, generation seconds (vLLM's start-up apart), tokens/s, and the ratio. Run it on an idle
+machine.
 
     python scripts/bench_regen.py --conversations 64 --max-new-tokens 128
+    python scripts/bench_regen.py --conversations 96 --max-new-tokens 256 --temperature 0.7 --top-p 0.8
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ from draftsmith.train.turns import prepare  # noqa: E402
 
 
 def run_backend(name: str, target, convs, args, out: Path) -> dict:
-    cfg = DistillConfig(max_new_tokens=args.max_new_tokens, backend=name, batch_size=args.batch_size)
+    cfg = DistillConfig(
+        max_new_tokens=args.max_new_tokens,
+        backend=name,
+        batch_size=args.batch_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
     limit = min(args.max_length, target.model.config.max_position_embeddings - TREE_ROOM)
     todo = prepare(convs, target.tokenizer, limit, Skipped())
     path = out / f"{name}.jsonl"
@@ -56,16 +64,19 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-length", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=None, help="conversations in flight (default: each backend's)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--backends", default="vllm,draftsmith")
     p.add_argument("--out", default="runs/bench_regen")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     convs, _ = load_conversations("sharegpt", 0.02, limit=args.conversations)
-    target = load_target(TargetConfig())
+    target = load_target(TargetConfig(), offline=True)  # as regeneration loads it
     rows = [run_backend(name, target, convs, args, out) for name in args.backends.split(",")]
     print(f"\nregeneration, {len(convs)} ShareGPT conversations turn by turn, <= {args.max_new_tokens} new tokens per")
-    print(f"answer, greedy, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    how = "greedy" if not args.temperature else f"temperature {args.temperature}, top-p {args.top_p}"
+    print(f"answer, {how}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     print(f"{'backend':<36} {'convs':>6} {'tokens':>8} {'gen s':>8} {'total s':>8} {'tok/s':>8}")
     for r in rows:
         g = r["generator"]

@@ -33,7 +33,7 @@ stage() { echo; echo "== [$(( ($(date +%s) - began) / 60 )) min] $*"; }
 resume() { python -c "import sys; from draftsmith.eval.journal import unfinished; from pathlib import Path
 print('resume=' + str(unfinished(Path(sys.argv[1]))).lower())" "$1"; }
 
-stage "1/4 regenerate the answers with the target (vLLM) and train an EAGLE-3 head on them (train=quick) -> $HEAD"
+stage "1/4 regenerate the answers with the target (vLLM, or draftsmith's own decoder on a CPU without native bf16) and train an EAGLE-3 head on them (train=quick) -> $HEAD"
 if [ "${FRESH:-0}" = 1 ]; then rm -rf "$HEAD"; fi
 if [ -f "$HEAD/final/model.safetensors" ]; then
   echo "reusing $HEAD/final (FRESH=1 retrains)"

@@ -18,7 +18,7 @@ from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.conversations import Conversation, Skipped, load_conversations
 from draftsmith.serve.shared.wandb_run import WandbConfig
 from draftsmith.serve.spec import SpecConfig
-from draftsmith.train import batch_decode, vllm_backend
+from draftsmith.train import batch_decode, regen_backends, vllm_backend
 from draftsmith.train import distill as distill_mod
 from draftsmith.train.config import RunConfig, TrainConfig
 from draftsmith.train.data import DataConfig, DistillConfig, data_key
@@ -26,7 +26,7 @@ from draftsmith.train.distill import DistillRun, distill, distill_path, run
 from draftsmith.train.distill_file import merge_into, read_rows
 from draftsmith.train.features import FeatureConfig, cache_key
 from draftsmith.train.head import HeadConfig
-from draftsmith.train.regen_backends import Backend
+from draftsmith.train.regen_backends import Backend, in_rounds
 from draftsmith.train.trainer import train
 from draftsmith.train.turns import answer_text, loops
 from draftsmith.train.vllm_backend import VllmUnavailable
@@ -92,7 +92,8 @@ def test_answers_are_the_targets_greedy_output_turn_by_turn(target, tmp_path, mo
     original = batch_decode.common_prefix
     monkeypatch.setattr(batch_decode, "common_prefix", lambda a, b: reused.append(original(a, b)) or reused[-1])
     out = distill(CONVS, target, cfg(batch_size=batch_size, spec=spec), tmp_path / "d.jsonl", 512, Skipped())
-    assert (len(reused) == 3 and min(reused) > 30) if batch_size > 1 else not reused  # a: 1, d: 2 later turns
+    later = [n for n in reused if n]  # a first turn's slot holds nothing to reuse
+    assert (len(later) == 3 and min(later) > 30) if batch_size > 1 else not reused  # a: 1, d: 2 later turns
     assert [c.id for c in out] == [c.id for c in CONVS]  # input order
     for conv in out:
         assert conv.messages == expected_greedy(target, next(c for c in CONVS if c.id == conv.id)), conv.id
@@ -347,7 +348,7 @@ def scripted(outputs: dict, eos: int):
             [7] * n if outputs.get((c.id, c.turn)) == "cut" else [7, eos] for c, n in zip(chats, budgets, strict=True)
         ]
 
-    return lambda *args, **kw: Backend(generate, record, 2)
+    return lambda target, cfg, limit, *args, **kw: Backend(in_rounds(generate, 2, target, cfg, limit), record, 2)
 
 
 def test_rows_record_their_generator_and_which_answers_hit_the_token_limit(target, tmp_path, monkeypatch):
@@ -399,6 +400,21 @@ def fake_vllm_python(tmp_path: Path, package_body: str) -> str:
     return str(script)
 
 
+@pytest.fixture
+def vllm_first(monkeypatch):
+    """auto as on a device with native bf16, where it asks vLLM first (elsewhere it runs the own decoder)."""
+    monkeypatch.setattr(regen_backends, "native_bf16", lambda device: True)
+
+
+def test_auto_runs_the_own_decoder_first_without_native_bf16(target, tmp_path, monkeypatch):
+    monkeypatch.setattr(regen_backends, "native_bf16", lambda device: False)
+    broken = fake_vllm_python(tmp_path, "raise RuntimeError('vLLM was started')")
+    out, said = regenerate(CONVS[:2], target, cfg(backend="auto", vllm_python=broken), tmp_path / "a.jsonl")
+    assert [c.generator["engine"] for c in out] == ["draftsmith", "draftsmith"]
+    assert any("own batched decoder: no native bf16" in s for s in said) and not any("vLLM was" in s for s in said)
+
+
+@pytest.mark.usefixtures("vllm_first")
 def test_vllm_missing_or_failing_falls_back_in_one_line_or_is_an_error(target, tmp_path):
     missing = cfg(backend="auto", vllm_python=str(tmp_path / "no-python"))
     out, said = regenerate(CONVS[:2], target, missing, tmp_path / "a.jsonl")
@@ -413,6 +429,7 @@ def test_vllm_missing_or_failing_falls_back_in_one_line_or_is_an_error(target, t
     assert read_rows(tmp_path / "c.jsonl") == {}
 
 
+@pytest.mark.usefixtures("vllm_first")
 def test_a_failed_vllm_leaves_no_process_behind_and_a_hung_one_times_out(target, tmp_path, monkeypatch):
     pid_file = tmp_path / "engine.pid"
     spawns = (

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_module
 from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.conversations import Conversation, Skipped
+from draftsmith.train import regen_backends
 from draftsmith.train.data import DistillConfig
 from draftsmith.train.distill import DistillRun, distill, run
 from draftsmith.train.vllm_backend import VllmUnavailable, find_vllm_python
@@ -73,10 +74,11 @@ def test_the_command_checks_fidelity_and_says_so(target_dir, tmp_path, capsys):
     assert f"equals draftsmith's plain decoding on {result['identical']}/3" in printed
 
 
-def test_a_target_vllm_cannot_run_falls_back_under_auto_saying_why(smollm2_dir, tmp_path):
+def test_a_target_vllm_cannot_run_falls_back_under_auto_saying_why(smollm2_dir, tmp_path, monkeypatch):
     """vLLM loads a head size of 16 but its CPU attention cannot run it: the worker's one-token warm-up fails at
     start, so auto answers with draftsmith's own decoder, saying why (backend=vllm raising that cause instead is
     test_distill's, on a vLLM that fails to import)."""
+    monkeypatch.setattr(regen_backends, "native_bf16", lambda device: True)  # where auto asks vLLM first
     folder = build_tiny_chat_target(tmp_path / "t16", smollm2_dir, head_dim=16)
     target, lines = load_target(TargetConfig(path=str(folder), dtype="float32")), []
     convs = distill(CONVS[1:2], target, cfg("auto"), tmp_path / "a.jsonl", 256, Skipped(), say=lines.append)

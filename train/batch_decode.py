@@ -1,98 +1,82 @@
-"""draftsmith's own batched decoder for regeneration, the fallback when vLLM is missing: many conversations decode in
-lockstep on the engine's runner, reading the weights once per step for all rows (a step of many rows costs little
-more than a single-row one: docs/benchmarks.md, Figures behind design choices). Not HF's batched generate: it was
-slower side by side, and would hold a second copy of the target. Each row is prefilled alone as the engine does (a
-later turn only past the chat's KV so far); a batched step's logits differ from batch 1's by float rounding only, so
-greedy answers are the target's greedy answers up to near-ties.
+"""draftsmith's own batched decoder for regeneration: continuous batching over slots. A slot holds one chat's KV for
+all its turns. A chat's prompt is prefilled alone into its slot by the engine's batch-1 prefill (a later turn only
+past the tokens the slot holds), then every slot decodes one token per step in one batched forward, each at its own
+position. A chat whose answer ends takes its next turn in the same slot, and a chat that is done gives its slot to
+a waiting one at once, so the steps stay full until the last chats. Not HF's batched generate: it was slower side
+by side, and would hold a second copy of the target. A batched step's logits differ from batch 1's by float
+rounding only, so greedy answers are the target's greedy answers up to near-ties.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from draftsmith.heads.kv_cache import KVCache
 from draftsmith.heads.llama import Transformer
-from draftsmith.serve.engine.sampling import SamplingParams, pick
+from draftsmith.serve.engine.sampling import SamplingParams, pick_rows
 from draftsmith.serve.engine.tree import causal_mask
+
+from .turns import Chat
+
+Todo = list[tuple[Chat, list[int]]]  # chats and their next prompts
 
 
 @dataclass
-class Past:
-    """A chat's tokens so far and their KV (each layer's K, then V: [kv_heads, n, head_dim]). The next turn's
-    prompt extends them, so only its new tokens need a prefill."""
+class Turn:
+    """What a slot is answering: its chat, the new tokens so far, how many it may make, its sampling generator."""
 
-    ids: list[int]
-    kv: list[torch.Tensor]
-
-
-@torch.inference_mode()
-def generate_batch(
-    model: Transformer,
-    prompts: list[list[int]],
-    budgets: list[int],
-    sp: SamplingParams,
-    seeds: list[int],
-    eos,
-    pasts: list[Past | None],
-) -> tuple[list[list[int]], list[Past]]:
-    """Decode all prompts in lockstep. Prompts sit right-aligned in one cache (row i's at slots [p - len, p)),
-    each at its own positions; a row stops at an end-of-turn token or its budget (finished rows ride along).
-    Returns the new tokens and each row's Past for its next turn."""
-    b, p, dev = len(prompts), max(map(len, prompts)), model.device
-    cache = batch_cache(model, b, p + max(budgets))
-    valid = torch.zeros(b, p + max(budgets), dtype=torch.bool, device=dev)  # slots a row may attend to
-    rows = zip(prompts, pasts, strict=True)
-    logits = torch.stack([prefill_row(model, cache, i, q, p, valid, past) for i, (q, past) in enumerate(rows)])
-    gens = [torch.Generator(dev).manual_seed(s) for s in seeds]
-    lengths = torch.tensor([len(q) for q in prompts], device=dev)
-    out: list[list[int]] = [[] for _ in range(b)]
-    live = [True] * b
-    for t in range(max(budgets)):
-        nxt = logits.argmax(-1).tolist() if sp.greedy else [pick(r, sp, g) for r, g in zip(logits, gens, strict=True)]
-        for i in range(b):
-            if live[i]:
-                out[i].append(nxt[i])
-                live[i] = nxt[i] not in eos and len(out[i]) < budgets[i]
-        if not any(live):
-            break
-        valid[:, p + t] = True
-        logits = decode_step(model, cache, torch.tensor(nxt, device=dev), lengths + t, p + t, valid[:, : p + t + 1])
-    return out, [row_past(cache, i, q, o, p) for i, (q, o) in enumerate(zip(prompts, out, strict=True))]
+    chat: Chat
+    out: list[int]
+    budget: int
+    generator: torch.Generator | None
 
 
-def batch_cache(model: Transformer, b: int, slots: int) -> KVCache:
-    c = model.config
-    shape = (b, c.num_key_value_heads, slots, c.head_dim)
-    # zeros, not empty: masked slots still enter attention's weighted sum (with weight 0, and 0 * nan = nan)
-    new = lambda: [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
-    return KVCache(new(), new())
+class Slots:
+    """One KV cache row per slot ([slots, kv_heads, max_len, head_dim] per layer) and the tokens each row holds."""
 
+    def __init__(self, model: Transformer, slots: int, max_len: int) -> None:
+        c = model.config
+        shape = (slots, c.num_key_value_heads, max_len, c.head_dim)
+        # zeros, not empty: masked slots still enter attention's weighted sum (with weight 0, and 0 * nan = nan)
+        new = lambda: [torch.zeros(shape, dtype=model.dtype, device=model.device) for _ in range(c.num_hidden_layers)]
+        self.model, self.cache = model, KVCache(new(), new())
+        self.held: list[list[int]] = [[] for _ in range(slots)]  # tokens whose KV row i holds
 
-def prefill_row(
-    model: Transformer, cache: KVCache, i: int, prompt: list[int], p: int, valid, past: Past | None
-) -> torch.Tensor:
-    """The engine's own prefill of one prompt (after the tokens `past` already holds), its KV then copied into
-    row i, right-aligned at slot p."""
-    n, dev = len(prompt), model.device
-    hit = min(common_prefix(past.ids, prompt), n - 1) if past else 0  # at least one token runs: the logits
-    row = model.new_cache(n)
-    if hit:
-        assert past is not None, "a hit is in a past"
-        row.write(0, [t[None, :, :hit] for t in past.kv])
-    ids, positions = torch.tensor(prompt[hit:], device=dev), torch.arange(hit, n, device=dev)
-    out = model(ids, positions, row, hit, causal_mask(hit, n - hit, dev), slice(-1, None))
-    for big, small in zip((*cache.k, *cache.v), (*row.k, *row.v), strict=True):
-        big[i, :, p - n : p] = small[0]
-    valid[i, p - n : p] = True
-    return out.logits[-1]
+    def row(self, i: int) -> KVCache:
+        """Row i as a batch-1 cache (views: the engine's prefill writes into the slot)."""
+        return KVCache([k[i : i + 1] for k in self.cache.k], [v[i : i + 1] for v in self.cache.v])
 
+    def prefill(self, i: int, prompt: list[int]) -> Tensor:
+        """The prompt's logits after its last token, prefilling only what row i does not hold yet."""
+        hit = min(common_prefix(self.held[i], prompt), len(prompt) - 1)  # at least one token runs: the logits
+        dev, n = self.model.device, len(prompt)
+        ids, positions = torch.tensor(prompt[hit:], device=dev), torch.arange(hit, n, device=dev)
+        out = self.model(ids, positions, self.row(i), hit, causal_mask(hit, n - hit, dev), slice(-1, None))
+        self.held[i] = list(prompt)
+        return out.logits[-1]
 
-def row_past(cache: KVCache, i: int, prompt: list[int], out: list[int], p: int) -> Past:
-    """Row i's prompt and new tokens but the last (which never ran), and their KV."""
-    end = p + len(out) - 1
-    return Past(prompt + out[:-1], [t[i, :, p - len(prompt) : end].clone() for t in (*cache.k, *cache.v)])
+    @torch.inference_mode()
+    def step(self, tokens: list[int], live: list[int]) -> Tensor:
+        """Each live row's next token in at its own position, one batched forward; logits [len(live), vocab]. Rows
+        not live run too (their write lands past what they hold) and get no logits."""
+        dev = self.model.device
+        lengths = torch.tensor([len(h) for h in self.held], device=dev)
+        span = int(lengths.max()) + 1
+        view = KVCache([k[:, :, :span] for k in self.cache.k], [v[:, :, :span] for v in self.cache.v])
+        visible = torch.arange(span, device=dev) <= lengths[:, None]
+        b = len(self.held)
+        x, _ = self.model.layers_forward(
+            torch.tensor(tokens, device=dev).view(b, 1), lengths.view(b, 1, 1), view, lengths.view(b, 1),
+            visible.view(b, 1, 1, span), (),
+        )  # fmt: skip
+        for i in live:
+            self.held[i].append(tokens[i])
+        rows = x[torch.tensor(live, device=dev), -1]
+        return self.model.lm_head(self.model.model.norm(rows)).float()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -104,9 +88,65 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def decode_step(model: Transformer, cache: KVCache, tokens, positions, slot: int, valid) -> torch.Tensor:
-    """One token per row at cache slot `slot`; positions [b] per row, shaped [b, 1, 1] so rope broadcasts over
-    heads."""
-    b = tokens.shape[0]
-    x, _ = model.layers_forward(tokens.view(b, 1), positions.view(b, 1, 1), cache, slot, valid.view(b, 1, 1, -1), ())
-    return model.lm_head(model.model.norm(x[:, -1])).float()
+@dataclass
+class Turns:
+    """How chats' turns go: a prompt's new-token budget, an answer's sampling seed, and what a finished answer
+    means for its chat (its next prompt, or None when the chat is done)."""
+
+    budget: Callable[[list[int]], int]
+    seed: Callable[[Chat], int]
+    after: Callable[[Chat, list[int]], list[int] | None]
+
+
+@torch.inference_mode()
+def answer_in_slots(
+    model: Transformer,
+    todo: Todo,
+    slots: int,
+    max_len: int,
+    sp: SamplingParams,
+    eos,
+    turns_go: Turns,
+) -> Iterator[tuple[list[Chat], int]]:
+    """Every turn of every chat in `todo`, up to `slots` chats at once; yields the chats that are done and the new
+    tokens made since the last yield."""
+    waiting = iter(todo)
+    state = Slots(model, min(slots, len(todo)), max_len)
+    turns: list[Turn | None] = [None] * len(state.held)
+    logits: list[Tensor | None] = [None] * len(state.held)
+
+    def start(i: int, chat: Chat, prompt: list[int]) -> None:
+        gen = None if sp.greedy else torch.Generator(model.device).manual_seed(turns_go.seed(chat))
+        turns[i] = Turn(chat, [], turns_go.budget(prompt), gen)
+        logits[i] = state.prefill(i, prompt)
+
+    def admit(i: int) -> None:
+        state.held[i] = []  # an empty slot's row attends to nothing, and widens no step's span
+        nxt = next(waiting, None)
+        if nxt is None:
+            turns[i] = logits[i] = None
+            return
+        start(i, *nxt)
+
+    for i in range(len(turns)):
+        admit(i)
+    while any(turns):
+        done, tokens = [], [-1] * len(turns)  # -1: the row does not step (empty, or its turn just began)
+        active = [(i, t) for i, t in enumerate(turns) if t is not None]
+        rows = torch.stack([logits[i] for i, _ in active])  # type: ignore[misc]  # an active row has logits
+        picked = pick_rows(rows, sp, [t.generator for _, t in active])
+        for (i, t), tok in zip(active, picked, strict=True):
+            t.out.append(tok)
+            if tok not in eos and len(t.out) < t.budget:
+                tokens[i] = tok
+            elif (prompt := turns_go.after(t.chat, t.out)) is not None:
+                start(i, t.chat, prompt)
+            else:
+                done.append(t.chat)
+                admit(i)
+        live = [i for i, tok in enumerate(tokens) if tok >= 0]
+        if live:
+            stepped = state.step([max(tok, 0) for tok in tokens], live)
+            for r, i in enumerate(live):
+                logits[i] = stepped[r]
+        yield done, len(active)

@@ -16,11 +16,11 @@ class DistillConfig:
     top_p: float = 1.0
     seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
     answers: int = 1  # answers drawn per conversation (sampling only): draws 2.. get ids <id>~1, <id>~2, ...
-    backend: str = "auto"  # vllm | draftsmith (its own decoders) | auto: vLLM where installed, else draftsmith's
+    backend: str = "auto"  # vllm | draftsmith (own decoders) | auto: own without native bf16, else vLLM where installed
     vllm_python: str | None = None  # a Python with vLLM; default $DRAFTSMITH_VLLM_PYTHON, the setup venv, this one
     dtype: str = "auto"  # vLLM's dtype (auto: bfloat16 where native, else float32); the own decoder runs target.dtype
     engine_args: dict = field(default_factory=dict)  # more vLLM LLM(...) arguments, e.g. {data_parallel_size: 4}
-    batch_size: int | None = None  # conversations in flight; null: 256 with vLLM, 16 with the own batched decoder
+    batch_size: int | None = None  # conversations in flight; null: 256 with vLLM, 64 slots with the own decoder
     spec: str = "ngram"  # own decoder at batch_size 1: the engine's proposer, ar | ngram (lossless either way)
     shard: str | None = None  # i/n: answer only the i-th of n contiguous slices, into the shard's own file
     fidelity: int = 0  # after vLLM wrote answers: this many first turns, vLLM vs draftsmith, fp32 greedy (fidelity.py)

@@ -16,15 +16,13 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 
-from jinja2 import TemplateError
 from tqdm import tqdm
 
-from draftsmith.serve.models.target import LoadedTarget, TargetConfig, eos_ids, keyed_cache_path
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, keyed_cache_path
 from draftsmith.serve.shared.conversations import Conversation, Skipped, provenance
 
 from .data import ANSWER_FIELDS, DataConfig, DistillConfig
@@ -41,8 +39,8 @@ from .distill_file import (
 )
 from .features import source_stamp
 from .fidelity import FidelityCheck
-from .regen_backends import Generate, describe, open_backend
-from .turns import Chat, answer_text, draws, ended, loops, next_prompt, prepare
+from .regen_backends import describe, open_backend, own_first
+from .turns import Chat, draws, prepare
 from .vllm_backend import VllmUnavailable, VllmWorker, find_vllm_python
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
@@ -86,42 +84,6 @@ def share(part: int, whole: int) -> str:
     return f"{100 * part / max(whole, 1):.0f}%"
 
 
-def answer_all(
-    todo: list[tuple[Chat, list[int]]],
-    generate: Generate,
-    batch_size: int,
-    cfg: DistillConfig,
-    limit: int,
-    tokenizer,
-    eos: tuple[int, ...],
-) -> Iterator[tuple[list[Chat], int]]:
-    """Up to batch_size conversations in flight, one turn each per round; yields each round's finished chats and
-    new tokens. A finished chat's place goes to a waiting one, so a kill loses at most batch_size chats' work."""
-    waiting: Iterator = iter(todo)
-    active: list[tuple[Chat, list[int]]] = []
-    while True:
-        active += islice(waiting, batch_size - len(active))
-        if not active:
-            return
-        budgets = [min(cfg.max_new_tokens, limit - len(ids)) for _, ids in active]
-        outs = generate([chat for chat, _ in active], [ids for _, ids in active], budgets)
-        kept, finished = [], []
-        for (chat, _), out in zip(active, outs, strict=True):
-            chat.add(answer_text(tokenizer, out, eos), cut=not ended(out, eos), looped=loops(out))
-            try:
-                ids = next_prompt(chat, tokenizer, limit)
-            except TemplateError:  # a later turn the template rejects: keep the answers so far
-                ids, chat.stopped = None, "template"
-            if ids is None:
-                left = chat.turn < len(chat.segments)
-                chat.past, chat.stopped = None, chat.stopped or ("max_length" if left else "")
-                finished.append(chat)
-            else:
-                kept.append((chat, ids))
-        active = kept
-        yield finished, sum(map(len, outs))
-
-
 def row_of(chat: Chat, generator: dict) -> dict:
     row = {"id": chat.id, "messages": chat.messages, "generator": generator}
     return row | ({"truncated": chat.truncated} if chat.truncated else {})
@@ -149,9 +111,7 @@ def generate_into(
         began = time.perf_counter()
         try:
             with tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not show, dynamic_ncols=True) as bar:
-                args = (backend.batch_size, cfg, limit, target.tokenizer, eos_ids(target))
-                rounds = answer_all(todo, backend.generate, *args)
-                for finished, new_tokens in rounds:
+                for finished, new_tokens in backend.answer(todo):
                     for chat in finished:
                         append_row(f, row_of(chat, backend.generator))
                     done.conversations += len(finished)
@@ -213,7 +173,8 @@ def distill(
         own, mine = shard_path(path, index, count), [todo[i] for i in shard_range(len(todo), index, count)]
         wanted = {chat.id for chat, _ in mine}
     elif world > 1:  # vLLM takes the machine on rank 0; without it the own decoder splits the work
-        split = cfg.backend == "draftsmith" or (cfg.backend == "auto" and not vllm_found(cfg, cache_dir))
+        own_decoder = cfg.backend == "draftsmith" or own_first(cfg, str(target.model.device))
+        split = own_decoder or (cfg.backend == "auto" and not vllm_found(cfg, cache_dir))
         mine = [t for i, t in enumerate(todo) if i % world == rank] if split else (todo if rank == 0 else [])
         own = part_path(path, rank, world) if split else path
     there = read_rows(path)

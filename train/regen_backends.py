@@ -1,33 +1,36 @@
-"""Who writes the target's answers: vLLM's offline batched generation (in its own Python), or, as the fallback when
-vLLM is missing, draftsmith's own decoders (the engine one conversation at a time, or many in lockstep). Each
-backend answers a round of turns and says who it is (the `generator` every row records)."""
+"""Who writes the target's answers: vLLM's offline batched generation (in its own Python), or draftsmith's own
+decoders (many conversations in slots, continuously batched, or the engine one conversation at a time). Each
+backend answers chats turn by turn, yielding the chats that are done, and says who it is (the `generator` every
+row records)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from importlib.metadata import PackageNotFoundError, version
+from itertools import islice
 from pathlib import Path
 
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.models.target import LoadedTarget, eos_ids, offline_dtype
+from draftsmith.serve.models.target import LoadedTarget, eos_ids, native_bf16, offline_dtype
 from draftsmith.serve.spec import SpecConfig
 
-from .batch_decode import generate_batch
+from .batch_decode import Todo, Turns, answer_in_slots
 from .data import DistillConfig
-from .turns import Chat, turn_seed
+from .turns import Chat, finish_turn, turn_seed
 from .vllm_backend import VllmJob, VllmUnavailable, VllmWorker, find_vllm_python
 
 # chats, their prompts, token budgets -> each prompt's new tokens (an end-of-turn token included where one ended it)
 Generate = Callable[[list[Chat], list[list[int]], list[int]], list[list[int]]]
-OWN_BATCH, VLLM_BATCH = 16, 256  # conversations in flight by default: vLLM schedules its own batches within them
+Answer = Callable[[Todo], Iterator[tuple[list[Chat], int]]]  # chats -> (those done, new tokens) as they finish
+OWN_BATCH, VLLM_BATCH = 64, 256  # conversations in flight by default: vLLM schedules its own batches within them
 
 
 @dataclass
 class Backend:
-    generate: Generate
+    answer: Answer
     generator: dict  # who writes the answers: engine, version, dtype, sampling, target
     batch_size: int  # conversations in flight (a kill loses at most their work)
     close: Callable[[], None] = lambda: None
@@ -49,9 +52,12 @@ def describe(generator: dict) -> str:
 def open_backend(
     target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None, say
 ) -> Backend:
-    """data.distill.backend: vllm, draftsmith, or auto (vLLM where it is installed and starts, else draftsmith's
-    own decoder, saying so in one line)."""
-    if cfg.backend != "draftsmith":
+    """data.distill.backend: vllm, draftsmith, or auto: draftsmith's own decoder where the device has no native bf16
+    (there vLLM runs fp32, no faster than the own slots; docs/benchmarks.md), else vLLM where it is installed and
+    starts, else the own decoder, saying so in one line."""
+    if own_first(cfg, str(target.model.device)):
+        say("regeneration runs draftsmith's own batched decoder: no native bf16 here, where vLLM runs fp32 no faster")
+    elif cfg.backend != "draftsmith":
         try:
             return vllm_backend(target, cfg, limit, log, cache_dir)
         except VllmUnavailable as e:
@@ -59,6 +65,12 @@ def open_backend(
                 raise
             say(f"regeneration falls back to draftsmith's own batched decoder (slower): {e}")
     return own_backend(target, cfg, limit)
+
+
+def own_first(cfg: DistillConfig, device: str) -> bool:
+    """backend=auto on a device without native bf16 kernels: there vLLM runs fp32, and the own decoder's slots
+    generate at its pace without its start (docs/benchmarks.md); where bf16 is native vLLM's bf16 batches are faster."""
+    return cfg.backend == "auto" and not native_bf16(device)
 
 
 def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None) -> Backend:
@@ -77,7 +89,8 @@ def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path
 
     record = generator_record("vllm", worker.version, vllm_dtype(cfg.dtype), cfg, target.target_id)
     batch = cfg.batch_size or VLLM_BATCH
-    return Backend(generate, record, batch, worker.close, time.perf_counter() - began, worker)
+    answer = in_rounds(generate, batch, target, cfg, limit)
+    return Backend(answer, record, batch, worker.close, time.perf_counter() - began, worker)
 
 
 def vllm_dtype(name: str) -> str:
@@ -88,9 +101,12 @@ def vllm_dtype(name: str) -> str:
 
 def own_backend(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Backend:
     batch = cfg.batch_size or OWN_BATCH
-    generate = engine_generate(target, cfg, limit) if batch == 1 else batched_generate(target, cfg)
+    if batch == 1:
+        answer = in_rounds(engine_generate(target, cfg, limit), 1, target, cfg, limit)
+    else:
+        answer = in_slots(target, cfg, limit, batch)
     dtype = str(target.model.weights_dtype).removeprefix("torch.")
-    return Backend(generate, generator_record("draftsmith", draftsmith_version(), dtype, cfg, target.target_id), batch)
+    return Backend(answer, generator_record("draftsmith", draftsmith_version(), dtype, cfg, target.target_id), batch)
 
 
 def draftsmith_version() -> str:
@@ -113,16 +129,40 @@ def engine_generate(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Gen
     return generate
 
 
-def batched_generate(target: LoadedTarget, cfg: DistillConfig) -> Generate:
-    """Many conversations in lockstep on the engine's runner (train/batch_decode.py); a chat's KV is kept between
-    its turns."""
+def in_slots(target: LoadedTarget, cfg: DistillConfig, limit: int, slots: int) -> Answer:
+    """Many conversations continuously batched on the engine's runner (train/batch_decode.py); a chat keeps its slot,
+    and its KV, for all its turns."""
     sp, eos = SamplingParams(cfg.temperature, cfg.top_p), eos_ids(target)
+    turns = Turns(
+        budget=lambda prompt: min(cfg.max_new_tokens, limit - len(prompt)),
+        seed=lambda chat: turn_seed(cfg.seed, chat.id, chat.turn),
+        after=lambda chat, out: finish_turn(chat, out, target.tokenizer, eos, limit),
+    )
+    return lambda todo: answer_in_slots(target.model, todo, slots, limit, sp, eos, turns)
 
-    def generate(chats: list[Chat], prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
-        seeds = [turn_seed(cfg.seed, c.id, c.turn) for c in chats]
-        outs, pasts = generate_batch(target.model, prompts, budgets, sp, seeds, eos, [c.past for c in chats])
-        for chat, past in zip(chats, pasts, strict=True):
-            chat.past = past
-        return outs
 
-    return generate
+def in_rounds(generate: Generate, batch_size: int, target: LoadedTarget, cfg: DistillConfig, limit: int) -> Answer:
+    """A backend that answers a round of turns at once: up to batch_size conversations in flight, one turn each per
+    round; a finished chat's place goes to a waiting one, so a kill loses at most batch_size chats' work."""
+    eos = eos_ids(target)
+
+    def answer(todo: Todo) -> Iterator[tuple[list[Chat], int]]:
+        waiting: Iterator = iter(todo)
+        active: Todo = []
+        while True:
+            active += islice(waiting, batch_size - len(active))
+            if not active:
+                return
+            budgets = [min(cfg.max_new_tokens, limit - len(ids)) for _, ids in active]
+            outs = generate([chat for chat, _ in active], [ids for _, ids in active], budgets)
+            kept, finished = [], []
+            for (chat, _), out in zip(active, outs, strict=True):
+                ids = finish_turn(chat, out, target.tokenizer, eos, limit)
+                if ids is None:
+                    finished.append(chat)
+                else:
+                    kept.append((chat, ids))
+            active = kept
+            yield finished, sum(map(len, outs))
+
+    return answer

@@ -10,8 +10,6 @@ from jinja2 import TemplateError
 from draftsmith.serve.models.target import encode_chat
 from draftsmith.serve.shared.conversations import Conversation, Skipped
 
-from .batch_decode import Past
-
 
 @dataclass
 class Chat:
@@ -24,7 +22,6 @@ class Chat:
     turn: int = 0
     truncated: list[int] = field(default_factory=list)  # answers (0 = the first) cut at the token limit
     looped: int = 0  # answers that repeat themselves (loops(): counted for the run's summary, not written)
-    past: Past | None = None  # kept between turns by the own batched decoder
     stopped: str = ""  # why it ended before its last user turn: "max_length" or "template" (empty: it did not)
 
     def next_messages(self) -> list[dict] | None:
@@ -102,6 +99,19 @@ def prepare(convs: list[Conversation], tokenizer, limit: int, skipped: Skipped) 
             continue
         out.append((chat, ids))
     return out
+
+
+def finish_turn(chat: Chat, out: list[int], tokenizer, eos, limit: int) -> list[int] | None:
+    """The chat takes its answer `out` (new tokens); returns its next prompt, or None when it is done (no user turn
+    left, no room under `limit`, or a later turn the chat template rejects: the answers so far are kept)."""
+    chat.add(answer_text(tokenizer, out, eos), cut=not ended(out, eos), looped=loops(out))
+    try:
+        ids = next_prompt(chat, tokenizer, limit)
+    except TemplateError:
+        ids, chat.stopped = None, "template"
+    if ids is None and not chat.stopped and chat.turn < len(chat.segments):
+        chat.stopped = "max_length"
+    return ids
 
 
 def answer_text(tokenizer, out: list[int], eos) -> str:
