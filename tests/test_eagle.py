@@ -291,7 +291,7 @@ def test_eagle3_loss_shifts(target):
     mask[0, t] = 1
     base = head_features(target, head, ids, mask)
     loss, logs = eagle3_loss(head, base, ttt_steps=3)
-    assert set(logs) == {"loss", "acc_0", "acc_1", "acc_2"}
+    assert set(logs) == {"loss", "acc_0", "acc_1", "acc_2", "accept_0", "accept_1", "accept_2"}
     for name, pos, changes in (
         ("hidden", t, False),
         ("hidden", t - 1, True),
