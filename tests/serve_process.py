@@ -23,9 +23,10 @@ class Server:
     url: str
     log: Path
 
-    def metrics(self) -> dict[str, float]:
-        """Every sample of GET /metrics, parsed, as name{labels} -> value."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+    def metrics(self, headers: dict[str, str] | None = None) -> dict[str, float]:
+        """Every sample of GET /metrics (sent with `headers`: a server with keys asks for one), parsed, as
+        name{labels} -> value."""
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=30).text
         out = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:

@@ -3,7 +3,8 @@ on the tiny random chat target (SmolLM2's tokenizer and ChatML template), with t
 $DRAFTSMITH_API_KEY) and short timeouts. Each case an outside probe found is sent as it was, loopback only, and each
 test ends with a normal request answered: keys, a non-loopback bind refused, bounded bodies and messages while
 /health answers, slow clients timed out, special-token strings in messages kept as text, the prefix cache kept
-per client, tiny temperatures, deep nesting and lone surrogates."""
+per client, tiny temperatures, deep nesting and lone surrogates, a client that floods the server served in turn with
+the others."""
 
 from __future__ import annotations
 
@@ -22,7 +23,13 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.http.admission import Admission
+from draftsmith.serve.http.client import LOCAL
+from draftsmith.serve.http.errors import APIError
+from draftsmith.serve.http.metrics import ServeMetrics
 from draftsmith.serve.http.protocol import timed_h11
+from draftsmith.serve.http.worker import Job, Worker
 from draftsmith.serve.models.target import encode_chat
 from helpers import ENV, user
 from serve_process import running_server
@@ -308,6 +315,103 @@ def test_deep_nesting_and_lone_surrogates_get_a_json_400(server, raw, param):
     still_serves(server)
 
 
+# -- one client's flood waits behind itself
+
+
+def test_a_flooding_client_does_not_hold_back_another(server):
+    """Key A queues 6 long requests; key B's one, sent after them, is answered before A's last (FIFO: after all)."""
+
+    async def ask(http: httpx.AsyncClient, key: str, done: list[str], name: str) -> httpx.Response:
+        r = await http.post(
+            "/v1/chat/completions", json=body(max_tokens=160), headers={"Authorization": f"Bearer {key}"}
+        )
+        done.append(name)
+        return r
+
+    async def scenario() -> tuple[list[str], list[httpx.Response]]:
+        done: list[str] = []
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+            flood = [asyncio.create_task(ask(http, KEY, done, f"a{i}")) for i in range(6)]
+            deadline = time.monotonic() + 30
+            while (await asyncio.to_thread(server.metrics, AUTH))["draftsmith_requests_waiting"] < 5:
+                assert time.monotonic() < deadline, "the flood did not queue"
+                await asyncio.sleep(0.01)
+            other = await ask(http, ENV_KEY, done, "b")
+            return done, [*await asyncio.gather(*flood), other]
+
+    done, responses = asyncio.run(scenario())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert done.index("b") < len(done) - 1, done  # before A's last (round-robin: after at most two of A's)
+    still_serves(server)
+
+
+class Gated(Admission):
+    """An admission that records what it admits, each once `gate` opens."""
+
+    def __init__(self, per_client: int) -> None:
+        super().__init__(None, None, per_client)  # type: ignore[arg-type]
+        self.gate, self.order, self.held = threading.Event(), [], threading.Event()
+
+    def run(self, body: bytes):
+        self.held.set()
+        assert self.gate.wait(30)
+        self.order.append(body.decode())
+        return body.decode()
+
+
+def test_admission_takes_clients_in_turn_and_caps_each():
+    async def scenario() -> None:
+        admission = Gated(per_client=3)
+        flood = [asyncio.create_task(admission(b"a0", "A"))]
+        while not admission.held.is_set():  # a0 is taken, held at the gate
+            await asyncio.sleep(0.001)
+        flood += [asyncio.create_task(admission(f"a{i}".encode(), "A")) for i in range(1, 4)]
+        await asyncio.sleep(0.01)  # a1..a3 wait: A's most
+        with pytest.raises(APIError) as e:
+            admission.check("A")
+        assert e.value.status == 429 and "max_queue_per_client" in e.value.message
+        with pytest.raises(APIError):
+            await admission(b"a4", "A")
+        other = asyncio.create_task(admission(b"b0", "B"))
+        local = [asyncio.create_task(admission(f"l{i}".encode(), LOCAL)) for i in range(5)]  # loopback, no key: no cap
+        await asyncio.sleep(0.01)
+        admission.gate.set()
+        answers = await asyncio.gather(*flood, other, *local)  # each its own request's admission
+        assert answers == ["a0", "a1", "a2", "a3", "b0", "l0", "l1", "l2", "l3", "l4"]
+        assert admission.order[:4] == ["a0", "a1", "b0", "l0"]  # FIFO: a0 a1 a2 a3 b0
+        admission.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_engine_takes_clients_in_turn_and_caps_each():
+    class Recording:
+        def __init__(self) -> None:
+            self.taken: list[int] = []
+
+        def generate(self, prompt_ids, *args):
+            self.taken.append(prompt_ids[0])
+            raise RuntimeError("recorded")
+
+    loop = asyncio.new_event_loop()
+    engine = Recording()
+    worker = Worker(engine, None, ServeMetrics("m", "ar"), max_queue=16, per_client=3)  # not started yet
+    jobs = [Job([i], 4, SamplingParams(), [], loop, owner=owner) for i, owner in enumerate("AAABBL")]
+    for job in jobs:
+        worker.submit(job)
+    with pytest.raises(APIError) as e:
+        worker.submit(Job([9], 4, SamplingParams(), [], loop, owner="A"))
+    error = e.value.body()["error"]
+    assert e.value.status == 429 and error["code"] == "rate_limit_exceeded" and error["type"] == "requests"
+    assert "max_queue_per_client" in error["message"] and e.value.headers == {"Retry-After": "1"}
+    worker.start()
+    while not all(job.ended for job in jobs):
+        time.sleep(0.01)
+    worker.stop()
+    loop.close()
+    assert engine.taken == [0, 3, 5, 1, 4, 2]  # A B L A B A; FIFO: 0 1 2 3 4 5
+
+
 # -- without a server: the pieces the cases above rest on
 
 
@@ -393,7 +497,10 @@ def test_an_unexpected_error_is_a_json_500_that_names_no_internals():
     class Broken:
         limits = Limits(MODEL, 1024, 16, resolve(BoundsConfig(), 1024))
 
-        async def __call__(self, body: bytes):
+        def check(self, client: str) -> None:
+            pass
+
+        async def __call__(self, body: bytes, client: str):
             raise KeyError("/secret/path/of/the/server")
 
     app = make_app(Backend(None, Broken(), "ar", ServeMetrics(MODEL, "ar")))  # type: ignore[arg-type]

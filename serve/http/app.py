@@ -1,8 +1,9 @@
 """The FastAPI app: POST /v1/chat/completions (JSON or server-sent events), GET /v1/models, GET /metrics, GET /health.
 
-A handler checks the request (admit.py), queues it for the engine thread (worker.py) and answers from the job's
-events: a JSON object once it has ended, or one chunk per piece of text as it becomes final. A client that leaves
-cancels its job: skipped while it waits, stopped at the engine's next step while it runs.
+A handler checks the request (admit.py, in admission.py's thread), queues it for the engine thread (worker.py) and
+answers from the job's events: a JSON object once it has ended, or one chunk per piece of text as it becomes final.
+A client that leaves cancels its job: skipped while it waits, stopped at the engine's next step while it runs. Both
+queues take the clients round-robin (fair.py), each client known by its API key, else its address (client.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from draftsmith.serve.http.admission import Admission
 from draftsmith.serve.http.admit import Admitted
 from draftsmith.serve.http.auth import CLIENT, OPEN_PATHS, KeyCheck
 from draftsmith.serve.http.body import read_body
-from draftsmith.serve.http.client import client_id
+from draftsmith.serve.http.client import client_id, queue_client
 from draftsmith.serve.http.errors import APIError, server_error, unexpected
 from draftsmith.serve.http.metrics import CONTENT_TYPE, ServeMetrics
 from draftsmith.serve.http.responses import DONE, Reply, event, model_card, stats
@@ -76,8 +77,10 @@ def make_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        owner = queue_client(request)
+        backend.admission.check(owner)  # a client with its most requests waiting: 429 before its body is read
         body = await read_body(request, limits.bounds.body_bytes, limits.bounds.body_timeout_s)
-        admitted = await backend.admission(body)
+        admitted = await backend.admission(body, owner)
         salt = cache_salt(getattr(request.state, CLIENT, None), admitted.request.cache_salt)
         job = Job(
             admitted.prompt_ids,
@@ -88,6 +91,7 @@ def make_app(backend: Backend) -> FastAPI:
             salt,
         )
         job.client = client_id(request, admitted.request.user)  # adaptation's per-client caps and judging
+        job.owner = owner
         backend.worker.submit(job)
         reply = Reply(name, backend.spec)
         if admitted.request.stream:

@@ -25,6 +25,7 @@ class ServeConfig:
     max_seq_len: int = 4096  # prompt + completion, capped by the model's context
     max_tokens: int | None = 1024  # a request's max_tokens when it sets none; None: what the context has left
     max_queue: int = 1024  # requests waiting for the engine past this are refused with 503
+    max_queue_per_client: int = 64  # one client's requests waiting for admission, and for the engine; past it, 429
     cuda_graphs: str = "auto"  # serve/engine/graphs.py: auto | compile | graphs | eager | off
     limits: BoundsConfig = field(default_factory=BoundsConfig)  # body, messages, characters, timeouts, connections
     parse_special_tokens: bool = False  # true: special-token strings typed in a message become control tokens
@@ -37,6 +38,8 @@ class ServeConfig:
             raise ValueError(f"port must be in [1, 65535], got {self.port}")
         if self.max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_queue_per_client < 1:
+            raise ValueError(f"max_queue_per_client must be >= 1, got {self.max_queue_per_client}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or null (what the context has left), got {self.max_tokens}")
         if any(not key.strip() or "," in key for key in self.api_key):

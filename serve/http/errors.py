@@ -51,6 +51,18 @@ def overloaded(waiting: int) -> APIError:
     )
 
 
+def too_many_waiting(cap: int, where: str) -> APIError:
+    """A client past max_queue_per_client (fair.py), in the shape of OpenAI's rate-limit error."""
+    return APIError(
+        429,
+        f"You have {cap} requests waiting {where} on this server, the most one client may (max_queue_per_client); "
+        "wait for one to be answered before sending another.",
+        code="rate_limit_exceeded",
+        kind="requests",
+        headers={"Retry-After": "1"},
+    )
+
+
 def printable(text: str) -> str:
     """text that encodes as UTF-8: a lone surrogate echoed back from a request would fail the response itself."""
     return text.encode("utf-8", "replace").decode("utf-8")

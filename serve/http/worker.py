@@ -4,6 +4,10 @@ A handler puts a Job on the queue and reads its events (text pieces as they beco
 from an asyncio queue the engine thread fills through the event loop. A job whose client left is marked
 cancelled: skipped if still waiting, stopped at its next step if running (its observer returns False).
 
+The queue is fair between clients (fair.py): the engine takes one request of each client with one waiting in turn, so
+a client that floods the server waits behind its own requests; each client may have max_queue_per_client waiting
+(429 past it), all of them max_queue (503 past it).
+
 Per-request hooks: `observers` are factories Job -> Observer (serve/engine/observer.py), each told the request's
 target outputs as the engine runs them and its Generation when it ends: where traffic capture plugs in.
 """
@@ -13,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -24,8 +27,10 @@ from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.observer import Observer, Observers
 from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.http.client import LOCAL
 from draftsmith.serve.http.detok import TextStream
-from draftsmith.serve.http.errors import overloaded
+from draftsmith.serve.http.errors import overloaded, too_many_waiting
+from draftsmith.serve.http.fair import ClientFull, FairQueue, Full
 from draftsmith.serve.http.metrics import ServeMetrics
 
 log = logging.getLogger("draftsmith.serve")
@@ -65,6 +70,7 @@ class Job:
     first_token: float | None = None
     ended: bool = False  # Done or Failed was posted
     client: str = "local"  # who sent it (client.py): adaptation's per-client caps and judging group by it
+    owner: str = LOCAL  # whose turn it waits for in the queue (client.py's queue_client)
 
     def post(self, event: Piece | Done | Failed) -> None:
         """From the engine thread to the handler waiting on `events`."""
@@ -133,14 +139,16 @@ class Worker:
         max_queue: int,
         observers: Sequence[Callable[[Job], Observer]] = (),
         between: Callable[[], None] | None = None,
+        per_client: int = 64,
     ) -> None:
-        """between: what runs in the engine thread before each request (a head version swapped in)."""
+        """between: what runs in the engine thread before each request (a head version swapped in). per_client:
+        the requests one client may have waiting (max_queue_per_client)."""
         self.engine = engine
         self.tokenizer = copy.deepcopy(tokenizer)  # its own: the handlers encode with theirs on the event loop
         self.metrics = metrics
         self.observers = list(observers)
         self.between = between
-        self.queue: queue.Queue[Job | None] = queue.Queue(max_queue)
+        self.queue: FairQueue[Job] = FairQueue(per_client, max_queue, uncapped=(LOCAL,))
         self.current: Job | None = None  # the job the engine runs
         self.thread = threading.Thread(target=self.run, name="draftsmith-engine", daemon=True)
 
@@ -149,30 +157,26 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         try:
-            self.queue.put_nowait(job)
-        except queue.Full:
-            raise overloaded(self.queue.qsize()) from None
-        self.metrics.waiting.set(self.queue.qsize())
+            self.queue.put(job.owner, job)
+        except Full:
+            raise overloaded(len(self.queue)) from None
+        except ClientFull:
+            raise too_many_waiting(self.queue.per_client, "for the engine") from None
+        self.metrics.waiting.set(len(self.queue))
 
     def stop(self) -> None:
         """Cancel what waits and what runs (it stops at its next step), end the thread."""
         if (running := self.current) is not None:
             running.cancel()
-        while True:
-            try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                job.post(Done(None, "abort"))
-        self.queue.put(None)
+        for job in self.queue.close():
+            job.cancel()
+            job.post(Done(None, "abort"))
         if self.thread.is_alive():
             self.thread.join(timeout=30)
 
     def run(self) -> None:
         while (job := self.queue.get()) is not None:
-            self.metrics.waiting.set(self.queue.qsize())
+            self.metrics.waiting.set(len(self.queue))
             self.run_between()
             self.serve(job)
 
