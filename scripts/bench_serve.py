@@ -54,15 +54,22 @@ def start_server(spec: str, port: int) -> subprocess.Popen:
     """The server inherits this environment: OMP_NUM_THREADS sets both sides' threads alike."""
     cmd = [sys.executable, "-m", "draftsmith.serve.http", f"spec={spec}", f"port={port}", f"model_name={MODEL}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.5)
+    if wait_healthy(proc, f"http://127.0.0.1:{port}"):
+        return proc
     proc.kill()
     raise SystemExit(f"draftsmith-serve did not start: {' '.join(cmd)}")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> bool:
+    """Until url/health answers 200 (True), the process exits or timeout_s passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            time.sleep(0.25)
+    return False
 
 
 def direct(engine, tokenizer, new: int) -> Callable[[str], tuple[list[int], float, float]]:

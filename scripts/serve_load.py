@@ -30,6 +30,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_serve import free_port, wait_healthy  # noqa: E402
+
 KEYS = ("attacker-key", "normal-key")
 MODEL = "load"
 CHAT = "/v1/chat/completions"
@@ -55,12 +58,6 @@ class Server:
     url: str
     host: str
     port: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_target(folder: Path) -> Path:
@@ -98,13 +95,8 @@ def start_server(cfg: LoadConfig, work: Path) -> Server:
     cmd = [sys.executable, "-m", "draftsmith.serve.http", *args, *cfg.server_args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
     server = Server(proc, f"http://127.0.0.1:{port}", "127.0.0.1", port)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.TransportError:
-            time.sleep(0.25)
+    if wait_healthy(proc, server.url):
+        return server
     proc.kill()
     tail = (work / "server.log").read_text()[-4000:]
     raise SystemExit(f"draftsmith-serve did not start:\n{tail}")

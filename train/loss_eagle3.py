@@ -121,8 +121,6 @@ def objective_term(
       against p_D. Logs lam.
     - lk_alpha: LK's L_LK^alpha, mean of -log alpha (a row with alpha = 0 counts 0, as in SpecForge).
     The objectives that read p log accept_full, the mean alpha."""
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if objective == "soft_ce":
         return weighted_mean(F.cross_entropy(logits, target, reduction="none"), w), {}
     if full is None:
