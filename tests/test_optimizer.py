@@ -3,11 +3,19 @@ optimizer that trains, checkpoints and resumes exactly; the linear and cosine de
 
 import pytest
 import torch
+import torch.optim._muon as muon_impl
 
 from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.models.target import native_bf16
 from draftsmith.train.config import TrainConfig
 from draftsmith.train.loss_eagle3 import eagle3_loss
-from draftsmith.train.optimizer import MuonAdamW, hidden_matrices, make_optimizer
+from draftsmith.train.optimizer import (
+    MuonAdamW,
+    hidden_matrices,
+    make_optimizer,
+    newton_schulz_fp32,
+    orthogonalized_in_fp32,
+)
 from draftsmith.train.plan import warmup_decay
 from helpers import eagle_head, head_features, tiny_head
 
@@ -101,3 +109,31 @@ def test_unknown_settings_are_refused_by_name():
         TrainConfig(optimizer="sgd")
     with pytest.raises(ValueError, match="train.schedule cosine or linear"):
         TrainConfig(schedule="step")
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+def test_the_fp32_iteration_is_torchs_newton_schulz_at_fp32_precision(shape):
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    coefficients = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's defaults
+    in_bf16 = muon_impl._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7).float()
+    in_fp32 = newton_schulz_fp32(grad, coefficients, 5, 1e-7)
+    assert in_fp32.dtype == torch.float32 and in_fp32.shape == grad.shape
+    assert (in_fp32 - in_bf16).norm() / in_bf16.norm() < 0.02  # bf16's rounding, not another iteration
+    singular = torch.linalg.svdvals(in_fp32)
+    assert 0.5 < singular.min() and singular.max() < 1.5  # orthogonalized, as Muon's iteration leaves it
+
+
+def test_muon_orthogonalizes_in_fp32_only_inside_its_step_where_bf16_is_emulated(target, batch):
+    head, optimizer, _ = fresh(target, TrainConfig(optimizer="muon"))
+    assert optimizer.fp32_orthogonalize == (not native_bf16("cpu"))
+    seen = []
+    torch_iteration = muon_impl._zeropower_via_newtonschulz
+    optimizer.fp32_orthogonalize = True
+    with orthogonalized_in_fp32(True):
+        seen.append(muon_impl._zeropower_via_newtonschulz)
+    assert seen == [newton_schulz_fp32] and muon_impl._zeropower_via_newtonschulz is torch_iteration
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    eagle3_loss(head, batch, ttt_steps=2)[0].backward()
+    optimizer.step()
+    assert muon_impl._zeropower_via_newtonschulz is torch_iteration
+    assert not torch.equal(before["fc.weight"], head.fc.weight)  # the Muon matrices moved
