@@ -36,6 +36,7 @@ class Eagle3Config(EagleConfig):
     init: str = "scratch"  # target: norm and lm_head start as the target's final norm and lm_head rows
     norm_before_fc: bool = False  # an RMSNorm (input_norm) over the concatenated target features before fc
     norm_output: bool = False  # EAGLE-3.1: the next depth reads norm(output), what the lm_head reads, not output
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(feature), not the feature (speculators')
 
     def __post_init__(self) -> None:
         if self.init not in ("scratch", "target"):
@@ -58,10 +59,12 @@ class Eagle3Config(EagleConfig):
 
 
 class Eagle3Layer(nn.Module):
-    """vLLM's `midlayer`: attention over 2H, residual = the feature, then post-attention norm + MLP."""
+    """vLLM's `midlayer`: attention over 2H, residual = the feature (hidden_norm(feature) under
+    norm_before_residual), then post-attention norm + MLP."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, norm_before_residual: bool = False) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Attention(cfg, in_dim=2 * h)
         self.mlp = MLP(cfg)
@@ -73,11 +76,13 @@ class Eagle3Layer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(feature)], dim=-1)
 
     def finish(self, feature: Tensor, attn_out: Tensor) -> Tensor:
-        x = feature + attn_out
+        x = (self.hidden_norm(feature) if self.norm_before_residual else feature) + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, embeds, feature, cos, sin, kc, vc, start: int, mask) -> Tensor:
-        if plan := decoder_layer.takes(self, embeds, (kc, vc), start, mask):  # fp32 CPU: one call, the same bits
+        # fp32 CPU: one call, the same bits; the call's residual is the feature itself
+        plan = None if self.norm_before_residual else decoder_layer.takes(self, embeds, (kc, vc), start, mask)
+        if plan:
             return decoder_layer.run(plan, embeds, (cos, sin), (kc, vc), start, mask, feature)
         return self.finish(feature, self.self_attn(self.attn_input(embeds, feature), cos, sin, kc, vc, start, mask))
 
@@ -93,7 +98,7 @@ class Eagle3Head(DraftVocabHead):
         if cfg.norm_before_fc:
             self.input_norm = RMSNorm(len(cfg.target_layers) * h, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layers) * h, h, bias=False)
-        self.midlayer = Eagle3Layer(cfg.layer_config())
+        self.midlayer = Eagle3Layer(cfg.layer_config(), cfg.norm_before_residual)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.vocab_buffers()

@@ -38,8 +38,10 @@ class PEagleConfig(Eagle3Config):
             raise ValueError(f"peagle num_layers must be in [1, {MAX_LAYERS}], got {self.num_layers}")
         if self.num_depths < 1:
             raise ValueError(f"peagle num_depths (tokens per draft) must be >= 1, got {self.num_depths}")
-        if self.norm_before_fc or self.norm_output:
-            raise ValueError("peagle takes neither norm_before_fc nor norm_output (EAGLE-3 options): drop them")
+        if self.norm_before_fc or self.norm_output or self.norm_before_residual:
+            raise ValueError(
+                "peagle takes none of norm_before_fc, norm_output, norm_before_residual (EAGLE-3 options): drop them"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"peagle mask_token_id={self.mask_token_id} is not in the target's vocabulary of {self.vocab_size} "

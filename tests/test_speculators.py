@@ -251,6 +251,22 @@ def test_eagle31_heads_go_out_with_their_switches_and_come_back_drafting_the_sam
     assert drafted(target, out) == drafted(target, drafter)
 
 
+@pytest.mark.parametrize("fmt", ["speculators", "vllm"])
+def test_a_head_whose_residual_is_normed_goes_out_and_comes_back_drafting_the_same(tiny, tmp_path, fmt):
+    """norm_before_residual (speculators' default for the heads it trains): the layer's residual is
+    hidden_norm(feature). The export is validated against vLLM's forward with the switch."""
+    tcfg, target, *_ = tiny
+    drafter = save_head(target, tcfg, tmp_path / "normed", norm_before_residual=True)
+    out = export(drafter, fmt, tmp_path / fmt, tcfg, "fp32")
+    config = json.loads((out / "config.json").read_text())
+    assert config["norm_before_residual"] is True
+    back = loaded(target, out)
+    assert back.config.norm_before_residual and back.midlayer.norm_before_residual
+    assert drafted(target, out) == drafted(target, drafter)
+    edit_json(out / "config.json", lambda c: c.update(norm_before_residual=False))
+    assert drafted(target, out)[1] != drafted(target, drafter)[1]  # the switch changes the drafts: it is read
+
+
 def test_specforge_folder_with_its_embedding_and_default_layers(tiny, tmp_path):
     """SpecForge saves the draft's (frozen) copy of the target embedding and, unless told otherwise, no layer ids:
     the engines' default 2, L/2, L-3 (here 0, 1, 2 for 3 layers), as the head was made with."""
@@ -308,7 +324,6 @@ BAD = [
         "is a Mis",
     ),
     (SPEC, lambda c: c.pop("norm_before_residual"), None, "missing norm_before_residual"),
-    (SPEC, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"),
     (SPEC, lambda c: c.update(norm_before_fc=True), None, "missing input_norm.weight"),
     (SPEC, lambda c: c.update(norm_output="yes"), None, "norm_output='yes': must be true or false"),
     (SPEC, lambda c: c.update(fc_norm=True), None, "fc_norm=True"),
@@ -329,7 +344,6 @@ BAD = [
     (FLAT, None, lambda s: s.update({"layers.0.mlp.up_proj.weight": s.pop("midlayer.mlp.up_proj.weight")}), "unknown"),
     (FLAT, lambda c: c.update(draft_vocab_size=50), None, r"lm_head.weight has shape \(48, 64\), expected \(50, 64\)"),
     (FLAT, lambda c: c.update(hidden_size=32), None, "hidden_size=32"),
-    (FLAT, lambda c: c.update(norm_before_residual=True), None, "norm_before_residual=True"),
     (FLAT, lambda c: c["eagle_config"].update(norm_before_fc=True), None, "missing input_norm.weight"),
     (SPEC, lambda c: c.update(draft_vocab_size="48"), None, r"draft_vocab_size='48' must be a positive integer"),
     (SPEC, lambda c: c.update(draft_vocab_size=48.0), None, r"draft_vocab_size=48.0 must be a positive integer"),

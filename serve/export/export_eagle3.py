@@ -41,13 +41,14 @@ def eagle3_vllm(src: Source[Eagle3Head]) -> Export:
     }
     # EAGLE-3.1's switches where set (vLLM reads both at the top, norm_before_fc in eagle_config first; llama.cpp
     # reads norm_before_fc at the top): unset, the folder stays what engines without them load
-    config |= {k: True for k in ("norm_before_fc", "norm_output") if getattr(c, k, False)}
+    config |= {k: True for k in EAGLE31_KEYS if getattr(c, k, False)}
     # llama.cpp's converter reads the layer ids only at the top (else it assumes [2, L/2, L-3]); vLLM in eagle_config
     config["eagle_aux_hidden_state_layer_ids"] = list(c.target_layers)
     return Export(config, {"model.safetensors": state})
 
 
-EAGLE31_KEYS = ("norm_before_fc", "norm_output")  # Eagle3Config's EAGLE-3.1 switches, as vLLM's config.json names them
+# Eagle3Config's norm switches, as vLLM's config.json names them: EAGLE-3.1's two, and speculators' residual norm
+EAGLE31_KEYS = ("norm_before_fc", "norm_output", "norm_before_residual")
 
 
 def eagle3_shapes(src: Source[Eagle3Head], config: dict) -> Shapes:
@@ -89,20 +90,22 @@ def eagle3_forward(
     norms, eps = norms or {}, cfg.rms_norm_eps
     if norms.get("norm_before_fc"):
         aux = rms(aux, w["input_norm.weight"], eps)
-    h = eagle3_layer(w, "midlayer", cfg, embeds, linear(aux, w, "fc"), positions)
+    h = eagle3_layer(w, "midlayer", cfg, embeds, linear(aux, w, "fc"), positions, norms.get("norm_before_residual", False))
     normed = rms(h, w["norm.weight"], eps)
     logits, vd = linear(normed, w, "lm_head"), w["lm_head.weight"].shape[0]
     ids = torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))
     return normed if norms.get("norm_output") else h, logits, ids
 
 
-def eagle3_layer(w, p: str, cfg: ModelConfig, embeds: Tensor, feat: Tensor, positions: Tensor) -> Tensor:
-    """The EAGLE-3 layer `p`: [norm(embed); hidden_norm(feature)] -> attention, residual = feature; then the MLP."""
+def eagle3_layer(
+    w, p: str, cfg: ModelConfig, embeds: Tensor, feat: Tensor, positions: Tensor, norm_before_residual: bool = False
+) -> Tensor:
+    """The EAGLE-3 layer `p`: [norm(embed); hidden_norm(feature)] -> attention, residual = feature (vLLM's
+    _norm_after_residual) or hidden_norm(feature) (_norm_before_residual); then the MLP."""
     eps = cfg.rms_norm_eps
-    x = torch.cat(
-        [rms(embeds, w[f"{p}.input_layernorm.weight"], eps), rms(feat, w[f"{p}.hidden_norm.weight"], eps)], -1
-    )
-    h = feat + attention(x, w, f"{p}.self_attn", cfg, positions)
+    normed = rms(feat, w[f"{p}.hidden_norm.weight"], eps)
+    x = torch.cat([rms(embeds, w[f"{p}.input_layernorm.weight"], eps), normed], -1)
+    h = (normed if norm_before_residual else feat) + attention(x, w, f"{p}.self_attn", cfg, positions)
     return h + mlp(rms(h, w[f"{p}.post_attention_layernorm.weight"], eps), w, f"{p}.mlp")
 
 

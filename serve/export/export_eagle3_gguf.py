@@ -44,6 +44,8 @@ def unsupported(src: Source[Eagle3Head]) -> list[str]:
         reasons.append("its attention has biases; llama.cpp's eagle3 has none")
     if c.norm_output:
         reasons.append("it feeds back norm(output) (norm_output, EAGLE-3.1); llama.cpp feeds back the output")
+    if c.norm_before_residual:
+        reasons.append("its residual is hidden_norm(feature) (norm_before_residual); not checked against llama.cpp")
     if c.rope_scaling:
         reasons.append(f"its rope is scaled ({c.rope_scaling}); this export writes plain rope only")
     return reasons

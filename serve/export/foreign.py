@@ -47,7 +47,7 @@ class Foreign:
     layer_ids: list[int] | None
     target_hidden_size: int | None
     verifier: dict | None  # speculators only
-    norms: dict = field(default_factory=dict)  # norm_before_fc, norm_output (Eagle3Config's EAGLE-3.1 switches)
+    norms: dict = field(default_factory=dict)  # Eagle3Config's norm switches (EAGLE31_KEYS)
 
 
 def foreign_format(folder: Path) -> str | None:
@@ -145,7 +145,8 @@ def vocab_size_of(path: Path, key: str, value) -> int:
 
 
 def read_norms(path: Path, config: dict) -> dict:
-    """The EAGLE-3.1 switches as vLLM reads them (absent = false); anything but a boolean is refused."""
+    """The head's norm switches as vLLM reads them (absent = false; a speculators folder must spell out
+    norm_before_residual, checked before); anything but a boolean is refused."""
     norms = {k: config.get(k, False) for k in EAGLE31_KEYS}
     bad = [f"{k}={v!r}" for k, v in norms.items() if not isinstance(v, bool)]
     if bad:

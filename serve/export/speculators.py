@@ -49,9 +49,9 @@ SPECULATORS_CONFIG_KEYS = frozenset({"algorithm", "proposal_methods", "default_p
 VERIFIER_KEYS = frozenset({"name_or_path", "architectures"})
 GREEDY_KEYS = frozenset({"proposal_type", "speculative_tokens", "verifier_accept_k", "accept_tolerance"})
 # variants of the EAGLE-3 layer draftsmith's Eagle3Head does not compute: each key -> the value it runs (written
-# here; serve/export/foreign.py refuses a folder that sets another). vLLM reads a missing norm_before_residual as true,
-# speculators as false: our layer's residual is the un-normed feature.
-PLAIN = {"norm_before_residual": False, "fc_norm": False}
+# here; serve/export/foreign.py refuses a folder that sets another). norm_before_residual is one of the head's own
+# switches (EAGLE31_KEYS), always written: vLLM reads a speculators folder without it as true, speculators as false.
+PLAIN = {"fc_norm": False}
 
 
 def speculators_name(name: str, layer: str = LAYER) -> str:
