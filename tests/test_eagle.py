@@ -128,7 +128,9 @@ def test_config_defaults():
 EAGLE31 = {"norm_before_fc": True, "norm_output": True}
 
 
-@pytest.mark.parametrize("norms", [{}, EAGLE31], ids=["eagle3", "eagle3.1"])
+@pytest.mark.parametrize(
+    "norms", [{}, EAGLE31, {"norm_before_residual": True}], ids=["eagle3", "eagle3.1", "normed-residual"]
+)
 def test_eagle3_training_time_test_is_what_drafting_sees(norms, target):
     """Step j of unroll at index i equals drafting depth j+1 with the KV cache: the real pairs 0..i in slots
     1..i+1 (the proposer's layout), then the head's own outputs fed back with the next tokens (normed first

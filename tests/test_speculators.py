@@ -265,6 +265,10 @@ def test_a_head_whose_residual_is_normed_goes_out_and_comes_back_drafting_the_sa
     assert drafted(target, out) == drafted(target, drafter)
     edit_json(out / "config.json", lambda c: c.update(norm_before_residual=False))
     assert drafted(target, out)[1] != drafted(target, drafter)[1]  # the switch changes the drafts: it is read
+    if fmt == "vllm":  # SGLang's layer has no such switch: no command for it, and no format=sglang export
+        assert "SGLang**: its EAGLE-3 layer computes none of norm_before_residual" in (out / "README.md").read_text()
+        with pytest.raises(ExportError, match="SGLang's EAGLE-3 layer computes none of norm_before_residual"):
+            export(drafter, "sglang", tmp_path / "sglang", tcfg, "fp32")
 
 
 def test_specforge_folder_with_its_embedding_and_default_layers(tiny, tmp_path):

@@ -89,6 +89,17 @@ def no_problems(*_) -> list[str]:
     return []
 
 
+# EAGLE-3 heads' norm switches, as vLLM's config.json names them: EAGLE-3.1's two, and speculators' residual norm.
+# vLLM computes all three; SGLang's LlamaForCausalLMEagle3 none (it reads neither key nor input_norm weight).
+NORM_SWITCHES = ("norm_before_fc", "norm_output", "norm_before_residual")
+
+
+def sglang_misses(src: Source) -> list[str]:
+    """The head's norm switches that are on: SGLang would draft without them (every output still the target's,
+    acceptance lower) and says nothing."""
+    return [k for k in NORM_SWITCHES if getattr(src.head.config, k, False)]
+
+
 @dataclass(frozen=True)
 class Format:
     """One export format of a kind: the exporter, what the validator checks (serve/export/checks.py: tables built

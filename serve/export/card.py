@@ -8,6 +8,7 @@ from shlex import quote
 from typing import TYPE_CHECKING
 
 from draftsmith.heads.drafter_folder import shape_text
+from draftsmith.serve.export.base import sglang_misses
 from draftsmith.serve.export.card_concurrency import concurrency_section
 
 if TYPE_CHECKING:
@@ -100,6 +101,8 @@ def serve_section(src: Source, fmt: str, out: Path, token_map: str | None = None
         others = [name for name, g in formats.items() if getattr(g, engine)]
         if engine == "vllm" and f.vllm:
             lines.append(vllm_text(src, out, f))
+        elif engine == "sglang" and f.sglang and (missing := sglang_misses(src)):
+            lines.append(f"**SGLang**: its EAGLE-3 layer computes none of {', '.join(missing)}: not served there.\n")
         elif engine == "sglang" and f.sglang:
             lines.append(f"**SGLang**:\n\n```bash\n{sglang_command(src, out, f.sglang, token_map)}\n```\n")
         elif engine == "llamacpp" and f.llamacpp:

@@ -9,7 +9,7 @@ from torch import Tensor
 from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.heads.llama import ModelConfig
-from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
+from draftsmith.serve.export.base import NORM_SWITCHES, Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,
     Shapes,
@@ -47,8 +47,7 @@ def eagle3_vllm(src: Source[Eagle3Head]) -> Export:
     return Export(config, {"model.safetensors": state})
 
 
-# Eagle3Config's norm switches, as vLLM's config.json names them: EAGLE-3.1's two, and speculators' residual norm
-EAGLE31_KEYS = ("norm_before_fc", "norm_output", "norm_before_residual")
+EAGLE31_KEYS = NORM_SWITCHES  # Eagle3Config's norm switches
 
 
 def eagle3_shapes(src: Source[Eagle3Head], config: dict) -> Shapes:
@@ -90,7 +89,9 @@ def eagle3_forward(
     norms, eps = norms or {}, cfg.rms_norm_eps
     if norms.get("norm_before_fc"):
         aux = rms(aux, w["input_norm.weight"], eps)
-    h = eagle3_layer(w, "midlayer", cfg, embeds, linear(aux, w, "fc"), positions, norms.get("norm_before_residual", False))
+    h = eagle3_layer(
+        w, "midlayer", cfg, embeds, linear(aux, w, "fc"), positions, norms.get("norm_before_residual", False)
+    )
     normed = rms(h, w["norm.weight"], eps)
     logits, vd = linear(normed, w, "lm_head"), w["lm_head.weight"].shape[0]
     ids = torch.arange(vd) + w.get("d2t", torch.zeros(vd, dtype=torch.long))

@@ -27,6 +27,7 @@ from draftsmith.serve.export.base import (
     check_format_name,
     format_for,
     read_source,
+    sglang_misses,
 )
 from draftsmith.serve.export.card import EXPORT_MARK, export_card
 from draftsmith.serve.export.vllm_sweep import Sweep, SweepError, read_sweep
@@ -138,6 +139,11 @@ def export(
     src = read_source(drafter, target_cfg or TargetConfig(), gguf_target)
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
+    if fmt == "sglang" and (missing := sglang_misses(src)):
+        raise ExportError(
+            f"SGLang's EAGLE-3 layer computes none of {', '.join(missing)}, which this head uses: it would draft "
+            "another head there; serve it with vLLM (format=vllm or format=speculators)"
+        )
     sweep = sweep_for(vllm_sweep, fmt, f)
     exp = f.export(src)
     with temp_folder_beside(out, mode=0o755) as tmp:  # 755: an engine in a container may run as another user
