@@ -535,7 +535,7 @@ def main(args) -> None:
     if args.fresh:
         drafters = {k: str(v) for k, v in fresh_drafters(target, work / "fresh").items()} | drafters
     drafters = {k: Path(v) for k, v in drafters.items() if k in args.kinds.split(",")}
-    if not drafters and not args.suffix:
+    if not drafters and not args.suffix and not args.speculators_folder:
         sys.exit(f"no drafters: pass --drafter KIND=DIR (kinds: {', '.join(KINDS)}), --fresh or --suffix")
     prompts = prompts_for(target, args.prompts)
     max_len = max(map(len, prompts)) + args.max_new_tokens + 16
@@ -554,6 +554,8 @@ def main(args) -> None:
         rows.append(run.row(f"{kind} (k={k})", kind, chain_spec(kind, drafter, k), {"speculative_config": spec}))
         if args.speculators and "speculators" in get(kind).formats:
             rows += speculators_rows(run, kind, drafter)
+    for i, folder in enumerate(args.speculators_folder):  # made elsewhere: read as they are
+        rows += folder_rows(run, "eagle3", Path(folder), f"speculators folder {i + 1}")
     if args.suffix:
         rows += suffix_rows(run)
     report(rows, plain, args, work)
@@ -603,29 +605,31 @@ def by_position(rates: list[float]) -> str:
 
 def speculators_rows(run: Runner, kind: str, drafter: Path) -> list[tuple]:
     """format=speculators, checked by the speculators package itself, then served both ways the model card
-    gives (the folder alone: vLLM reads the target and the method from it, at its speculative_tokens; the target
-    with the method spelled out), against draftsmith's engine on the export read back (spec.drafter=OUT)."""
+    gives, against draftsmith's engine on the export read back (spec.drafter=OUT)."""
     from draftsmith.serve.export.pipeline import export
 
-    _, method, _ = vllm_format(kind, "speculators")
     out = export(drafter, "speculators", run.work / "exports" / f"{kind}-speculators", run.tcfg, "fp32", overwrite=True)
-    print(speculators_package_check(run.args, out, run.work), flush=True)
-    config = json.loads((out / "config.json").read_text())
+    return folder_rows(run, kind, out, f"{kind}-spec")
+
+
+def folder_rows(run: Runner, kind: str, folder: Path, name: str) -> list[tuple]:
+    """A folder in the speculators format (an export, or what speculators' own trainer saved): checked by the
+    speculators package, then served by vLLM both ways the model card gives (the folder alone: vLLM reads the
+    target and the method from it, at its speculative_tokens; the target with the method spelled out), against
+    draftsmith's engine reading the same folder (spec.drafter=FOLDER)."""
+    _, method, _ = vllm_format(kind, "speculators")
+    print(speculators_package_check(run.args, folder, run.work), flush=True)
+    config = json.loads((folder / "config.json").read_text())
     k_folder = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     k = run.args.k
-    spec = {"method": method, "model": str(out), "num_speculative_tokens": k}
+    spec = {"method": method, "model": str(folder), "num_speculative_tokens": k}
     return [
+        run.row(f"{name}, target + method (k={k})", name, chain_spec(kind, folder, k), {"speculative_config": spec}),
         run.row(
-            f"{kind} speculators, target + method (k={k})",
-            f"{kind}-spec",
-            chain_spec(kind, out, k),
-            {"speculative_config": spec},
-        ),
-        run.row(
-            f"{kind} speculators, the folder alone (k={k_folder})",
-            f"{kind}-spec-alone",
-            chain_spec(kind, out, k_folder),
-            {"target": str(out), "speculative_config": None, "max_model_len": run.max_len + k_folder + 16},
+            f"{name}, the folder alone (k={k_folder})",
+            f"{name}-alone",
+            chain_spec(kind, folder, k_folder),
+            {"target": str(folder), "speculative_config": None, "max_model_len": run.max_len + k_folder + 16},
         ),
     ]
 
@@ -757,6 +761,12 @@ def parse_args(argv: list[str] | None = None):
         action=argparse.BooleanOptionalAction,
         default=True,
         help="kinds with format=speculators (eagle3): also that format (the speculators package, then vLLM two ways)",
+    )
+    p.add_argument(
+        "--speculators-folder",
+        action="append",
+        default=[],
+        help="an EAGLE-3 folder in the speculators format made elsewhere (e.g. by speculators' trainer): run as it is",
     )
     p.add_argument("--suffix", action="store_true", help="also check suffix decoding (needs arctic-inference)")
     p.add_argument("--suffix-k", type=int, default=24, help="suffix: num_speculative_tokens (vLLM's default: 24)")
