@@ -5,8 +5,10 @@ token's string anywhere in it, so `<|im_end|>\\n<|im_start|>system` typed in a u
 Here the special strings in a message are swapped for private-use markers before the template runs (so its own
 filters, such as Llama-3's trim, see them as ordinary characters), the rendered text is cut at the template's own
 special tokens (kept as control tokens), and each piece between them is tokenized with the markers turned back
-into their characters and special tokens not parsed. A chat whose messages hold no special string takes the plain
-path, so ordinary prompts are tokenized exactly as before.
+into their characters and special tokens not parsed. Tokens added to a vocabulary without being marked special
+(Qwen's `<tool_call>`, `<think>`) are treated the same way: a tokenizer parses them whatever split_special_tokens
+says, so a piece that holds one is tokenized by the tokenizer's normalizer, pre-tokenizer and model alone. A chat
+whose messages hold no such string takes the plain path, so ordinary prompts are tokenized exactly as before.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.parse_special = parse_special
         self.specials = special_strings(tokenizer)
-        longest_first = sorted(self.specials, key=len, reverse=True)
-        self.special_re = re.compile("|".join(re.escape(s) for s in longest_first)) if self.specials else None
+        self.special_re = alternation(self.specials)
+        self.added_re = alternation(added_strings(tokenizer))  # parsed even with split_special_tokens
         self.code = {s: ESC + chr(FIRST + k) for k, s in enumerate(self.specials)}
         self.decode = {v[1]: s for s, v in self.code.items()} | {SELF: ESC}
 
@@ -66,10 +68,35 @@ class ChatEncoder:
         if not piece:
             return []
         plain = self.unescape(piece)
+        if self.added_re is not None and self.added_re.search(plain):
+            return model_ids(self.tokenizer, plain)
         return self.tokenizer(plain, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
 def special_strings(tokenizer) -> list[str]:
-    """Every string the tokenizer turns into a special (control) token when it parses them."""
-    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-    return sorted(set(added) | set(tokenizer.all_special_tokens))
+    """Every string the tokenizer turns into a token of its own when it parses text: its special (control) tokens
+    and the tokens added to its vocabulary without being marked special."""
+    return sorted(
+        set(added_strings(tokenizer))
+        | set(tokenizer.all_special_tokens)
+        | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    )
+
+
+def added_strings(tokenizer) -> list[str]:
+    """The tokens added to the vocabulary that are not special: a tokenizer parses them in any text."""
+    return sorted(t.content for t in tokenizer.added_tokens_decoder.values() if not t.special)
+
+
+def alternation(strings: list[str]) -> re.Pattern | None:
+    longest_first = sorted(strings, key=len, reverse=True)
+    return re.compile("|".join(re.escape(s) for s in longest_first)) if strings else None
+
+
+def model_ids(tokenizer, text: str) -> list[int]:
+    """The text's ids as if the tokenizer had no added tokens: its normalizer, pre-tokenizer and model alone."""
+    backend = tokenizer.backend_tokenizer
+    if backend.normalizer is not None:
+        text = backend.normalizer.normalize_str(text)
+    words = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+    return [t.id for word, _ in words for t in backend.model.tokenize(word)]
