@@ -39,7 +39,7 @@ from .distill_file import (
 )
 from .features import source_stamp
 from .fidelity import FidelityCheck
-from .regen_backends import describe, open_backend, own_first
+from .regen_backends import describe, open_backend, uses_own
 from .turns import Chat, draws, prepare
 from .vllm_backend import VllmUnavailable, VllmWorker, find_vllm_python
 
@@ -173,8 +173,7 @@ def distill(
         own, mine = shard_path(path, index, count), [todo[i] for i in shard_range(len(todo), index, count)]
         wanted = {chat.id for chat, _ in mine}
     elif world > 1:  # vLLM takes the machine on rank 0; without it the own decoder splits the work
-        own_decoder = cfg.backend == "draftsmith" or own_first(cfg, str(target.model.device))
-        split = own_decoder or (cfg.backend == "auto" and not vllm_found(cfg, cache_dir))
+        split = uses_own(cfg, str(target.model.device)) or (cfg.backend == "auto" and not vllm_found(cfg, cache_dir))
         mine = [t for i, t in enumerate(todo) if i % world == rank] if split else (todo if rank == 0 else [])
         own = part_path(path, rank, world) if split else path
     there = read_rows(path)

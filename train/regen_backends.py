@@ -57,7 +57,7 @@ def open_backend(
     starts, else the own decoder, saying so in one line."""
     if own_first(cfg, str(target.model.device)):
         say("regeneration runs draftsmith's own batched decoder: no native bf16 here, where vLLM runs fp32 no faster")
-    elif cfg.backend != "draftsmith":
+    elif not uses_own(cfg, str(target.model.device)):
         try:
             return vllm_backend(target, cfg, limit, log, cache_dir)
         except VllmUnavailable as e:
@@ -65,6 +65,11 @@ def open_backend(
                 raise
             say(f"regeneration falls back to draftsmith's own batched decoder (slower): {e}")
     return own_backend(target, cfg, limit)
+
+
+def uses_own(cfg: DistillConfig, device: str) -> bool:
+    """Regeneration runs the own decoder without trying vLLM: asked for it, or own_first."""
+    return cfg.backend == "draftsmith" or own_first(cfg, device)
 
 
 def own_first(cfg: DistillConfig, device: str) -> bool:

@@ -75,12 +75,8 @@ class ChatEncoder:
 
 def special_strings(tokenizer) -> list[str]:
     """Every string the tokenizer turns into a token of its own when it parses text: its special (control) tokens
-    and the tokens added to its vocabulary without being marked special."""
-    return sorted(
-        set(added_strings(tokenizer))
-        | set(tokenizer.all_special_tokens)
-        | {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    )
+    and the tokens added to its vocabulary, special or not."""
+    return sorted({t.content for t in tokenizer.added_tokens_decoder.values()} | set(tokenizer.all_special_tokens))
 
 
 def added_strings(tokenizer) -> list[str]:
