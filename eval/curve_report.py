@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from draftsmith.heads.files import write_text_atomic
+from draftsmith.files import write_text_atomic
 
 from .plots import errors, save
 from .report import ci

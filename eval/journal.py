@@ -9,7 +9,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from draftsmith.heads.files import write_text_atomic
+from draftsmith.files import write_text_atomic
 from draftsmith.serve.engine.metrics import Metrics
 
 from .aggregate import Record

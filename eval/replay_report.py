@@ -8,7 +8,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from draftsmith.heads.files import write_text_atomic
+from draftsmith.files import write_text_atomic
 
 from .plots import errors, save
 from .replay_log import read_log

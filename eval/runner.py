@@ -13,8 +13,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from draftsmith.heads import panels
-from draftsmith.heads.files import write_text_atomic
+from draftsmith.cpu_kernels import panels
+from draftsmith.files import write_text_atomic
 from draftsmith.serve.build import build_engine, resolve_shape
 from draftsmith.serve.drafters import drafter_dtype
 from draftsmith.serve.engine.cost_profile import forward_path, own_kernels

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads.draft_vocab import DraftVocabHead
 from draftsmith.heads.eagle3 import DRAFT_VOCAB
-from draftsmith.heads.head_base import EagleConfig, borrow, default_target_layers
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import DecoderLayer, ModelConfig, RMSNorm, Transformer, apply_rope
 
+from .draft_vocab import DraftVocabHead
+from .head_base import EagleConfig, borrow, default_target_layers
 from .kinds import DraftShape, Kind
-from .kv_cache import KVCache
-from .llama import DecoderLayer, ModelConfig, RMSNorm, Transformer, apply_rope
 
 MAX_LAYERS = 4
 

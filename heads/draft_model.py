@@ -1,6 +1,6 @@
 """A small Llama sharing the target's tokenizer, distilled from the target; drafts a chain in the engine.
 
-It is a heads.llama Transformer (HF parameter names), sized by DraftModelConfig (0 = the target's size).
+It is a runtime.llama Transformer (HF parameter names), sized by DraftModelConfig (0 = the target's size).
 The resolved ModelConfig is saved in the config, so a folder rebuilds without the target.
 """
 
@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from torch import nn
 
+from draftsmith.runtime.llama import ModelConfig, Transformer
+
 from .drafter_folder import restricted_linear
 from .kinds import DraftShape, Kind
-from .llama import ModelConfig, Transformer
 
 INITS = ("target", "scratch")
 

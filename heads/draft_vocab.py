@@ -7,9 +7,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.drafter_folder import frequent_ids
-from draftsmith.heads.head_base import HeadBase
-from draftsmith.heads.llama import RMSNorm
+from draftsmith.runtime.llama import RMSNorm
+
+from .drafter_folder import frequent_ids
+from .head_base import HeadBase
 
 
 def build_vocab_map(counts: Tensor, draft_vocab_size: int) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .files import move_into_place, temp_folder_beside
+from draftsmith.files import move_into_place, temp_folder_beside
+
 from .kinds import KINDS, DraftShape, get
 
 M = TypeVar("M", bound=nn.Module)

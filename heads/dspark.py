@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.dflash import DFlashConfig, DFlashHead
+from draftsmith.runtime.llama import Transformer
 
+from .dflash import DFlashConfig, DFlashHead
 from .kinds import DraftShape, Kind
-from .llama import Transformer
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.head_base import EagleConfig, HeadBase, borrow, sdpa_mask
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import DecoderLayer, Transformer
 
 from .drafter_folder import restricted_linear
+from .head_base import EagleConfig, HeadBase, borrow, sdpa_mask
 from .kinds import DraftShape, Kind
-from .kv_cache import KVCache
-from .llama import DecoderLayer, Transformer
 
 
 class EagleHead(HeadBase):

@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.heads import decoder_layer
-from draftsmith.heads.draft_vocab import DraftVocabHead
-from draftsmith.heads.head_base import EagleConfig, borrow, default_target_layers, sdpa_mask
+from draftsmith.cpu_kernels import decoder_layer
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 
+from .draft_vocab import DraftVocabHead
+from .head_base import EagleConfig, borrow, default_target_layers, sdpa_mask
 from .kinds import DraftShape, Kind
-from .kv_cache import KVCache
-from .llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's from 3.11

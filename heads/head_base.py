@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from draftsmith.heads.llama import ModelConfig, Transformer, rope_tables
+from draftsmith.runtime.llama import ModelConfig, Transformer, rope_tables
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's from 3.11

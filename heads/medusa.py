@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftsmith.runtime.llama import Transformer
+
 from .drafter_folder import restricted_linear
 from .kinds import DraftShape, Kind
-from .llama import Transformer
 
 # Medusa's mc_sim_7b_63 (paths sorted by their simulated acceptance on Vicuna-7B)
 MC_SIM_7B_63 = [

@@ -17,11 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.heads.head_base import sdpa_mask
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import DecoderLayer, ModelConfig, Transformer
 
+from .head_base import sdpa_mask
 from .kinds import DraftShape, Kind
-from .kv_cache import KVCache
-from .llama import DecoderLayer, ModelConfig, Transformer
 
 MAX_LAYERS = 4
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What bit-exact bf16 costs on the real SmolLM2-135M (CPU, batch 1), measured A vs B interleaved in one run.
 
-1. target forward time per step size (1-row decode, k-row verify): bf16 bit-exact (heads/attention.py) vs the
+1. target forward time per step size (1-row decode, k-row verify): bf16 bit-exact (runtime/attention.py) vs the
    previous bf16 path (SDPA / grouped attention, no plans) vs fp32; the minimum over repeats (robust to load).
 2. a long prefill: bf16 bit-exact (linears in pieces of packed.MAX_ROWS rows) vs bf16 with its linears whole
    (inexact on AMX) vs fp32.
@@ -23,8 +23,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from draftsmith.cpu_kernels import packed  # noqa: E402
 from draftsmith.eval.suites import mt_bench  # noqa: E402
-from draftsmith.heads import llama, packed  # noqa: E402
+from draftsmith.runtime import llama  # noqa: E402
 from draftsmith.serve.build import build_engine  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.engine.tree import causal_mask  # noqa: E402

@@ -28,11 +28,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from draftsmith.cpu_kernels.packed import pack_linears  # noqa: E402
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead  # noqa: E402
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
-from draftsmith.heads.llama import ForwardOut  # noqa: E402
-from draftsmith.heads.packed import pack_linears  # noqa: E402
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead  # noqa: E402
+from draftsmith.runtime.llama import ForwardOut  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.engine.tree import TreeConfig  # noqa: E402
 from draftsmith.serve.models.target import TargetConfig, load_target  # noqa: E402

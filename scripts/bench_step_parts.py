@@ -5,13 +5,13 @@
    on torch's ops (oneDNN),
    without the linear wrappers' checks, a 1-row linear run as one row (not bit-exact), the SDPA-style attention
    instead of the batch-invariant one (not bit-exact), and fp32 (also on torch's kernels, oneDNN's linears and
-   SDPA, where heads/kernels.py's library runs, with its layers one call each instead of the whole stack in one, and
-   with every weight in fp32 panels instead of the narrowest exact format, heads/panel_codes.py), bf16 as the
+   SDPA, where cpu_kernels/native.py's library runs, with its layers one call each instead of the whole stack in one,
+   and with every weight in fp32 panels instead of the narrowest exact format, cpu_kernels/panel_codes.py), bf16 as the
    engine runs it there (bf16 weights in fp32 on the kernels, serve/models/loader.py); beside them the compiled step
    (serve/engine/compiled.py) in bf16 (torch's ops) and fp32
 2. the linears alone: every layer's packed weights once, cold (as a step streams them), 1 to 32 rows, bf16 and fp32
-   (fp32 on heads/panels.py's kernel, its weights in each panel format, and on oneDNN's where the panel kernel runs),
-   beside this machine's memory
+   (fp32 on cpu_kernels/panels.py's kernel, its weights in each panel format, and on oneDNN's where the panel kernel
+   runs), beside this machine's memory
    bandwidth (a plain probe: the sum of a 512 MB tensor), and the compiled bf16 step against the bandwidth limit
    (every weight it reads, once per token)
 
@@ -42,9 +42,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.heads import decoder_layer, decoder_stack, kernels, llama, packed, panel_codes, panels  # noqa: E402
+from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native, packed, panel_codes, panels  # noqa: E402
+from draftsmith.cpu_kernels.packed import can_pack  # noqa: E402
 from draftsmith.heads.drafter_folder import read_meta  # noqa: E402
-from draftsmith.heads.packed import can_pack  # noqa: E402
+from draftsmith.runtime import llama  # noqa: E402
 from draftsmith.serve.build import build_engine  # noqa: E402
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots  # noqa: E402
 from draftsmith.serve.engine.metrics import Metrics  # noqa: E402
@@ -91,8 +92,8 @@ def patched(patches) -> ExitStack:
     return stack
 
 
-ONEDNN = "eager, fp32 on torch's kernels"  # oneDNN's linears and SDPA, without heads/kernels.py's library
-TORCH_OPS = [(kernels, "wanted", lambda: False)]  # every one of draftsmith's kernels steps aside
+ONEDNN = "eager, fp32 on torch's kernels"  # oneDNN's linears and SDPA, without cpu_kernels/native.py's library
+TORCH_OPS = [(native, "wanted", lambda: False)]  # every one of draftsmith's kernels steps aside
 LAYER_BY_LAYER = "eager, fp32 one call per layer"  # the layers as one call each, not the whole stack in one
 ONE_CALL_PER_LAYER = [(decoder_stack, "takes", lambda *args: None)]
 
@@ -208,7 +209,7 @@ def linears_section(rounds: int, dtypes: list[str], rows: list[int]) -> float:
         runs.append(("float32", "oneDNN"))
     for name, kernel in runs:
         dtype, code = getattr(torch, name), kernel.split()[0]
-        with mock.patch.dict(os.environ, {kernels.ENV: "0" if kernel == "oneDNN" else "1"}):
+        with mock.patch.dict(os.environ, {native.ENV: "0" if kernel == "oneDNN" else "1"}):
             weights = [
                 [pack(torch.randn(o, n, dtype=dtype) * 0.02, code) for o, n in shapes]
                 for _ in range(cfg.num_hidden_layers)
@@ -276,7 +277,7 @@ def fp32_peak_gflops(rounds: int) -> float:
     return 2 * 1024**3 / best / 1e9
 
 
-MODULES = "draft (layer module by module)"  # as before heads/decoder_layer.py's one call took EAGLE-3's midlayer
+MODULES = "draft (layer module by module)"  # as before cpu_kernels/decoder_layer.py's one call took EAGLE-3's midlayer
 ONE_CALL_LAYER_OFF = [(decoder_layer, "takes", lambda *args: None)]
 
 

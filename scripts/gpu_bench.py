@@ -38,14 +38,14 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from bench_engine import Prompt, Run, TimedEngine, interleave, run_engine, run_hf  # noqa: E402
 
+from draftsmith.cpu_kernels.packed import pack_linears  # noqa: E402
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig  # noqa: E402
 from draftsmith.heads.drafter_folder import cast_own  # noqa: E402
 from draftsmith.heads.eagle import EagleHead  # noqa: E402
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head  # noqa: E402
 from draftsmith.heads.head_base import EagleConfig  # noqa: E402
-from draftsmith.heads.llama import ModelConfig, Transformer  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
-from draftsmith.heads.packed import pack_linears  # noqa: E402
+from draftsmith.runtime.llama import ModelConfig, Transformer  # noqa: E402
 from draftsmith.serve.engine.engine import Engine  # noqa: E402
 from draftsmith.serve.engine.graphs import resolve_mode  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402

@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.eval.journal import RECORDS, intact_lines, parse_unit
 from draftsmith.eval.stats import Bootstrap, interval, ratio
-from draftsmith.heads.files import write_file_atomic
+from draftsmith.files import write_file_atomic
 
 VENV = os.path.expanduser("~/.cache/draftsmith/speculators-venv")
 VENV_PYTHON = os.environ.get("SPECULATORS_PYTHON", os.path.join(VENV, "bin", "python"))

@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 root=$PWD
 tree=$root/build/typecheck
 mkdir -p "$tree/draftsmith"
-ln -sfn "$root/draftsmith/__init__.py" "$tree/draftsmith/__init__.py"
-for d in heads serve train eval conf; do ln -sfn "$root/$d" "$tree/draftsmith/$d"; done
+for f in "$root"/draftsmith/*.py; do ln -sfn "$f" "$tree/draftsmith/$(basename "$f")"; done
+for d in cpu_kernels runtime heads serve train eval conf; do ln -sfn "$root/$d" "$tree/draftsmith/$d"; done
 cd "$tree"
 MYPYPATH=$tree mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p draftsmith "$@" \
-  | sed -E 's#^draftsmith/(heads|serve|train|eval|conf)/#\1/#'
+  | sed -E 's#^draftsmith/(cpu_kernels|runtime|heads|serve|train|eval|conf)/#\1/#'

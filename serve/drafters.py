@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from draftsmith.heads import kernels
+from draftsmith.cpu_kernels import native
+from draftsmith.cpu_kernels.packed import can_pack, pack_linears
 from draftsmith.heads.drafter_folder import (
     DRAFTER_HOLDS,
     TargetInfo,
@@ -23,8 +24,7 @@ from draftsmith.heads.drafter_folder import (
     read_meta,
 )
 from draftsmith.heads.kinds import by_spec, get
-from draftsmith.heads.llama import Transformer
-from draftsmith.heads.packed import can_pack, pack_linears
+from draftsmith.runtime.llama import Transformer
 from draftsmith.serve.export.foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, foreign_head, read_foreign
 from draftsmith.serve.models.loader import fp32_arithmetic, load_model, read_hf_config
 from draftsmith.serve.models.target import LoadedTarget, load_tokenizer, torch_dtype
@@ -39,7 +39,8 @@ def target_info(target: LoadedTarget) -> TargetInfo:
 def drafter_dtype(spec: SpecConfig, target: LoadedTarget) -> torch.dtype | None:
     """The dtype spec's drafter runs in (None: it has no drafter folder): spec.draft_dtype by name; auto:
     auto_draft_dtype, except a plain HF draft LM, which keeps the target's weights' dtype, as its fp32 weights may
-    be narrower exact codes than bf16 (SmolLM2's GGUF: heads/panel_codes.py). Results record it (eval/runner.py)."""
+    be narrower exact codes than bf16 (SmolLM2's GGUF: cpu_kernels/panel_codes.py). Results record it
+    (eval/runner.py)."""
     if not spec.drafter:
         return None
     model = target.model
@@ -69,7 +70,7 @@ def auto_draft_dtype(model: Transformer) -> torch.dtype:
     if model.weights_dtype != torch.float32:
         return model.weights_dtype
     weight = model.lm_head.weight
-    onednn_bf16 = can_pack(weight.new_empty(0, dtype=torch.bfloat16)) and not kernels.runs(weight)
+    onednn_bf16 = can_pack(weight.new_empty(0, dtype=torch.bfloat16)) and not native.runs(weight)
     return torch.bfloat16 if fp32_arithmetic(torch.bfloat16, model.device) or onednn_bf16 else torch.float32
 
 

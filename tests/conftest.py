@@ -11,7 +11,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from draftsmith.heads.files import DEFAULT_CACHE  # noqa: E402
+from draftsmith.files import DEFAULT_CACHE  # noqa: E402
 from draftsmith.serve.models.target import TargetConfig, resolve_target  # noqa: E402
 from helpers import build_tiny, build_tiny_chat_target  # noqa: E402
 

@@ -626,7 +626,7 @@ def four_steps(model, cache=None, taps: tuple[int, ...] = ()) -> tuple[list, obj
 
 @contextlib.contextmanager
 def without(*roads) -> Iterator[None]:
-    """The given one-call roads (modules with a `takes`, such as heads/decoder_stack.py) switched off."""
+    """The given one-call roads (modules with a `takes`, such as cpu_kernels/decoder_stack.py) switched off."""
     with contextlib.ExitStack() as stack:
         for road in roads:
             stack.enter_context(mock.patch.object(road, "takes", lambda *args: None))
@@ -634,8 +634,8 @@ def without(*roads) -> Iterator[None]:
 
 
 def exactly(code: str, w: torch.Tensor) -> torch.Tensor:
-    """w rounded so that the panel format `code` ("bf16", "q8", "q4"; heads/panel_codes.py) holds it exactly."""
-    from draftsmith.heads import panel_codes
+    """w rounded so that the panel format `code` ("bf16", "q8", "q4"; cpu_kernels/panel_codes.py) holds it exactly."""
+    from draftsmith.cpu_kernels import panel_codes
 
     return w.bfloat16().float() if code == "bf16" else panel_codes.quantized(w, code)
 

@@ -1,18 +1,19 @@
-"""The CPU forward is bit-exact across row counts, in bf16 (heads/attention.py, heads/packed.py) and in fp32 where
-draftsmith's own kernels run (heads/panels.py, heads/rope_attention.py): the same token at the same position gives
-identical hidden states, logits and KV in a 1-row decode, a k-row verify (chain or tree), a whole prefill and a
-chunked prefill after a prefix-cache hit. So speculative output equals plain output, and a hit equals a cold run."""
+"""The CPU forward is bit-exact across row counts, in bf16 (runtime/attention.py, cpu_kernels/packed.py) and in fp32
+where draftsmith's own kernels run (cpu_kernels/panels.py, cpu_kernels/rope_attention.py): the same token at the same
+position gives identical hidden states, logits and KV in a 1-row decode, a k-row verify (chain or tree), a whole
+prefill and a chunked prefill after a prefix-cache hit. So speculative output equals plain output, and a hit equals a
+cold run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from draftsmith.heads import kernels, panels
-from draftsmith.heads.attention import BLOCK, make_plans
+from draftsmith.cpu_kernels import native, panels
+from draftsmith.cpu_kernels.packed import can_pack
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.heads.llama import Transformer
-from draftsmith.heads.packed import can_pack
+from draftsmith.runtime.attention import BLOCK, make_plans
+from draftsmith.runtime.llama import Transformer
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams
@@ -27,7 +28,7 @@ from helpers import PROMPTS, assert_same_bits, assert_same_kv, node_path
 pytestmark = pytest.mark.usefixtures("one_thread")
 NO_BF16 = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 kernels")
 NO_FP32 = pytest.mark.skipif(
-    not (panels.available() and kernels.usable()), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs"
+    not (panels.available() and native.usable()), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs"
 )
 DTYPES = [pytest.param(torch.bfloat16, marks=NO_BF16, id="bf16"), pytest.param(torch.float32, marks=NO_FP32, id="fp32")]
 # Qwen3's q and k norms run inside the fp32 attention kernel

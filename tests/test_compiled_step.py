@@ -1,4 +1,4 @@
-"""The compiled step (serve/engine/compiled.py, heads/static_forward.py) keeps the engine's exactness: a token's
+"""The compiled step (serve/engine/compiled.py, runtime/static_forward.py) keeps the engine's exactness: a token's
 hidden state, logits and KV carry the same bits in a 1-row decode, a chain or tree verify, a whole prefill and a
 chunked prefill after a prefix-cache hit, in bf16 and in fp32. So speculative output equals plain output token for
 token under the compiled step too. Its numbers are not the eager forward's (the compiler fuses the norms and the
@@ -12,11 +12,11 @@ import os
 import pytest
 import torch
 
-from draftsmith.heads import kernels
-from draftsmith.heads.attention import BLOCK
-from draftsmith.heads.llama import Transformer
-from draftsmith.heads.packed import MAX_ROWS, can_pack
-from draftsmith.heads.static_forward import MAX_TREE, min_rows
+from draftsmith.cpu_kernels import native
+from draftsmith.cpu_kernels.packed import MAX_ROWS, can_pack
+from draftsmith.runtime.attention import BLOCK
+from draftsmith.runtime.llama import Transformer
+from draftsmith.runtime.static_forward import MAX_TREE, min_rows
 from draftsmith.serve.engine import compiled
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots
 from draftsmith.serve.engine.engine import Engine
@@ -217,7 +217,7 @@ def test_compiled_logits_match_the_eager_forward(target, tokens, whole):
 
 def test_a_weight_edited_in_place_reaches_the_compiled_graph(target, tokens):
     """The graph reads the packed copies as they are: a weight edited between calls is repacked before the next one
-    (heads/packed.py refresh), so the compiled step computes the edited model, as the eager forward does."""
+    (cpu_kernels/packed.py refresh), so the compiled step computes the edited model, as the eager forward does."""
     step, n = new_step(target), 40
     before = run(step, tokens[:n], torch.arange(n), 0, causal_mask(0, n, "cpu")).logits
     weight = target.model.layers[1].mlp.down_proj.weight
@@ -276,12 +276,12 @@ def test_auto_compiles_on_cpu_unless_switched_off(target, monkeypatch):
     monkeypatch.setenv(compiled.DISABLE_ENV, "1")
     # a bf16 target on AVX-512 compiles; an fp32 one runs draftsmith's kernels eagerly (2.2-2.7x the compiled step)
     avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    on_kernels = target.dtype == torch.float32 and kernels.usable()
+    on_kernels = target.dtype == torch.float32 and native.usable()
     assert resolve_mode("auto", target) == ("compile" if avx512 and not on_kernels else "off")
     if avx512 and on_kernels:
-        monkeypatch.setenv(kernels.ENV, "0")
+        monkeypatch.setenv(native.ENV, "0")
         assert resolve_mode("auto", target) == "compile"  # on oneDNN's kernels, the compiled step pays
-        monkeypatch.delenv(kernels.ENV)
+        monkeypatch.delenv(native.ENV)
     monkeypatch.setenv(compiled.DISABLE_ENV, "0")
     assert resolve_mode("auto", target) == "off"
     with pytest.raises(ValueError, match="unknown static-step mode"):

@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from draftsmith.heads import panels
+from draftsmith.cpu_kernels import panels
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine import cost_profile
 from draftsmith.serve.engine.cost_profile import CostCurve, ProfileSettings, fingerprint, load_or_measure, profile_path
@@ -175,9 +175,9 @@ def test_profiles_of_different_contexts_live_side_by_side(engine, measured, tmp_
 
 def test_own_kernels_on_and_off_keep_a_file_each(engine, monkeypatch, tmp_path):
     """DRAFTSMITH_KERNELS=0 and the default cost rows differently: neither overwrites the other's curve."""
-    monkeypatch.setattr(cost_profile.kernels, "version", lambda: "draftsmith-0123456789abcdef")
+    monkeypatch.setattr(cost_profile.native, "version", lambda: "draftsmith-0123456789abcdef")
     on = fingerprint(engine, TARGET, 5, QUICK.context)
-    monkeypatch.setattr(cost_profile.kernels, "version", lambda: None)
+    monkeypatch.setattr(cost_profile.native, "version", lambda: None)
     off = fingerprint(engine, TARGET, 5, QUICK.context)
     assert on["kernels"] == "draftsmith-0123456789abcdef" and off["kernels"] is None
     assert profile_path(str(tmp_path), on) != profile_path(str(tmp_path), off)
@@ -185,7 +185,7 @@ def test_own_kernels_on_and_off_keep_a_file_each(engine, monkeypatch, tmp_path):
 
 @pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")
 def test_fp32_and_narrower_panels_keep_a_file_each(tiny_llama_dir, monkeypatch, tmp_path):
-    """A target whose weights a narrower panel format holds (heads/panel_codes.py) costs rows differently from the
+    """A target whose weights a narrower panel format holds (cpu_kernels/panel_codes.py) costs rows differently from the
     same weights in fp32 panels (DRAFTSMITH_PANELS=fp32): the curve names the formats it was measured on."""
     prints = {}
     for setting in ("exact", "fp32"):

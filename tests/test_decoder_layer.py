@@ -1,5 +1,5 @@
-"""A whole fp32 decoder layer in one call (heads/decoder_layer.py): the same bits as the layer's modules run one by
-one, a plan rebuilt when a weight changes, and the modules wherever a layer does not fit the kernel."""
+"""A whole fp32 decoder layer in one call (cpu_kernels/decoder_layer.py): the same bits as the layer's modules run one
+by one, a plan rebuilt when a weight changes, and the modules wherever a layer does not fit the kernel."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import copy
 import pytest
 import torch
 
-from draftsmith.heads import decoder_layer, decoder_stack, kernels
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.packed import pack_linears
+from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native
+from draftsmith.cpu_kernels.packed import pack_linears
+from draftsmith.runtime.kv_cache import KVCache
 from draftsmith.serve.models.loader import load_model
 from helpers import eagle_head, four_steps, without
 
-pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
+pytestmark = pytest.mark.skipif(not native.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])  # qwen3: q and k norms in the call

@@ -1,4 +1,4 @@
-"""A model's whole stack of fp32 layers in one call (heads/decoder_stack.py): the bits of the layers run one call
+"""A model's whole stack of fp32 layers in one call (cpu_kernels/decoder_stack.py): the bits of the layers run one call
 each and of their modules, the residual taps the drafters read, a stack replanned when any layer changes, and the
 layer-by-layer road wherever a layer does not fit."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.heads import decoder_layer, decoder_stack, kernels, panels
-from draftsmith.heads.llama import DecoderLayer
+from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native, panels
+from draftsmith.runtime.llama import DecoderLayer
 from draftsmith.serve.models.loader import load_model
 from helpers import exactly, four_steps, without
 
-pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
+pytestmark = pytest.mark.skipif(not native.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
 TAPS = (0, 2, 2, 3, 9, -1)  # as EAGLE-3 asks: the first layer's input, a middle one, the output; repeats, strays
 
 
@@ -57,7 +57,7 @@ def test_the_stack_gives_the_layers_bits_and_taps(model_type, tiny_llama_dir):
 
 @pytest.mark.parametrize("code", ["q4", "q8", "bf16"])
 def test_coded_weights_give_the_fp32_panels_bits(code, tiny_llama_dir, monkeypatch):
-    """Weights a narrower format holds exactly run from it (heads/panel_codes.py) through the whole stack, lm_head
+    """Weights a narrower format holds exactly run from it (cpu_kernels/panel_codes.py) through the whole stack, lm_head
     included, with the bits of the same weights in fp32 panels."""
     models = [tiny("llama", tiny_llama_dir) for _ in range(2)]
     for model in models:

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from draftsmith.heads.dflash import DFlashConfig, DFlashHead
 from draftsmith.heads.drafter_folder import Recipe, read_drafter, save_drafter
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ModelConfig
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.build import make_proposer
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from draftsmith.heads.drafter_folder import Recipe, own_state, read_drafter, save_drafter
 from draftsmith.heads.dspark import DSparkConfig, DSparkHead
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.runtime.kv_cache import KVCache
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import TreeConfig

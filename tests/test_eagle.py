@@ -13,16 +13,16 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 
 import draftsmith.conf
+from draftsmith.cpu_kernels import native
+from draftsmith.cpu_kernels.packed import can_pack
 from draftsmith.eval.methods import spec_label
-from draftsmith.heads import kernels
 from draftsmith.heads.draft_vocab import build_vocab_map
 from draftsmith.heads.drafter_folder import TOKEN_COUNTS, Recipe, frequent_ids, read_drafter, save_drafter
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.head_base import EagleConfig
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ModelConfig
-from draftsmith.heads.packed import can_pack
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
@@ -663,7 +663,7 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path, tiny_llama_
         assert isinstance(proposer, EagleProposer) and proposer.target_layers == (0, 1, 2)
         assert proposer.head.embed_tokens is target.model.embed_tokens
         # auto: an fp32 target's drafts in bf16, on the kernels (bf16 values in fp32) or on oneDNN's bf16 kernels
-        bf16_auto = fp32_arithmetic(torch.bfloat16, "cpu") or (bf16_kernels and not kernels.usable())
+        bf16_auto = fp32_arithmetic(torch.bfloat16, "cpu") or (bf16_kernels and not native.usable())
         bf16 = dtype == "bfloat16" or (dtype == "auto" and bf16_auto)
         fc = proposer.head.fc.weight  # a bf16 drafter where the kernels run: bf16 values computed in fp32
         assert fc.dtype == (torch.bfloat16 if bf16 and not fp32_arithmetic(torch.bfloat16, "cpu") else torch.float32)

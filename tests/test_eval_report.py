@@ -14,13 +14,13 @@ from dataclasses import replace
 import pytest
 from hydra import compose, initialize_config_module
 
+from draftsmith.cpu_kernels import native
 from draftsmith.eval.__main__ import print_headline
 from draftsmith.eval.compare import compare, main, parse_args
 from draftsmith.eval.report import write_report
 from draftsmith.eval.results import load_results
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.wandb_log import log_eval
-from draftsmith.heads import kernels
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.wandb_run import WandbConfig
 
@@ -161,7 +161,7 @@ def test_the_forward_and_kernels_that_ran_are_recorded_and_compared(evaluated, t
     can have run different forwards (compiled on oneDNN, or eager on draftsmith's kernels). What ran is recorded, and
     a difference is warned about; a file written before these fields loads without them."""
     out, results = evaluated
-    engine_kernels = kernels.version() if results.dtype == "float32" else None
+    engine_kernels = native.version() if results.dtype == "float32" else None
     assert results.environment.forward == "dynamic" and results.environment.kernels == engine_kernels
     first = sweep_copy(out, tmp_path / "a", 1_000_000, 1.20)
     second = sweep_copy(out, tmp_path / "b", 1_000_000, 1.18)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from draftsmith.cpu_kernels import panels
 from draftsmith.eval import runner
 from draftsmith.eval.aggregate import Record, by_category, compared, pool
 from draftsmith.eval.distribution import distribution_check
@@ -21,7 +22,6 @@ from draftsmith.eval.report import study, write_report
 from draftsmith.eval.results import SCHEMA_VERSION, Effect, Identical, Lossless, dump, load_results, to_json
 from draftsmith.eval.runner import EvalConfig, run_eval
 from draftsmith.eval.study import finding, study_arms, study_cells
-from draftsmith.heads import panels
 from draftsmith.heads.drafter_folder import Recipe, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.drafters import auto_draft_dtype, target_info

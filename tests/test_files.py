@@ -1,10 +1,10 @@
-"""heads/files.py: writes land whole or not at all."""
+"""draftsmith/files.py: writes land whole or not at all."""
 
 from pathlib import Path
 
 import pytest
 
-from draftsmith.heads.files import move_into_place, temp_folder_beside, write_file_atomic, write_text_atomic
+from draftsmith.files import move_into_place, temp_folder_beside, write_file_atomic, write_text_atomic
 
 
 def test_a_failed_file_write_leaves_the_old_file_and_no_temp(tmp_path: Path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.runtime.kv_cache import KVCache
 
 LAYERS, HEADS, DIM, LEN = 2, 2, 3, 16
 

@@ -1,4 +1,4 @@
-"""fp32 RMSNorm and SwiGLU in one call each (heads/layer_ops.py): torch's numbers, a row's bits whatever the rows
+"""fp32 RMSNorm and SwiGLU in one call each (cpu_kernels/layer_ops.py): torch's numbers, a row's bits whatever the rows
 around it, and torch's ops wherever gradients flow, another dtype runs, or the forward is being compiled."""
 
 from __future__ import annotations
@@ -7,13 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads import kernels, layer_ops
-from draftsmith.heads.llama import MLP, ModelConfig, RMSNorm
-from draftsmith.heads.packed import pack_linears
+from draftsmith.cpu_kernels import layer_ops, native
+from draftsmith.cpu_kernels.packed import pack_linears
+from draftsmith.runtime.llama import MLP, ModelConfig, RMSNorm
 
-needs_kernels = pytest.mark.skipif(
-    not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs"
-)
+needs_kernels = pytest.mark.skipif(not native.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
 
 
 @needs_kernels
@@ -52,9 +50,9 @@ def test_norm_modules_take_the_call_only_in_fp32_inference():
     torch.nn.init.normal_(norm.weight)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
-        assert kernels.takes(x) and not kernels.takes(x.bfloat16()) and not kernels.takes(x.double())
+        assert native.takes(x) and not native.takes(x.bfloat16()) and not native.takes(x.double())
         torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))
-    assert not kernels.takes(x)  # gradients flow: torch's ops, which autograd knows
+    assert not native.takes(x)  # gradients flow: torch's ops, which autograd knows
     norm(x.requires_grad_()).sum().backward()
     assert x.grad is not None
 
@@ -83,7 +81,7 @@ def test_autocast_keeps_torchs_ops():
     pack_linears(mlp)
     x = torch.randn(2, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not kernels.takes(x)
+        assert not native.takes(x)
         assert mlp(x).dtype == torch.bfloat16
     with torch.no_grad(), pytest.raises(ValueError, match="fp32 CPU tensors, got torch.bfloat16"):
         layer_ops.silu_mul(torch.randn(2, 8).bfloat16())

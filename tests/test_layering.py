@@ -1,4 +1,5 @@
-"""Imports follow docs/design.md: heads <- serve <- train, heads <- serve <- eval; nothing imports a __main__; no
+"""Imports follow docs/design.md: cpu_kernels <- runtime <- heads <- serve <- train, serve <- eval, and draftsmith/'s
+own modules (files.py) import none of them; nothing imports a __main__; no
 two modules import each other, however indirectly. In tests/, no file imports a test module or conftest: what several
 modules share is in helpers.py (plain code) or conftest.py (fixtures), so running one test file never runs another's
 module code.
@@ -9,22 +10,30 @@ too), relative ones resolved against the file's package."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOWED = {
-    "heads": {"heads"},
-    "serve": {"heads", "serve"},
-    "train": {"heads", "serve", "train"},
-    "eval": {"heads", "serve", "eval"},
+    "draftsmith": set(),
+    "cpu_kernels": {"cpu_kernels"},
+    "runtime": {"cpu_kernels", "runtime"},
+    "heads": {"cpu_kernels", "runtime", "heads"},
+    "serve": {"cpu_kernels", "runtime", "heads", "serve"},
+    "train": {"cpu_kernels", "runtime", "heads", "serve", "train"},
+    "eval": {"cpu_kernels", "runtime", "heads", "serve", "eval"},
 }
 
 
 def module_name(path: Path) -> str:
-    """draftsmith.serve.engine.engine.step for serve/engine/step.py; a package's __init__.py is the package."""
+    """draftsmith.serve.engine.step for serve/engine/step.py, draftsmith.files for draftsmith/files.py; a package's
+    __init__.py is the package."""
     parts = ["draftsmith", *path.relative_to(ROOT).with_suffix("").parts]
+    if parts[1] == "draftsmith":
+        parts = parts[1:]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -79,12 +88,36 @@ def test_the_walk_sees_what_it_should_refuse(tmp_path, monkeypatch):
         "def f():\n    from ..train import log\n"
         "from .__main__ import main\n"
         "from draftsmith.eval import __main__\n"
-        "import draftsmith.heads.llama\n"
+        "import draftsmith.runtime.llama\n"
     )
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     found = violations("heads")
-    assert len(found) == 4 and not any("heads.llama" in v for v in found)
+    assert len(found) == 4 and not any("runtime.llama" in v for v in found)
     assert any("draftsmith.train" in v for v in found) and any("draftsmith.heads.__main__" in v for v in found)
+
+
+def test_the_lower_rooms_refuse_what_sits_above_them(tmp_path, monkeypatch):
+    for room, line in [
+        ("cpu_kernels", "from draftsmith.runtime.kv_cache import KVCache\n"),
+        ("runtime", "from draftsmith.heads import kinds\n"),
+        ("draftsmith", "from draftsmith.cpu_kernels import native\n"),
+    ]:
+        (tmp_path / room).mkdir()
+        (tmp_path / room / "x.py").write_text(line + "from draftsmith.files import cache_root\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert [len(violations(room)) for room in ("cpu_kernels", "runtime", "draftsmith")] == [1, 1, 1]
+
+
+def test_importing_the_runtime_registers_no_drafter_kinds():
+    """The target's model and its kernels load without the drafters: draftsmith.heads (whose import registers every
+    kind) stays unimported."""
+    code = (
+        "import sys, draftsmith.runtime.llama, draftsmith.runtime.static_forward\n"
+        "import draftsmith.cpu_kernels.decoder_stack\n"
+        "print(sorted(m for m in sys.modules if m.startswith('draftsmith.heads')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -1,6 +1,6 @@
 """Greedy speculative output equals plain greedy output, token for token, on the real SmolLM2, in fp32 and in bf16
 (where bf16 runs bit-exact across row counts: on x86 as bf16 weights in fp32 on draftsmith's kernels, elsewhere on
-oneDNN's bf16 kernels, heads/attention.py). The engines run what cuda_graphs=auto picks for the target on this CPU
+oneDNN's bf16 kernels, runtime/attention.py). The engines run what cuda_graphs=auto picks for the target on this CPU
 (the suite switches auto's compiling off elsewhere): the eager forward on the kernels, else the compiled step for bf16
 on AVX-512 (serve/engine/graphs.py resolve_mode); the rows check runs the eager forward. torch's bf16 ops on x86 are
 checked on tiny models (test_batch_invariance.py, test_compiled_step.py)."""
@@ -11,8 +11,8 @@ from unittest import mock
 import pytest
 import torch
 
+from draftsmith.cpu_kernels import native
 from draftsmith.eval.suites import mt_bench
-from draftsmith.heads import kernels
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine import compiled
@@ -31,7 +31,7 @@ PROMPTS = 12  # every 7th MT-bench question: all 8 categories
 BF16 = pytest.param(
     "bfloat16",
     marks=pytest.mark.skipif(
-        not (kernels.usable() or native_bf16("cpu")), reason="bf16 is emulated on this CPU (no kernels)"
+        not (native.usable() or native_bf16("cpu")), reason="bf16 is emulated on this CPU (no kernels)"
     ),
 )
 
@@ -116,7 +116,7 @@ def test_rows_are_bit_exact(target, prompts, plain):
     """The same token at the same position: identical hidden states and logits in a whole prefill, 1-row decode
     steps, k-row chain verifies, a tree verify and a chunked prefill after a 32-token prefix hit."""
     model = target.model
-    if model.dtype == torch.float32 and not kernels.usable():
+    if model.dtype == torch.float32 and not native.usable():
         pytest.skip("bit-exactness across row counts is claimed for bf16 and for fp32 on draftsmith's kernels")
     seq = torch.tensor(prompts[0] + plain[0])
     n, start = len(seq), len(prompts[0])

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads import kernels
+from draftsmith.cpu_kernels import native
+from draftsmith.cpu_kernels.packed import can_pack
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig, init_layers
 from draftsmith.heads.drafter_folder import Recipe, TargetInfo, frequent_ids, read_drafter, save_drafter
-from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads
-from draftsmith.heads.packed import can_pack
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.build import make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache
@@ -273,7 +273,7 @@ def test_auto_draft_dtype_gives_an_fp32_targets_draft_model_bf16_weights(target,
     name = next(n for n in saved if "layers.0" in n and n.endswith("weight") and saved[n].dim() == 2)
     assert torch.equal(fp32[name], saved[name])
     on_kernels = fp32_arithmetic(torch.bfloat16, "cpu")  # bf16 values computed in fp32
-    on_onednn = can_pack(torch.empty(0, dtype=torch.bfloat16)) and not kernels.runs(target.lm_head.weight)
+    on_onednn = can_pack(torch.empty(0, dtype=torch.bfloat16)) and not native.runs(target.lm_head.weight)
     if on_kernels or on_onednn:
         assert auto[name].dtype == (torch.float32 if on_kernels else torch.bfloat16)
         assert torch.equal(auto[name].float(), saved[name].bfloat16().float())

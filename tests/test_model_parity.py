@@ -125,7 +125,7 @@ def test_grouped_attention_matches_sdpa(n: int) -> None:
     """The bf16 CPU decode/verify path: GQA by reshaping, masked like the tree verifier masks."""
     import torch.nn.functional as F
 
-    from draftsmith.heads.llama import grouped_attention, use_grouped_attention
+    from draftsmith.runtime.llama import grouped_attention, use_grouped_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, m, 16, generator=g) for h, m in ((6, n), (2, 40), (2, 40)))
@@ -142,7 +142,7 @@ def test_grouped_attention_masks_each_row_of_a_batched_decode() -> None:
     """Batched distillation decodes b rows of different lengths: a mask per row, sliced from a longer one."""
     import torch.nn.functional as F
 
-    from draftsmith.heads.llama import grouped_attention, use_grouped_attention
+    from draftsmith.runtime.llama import grouped_attention, use_grouped_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, h, m, 16, generator=g) for h, m in ((6, 1), (2, 40), (2, 40)))

@@ -1,4 +1,4 @@
-"""oneDNN-prepacked linears (heads/packed.py): same outputs, same parameters, autograd falls back."""
+"""oneDNN-prepacked linears (cpu_kernels/packed.py): same outputs, same parameters, autograd falls back."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads.llama import MLP, Attention, ModelConfig
-from draftsmith.heads.packed import FusedLinear, PackedLinear, can_pack, pack_linears
+from draftsmith.cpu_kernels.packed import FusedLinear, PackedLinear, can_pack, pack_linears
+from draftsmith.runtime.llama import MLP, Attention, ModelConfig
 from draftsmith.serve.models.loader import load_model
 from helpers import build_tiny
 

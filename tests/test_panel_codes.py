@@ -1,14 +1,14 @@
-"""Exact narrower codes for fp32 weights (heads/panel_codes.py) and the panel kernel over them (heads/panels.py):
-a coded weight decodes to its own bits, so every format gives the fp32 panels' products bit for bit, from fewer
-bytes; a weight no format holds exactly stays fp32."""
+"""Exact narrower codes for fp32 weights (cpu_kernels/panel_codes.py) and the panel kernel over them
+(cpu_kernels/panels.py): a coded weight decodes to its own bits, so every format gives the fp32 panels' products bit
+for bit, from fewer bytes; a weight no format holds exactly stays fp32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from draftsmith.heads import panel_codes, panels
-from draftsmith.heads.packed import PackedLinear, pack_linears
+from draftsmith.cpu_kernels import panel_codes, panels
+from draftsmith.cpu_kernels.packed import PackedLinear, pack_linears
 from helpers import exactly
 
 needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")

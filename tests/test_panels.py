@@ -1,4 +1,4 @@
-"""The fp32 panel kernel (heads/panels.py): right products, the same bits for a row whatever the row count, the
+"""The fp32 panel kernel (cpu_kernels/panels.py): right products, the same bits for a row whatever the row count, the
 tile or the thread count, and oneDNN's kernels where it is off or cannot be built."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftsmith.heads import kernels, panels
-from draftsmith.heads.packed import PackedLinear, can_pack, pack_weight, packed_linear
+from draftsmith.cpu_kernels import native, panels
+from draftsmith.cpu_kernels.packed import PackedLinear, can_pack, pack_weight, packed_linear
 from helpers import exactly
 
 needs_kernel = pytest.mark.skipif(not panels.available(), reason="the panel kernel runs fp32 on AVX2 and AVX-512 CPUs")
@@ -84,7 +84,7 @@ def test_packed_linears_take_the_panels_for_fp32_and_keep_their_parameters():
 def test_turned_off_fp32_packs_for_onednn(monkeypatch):
     if not can_pack(torch.zeros(1)):
         pytest.skip("no oneDNN on this CPU build")
-    monkeypatch.setenv(kernels.ENV, "0")
+    monkeypatch.setenv(native.ENV, "0")
     w, b = weights(70, 50)
     packed = pack_weight(w)
     assert packed.dim() == 2  # oneDNN's blocked layout

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from draftsmith.heads.drafter_folder import Recipe, TargetInfo, read_drafter, save_drafter
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.peagle import PEagleConfig, PEagleHead
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.build import make_proposer
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.prefix_cache import PrefixCache

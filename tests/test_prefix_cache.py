@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from draftsmith.heads.kv_cache import KVCache
+from draftsmith.runtime.kv_cache import KVCache
 from draftsmith.serve.engine import prefix_cache
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 

@@ -1,4 +1,4 @@
-"""fp32 rope, cache write and attention in one call (heads/rope_attention.py): the same numbers as rope + SDPA in
+"""fp32 rope, cache write and attention in one call (cpu_kernels/rope_attention.py): the same numbers as rope + SDPA in
 float64, the cache written at the right slots, and operands that do not fit refused by name."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftsmith.heads import kernels, rope_attention
-from draftsmith.heads.llama import Attention, ModelConfig, RMSNorm, apply_rope, rope_tables
+from draftsmith.cpu_kernels import native, rope_attention
+from draftsmith.runtime.llama import Attention, ModelConfig, RMSNorm, apply_rope, rope_tables
 from draftsmith.serve.engine.tree import DraftTree
 
-pytestmark = pytest.mark.skipif(not kernels.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
+pytestmark = pytest.mark.skipif(not native.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
 SLOTS = 80
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.heads import decoder_layer, kernels, panels
-from draftsmith.heads.llama import ModelConfig, Transformer
-from draftsmith.heads.packed import pack_linears, panel_formats
+from draftsmith.cpu_kernels import decoder_layer, native, panels
+from draftsmith.cpu_kernels.packed import pack_linears, panel_formats
+from draftsmith.runtime.llama import ModelConfig, Transformer
 from draftsmith.serve.build import engine_salt
 from draftsmith.serve.drafters import auto_draft_dtype, draft_lm
 from draftsmith.serve.models import target as target_mod
@@ -159,8 +159,8 @@ def test_the_auto_dtype_is_fp32_on_the_kernels_else_bf16_only_where_the_cpu_has_
     except RuntimeError:
         onednn_bf16 = False
     assert target_mod.native_bf16("cpu") == onednn_bf16
-    assert torch_dtype("auto", "cpu") == (torch.float32 if kernels.usable() or not onednn_bf16 else torch.bfloat16)
-    monkeypatch.setenv(kernels.ENV, "0")
+    assert torch_dtype("auto", "cpu") == (torch.float32 if native.usable() or not onednn_bf16 else torch.bfloat16)
+    monkeypatch.setenv(native.ENV, "0")
     assert torch_dtype("auto", "cpu") == (torch.bfloat16 if onednn_bf16 else torch.float32)
     with pytest.raises(ValueError, match="unknown dtype 'fast'; use auto, float32"):
         torch_dtype("fast", "cpu")
@@ -197,7 +197,7 @@ def test_bf16_runs_as_bf16_weights_in_fp32_on_the_kernels(tiny_llama_dir, smollm
     assert engine_salt(engine_target, SpecConfig("ar")) != engine_salt(
         load_target(TargetConfig(path=str(folder), dtype="float32")), SpecConfig("ar")
     )
-    monkeypatch.setenv(kernels.ENV, "0")
+    monkeypatch.setenv(native.ENV, "0")
     assert load_model(folder, torch.bfloat16, "cpu").dtype == torch.bfloat16
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from draftsmith.heads import kinds
 from draftsmith.heads.drafter_folder import load_token_counts, read_drafter
 from draftsmith.heads.kinds import DraftShape
-from draftsmith.heads.llama import Transformer
+from draftsmith.runtime.llama import Transformer
 from draftsmith.serve.build import resolve_shape
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import TargetConfig, load_target, native_bf16

@@ -1,4 +1,4 @@
-"""A plan's watch (heads/watch.py): it holds until a link it followed or a tensor it reached changes."""
+"""A plan's watch (cpu_kernels/watch.py): it holds until a link it followed or a tensor it reached changes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.heads.watch import Watch
+from draftsmith.cpu_kernels.watch import Watch
 
 
 def watched() -> tuple[nn.Module, Watch]:

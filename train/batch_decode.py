@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import Transformer
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import Transformer
 from draftsmith.serve.engine.sampling import SamplingParams, pick_rows
 from draftsmith.serve.engine.tree import causal_mask
 

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from draftsmith.files import move_into_place
 from draftsmith.heads.drafter_folder import own_state
-from draftsmith.heads.files import move_into_place
 
 PREFIX = "step-"
 DRAFTER = "drafter"

@@ -23,8 +23,8 @@ from torch import Tensor
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from draftsmith.heads.files import move_into_place, write_file_atomic
-from draftsmith.heads.llama import Transformer
+from draftsmith.files import move_into_place, write_file_atomic
+from draftsmith.runtime.llama import Transformer
 from draftsmith.serve.models.target import DTYPES, keyed_cache_path
 
 from .chat import Example

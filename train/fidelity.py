@@ -12,7 +12,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
-from draftsmith.heads.files import write_file_atomic
+from draftsmith.files import write_file_atomic
 from draftsmith.serve.build import build_engine
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, eos_ids, load_target

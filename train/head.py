@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from draftsmith.heads.kinds import KINDS, DraftShape, Kind
-from draftsmith.heads.llama import ModelConfig
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.models.target import LoadedTarget
 
 SIZE_FIELDS = (

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from draftsmith.heads.drafter_folder import Recipe, own_state, save_drafter
 from draftsmith.heads.kinds import resolve
-from draftsmith.heads.llama import Transformer
+from draftsmith.runtime.llama import Transformer
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import (
     LoadedTarget,

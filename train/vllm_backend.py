@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftsmith.heads.files import DEFAULT_CACHE
+from draftsmith.files import DEFAULT_CACHE
 from draftsmith.serve.models.target import cache_root
 
 WORKER = Path(__file__).with_name("vllm_worker.py")

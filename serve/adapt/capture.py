@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from draftsmith.heads.llama import ForwardOut
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.observer import Observer
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from draftsmith.heads.files import write_file_atomic, write_text_atomic
+from draftsmith.files import write_file_atomic, write_text_atomic
 from draftsmith.serve.adapt.capture import Captured
 
 log = logging.getLogger("draftsmith.serve.capture")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-from draftsmith.heads.files import write_text_atomic
+from draftsmith.files import write_text_atomic
 from draftsmith.serve.adapt.versions import Workspace, read_json
 
 

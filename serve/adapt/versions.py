@@ -21,7 +21,7 @@ import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from draftsmith.heads.files import temp_folder_beside, write_text_atomic
+from draftsmith.files import temp_folder_beside, write_text_atomic
 
 VERSION = re.compile(r"v(\d{4,})")
 

@@ -1,6 +1,6 @@
 """The target's forward compiled by torch.compile (inductor): prefill, decode and verify all run one compiled graph.
 
-heads/static_forward.py writes the forward with static shapes: rows x key blocks, each decoder layer one nested
+runtime/static_forward.py writes the forward with static shapes: rows x key blocks, each decoder layer one nested
 compile region (compiled once, called 30 times). Rows and key blocks are dynamic dimensions, so one graph serves
 every step: a prefill runs it in chunks of MAX_ROWS rows, a lone decode row is padded to two. A token's logits then
 carry the same bits in a decode, a verify and a prefill, in bf16 and in fp32, so speculative output equals plain
@@ -9,7 +9,7 @@ same forward round a bf16 row differently), so every engine of a model must run 
 dynamic dimension from the first call, and the graph returns every layer's residual stream (a drafter picks its
 target layers outside it) rather than taking them as a constant.
 
-The eager forward (heads/llama.py) stays the reference and the fallback: a graph that fails to compile warns once
+The eager forward (runtime/llama.py) stays the reference and the fallback: a graph that fails to compile warns once
 and the engine runs eagerly from then on. Compiled code is cached on disk under `<cache root>/inductor` (inductor's
 FX graph cache), so a later process pays for tracing only; the first step's compile time is reported.
 """
@@ -27,12 +27,12 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from draftsmith.heads import kernels
-from draftsmith.heads.attention import BLOCK
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ForwardOut, Transformer
-from draftsmith.heads.packed import MAX_ROWS, can_pack, packed_linears, refresh
-from draftsmith.heads.static_forward import MIN_PREFIX, StaticInputs, min_rows, static_forward, static_inputs
+from draftsmith.cpu_kernels import native
+from draftsmith.cpu_kernels.packed import MAX_ROWS, can_pack, packed_linears, refresh
+from draftsmith.runtime.attention import BLOCK
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ForwardOut, Transformer
+from draftsmith.runtime.static_forward import MIN_PREFIX, StaticInputs, min_rows, static_forward, static_inputs
 from draftsmith.serve.engine.tree import causal_mask
 from draftsmith.serve.models.target import cache_root
 
@@ -40,7 +40,7 @@ DISABLE_ENV = "DRAFTSMITH_COMPILE"  # "0": cuda_graphs=auto runs the eager forwa
 
 
 def compile_available(model: Transformer) -> bool:
-    """A CPU target whose linears are packed (heads/packed.py; the compiled graph calls their kernels) and a C++
+    """A CPU target whose linears are packed (cpu_kernels/packed.py; the compiled graph calls their kernels) and a C++
     compiler."""
     if model.device.type != "cpu" or not can_pack(model.lm_head.weight):
         return False
@@ -56,12 +56,12 @@ def compile_available(model: Transformer) -> bool:
 
 def compile_by_default(model: Transformer) -> bool:
     """What cuda_graphs=auto picks for this CPU target: the compiled step where it pays, a bf16 or fp16 target on
-    AVX-512 (with or without AMX). An fp32 target on draftsmith's kernels (heads/kernels.py) runs eagerly: their
+    AVX-512 (with or without AMX). An fp32 target on draftsmith's kernels (cpu_kernels/native.py) runs eagerly: their
     one-call stack runs 2.2-2.7x the compiled step on AVX2 and on AVX512-BF16 (docs/benchmarks.md); the compiled
     step stays exact there too (tests/test_compiled_step.py runs its fp32 cases)."""
     if os.environ.get(DISABLE_ENV, "1") == "0" or torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
-    return not kernels.runs(model.lm_head.weight)
+    return not native.runs(model.lm_head.weight)
 
 
 def cache_slots(slots: int) -> int:

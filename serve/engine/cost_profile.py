@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from draftsmith.heads import kernels
-from draftsmith.heads.files import write_text_atomic
-from draftsmith.heads.packed import panel_formats
+from draftsmith.cpu_kernels import native
+from draftsmith.cpu_kernels.packed import panel_formats
+from draftsmith.files import write_text_atomic
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.target import keyed_cache_path
 from draftsmith.serve.shared.cpu import cpu_name
@@ -90,7 +90,7 @@ def own_kernels(engine: Engine) -> str | None:
     for other engines (a compiled forward never calls them), whose curves a new library leaves alone."""
     model = engine.model
     eager_fp32_cpu = engine.static is None and model.dtype == torch.float32 and model.device.type == "cpu"
-    return kernels.version() if eager_fp32_cpu else None
+    return native.version() if eager_fp32_cpu else None
 
 
 def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:

@@ -16,8 +16,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ForwardOut, Transformer
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ForwardOut, Transformer
 from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.graphs import cache_len, make_static_step, resolve_mode
 from draftsmith.serve.engine.metrics import Metrics

@@ -9,7 +9,7 @@ inputs; later steps copy their inputs into the graph's buffers and replay it. Pr
 
 On CPU the same static forward runs eagerly (`mode="eager"`), which is how the tests check its
 logic against the dynamic forward; `mode="graphs"` needs CUDA. On CPU `auto` picks `compile`: every forward of the
-target, prefill included, runs heads/static_forward.py compiled by inductor (serve/engine/compiled.py).
+target, prefill included, runs runtime/static_forward.py compiled by inductor (serve/engine/compiled.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ForwardOut, Transformer
-from draftsmith.heads.static_forward import MAX_TREE
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ForwardOut, Transformer
+from draftsmith.runtime.static_forward import MAX_TREE
 from draftsmith.serve.engine.compiled import CompiledStep, cache_slots, compile_available, compile_by_default
 
 MODES = ("auto", "compile", "graphs", "eager", "off")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from draftsmith.heads.llama import ForwardOut
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.engine.generation import Generation
 
 

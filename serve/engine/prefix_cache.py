@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import SlotCache
+from draftsmith.runtime.kv_cache import SlotCache
 
 
 def block_key(parent: int | None, tokens: tuple[int, ...], salt: str) -> int:

@@ -21,7 +21,7 @@ from draftsmith.heads.drafter_folder import (
 )
 from draftsmith.heads.head_base import HeadBase
 from draftsmith.heads.kinds import KINDS, DraftShape, folder_shape, get, resolve
-from draftsmith.heads.llama import SUPPORTED_TYPES
+from draftsmith.runtime.llama import SUPPORTED_TYPES
 from draftsmith.serve.models.loader import read_hf_config
 from draftsmith.serve.models.target import SHORT_NAMES, TargetConfig, resolve_target, target_gguf, target_id
 

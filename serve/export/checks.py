@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from draftsmith.heads.drafter_folder import TOKEN_COUNTS
-from draftsmith.heads.llama import ModelConfig, rope_inv_freq
+from draftsmith.runtime.llama import ModelConfig, rope_inv_freq
 from draftsmith.serve.export.base import TOKEN_MAP, ExportError, Format, H, Source, format_for
 
 Shapes = dict[str, tuple[int, ...]]

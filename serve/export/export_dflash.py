@@ -25,8 +25,8 @@ from torch import Tensor
 
 from draftsmith.heads.dflash import DFlashHead
 from draftsmith.heads.drafter_folder import own_state
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ModelConfig, rope_inv_freq
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ModelConfig, rope_inv_freq
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,

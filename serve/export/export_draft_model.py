@@ -10,7 +10,7 @@ from torch import Tensor
 
 from draftsmith.heads.draft_model import DraftModel
 from draftsmith.heads.drafter_folder import own_state
-from draftsmith.heads.llama import ModelConfig
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.export.base import TOKENIZER_FILES, Export, Format, Source
 from draftsmith.serve.export.checks import Probe, Shapes, attn_shapes, mlp_shapes, sizes_config, tokenizer_problems
 

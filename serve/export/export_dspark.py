@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.dspark import DSparkHead
-from draftsmith.heads.llama import ModelConfig
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.export.base import Export, ExportError, Format, Source
 from draftsmith.serve.export.checks import Probe, linear

@@ -12,7 +12,7 @@ from draftsmith.heads.drafter_folder import frequent_ids, own_state
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import DRAFT_VOCAB
 from draftsmith.heads.head_base import HeadBase
-from draftsmith.heads.llama import ModelConfig
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,

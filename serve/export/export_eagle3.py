@@ -8,7 +8,7 @@ from torch import Tensor
 
 from draftsmith.heads.drafter_folder import own_state
 from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.heads.llama import ModelConfig
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.export.base import NORM_SWITCHES, Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,

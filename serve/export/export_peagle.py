@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.drafter_folder import own_state
-from draftsmith.heads.llama import ModelConfig
 from draftsmith.heads.peagle import PEagleHead
+from draftsmith.runtime.llama import ModelConfig
 from draftsmith.serve.export.base import Export, Format, Source, llama_head_config
 from draftsmith.serve.export.checks import (
     Probe,

@@ -23,7 +23,7 @@ from torch import Tensor
 from draftsmith.heads.drafter_folder import cast_own, config_hash, own_state
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.head_base import EagleConfig
-from draftsmith.heads.llama import ModelConfig, Transformer
+from draftsmith.runtime.llama import ModelConfig, Transformer
 from draftsmith.serve.export.export_eagle3 import EAGLE31_KEYS, eagle3_table
 from draftsmith.serve.export.speculators import FLAT_LAYER, LAYER, PLAIN, flat_name, speculators_name
 from draftsmith.serve.models.loader import load_state_dict, weight_files

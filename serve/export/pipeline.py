@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from draftsmith.heads.files import move_into_place, temp_folder_beside
+from draftsmith.files import move_into_place, temp_folder_beside
 from draftsmith.serve.export.base import (
     EXPORT_DTYPES,
     TOKEN_MAP,

@@ -9,9 +9,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from draftsmith.heads import panels
-from draftsmith.heads.llama import ModelConfig, Transformer
-from draftsmith.heads.packed import pack_linears
+from draftsmith.cpu_kernels import panels
+from draftsmith.cpu_kernels.packed import pack_linears
+from draftsmith.runtime.llama import ModelConfig, Transformer
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -77,9 +77,9 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
 def load_model(
     folder: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", pack: bool = True, decode: bool = True
 ) -> Transformer:
-    """A frozen model for inference; pack: prepacked linears on CPU (heads/packed.py). decode: a bf16 model for the
-    engine's batch-1 steps runs in fp32 where draftsmith's CPU kernels do (fp32_arithmetic; unpacked, on torch's fp32
-    linears); False (prefill-bound offline work) keeps torch's bf16 ops."""
+    """A frozen model for inference; pack: prepacked linears on CPU (cpu_kernels/packed.py). decode: a bf16 model for
+    the engine's batch-1 steps runs in fp32 where draftsmith's CPU kernels do (fp32_arithmetic; unpacked, on torch's
+    fp32 linears); False (prefill-bound offline work) keeps torch's bf16 ops."""
     cfg = ModelConfig.from_hf(read_hf_config(folder))
     state = load_state_dict(folder)
     with torch.device("meta"):

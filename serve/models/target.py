@@ -21,10 +21,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerBase  # noqa: E402
 
-from draftsmith.heads import kernels  # noqa: E402
-from draftsmith.heads.files import cache_root, move_into_place, temp_folder_beside  # noqa: E402
-from draftsmith.heads.llama import Transformer  # noqa: E402
-from draftsmith.heads.packed import can_pack  # noqa: E402
+from draftsmith.cpu_kernels import native  # noqa: E402
+from draftsmith.cpu_kernels.packed import can_pack  # noqa: E402
+from draftsmith.files import cache_root, move_into_place, temp_folder_beside  # noqa: E402
+from draftsmith.runtime.llama import Transformer  # noqa: E402
 from draftsmith.serve.models.loader import load_model  # noqa: E402
 
 DONE = ".draftsmith-complete"  # written last inside a converted folder
@@ -153,7 +153,7 @@ def auto_dtype(device: str) -> torch.dtype:
     and runs 3.5x the compiled bf16 step on an AVX512-BF16 EPYC (docs/benchmarks.md); else bf16 where the device
     computes it natively, else fp32."""
     device = pick_device(device)
-    if not device.startswith("cuda") and kernels.usable():
+    if not device.startswith("cuda") and native.usable():
         return torch.float32
     return torch.bfloat16 if native_bf16(device) else torch.float32
 

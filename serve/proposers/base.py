@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import SlotCache
-from draftsmith.heads.llama import ForwardOut
+from draftsmith.runtime.kv_cache import SlotCache
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 

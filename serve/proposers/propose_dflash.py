@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.dflash import DFlashHead
-from draftsmith.heads.kv_cache import KVCache, SlotCache
-from draftsmith.heads.llama import ForwardOut
+from draftsmith.runtime.kv_cache import KVCache, SlotCache
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.target import LoadedTarget

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import KVCache, SlotCache
-from draftsmith.heads.llama import ForwardOut, Transformer
+from draftsmith.runtime.kv_cache import KVCache, SlotCache
+from draftsmith.runtime.llama import ForwardOut, Transformer
 from draftsmith.serve.drafters import draft_lm, drafter_dtype
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, sample, widen
 from draftsmith.serve.engine.tree import DraftTree, causal_mask

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
-from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
-from draftsmith.heads.llama import ForwardOut
+from draftsmith.runtime.kv_cache import FeatureStore, KVCache, SlotCache
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig

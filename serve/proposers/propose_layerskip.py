@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from draftsmith.heads.llama import Transformer
+from draftsmith.runtime.llama import Transformer
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
 from draftsmith.serve.spec import SpecConfig

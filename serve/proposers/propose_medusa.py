@@ -13,8 +13,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.medusa import DEFAULT_CHOICES, MedusaHeads
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree

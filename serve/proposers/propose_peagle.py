@@ -16,9 +16,9 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from draftsmith.heads.kv_cache import FeatureStore, KVCache, SlotCache
-from draftsmith.heads.llama import ForwardOut, Transformer
 from draftsmith.heads.peagle import PEagleHead
+from draftsmith.runtime.kv_cache import FeatureStore, KVCache, SlotCache
+from draftsmith.runtime.llama import ForwardOut, Transformer
 from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.models.target import LoadedTarget

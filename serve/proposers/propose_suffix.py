@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from draftsmith.heads.llama import ForwardOut
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.target import LoadedTarget

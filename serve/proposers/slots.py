@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 from draftsmith.heads.dflash import DFlashHead
-from draftsmith.heads.kv_cache import KVCache
-from draftsmith.heads.llama import ForwardOut
 from draftsmith.heads.peagle import PEagleHead
+from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import ForwardOut
 from draftsmith.serve.engine.sampling import SamplingParams, probs_from_logits, widen
 from draftsmith.serve.engine.tree import DraftTree, TreeConfig
 from draftsmith.serve.proposers import base

@@ -1,5 +1,5 @@
 // A whole fp32 Llama decoder layer for n rows of a batch-1 cached forward, in one call: the same kernels, in the
-// same order, as the layer's modules run them one by one (heads/decoder_layer.py), so the bits are the same; what
+// same order, as the layer's modules run them one by one (cpu_kernels/decoder_layer.py), so the bits are the same; what
 // goes is the Python between them, which costs more than the layer's arithmetic besides its weights.
 #include "decoder_layer.h"
 

@@ -1,4 +1,5 @@
-"""fp32 CPU linears on a small kernel of draftsmith's own (heads/panels.cpp; built and loaded by heads/kernels.py).
+"""fp32 CPU linears on a small kernel of draftsmith's own (panels.cpp; built and loaded
+by native.py).
 
 Why: a decode step multiplies one row by every weight, so it is a pass over the weights and its speed is the
 memory's. oneDNN's fp32 kernels stream SmolLM2's weights at 18-24 GB/s on an AVX2 EPYC where the memory gives
@@ -6,10 +7,10 @@ about 30; this kernel streams them at 31-35 and also beats oneDNN at 2-32 rows (
 It keeps the engine's exactness by construction: every output is one FMA chain over the input features in order,
 whatever the row count, the tile or the thread, so a row's product carries the same bits in a decode, a verify and
 a prefill. The weight is repacked once into panels of PANEL outputs, [panels, in, PANEL], which a thread streams
-front to back, in the narrowest format that holds it exactly (heads/panel_codes.py: bf16, or GGUF-like q8 and q4
+front to back, in the narrowest format that holds it exactly (cpu_kernels/panel_codes.py: bf16, or GGUF-like q8 and q4
 blocks, which the kernel decodes to the weight's own fp32 bits): the same products from a half to a fifth of the
 bytes (SmolLM2's decode step: 22 -> 11 ms on an AVX2 EPYC, docs/benchmarks.md). DRAFTSMITH_PANELS=fp32 keeps every
-weight in fp32 (to compare the two). Where it runs, and what happens where it cannot be built: heads/kernels.py. A
+weight in fp32 (to compare the two). Where it runs, and what happens where it cannot be built: cpu_kernels/native.py. A
 kernel that fails its self-check is not used either (one warning).
 """
 
@@ -23,11 +24,11 @@ import os
 import torch
 from torch import Tensor
 
-from . import kernels, panel_codes
+from . import native, panel_codes
 from .panel_codes import BLOCK, BLOCK_BYTES
 
-PANEL = 32  # outputs per panel: heads/panels.cpp's P
-# the packed tensor's dtype names its format (heads/panels.h's PanelFormat): fp32 and bf16 [panels, in, PANEL]; q8
+PANEL = 32  # outputs per panel: cpu_kernels/panels.cpp's P
+# the packed tensor's dtype names its format (cpu_kernels/panels.h's PanelFormat): fp32 and bf16 [panels, in, PANEL]; q8
 # and q4 [panels, in / BLOCK, bytes per block]
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.uint8: 3}
 CODED = {"q4": torch.uint8, "q8": torch.int8, "bf16": torch.bfloat16}  # the narrowest first
@@ -38,16 +39,16 @@ SETTINGS = ("exact", "fp32")
 
 def available() -> bool:
     """fp32 linears take the panel kernel: wanted here, built, and self-checked."""
-    return kernels.wanted() and kernel() is not None
+    return native.wanted() and kernel() is not None
 
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The bound and self-checked panel_linear, or None (after one warning where it was built but is wrong)."""
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn = kernels.bind("panel_linear", [ptr, i64, i64, ptr, i64, i64, ptr, ptr])
+    fn = native.bind("panel_linear", [ptr, i64, i64, ptr, i64, i64, ptr, ptr])
     if fn is not None and not self_check(fn):
-        kernels.warn_unusable(ArithmeticError("the panel kernel's self-check product differs from float64's"))
+        native.warn_unusable(ArithmeticError("the panel kernel's self-check product differs from float64's"))
         return None
     return fn
 
@@ -166,5 +167,5 @@ def holds(packed: Tensor | None, inp: int | None, out: int) -> bool:
 
 
 def block_bytes(dtype: torch.dtype) -> int:
-    """The last dimension of a packed tensor of this format: PANEL values, or a block's bytes (heads/panels.h)."""
+    """The last dimension of a packed tensor of this format: PANEL values, or a block's bytes (cpu_kernels/panels.h)."""
     return {torch.int8: BLOCK_BYTES["q8"], torch.uint8: BLOCK_BYTES["q4"]}.get(dtype, PANEL)

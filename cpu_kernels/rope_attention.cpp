@@ -2,7 +2,7 @@
 // their per-head norms, Qwen3's), k and v written to the cache at slots start .. start+n-1, then each (row, head)
 // attends over the cache slots it may see.
 // A row reads its visible slots in slot order, one at a time, whatever else the call holds: its bits are the same
-// decoded alone, verified among k rows or prefilled (heads/rope_attention.py).
+// decoded alone, verified among k rows or prefilled (cpu_kernels/rope_attention.py).
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -129,7 +129,7 @@ static inline const float* head(const float* x, int64_t d, const float* w, float
   return into;
 }
 
-// operands as heads/rope_attention.h says
+// operands as cpu_kernels/rope_attention.h says
 extern "C" void rope_attention(const float* qkv, int64_t n, int64_t h, int64_t kv, int64_t d, const float* cos,
                                const float* sin, float* k_cache, float* v_cache, int64_t max_len, int64_t start,
                                const uint8_t* mask, int64_t cols, const QKNorm* norm, float* out) {

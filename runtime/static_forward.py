@@ -1,8 +1,8 @@
 """The target's forward with static shapes, written for torch.compile (serve/engine/compiled.py): no
 data-dependent Python, so one compiled graph serves a decode step, a chain or tree verify and a chunk of a prefill.
 
-The same arithmetic as heads/attention.py's batch-invariant attention, in shapes a compiler can keep:
-- rows: 2 to MAX_ROWS (heads/packed.py: the counts whose half-precision linears give a row the same bits); the
+The same arithmetic as runtime/attention.py's batch-invariant attention, in shapes a compiler can keep:
+- rows: 2 to MAX_ROWS (cpu_kernels/packed.py: the counts whose half-precision linears give a row the same bits); the
   caller pads a lone row by repeating it, the copy's KV written to a scratch slot;
 - keys in blocks of BLOCK positions from position 0. The blocks before the one holding the step's first token are
   read in place by every row (`prefix`, at least MIN_PREFIX blocks, the ones past that token masked); the TAIL blocks
@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from draftsmith.cpu_kernels.packed import FusedLinear, PackedLinear, fused_linear, packed_linear
+
 from .attention import BLOCK, MIN_ROWS, first_off_slot, tail_slots, visible_slots
 from .kv_cache import KVCache
 from .llama import MLP, Attention, DecoderLayer, ModelConfig, Transformer, apply_rope
-from .packed import FusedLinear, PackedLinear, fused_linear, packed_linear
 
 MIN_PREFIX = 2  # torch.compile specializes a dimension of 0 or 1: the prefix never has fewer blocks (masked ones)
 TAIL = 2  # blocks gathered per row, from the block of the step's first token (or of its first draft off its position)
@@ -85,7 +86,7 @@ def projections(attn: Attention, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[T
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, inputs: StaticInputs) -> Tensor:
     """q [rows, heads, d]; the cache [1, kv, slots, d] (fp32, this step's KV written) -> [rows, heads * d] fp32.
 
-    Keys in blocks of BLOCK positions from 0, as heads/attention.py: the `prefix` blocks every row sees whole, read
+    Keys in blocks of BLOCK positions from 0, as runtime/attention.py: the `prefix` blocks every row sees whole, read
     in place; then TAIL blocks per row, gathered into position order. Each block is a GEMM of one fixed shape and
     the blocks are added in order, so a row's bits do not depend on the row count or on where the prefix ends."""
     rows, h, d = q.shape

@@ -1,6 +1,6 @@
 // A model's whole stack of fp32 decoder layers for n rows of a batch-1 cached forward, in one call: each layer as
 // decoder_layer runs it alone, in order, so the bits are the same; what goes is the Python between the layers
-// (heads/decoder_stack.py).
+// (cpu_kernels/decoder_stack.py).
 #include <string.h>
 
 #include "decoder_layer.h"

@@ -1,4 +1,4 @@
-// The weights and step operands a whole fp32 decoder layer reads (heads/decoder_layer.py's LAYER and STEP, field for
+// The weights and step operands a whole fp32 decoder layer reads (cpu_kernels/decoder_layer.py's LAYER and STEP, field for
 // field), shared by the one-layer call (decoder_layer.cpp) and the stack of layers (decoder_stack.cpp).
 #pragma once
 #include <stdint.h>

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import decoder_layer, decoder_stack, kernels, layer_ops, rope_attention
+from draftsmith.cpu_kernels import decoder_layer, decoder_stack, layer_ops, native, rope_attention
+from draftsmith.cpu_kernels.layer_ops import RMSNorm
+from draftsmith.cpu_kernels.packed import fused_linear
+
 from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
-from .layer_ops import RMSNorm
-from .packed import fused_linear
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -152,7 +153,7 @@ def use_grouped_attention(q: Tensor, mask: Tensor | None) -> bool:
 
 
 def invariant_path(dtype: torch.dtype, device: torch.device) -> bool:
-    """Half precision on CPU takes heads/attention.py at batch 1: row-invariant bits (lossless bf16 speculation), over
+    """Half precision on CPU takes runtime/attention.py at batch 1: row-invariant bits (lossless bf16 speculation), over
     an fp32 KV cache. fp32 keeps SDPA (its rounding differences are far below bf16's and have not flipped a greedy
     token in tests)."""
     return device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
@@ -167,7 +168,7 @@ class Attention(nn.Module):
 
     FUSED: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj")
-    }  # one GEMM once packed for inference (heads/packed.py)
+    }  # one GEMM once packed for inference (cpu_kernels/packed.py)
 
     def __init__(self, cfg: ModelConfig, in_dim: int | None = None) -> None:
         super().__init__()
@@ -237,7 +238,7 @@ class Attention(nn.Module):
             k_cache[:, :, start:end] = k
             v_cache[:, :, start:end] = v
             k, v = k_cache[:, :, :end], v_cache[:, :, :end]
-        if isinstance(mask, list):  # batch-invariant plans (heads/attention.py)
+        if isinstance(mask, list):  # batch-invariant plans (runtime/attention.py)
             assert k_cache is not None and v_cache is not None, "plans read the cache"
             out = attend(q, k_cache, v_cache, mask)
         elif use_grouped_attention(q, mask):
@@ -260,7 +261,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if (fused := fused_linear(self, "gate_up_proj")) is not None:
-            if kernels.takes(x):  # fp32 CPU inference: silu(gate) * up in one call
+            if native.takes(x):  # fp32 CPU inference: silu(gate) * up in one call
                 return self.down_proj(layer_ops.silu_mul(fused(x)))
             gate, up = fused(x).chunk(2, -1)
         else:

@@ -1,4 +1,4 @@
-// A linear's weight as the panel kernel reads it (heads/panels.py): panels of P outputs, stored in one of four
+// A linear's weight as the panel kernel reads it (cpu_kernels/panels.py): panels of P outputs, stored in one of four
 // formats that each decode to the fp32 weight bit for bit, so every format gives the same products.
 #pragma once
 #include <stdint.h>

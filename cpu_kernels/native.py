@@ -1,7 +1,6 @@
-"""draftsmith's own fp32 CPU kernels (heads/panels.cpp: the linears, heads/panel_codes.cpp: their exact weight codes;
-heads/rope_attention.cpp: rope, cache write and
-attention; heads/layer_ops.cpp: RMSNorm and SwiGLU; heads/decoder_layer.cpp: a whole layer from them;
-heads/decoder_stack.cpp: a model's layers one after another), built once
+"""draftsmith's own fp32 CPU kernels (panels.cpp: the linears, panel_codes.cpp: their exact weight codes;
+rope_attention.cpp: rope, cache write and attention; layer_ops.cpp: RMSNorm and SwiGLU; decoder_layer.cpp: a whole
+layer from them; decoder_stack.cpp: a model's layers one after another), built once
 with the system's C++ compiler into one shared library and loaded with ctypes.
 
 Why: a batch-1 decode step is a pass over the weights plus a few hundred small ops; these kernels stream the weights
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .files import cache_root, write_file_atomic, write_text_atomic
+from draftsmith.files import cache_root, write_file_atomic, write_text_atomic
 
 ENV = "DRAFTSMITH_KERNELS"
 SOURCES = tuple(

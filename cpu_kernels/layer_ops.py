@@ -1,10 +1,10 @@
-"""A Llama layer's fp32 element-wise parts on CPU in one call each (heads/layer_ops.cpp): RMSNorm, and SwiGLU's
+"""A Llama layer's fp32 element-wise parts on CPU in one call each (cpu_kernels/layer_ops.cpp): RMSNorm, and SwiGLU's
 silu(gate) * up on the fused gate-up rows.
 
 Why: PyTorch 2.13 runs an fp32 RMSNorm as some eight small ops on CPU (about 35 us for one SmolLM2 row, 61 of them a
 decode step), and the gate's silu, product and split as four more; one call each costs a few microseconds. Each row
 is computed on its own in a fixed order, so, like the panel linears and the one-call attention, a row's bits do not
-depend on the rows around it. Where it runs: kernels.takes (fp32, AVX2 and AVX-512 CPUs by default).
+depend on the rows around it. Where it runs: native.takes (fp32, AVX2 and AVX-512 CPUs by default).
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import kernels
+from . import native
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def rms_norm_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("rms_norm", [P, I64, I64, P, ctypes.c_float, P])
+    return native.bind("rms_norm", [P, I64, I64, P, ctypes.c_float, P])
 
 
 @functools.cache
 def silu_mul_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("silu_mul", [P, I64, I64, P])
+    return native.bind("silu_mul", [P, I64, I64, P])
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -77,7 +77,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if kernels.takes(x):  # fp32 CPU inference: one call, row-invariant
+        if native.takes(x):  # fp32 CPU inference: one call, row-invariant
             return rms_norm(x, self.weight, self.eps)
         # HF's order: normalize in fp32, round to the input's dtype, then scale
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

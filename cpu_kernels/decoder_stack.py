@@ -1,12 +1,12 @@
-"""A model's whole stack of fp32 decoder layers in one call (heads/decoder_stack.cpp) for a batch-1 cached forward
+"""A model's whole stack of fp32 decoder layers in one call (cpu_kernels/decoder_stack.cpp) for a batch-1 cached forward
 on CPU.
 
-Why: with each layer one call (heads/decoder_layer.py), what is left of a decode step's Python is per layer: the
+Why: with each layer one call (cpu_kernels/decoder_layer.py), what is left of a decode step's Python is per layer: the
 module call, checking the step's rope rows, caches and mask, proving the layer's plan current, allocating its
 output. Over SmolLM2's 30 layers that is some 5 ms of a 27 ms step, measured inside the step. Here the step's operands
-are checked once, one watch proves every layer's plan current (heads/watch.py), and one call runs the layers in order,
-each as decoder_layer runs it alone, so the bits are the same by either road. Where it runs: where every layer of the
-stack takes the one-layer call, and they share their attention's shape.
+are checked once, one watch proves every layer's plan current (cpu_kernels/watch.py), and one call runs the layers in
+order, each as decoder_layer runs it alone, so the bits are the same by either road. Where it runs: where every layer
+of the stack takes the one-layer call, and they share their attention's shape.
 """
 
 from __future__ import annotations
@@ -16,26 +16,33 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 
-from . import decoder_layer, kernels, rope_attention
+from . import decoder_layer, native, rope_attention
 from .decoder_layer import LAYER, STEP, Plan
-from .kv_cache import KVCache
 from .watch import Watch
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class LayerCaches(Protocol):
+    """What the stack reads of a model's cache (runtime/kv_cache.py's KVCache): each layer's K and V."""
+
+    k: list[Tensor]
+    v: list[Tensor]
+
+
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("decoder_stack", [P, I64, ctypes.POINTER(LAYER), I64, ctypes.POINTER(STEP), P, P, P, P, P])
+    return native.bind("decoder_stack", [P, I64, ctypes.POINTER(LAYER), I64, ctypes.POINTER(STEP), P, P, P, P, P])
 
 
 @functools.cache
 def work_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("stack_work", [ctypes.POINTER(LAYER), I64], I64)
+    return native.bind("stack_work", [ctypes.POINTER(LAYER), I64], I64)
 
 
 @dataclass
@@ -53,7 +60,7 @@ STACKS: weakref.WeakKeyDictionary[nn.Module, Stack] = weakref.WeakKeyDictionary(
 
 
 def takes(
-    layers: nn.Module, forward: Callable, x: Tensor, cache: KVCache | None, start: object, mask: object
+    layers: nn.Module, forward: Callable, x: Tensor, cache: LayerCaches | None, start: object, mask: object
 ) -> Stack | None:
     """The stack's plans for a cached batch-1 fp32 step where every layer is a plain one (its class's `forward`, no
     hooks) that takes the one-layer call; else None."""
@@ -104,7 +111,7 @@ def make_stack(layers: nn.Module, forward: Callable) -> Stack | None:
 
 
 def run(
-    stack: Stack, x: Tensor, rope: tuple[Tensor, Tensor], cache: KVCache, start: int, mask, taps: tuple[int, ...]
+    stack: Stack, x: Tensor, rope: tuple[Tensor, Tensor], cache: LayerCaches, start: int, mask, taps: tuple[int, ...]
 ) -> tuple[Tensor, list[Tensor]]:
     """x [1, n, hidden] through every layer, each writing its k and v to its cache at slots start .. start+n-1.
     Returns the last layer's output and, for each index in taps (as Transformer.layers_forward reads them: ascending,
@@ -125,7 +132,7 @@ def run(
     return out, list(aux)
 
 
-def cache_pointers(cache: KVCache, count: int) -> tuple[ctypes.Array, ctypes.Array]:
+def cache_pointers(cache: LayerCaches, count: int) -> tuple[ctypes.Array, ctypes.Array]:
     """Each layer's K and V cache, checked to be laid out as the first layer's (which the step's check reads)."""
     first = cache.k[0]
     if len(cache.k) != count or len(cache.v) != count:

@@ -1,5 +1,5 @@
-// Decoding a coded panel's weights to fp32, input by input: shared by the kernel (heads/panels.cpp) and the coder
-// that checks each block decodes back exactly (heads/panel_codes.cpp).
+// Decoding a coded panel's weights to fp32, input by input: shared by the kernel (cpu_kernels/panels.cpp) and the coder
+// that checks each block decodes back exactly (cpu_kernels/panel_codes.cpp).
 #pragma once
 #include <immintrin.h>
 #include <stdint.h>
@@ -14,7 +14,7 @@ static constexpr int64_t block_bytes(int F) {
 }
 
 // the fp32 weights of a coded block's input k, its P outputs in 4 vectors: bf16 widened, q * scale, and
-// q * scale + offset as one FMA. heads/panel_codes.cpp codes a block only where every weight comes back from this
+// q * scale + offset as one FMA. cpu_kernels/panel_codes.cpp codes a block only where every weight comes back from this
 // very arithmetic with its own bits
 template <int F>
 static inline void weights_at(const uint8_t* block, int k, __m256* w) {

@@ -11,7 +11,7 @@ unchanged) plus the packed copy, rebuilt when the weight is edited in place. Onl
 on CPU in the packed dtype take the packed path; anything else (autograd, autocast to another
 dtype) runs F.linear on the original weight. The packed copy costs a second set of linear weights
 in memory.
-fp32 linears take draftsmith's own panel kernel instead where it runs (heads/panels.py: it streams a decode
+fp32 linears take draftsmith's own panel kernel instead where it runs (cpu_kernels/panels.py: it streams a decode
 step's weights faster and gives a row the same bits whatever the row count).
 Linears that read the same input (q/k/v, gate/up: a module's `FUSED` map) then run as one GEMM over their
 concatenated weights (`FusedLinear`): a decode step makes 4 weight calls per layer instead of 7, and one long
@@ -35,7 +35,7 @@ NATIVE = {  # does this CPU's oneDNN have kernels for the dtype
     torch.float16: lambda: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
 }
 ROWS_HINT = 16  # oneDNN picks the weight layout for this many rows; any number of rows stays correct
-# A half-precision row must get the same bits in a decode step, a verify and a prefill (heads/attention.py), but
+# A half-precision row must get the same bits in a decode step, a verify and a prefill (runtime/attention.py), but
 # oneDNN's bf16 kernels round a row differently with the row count. On AVX512-BF16 a 1-row input takes another
 # kernel than 2 or more rows (SmolLM2's down_proj: 5 of 120 rows differ), and every count from 2 up agrees. On AMX
 # its brgemm blocks K by the row count: 2 to 32 rows agree with each other, and larger counts differ among
@@ -57,7 +57,7 @@ def can_pack(weight: Tensor) -> bool:
 
 
 def pack_weight(weight: Tensor) -> Tensor:
-    """A [out, in] weight packed for its kernel: fp32 in panels where heads/panels.py's kernel runs (a 3-D
+    """A [out, in] weight packed for its kernel: fp32 in panels where cpu_kernels/panels.py's kernel runs (a 3-D
     [panels, in, PANEL] tensor), else oneDNN's blocked layout, chosen for ROWS_HINT rows."""
     if weight.dtype == torch.float32 and panels.available():
         return panels.pack_panels(weight)
@@ -95,7 +95,7 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, pack: bool = True) -> None:
         """pack=False leaves it released (packed on first use): pack_linears packs only the linears it does not fuse,
-        as finding a weight's exact format (heads/panel_codes.py) is a pass over it."""
+        as finding a weight's exact format (cpu_kernels/panel_codes.py) is a pass over it."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
@@ -189,7 +189,7 @@ def packed_linears(model: nn.Module) -> list[PackedLinear | FusedLinear]:
 
 def refresh(linears: list[PackedLinear | FusedLinear]) -> None:
     """Repack every packed copy whose weights were edited or replaced (released parts stay released): what a forward
-    that reads `packed` directly (a compiled graph, heads/static_forward.py) must run before each call. The caller
+    that reads `packed` directly (a compiled graph, runtime/static_forward.py) must run before each call. The caller
     keeps the list (packed_linears): walking a model's modules costs as much as the checks."""
     for module in linears:
         if isinstance(module, FusedLinear) or module.packed is not None:

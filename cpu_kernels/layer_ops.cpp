@@ -1,5 +1,5 @@
 // The fp32 element-wise parts of a Llama layer, one call each: RMSNorm and SwiGLU's silu(gate) * up. Each row is
-// computed on its own, in a fixed order, so its bits do not depend on the rows around it (heads/layer_ops.py).
+// computed on its own, in a fixed order, so its bits do not depend on the rows around it (cpu_kernels/layer_ops.py).
 #include <math.h>
 #include <stdint.h>
 

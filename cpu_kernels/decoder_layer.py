@@ -1,8 +1,8 @@
-"""A whole fp32 Llama decoder layer in one call (heads/decoder_layer.cpp) for a batch-1 cached forward on CPU.
+"""A whole fp32 Llama decoder layer in one call (cpu_kernels/decoder_layer.cpp) for a batch-1 cached forward on CPU.
 
-Why: a decode step's arithmetic besides its weights is small, and with the kernels of heads/panels.py,
-heads/rope_attention.py and heads/layer_ops.py each a single call, what is left is the Python between them: module
-calls, wrappers, checks, allocations, a dozen per layer. Measured inside a step, where streaming the weights has
+Why: a decode step's arithmetic besides its weights is small, and with the kernels of cpu_kernels/panels.py,
+cpu_kernels/rope_attention.py and cpu_kernels/layer_ops.py each a single call, what is left is the Python between them:
+module calls, wrappers, checks, allocations, a dozen per layer. Measured inside a step, where streaming the weights has
 evicted the interpreter's own data from the caches, that Python costs several times what a microbenchmark says (an
 RMSNorm's wrapper: ~18 us in a step against ~3 us alone). One call per layer runs the same kernels in the same
 order, so a layer gives the same bits by either road. Where it runs: where rope_attention.takes does, for layers
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import kernels, panels, rope_attention
+from . import native, panels, rope_attention
 from .layer_ops import is_rms_norm
 from .packed import current_packed, fused_linear
 from .rope_attention import QKNORM
@@ -50,17 +50,17 @@ class STEP(ctypes.Structure):
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("decoder_layer", [P, I64, ctypes.POINTER(LAYER), ctypes.POINTER(STEP), P, P, P, P])
+    return native.bind("decoder_layer", [P, I64, ctypes.POINTER(LAYER), ctypes.POINTER(STEP), P, P, P, P])
 
 
 @functools.cache
 def eagle3_kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("eagle3_layer", [P, P, I64, ctypes.POINTER(LAYER), P, ctypes.POINTER(STEP), P, P, P, P])
+    return native.bind("eagle3_layer", [P, P, I64, ctypes.POINTER(LAYER), P, ctypes.POINTER(STEP), P, P, P, P])
 
 
 @functools.cache
 def work_kernel(name: str = "decoder_layer_work") -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind(name, [ctypes.POINTER(LAYER)], I64)
+    return native.bind(name, [ctypes.POINTER(LAYER)], I64)
 
 
 Caches = tuple[Tensor | None, Tensor | None]
@@ -69,12 +69,12 @@ Caches = tuple[Tensor | None, Tensor | None]
 @dataclass
 class Plan:
     """A layer's weights as the kernel reads them, kept while its watch holds: the links from the layer to each
-    module, parameter and eps the plan read, and those tensors unedited where they were (heads/watch.py)."""
+    module, parameter and eps the plan read, and those tensors unedited where they were (cpu_kernels/watch.py)."""
 
     weights: LAYER
     held: list[Tensor]  # the tensors the struct points into (kept alive): packed weights, norms, the qkv bias
     width: int  # the fused qkv projection's outputs
-    work: int  # floats per row of scratch (heads/decoder_layer.h, layer_work)
+    work: int  # floats per row of scratch (cpu_kernels/decoder_layer.h, layer_work)
     watch: Watch
     hidden_norm: int = 0  # EAGLE-3's norm of the feature half (its data pointer; 0: a Llama layer)
 
@@ -231,8 +231,8 @@ def input_rows(x: Tensor, made: Plan) -> Tensor:
 def step_struct(
     made: Plan, n: int, rope: tuple[Tensor, Tensor], caches: tuple[Tensor, Tensor], start: int, mask
 ) -> tuple[STEP, tuple]:
-    """The step's operands for the kernel, checked against the layer (heads/rope_attention.py step_operands), and the
-    tensors the struct points into (the caller keeps them until the kernel returns)."""
+    """The step's operands for the kernel, checked against the layer (cpu_kernels/rope_attention.py step_operands), and
+    the tensors the struct points into (the caller keeps them until the kernel returns)."""
     w = made.weights
     if caches[0].dim() != 4 or caches[0].shape[1] != w.kv_heads or caches[0].shape[3] != w.head_dim:
         raise ValueError(f"cache {tuple(caches[0].shape)} is not the layer's [1, {w.kv_heads}, max_len, {w.head_dim}]")

@@ -4,8 +4,8 @@ times a scale plus an offset (q4), the layouts of GGUF's Q8_0 and Q4_1.
 Why: a decode step is a pass over the weights, and many fp32 weights carry fewer bits than they take: a bf16
 checkpoint loaded in fp32, or a model dequantized from a GGUF file, like the default target (SmolLM2's layers
 Q4_1, its embedding Q8_0). A weight is coded only where every value decodes back to its own fp32 bits, checked by
-decoding each block with the kernel's own arithmetic (heads/panel_codes.cpp, on heads/panel_decode.h), so a coded
-weight gives the same products as the fp32 one. Anything else (a trained head's weights, a NaN or inf, a -0.0 the
+decoding each block with the kernel's own arithmetic (cpu_kernels/panel_codes.cpp, on cpu_kernels/panel_decode.h), so a
+coded weight gives the same products as the fp32 one. Anything else (a trained head's weights, a NaN or inf, a -0.0 the
 codes would lose, a subnormal scale) stays fp32. Here: the candidate scales, in torch; the codes, in C++ (one pass).
 """
 
@@ -17,11 +17,11 @@ import functools
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import native
 
-BLOCK = 32  # inputs per q8 and q4 block: heads/panel_decode.h's QB
+BLOCK = 32  # inputs per q8 and q4 block: cpu_kernels/panel_decode.h's QB
 LEVELS = {"q8": (-128, 127), "q4": (0, 15)}
-FORMAT = {"q8": 2, "q4": 3}  # heads/panels.h's PanelFormat
+FORMAT = {"q8": 2, "q4": 3}  # cpu_kernels/panels.h's PanelFormat
 BLOCK_BYTES = {"q8": 32 * 4 + BLOCK * 32, "q4": 2 * 32 * 4 + BLOCK * 32 // 2}  # a block of a panel of 32 outputs
 
 
@@ -33,7 +33,7 @@ def bf16_exact(weight: Tensor) -> bool:
 @functools.cache
 def coder() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    return kernels.bind("code_panels", [ptr, i64, i64, i64, ptr, i64, ptr, ptr], i64)
+    return native.bind("code_panels", [ptr, i64, i64, i64, ptr, i64, ptr, ptr], i64)
 
 
 def coded_panels(padded: Tensor, code: str) -> Tensor | None:

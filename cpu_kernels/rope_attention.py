@@ -1,13 +1,13 @@
-"""fp32 CPU attention for a batch-1 cached forward in one call (heads/rope_attention.cpp): rope on q and k, k and v
-into the cache, and each query row's softmax over the cache slots it may see.
+"""fp32 CPU attention for a batch-1 cached forward in one call (cpu_kernels/rope_attention.cpp): rope on q and k, k and
+v into the cache, and each query row's softmax over the cache slots it may see.
 
 Why: in eager PyTorch these are some twenty small ops per layer (views, rope's halves, two cache writes, SDPA),
 whose dispatch costs more than their arithmetic in a decode step. And SDPA's bits for a row change with the rows
 around it; here a row reads its visible slots one at a time in slot order, so it gets the same bits decoded alone,
-verified among k rows (chain or tree) or prefilled, and with the panel linears (heads/panels.py) the whole fp32
+verified among k rows (chain or tree) or prefilled, and with the panel linears (cpu_kernels/panels.py) the whole fp32
 forward is row-invariant. A row's heads that share a key and value head (a GQA group) are taken three at a time, so
 each key and value is loaded once for them; every head's sums stay its own, in the same order. Where it runs:
-heads/kernels.py (fp32, AVX2 and AVX-512 CPUs by default).
+cpu_kernels/native.py (fp32, AVX2 and AVX-512 CPUs by default).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import kernels
+from . import native
 from .layer_ops import is_rms_norm
 from .watch import plain
 
@@ -27,7 +27,7 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class QKNORM(ctypes.Structure):
-    """Qwen3's per-head q and k norms as the kernel applies them before rope (heads/rope_attention.h)."""
+    """Qwen3's per-head q and k norms as the kernel applies them before rope (cpu_kernels/rope_attention.h)."""
 
     _fields_ = [("q", P), ("k", P), ("eps", ctypes.c_float)]
 
@@ -38,13 +38,13 @@ QKNorms = tuple[Tensor, Tensor, float]  # q's weight, k's weight [head_dim] each
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return kernels.bind("rope_attention", ARGS)
+    return native.bind("rope_attention", ARGS)
 
 
 def takes(x: Tensor, mask: object) -> bool:
     """A no-grad fp32 CPU batch-1 step whose mask is None (causal) or a bool tensor, where the kernel is built."""
     plain_mask = mask is None or (isinstance(mask, Tensor) and mask.dtype == torch.bool)
-    return x.shape[0] == 1 and plain_mask and kernels.takes(x)
+    return x.shape[0] == 1 and plain_mask and native.takes(x)
 
 
 def rope_attention(
@@ -113,8 +113,8 @@ def qk_norms(attn: Any) -> QKNorms | None:
 
 def norms_fit(attn: Any) -> bool:
     """Whether the kernel can stand in for the module's q and k norms: it has none, or two plain RMSNorms (of the
-    class whose arithmetic the kernel does, no hook or forward of their own, heads/watch.py) of fp32 CPU weights over
-    head_dim with one eps."""
+    class whose arithmetic the kernel does, no hook or forward of their own, cpu_kernels/watch.py) of fp32 CPU weights
+    over head_dim with one eps."""
     if not hasattr(attn, "q_norm"):
         return True
     q, k, d = attn.q_norm, getattr(attn, "k_norm", None), getattr(attn, "head_dim", None)

@@ -1,5 +1,5 @@
-// Codes an fp32 weight as q8 or q4 panels (heads/panels.h) where every weight decodes back to its own bits, checked
-// by decoding each block with the kernel's own weights_at (heads/panel_codes.py picks the candidate scales).
+// Codes an fp32 weight as q8 or q4 panels (cpu_kernels/panels.h) where every weight decodes back to its own bits, checked
+// by decoding each block with the kernel's own weights_at (cpu_kernels/panel_codes.py picks the candidate scales).
 #include <math.h>
 #include <string.h>
 
@@ -16,7 +16,7 @@ static void encode(const float* w, float scale, float offset, uint8_t* block, in
       ((int8_t*)(block + P * 4))[k * P + o] = (int8_t)q;
     } else {
       q = q < 0.0f ? 0.0f : q > 15.0f ? 15.0f : q;
-      uint8_t* byte = block + 2 * P * 4 + k * P / 2 + o / 16 * 8 + o % 8;  // heads/panels.h's Q4 layout
+      uint8_t* byte = block + 2 * P * 4 + k * P / 2 + o / 16 * 8 + o % 8;  // cpu_kernels/panels.h's Q4 layout
       const int shift = o / 8 % 2 * 4;
       *byte = (uint8_t)((*byte & ~(0xF << shift)) | ((int)q << shift));
     }

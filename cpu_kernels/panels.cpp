@@ -1,6 +1,6 @@
-// y[r, j] = sum_k x[r, k] * w[j, k] (+ bias[j]) in fp32, the weight packed in panels of P outputs (heads/panels.h).
+// y[r, j] = sum_k x[r, k] * w[j, k] (+ bias[j]) in fp32, the weight packed in panels of P outputs (cpu_kernels/panels.h).
 // Each output is one FMA chain over k = 0 .. in-1 in order, started at zero, in whichever tile it falls: a row's
-// bits do not depend on how many rows the call holds or where the row sits among them (heads/panels.py). A coded
+// bits do not depend on how many rows the call holds or where the row sits among them (cpu_kernels/panels.py). A coded
 // panel (bf16, q8, q4) is decoded k-block by k-block into fp32 first, to the weight's own bits, and the same chains
 // run over the decoded block: every format gives the same products, from fewer bytes.
 #include <immintrin.h>

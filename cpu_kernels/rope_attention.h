@@ -1,4 +1,4 @@
-// The fp32 attention step (heads/rope_attention.cpp), as the layer kernels call it.
+// The fp32 attention step (cpu_kernels/rope_attention.cpp), as the layer kernels call it.
 #pragma once
 #include <stdint.h>
 

@@ -1,7 +1,7 @@
 """Batch-invariant attention for CPU bf16/fp16 targets: a token at a position gets the same bits whether it runs alone
 (a decode step), among k rows (a chain or tree verify) or in a prefill (whole, or chunked after a prefix-cache hit).
-With the packed linears (row-invariant in bf16, heads/packed.py) this makes the whole forward row-invariant, so bf16
-speculative output equals bf16 plain output token for token, and a prefix-cache hit equals a cold prefill.
+With the packed linears (row-invariant in bf16, cpu_kernels/packed.py) this makes the whole forward row-invariant, so
+bf16 speculative output equals bf16 plain output token for token, and a prefix-cache hit equals a cold prefill.
 
 Attention runs in fp32 on MKL GEMMs, which change a row's bits in two ways (PyTorch 2.13, AVX-512): a GEMM of 1-3
 rows takes another kernel than one of 4 or more (whose rows all agree, however many), and a reduction over K terms
