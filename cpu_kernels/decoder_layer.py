@@ -3,12 +3,11 @@
 Why: a decode step's arithmetic besides its weights is small, and with the kernels of cpu_kernels/panels.py,
 cpu_kernels/rope_attention.py and cpu_kernels/layer_ops.py each a single call, what is left is the Python between them:
 module calls, wrappers, checks, allocations, a dozen per layer. Measured inside a step, where streaming the weights has
-evicted the interpreter's own data from the caches, that Python costs several times what a microbenchmark says (an
-RMSNorm's wrapper: ~18 us in a step against ~3 us alone). One call per layer runs the same kernels in the same
-order, so a layer gives the same bits by either road. Where it runs: where rope_attention.takes does, for layers
+evicted the interpreter's own data from the caches, that Python costs several times what a microbenchmark says
+(docs/benchmarks.md, Rope, attention and norms on draftsmith's kernels). One call per layer runs the same kernels in the
+same order, so a layer gives the same bits by either road. Where it runs: where rope_attention.handles does, for layers
 whose linears are packed in panels (fused qkv and gate-up), q/k norms (Qwen3) included. EAGLE-3's midlayer
-(heads/eagle3.py), whose attention reads two normed halves and whose residual is the feature, has a call of its own.
-"""
+(heads/eagle3.py), whose attention reads two normed halves and whose residual is the feature, has a call of its own. """
 
 from __future__ import annotations
 
@@ -99,7 +98,7 @@ READS = (
 
 def takes(layer: Any, x: Tensor, caches: Caches, start: object, mask: object) -> Plan | None:
     """The layer's plan for a cached batch-1 fp32 step, where its projections are packed in panels; else None."""
-    if caches[0] is None or caches[1] is None or not isinstance(start, int) or not rope_attention.takes(x, mask):
+    if caches[0] is None or caches[1] is None or not isinstance(start, int) or not rope_attention.handles(x, mask):
         return None
     return plan(layer) if kernel() is not None else None
 

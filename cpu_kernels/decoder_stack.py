@@ -2,12 +2,11 @@
 on CPU.
 
 Why: with each layer one call (cpu_kernels/decoder_layer.py), what is left of a decode step's Python is per layer: the
-module call, checking the step's rope rows, caches and mask, proving the layer's plan current, allocating its
-output. Over SmolLM2's 30 layers that is some 5 ms of a 27 ms step, measured inside the step. Here the step's operands
-are checked once, one watch proves every layer's plan current (cpu_kernels/watch.py), and one call runs the layers in
-order, each as decoder_layer runs it alone, so the bits are the same by either road. Where it runs: where every layer
-of the stack takes the one-layer call, and they share their attention's shape.
-"""
+module call, checking the step's rope rows, caches and mask, proving the layer's plan current, allocating its output, a
+sizeable share of a small model's step (docs/benchmarks.md, The whole stack in one call). Here the step's operands are
+checked once, one watch proves every layer's plan current (cpu_kernels/watch.py), and one call runs the layers in order,
+each as decoder_layer runs it alone, so the bits are the same by either road. Where it runs: where every layer of the
+stack takes the one-layer call, and they share their attention's shape. """
 
 from __future__ import annotations
 
@@ -66,7 +65,7 @@ def takes(
     hooks) that takes the one-layer call; else None."""
     if cache is None or not isinstance(start, int) or not isinstance(layers, nn.Module) or kernel() is None:
         return None
-    if not rope_attention.takes(x, mask):
+    if not rope_attention.handles(x, mask):
         return None
     kept = STACKS.get(layers)
     if kept is not None and kept.watch.holds():

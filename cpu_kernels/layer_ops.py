@@ -1,11 +1,11 @@
 """A Llama layer's fp32 element-wise parts on CPU in one call each (cpu_kernels/layer_ops.cpp): RMSNorm, and SwiGLU's
 silu(gate) * up on the fused gate-up rows.
 
-Why: PyTorch 2.13 runs an fp32 RMSNorm as some eight small ops on CPU (about 35 us for one SmolLM2 row, 61 of them a
-decode step), and the gate's silu, product and split as four more; one call each costs a few microseconds. Each row
-is computed on its own in a fixed order, so, like the panel linears and the one-call attention, a row's bits do not
-depend on the rows around it. Where it runs: native.takes (fp32, AVX2 and AVX-512 CPUs by default).
-"""
+Why: PyTorch runs an fp32 RMSNorm as some eight small ops on CPU (61 of them a SmolLM2 decode step), and the gate's
+silu, product and split as four more; one call each costs a fraction of that (docs/benchmarks.md, Rope, attention and
+norms on draftsmith's kernels). Each row is computed on its own in a fixed order, so, like the panel linears and the
+one-call attention, a row's bits do not depend on the rows around it. Where it runs: native.handles (fp32, AVX2 and
+AVX-512 CPUs by default). """
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     rows, w = x.contiguous(), weight.contiguous()  # held in names: their memory must outlive the call
     out = torch.empty_like(rows)
     fn = rms_norm_kernel()
-    assert fn is not None, "takes() said the library is built"
+    assert fn is not None, "handles() said the library is built"
     fn(rows.data_ptr(), rows.numel() // max(dim, 1), dim, w.data_ptr(), eps, out.data_ptr())
     return out
 
@@ -57,7 +57,7 @@ def silu_mul(h: Tensor) -> Tensor:
     rows = h.contiguous()
     out = rows.new_empty(*h.shape[:-1], width)
     fn = silu_mul_kernel()
-    assert fn is not None, "takes() said the library is built"
+    assert fn is not None, "handles() said the library is built"
     fn(rows.data_ptr(), rows.numel() // max(2 * width, 1), width, out.data_ptr())
     return out
 
@@ -77,7 +77,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if native.takes(x):  # fp32 CPU inference: one call, row-invariant
+        if native.handles(x):  # fp32 CPU inference: one call, row-invariant
             return rms_norm(x, self.weight, self.eps)
         # HF's order: normalize in fp32, round to the input's dtype, then scale
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

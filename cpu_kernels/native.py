@@ -4,12 +4,13 @@ layer from them; decoder_stack.cpp: a model's layers one after another), built o
 with the system's C++ compiler into one shared library and loaded with ctypes.
 
 Why: a batch-1 decode step is a pass over the weights plus a few hundred small ops; these kernels stream the weights
-near the memory's pace and fold the attention's ops into one call, and each gives a row the same bits whatever the
-rows around it (docs/benchmarks.md).
+near the memory's pace and fold the attention's ops into one call, and each gives a row the same bits whatever the rows
+around it (docs/benchmarks.md).
 
-Where they run: fp32 on a CPU with AVX2 and FMA, AVX-512 ones included (measured on both: a SmolLM2 decode step on
-them is 5x one on torch's fp32 kernels, and 3.5x the compiled bf16 step on an AVX512-BF16 EPYC), a bf16 model
-there too, as bf16 weights in fp32 (serve/models/loader.py);
+Where they run: fp32 on a CPU with AVX2 and FMA, AVX-512 ones included (how they compare with torch's fp32 kernels
+and the compiled bf16 step: docs/benchmarks.md, The fp32
+kernels on AVX-512), a bf16 model there too, as bf16 weights in fp32
+(serve/models/loader.py);
 DRAFTSMITH_KERNELS=0 turns them off (oneDNN's linears and torch's attention). If the library cannot be built or
 loaded, one warning says why and torch's kernels run. The built library sits under the cache root beside its sha256;
 a damaged or half-copied one is rebuilt, never loaded. A build keeps the newest few libraries there and removes
@@ -84,7 +85,7 @@ def version() -> str | None:
     return None if lib is None else Path(lib._name).stem
 
 
-def takes(x: Tensor) -> bool:
+def handles(x: Tensor) -> bool:
     """A no-grad fp32 CPU call where the kernels are usable. Training, autocast (the linears then give bf16), other
     dtypes and a forward being compiled (inductor fuses these ops itself, and cannot trace a ctypes call) keep
     torch's ops."""

@@ -84,7 +84,7 @@ def invariant_rows(rows: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
 
 
-def takes_packed(x: Tensor, dtype: torch.dtype) -> bool:
+def handles_packed(x: Tensor, dtype: torch.dtype) -> bool:
     """Only no-grad CPU calls in the packed dtype: autograd and autocast need the plain weight."""
     return x.is_cpu and x.dtype == dtype and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
 
@@ -119,7 +119,7 @@ class PackedLinear(nn.Module):
         return self.packed
 
     def forward(self, x: Tensor) -> Tensor:
-        if takes_packed(x, self.dtype):
+        if handles_packed(x, self.dtype):
             return packed_linear(x, self.current(), self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)
 
@@ -154,7 +154,7 @@ class FusedLinear(nn.Module):
         return self.packed
 
     def forward(self, x: Tensor) -> Tensor:
-        if takes_packed(x, self.dtype):
+        if handles_packed(x, self.dtype):
             return packed_linear(x, self.current(), self.bias, self.out_features)
         return torch.cat([p(x) for p in self.parts], -1)
 

@@ -1,18 +1,17 @@
 """fp32 CPU linears on a small kernel of draftsmith's own (panels.cpp; built and loaded
 by native.py).
 
-Why: a decode step multiplies one row by every weight, so it is a pass over the weights and its speed is the
-memory's. oneDNN's fp32 kernels stream SmolLM2's weights at 18-24 GB/s on an AVX2 EPYC where the memory gives
-about 30; this kernel streams them at 31-35 and also beats oneDNN at 2-32 rows (docs/benchmarks.md).
-It keeps the engine's exactness by construction: every output is one FMA chain over the input features in order,
-whatever the row count, the tile or the thread, so a row's product carries the same bits in a decode, a verify and
-a prefill. The weight is repacked once into panels of PANEL outputs, [panels, in, PANEL], which a thread streams
-front to back, in the narrowest format that holds it exactly (cpu_kernels/panel_codes.py: bf16, or GGUF-like q8 and q4
-blocks, which the kernel decodes to the weight's own fp32 bits): the same products from a half to a fifth of the
-bytes (SmolLM2's decode step: 22 -> 11 ms on an AVX2 EPYC, docs/benchmarks.md). DRAFTSMITH_PANELS=fp32 keeps every
-weight in fp32 (to compare the two). Where it runs, and what happens where it cannot be built: cpu_kernels/native.py. A
-kernel that fails its self-check is not used either (one warning).
-"""
+Why: a decode step multiplies one row by every weight, so it is a pass over the weights and its speed is the memory's.
+oneDNN's fp32 kernels stream a decode step's weights well below the memory's pace; this kernel streams them near it, and
+also beats oneDNN at 2-32 rows (docs/benchmarks.md, The panel kernel). It keeps the engine's exactness by construction:
+every output is one FMA chain over the input features in order, whatever the row count, the tile or the thread, so a
+row's product carries the same bits in a decode, a verify and a prefill. The weight is repacked once into panels of
+PANEL outputs, [panels, in, PANEL], which a thread streams front to back, in the narrowest format that holds it exactly
+(cpu_kernels/panel_codes.py: bf16, or GGUF-like q8 and q4 blocks, which the kernel decodes to the weight's own fp32
+bits): the same products from a half to a fifth of the bytes (SmolLM2's decode step twice as fast on an AVX2 EPYC,
+docs/benchmarks.md). DRAFTSMITH_PANELS=fp32 keeps every weight in fp32 (to compare the two). Where it runs, and what
+happens where it cannot be built: cpu_kernels/native.py. A kernel that fails its self-check is not used either (one
+warning). """
 
 from __future__ import annotations
 

@@ -41,10 +41,10 @@ def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return native.bind("rope_attention", ARGS)
 
 
-def takes(x: Tensor, mask: object) -> bool:
+def handles(x: Tensor, mask: object) -> bool:
     """A no-grad fp32 CPU batch-1 step whose mask is None (causal) or a bool tensor, where the kernel is built."""
     plain_mask = mask is None or (isinstance(mask, Tensor) and mask.dtype == torch.bool)
-    return x.shape[0] == 1 and plain_mask and native.takes(x)
+    return x.shape[0] == 1 and plain_mask and native.handles(x)
 
 
 def rope_attention(
@@ -70,7 +70,7 @@ def rope_attention(
     weights, struct = norm_struct(norms, d)  # weights held in a name: their memory must outlive the call
     out = qkv.new_empty(1, n, heads * d)
     fn = kernel()
-    assert fn is not None, "takes() said the kernel is built"
+    assert fn is not None, "handles() said the kernel is built"
     mask_ptr, cols = (None, 0) if seen is None else (seen.data_ptr(), seen.shape[1])
     fn(
         rows.data_ptr(),

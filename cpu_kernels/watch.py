@@ -2,11 +2,11 @@
 
 Why: a packed copy (cpu_kernels/packed.py) and a kernel's plan (cpu_kernels/decoder_layer.py,
 cpu_kernels/decoder_stack.py) are made from weights that may change under them, and proving them current through the
-modules (attribute lookups through nn.Module.__getattr__ for every tensor) cost a decode step some 5 ms over SmolLM2's
-30 layers. A watch remembers each link it followed (the dict a module keeps a submodule, parameter or attribute in, the
-key, the object found, or that there was none), the size of dicts that must not grow (a layer list; the forward hooks
-of modules a kernel runs in place of), and each tensor it reached (its in-place version, where its data lives, its
-strides), and checks them all with C-level maps.
+modules (attribute lookups through nn.Module.__getattr__ for every tensor) costs a decode step a measurable share of its
+time (docs/benchmarks.md, The whole stack in one call). A watch remembers each link it followed (the dict a module
+keeps a submodule, parameter or attribute in, the key, the object found, or that there was none), the size of dicts
+that must not grow (a layer list; the forward hooks of modules a kernel runs in place of), and each tensor it reached
+(its in-place version, where its data lives, its strides), and checks them all with C-level maps.
 
 What it sees: a module, parameter or attribute replaced, added or removed; a forward hook or an instance's own
 forward; a tensor edited in place, moved by a `.data` swap, `set_`, `model.to` or `share_memory` (it holds the

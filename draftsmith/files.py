@@ -17,7 +17,7 @@ DEFAULT_CACHE = "~/.cache/draftsmith"
 
 
 def cache_root(cache_dir: str | None = None) -> Path:
-    """Where converted targets, feature caches, self-distilled answers and built kernels go: target.cache_dir when
+    """Where converted targets, feature caches, regenerated answers and built kernels go: target.cache_dir when
     set, else $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
     return Path(cache_dir or os.environ.get("DRAFTSMITH_CACHE") or DEFAULT_CACHE).expanduser()
 

@@ -2,7 +2,7 @@
 more data buys (τ against answer tokens and against CPU-hours, and a fit that extrapolates it).
 
     draftsmith-curve out=CURVE sizes=[150,300,600,1200]                    # conversations per point
-    draftsmith-curve out=CURVE "train_args=['data.distill.temperature=0.7']"  # another recipe or data arm
+    draftsmith-curve out=CURVE "train_args=['data.regenerate.temperature=0.7']"  # another recipe or data arm
 
 Each point is draftsmith-train (a process of its own, resumed from its checkpoints when a run stopped part-way)
 then draftsmith-eval on every suite (resumed from its records), under OUT/points/c<size>/. A point whose head and

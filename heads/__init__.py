@@ -1,4 +1,4 @@
-"""Drafter heads, the registry of kinds, and the Llama-family runner they are built from. Importing the package
-registers the built-in kinds (registry.py)."""
+"""Drafter heads and the registry of kinds; the target's model they are built from is runtime/. Importing the
+package registers the built-in kinds (registry.py)."""
 
 from . import registry  # noqa: F401

@@ -1,6 +1,6 @@
 """The registry of drafter kinds: one record per kind holds everything the rest of the code asks of it.
 
-A kind's own file defines its record (heads/<kind>.py: KIND; training-free methods in heads/training_free.py);
+A kind's own file defines its record (heads/<kind>.py: KIND; training-free methods in heads/headless_kinds.py);
 heads/registry.py registers the built-in ones, in order. Pieces that live in higher layers (the loss in train/, the
 proposer and the export formats in serve/) are named as "module:attr" strings and resolved where they are used, so
 heads/ imports neither: build, train, eval and export each look a kind up here instead of switching on its name.

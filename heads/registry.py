@@ -3,7 +3,7 @@ the package registers itself with kinds.register when its module is imported (dr
 
 from __future__ import annotations
 
-from . import dflash, draft_model, dspark, eagle, eagle3, medusa, peagle, training_free
+from . import dflash, draft_model, dspark, eagle, eagle3, headless_kinds, medusa, peagle
 from .kinds import Kind, register
 
 BUILTIN: tuple[Kind, ...] = (
@@ -11,9 +11,9 @@ BUILTIN: tuple[Kind, ...] = (
     eagle.KIND,
     eagle3.KIND,
     medusa.KIND,
-    training_free.NGRAM,
-    training_free.SUFFIX,
-    training_free.LAYERSKIP,
+    headless_kinds.NGRAM,
+    headless_kinds.SUFFIX,
+    headless_kinds.LAYERSKIP,
     dflash.KIND,
     dspark.KIND,
     peagle.KIND,

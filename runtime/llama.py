@@ -131,7 +131,7 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> T
     kv = k.shape[1]
     scores = (q.float().reshape(b, kv, h // kv * n, d) @ k.float().transpose(-1, -2)) * d**-0.5
     if mask is not None:
-        visible = mask.reshape(mask.shape[0], 1, 1, n, -1)  # per row in batched decode (train/distill.py)
+        visible = mask.reshape(mask.shape[0], 1, 1, n, -1)  # per row in batched decode (train/regenerate.py)
         scores = scores.view(b, kv, h // kv, n, -1).masked_fill(~visible, float("-inf"))
     probs = scores.softmax(-1).view(b, kv, h // kv * n, -1)
     return (probs @ v.float()).view(b, h, n, d).to(q.dtype)
@@ -220,7 +220,7 @@ class Attention(nn.Module):
         mask as plans (Transformer.layers_forward, CPU bf16/fp16): batch-invariant attention, same bits per row."""
         b, n, _ = x.shape
         cached = k_cache is not None and v_cache is not None and isinstance(start, int)
-        if cached and rope_attention.takes(x, mask) and rope_attention.norms_fit(self):
+        if cached and rope_attention.handles(x, mask) and rope_attention.norms_fit(self):
             # fp32 CPU: (q/k norms,) rope, cache write and attention in one call, row-invariant
             if (fused := fused_linear(self, "qkv_proj")) is not None:
                 caches, norms = (k_cache, v_cache), rope_attention.qk_norms(self)
@@ -261,7 +261,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if (fused := fused_linear(self, "gate_up_proj")) is not None:
-            if native.takes(x):  # fp32 CPU inference: silu(gate) * up in one call
+            if native.handles(x):  # fp32 CPU inference: silu(gate) * up in one call
                 return self.down_proj(layer_ops.silu_mul(fused(x)))
             gate, up = fused(x).chunk(2, -1)
         else:

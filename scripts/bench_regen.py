@@ -25,13 +25,13 @@ from draftsmith.serve.models.target import (
     load_target,  # noqa: E402
 )
 from draftsmith.serve.shared.conversations import Skipped, load_conversations  # noqa: E402
-from draftsmith.train.data import DistillConfig  # noqa: E402
-from draftsmith.train.distill import TREE_ROOM, generate_into  # noqa: E402
+from draftsmith.train.data import RegenerateConfig  # noqa: E402
+from draftsmith.train.regenerate import TREE_ROOM, generate_into  # noqa: E402
 from draftsmith.train.turns import prepare  # noqa: E402
 
 
 def run_backend(name: str, target, convs, args, out: Path) -> dict:
-    cfg = DistillConfig(
+    cfg = RegenerateConfig(
         max_new_tokens=args.max_new_tokens,
         backend=name,
         batch_size=args.batch_size,

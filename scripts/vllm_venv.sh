@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM in a virtual environment of its own (it pins its own torch and transformers): draftsmith-regenerate's
 # backend and the cross-checks' peer. Made once at $VLLM_VENV, default ~/.cache/draftsmith/vllm-venv, where
-# draftsmith looks for it (train/vllm_backend.py); a second call finds it and returns.
+# draftsmith looks for it (train/regenerate_vllm.py); a second call finds it and returns.
 # On a GPU machine install `vllm` instead (VLLM_PACKAGE=vllm==X).
 set -euo pipefail
 VENV=${VLLM_VENV:-$HOME/.cache/draftsmith/vllm-venv}

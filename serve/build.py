@@ -9,13 +9,13 @@ from pathlib import Path
 from draftsmith.heads.drafter_folder import read_meta
 from draftsmith.heads.kinds import DraftShape, by_spec, folder_shape, get, resolve
 from draftsmith.serve.engine.cost_profile import load_or_measure
+from draftsmith.serve.engine.draft_cut import CostCut
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.policy import DraftPolicy
 from draftsmith.serve.engine.prefix_cache import PrefixCache
-from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import TreeConfig
-from draftsmith.serve.export.foreign import (
-    foreign_format,
+from draftsmith.serve.export.external_heads import (
+    external_format,
     recorded_depth,
 )
 from draftsmith.serve.models.loader import read_hf_config
@@ -58,10 +58,10 @@ def resolve_shape(spec: SpecConfig) -> SpecConfig:
 
 
 def drafter_meta(spec: SpecConfig) -> dict | None:
-    """spec.drafter's draftsmith config.json (kind, config, draft); None for no folder, a foreign layout or a plain
+    """spec.drafter's draftsmith config.json (kind, config, draft); None for no folder, an external layout or a plain
     HF model."""
     folder = Path(spec.drafter) if spec.drafter else None
-    if folder is None or not (folder / "config.json").is_file() or foreign_format(folder):
+    if folder is None or not (folder / "config.json").is_file() or external_format(folder):
         return None
     return read_meta(folder) if read_hf_config(folder).get("kind") is not None else None
 
@@ -73,7 +73,7 @@ def saved_shape(spec: SpecConfig, meta: dict | None) -> DraftShape:
     if meta is not None:
         return folder_shape(meta)
     kind, folder = by_spec(spec.name), Path(spec.drafter) if spec.drafter else None
-    if folder is not None and (folder / "config.json").is_file() and foreign_format(folder):
+    if folder is not None and (folder / "config.json").is_file() and external_format(folder):
         depth = recorded_depth(folder)  # topk 1 only: a topk set without total_tokens keeps the kind's node cap
         return DraftShape(num_tokens=depth, topk=1) if depth else kind.draft_shape
     return kind.draft_shape
@@ -145,7 +145,7 @@ def build_engine(
     if spec.verify != "fixed" and proposer is not None:
         cost = load_or_measure(engine, target.target_id, cache_dir)
         if spec.verify == "cost":
-            engine.schedule = CostSchedule(cost)
+            engine.draft_cut = CostCut(cost)
         else:
             engine.policy = DraftPolicy(cost, spec.policy)
     return engine

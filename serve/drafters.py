@@ -25,7 +25,13 @@ from draftsmith.heads.drafter_folder import (
 )
 from draftsmith.heads.kinds import by_spec, get
 from draftsmith.runtime.llama import Transformer
-from draftsmith.serve.export.foreign import FOREIGN_KIND, TARGET_ARCHS, foreign_format, foreign_head, read_foreign
+from draftsmith.serve.export.external_heads import (
+    EXTERNAL_KIND,
+    TARGET_ARCHS,
+    external_format,
+    external_head,
+    read_external,
+)
 from draftsmith.serve.models.loader import fp32_arithmetic, load_model, read_hf_config
 from draftsmith.serve.models.target import LoadedTarget, load_tokenizer, torch_dtype
 from draftsmith.serve.spec import SpecConfig
@@ -57,8 +63,8 @@ def plain_lm(folder: Path) -> bool:
 
 
 def drafter_config(hf: dict, folder: Path) -> bool:
-    """A drafter folder's config (heads/drafter_folder.py, serve/export/foreign.py), not a plain HF LM's."""
-    return "kind" in hf or bool(foreign_format(folder))
+    """A drafter folder's config (heads/drafter_folder.py, serve/export/external_heads.py), not a plain HF LM's."""
+    return "kind" in hf or bool(external_format(folder))
 
 
 def auto_draft_dtype(model: Transformer) -> torch.dtype:
@@ -123,14 +129,14 @@ def folder_drafter(
     dtype: torch.dtype | None = None,
     draft_vocab: int = 0,
 ):
-    """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere, serve/export/foreign.py),
-    refused unless it was made for this target; `shared`: target pieces the kind borrows
-    (heads/drafter_folder.read_drafter); dtype: its weights' (default: the target's); draft_vocab > 0: its logits
-    over the training answers' draft_vocab most frequent tokens only."""
-    kind, fmt = by_spec(spec_name).name, foreign_format(folder)
+    """A draftsmith drafter folder of spec_name's kind (or an EAGLE-3 head made elsewhere,
+    serve/export/external_heads.py), refused unless it was made for this target; `shared`: target pieces the kind
+    borrows (heads/drafter_folder.read_drafter); dtype: its weights' (default: the target's); draft_vocab > 0: its
+    logits over the training answers' draft_vocab most frequent tokens only."""
+    kind, fmt = by_spec(spec_name).name, external_format(folder)
     if fmt:
-        read_foreign(folder, fmt)  # a speculators type other than eagle3 is refused as such, whatever the spec
-    found = FOREIGN_KIND if fmt else read_meta(folder)["kind"]
+        read_external(folder, fmt)  # a speculators type other than eagle3 is refused as such, whatever the spec
+    found = EXTERNAL_KIND if fmt else read_meta(folder)["kind"]
     if found != kind:
         what = f"an EAGLE-3 head ({fmt} layout); use it with spec={get(found).name}" if fmt else f"a {found} drafter"
         raise ValueError(f"spec.drafter={folder} is {what}; spec={spec_name} needs a {kind} drafter")
@@ -138,7 +144,7 @@ def folder_drafter(
     dtype = dtype or m.weights_dtype
     head: Any  # the kind's module: restrict_vocab where spec.draft_vocab applies (serve/spec.py, vocab_specs)
     if fmt:  # no draftsmith target id: checked against the target by what the folder records
-        head = foreign_head(folder, fmt, m, target.target_id, dtype)
+        head = external_head(folder, fmt, m, target.target_id, dtype)
     else:
         head = read_drafter(folder, target_info(target), *shared, device=m.device, dtype=dtype)
     if fp32_arithmetic(dtype, m.device):  # its own weights now bf16 values: computed in fp32, as the target's

@@ -73,7 +73,7 @@ class SpecConfig:
     draft_dtype: str = "auto"  # the drafter's weights: auto (serve/drafters.py draft_dtype) | float32 | bfloat16
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
     # fixed: verify every draft whole | cost: verify the part that emits the most tokens per second, by the drafter's
-    # accept probabilities and this machine's measured verify cost (serve/engine/schedule.py); a draft without
+    # accept probabilities and this machine's measured verify cost (serve/engine/draft_cut.py); a draft without
     # accept probabilities (n-gram, suffix) is verified whole | policy: decide before each step whether to draft,
     # with which drafter and how deep, by acceptance calibrated on what the target accepted, then cut as cost does
     # (serve/engine/policy.py)

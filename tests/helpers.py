@@ -501,12 +501,12 @@ def command_line(
     target_dir: Path, tmp_path: Path, convs: list[Conversation], backend: str, max_new_tokens: int = 6
 ) -> tuple[list[str], Path]:
     """draftsmith-regenerate's overrides over `convs` written as a source file, and the answers file it names
-    (max_new_tokens: 6, test_distill's NEW, unless given)."""
+    (max_new_tokens: 6, test_regenerate's NEW, unless given)."""
     source, out = tmp_path / "chats.jsonl", tmp_path / "answers.jsonl"
     source.write_text("".join(json.dumps({"id": c.id, "messages": c.messages}) + "\n" for c in convs))
     overrides = [f"target.path={target_dir}", f"data.source={source}", "data.heldout_fraction=0"]
-    overrides += [f"data.distill.max_new_tokens={max_new_tokens}", f"data.distill.out={out}"]
-    overrides += [f"data.distill.backend={backend}"]
+    overrides += [f"data.regenerate.max_new_tokens={max_new_tokens}", f"data.regenerate.out={out}"]
+    overrides += [f"data.regenerate.backend={backend}"]
     return overrides, out
 
 
@@ -543,7 +543,7 @@ def cli_args(target, data) -> list[str]:
         "train.features.mode=online",
         "train.batch_size=2",
         "train.log_every=1",
-        "data.self_distill=false",  # as test_trainer's config(), which these runs are compared with (test_distill*)
+        "data.regenerated=false",  # as test_trainer's config(), which these runs are compared with (test_regenerate*)
     ]
 
 

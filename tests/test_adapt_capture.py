@@ -220,7 +220,7 @@ def test_a_published_version_is_swapped_in_between_requests(setup, tmp_path):
 
 
 def verdict(ws: Workspace, version: str, against: str, gain: float) -> None:
-    """What the trainer writes once `version` served its window (train/adapt_review.py)."""
+    """What the trainer writes once `version` served its window (train/adapt/review.py)."""
     Verdict(version, against, requests=2, gain=gain, roll_back=gain < 0).write(ws)
 
 

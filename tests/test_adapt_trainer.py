@@ -1,4 +1,4 @@
-"""The adaptation trainer (train/adapt*.py) on a tiny target: a capture store written in the server's format from
+"""The adaptation trainer (train/adapt/) on a tiny target: a capture store written in the server's format from
 the target's real features, a replay cache, rounds that publish (or not) atomically, damaged shards skipped, a
 publish killed half-way, rollbacks followed, and the offline tau's run counting. No client steers it: each client's
 held-back requests judge as one group (identical prompts once), one client alone publishes nothing, a candidate that
@@ -32,13 +32,13 @@ from draftsmith.serve.adapt.versions import Workspace
 from draftsmith.serve.drafters import load_drafter
 from draftsmith.serve.models.target import load_target
 from draftsmith.serve.spec import SpecConfig
-from draftsmith.train import adapt_versions
-from draftsmith.train.adapt import start
-from draftsmith.train.adapt_data import Shard, split_heldout
-from draftsmith.train.adapt_gate import offline_tau, run_lengths
-from draftsmith.train.adapt_groups import GroupScore, refusal
-from draftsmith.train.adapt_review import review
-from draftsmith.train.adapt_round import Abandoned, TrainerState, run_round
+from draftsmith.train.adapt import publish
+from draftsmith.train.adapt.data import Shard, split_heldout
+from draftsmith.train.adapt.gate import offline_tau, run_lengths
+from draftsmith.train.adapt.groups import GroupScore, refusal
+from draftsmith.train.adapt.loop import start
+from draftsmith.train.adapt.review import review
+from draftsmith.train.adapt.round import Abandoned, TrainerState, run_round
 from draftsmith.train.features import target_states
 from helpers import ENV, export_drafters
 
@@ -184,17 +184,17 @@ def test_a_publish_killed_half_way_leaves_latest_whole(tmp_path, tiny, monkeypat
     root = workspace(tmp_path, tiny)
     versions = root / "versions"
     (versions / "LATEST").write_text("v0000\n")
-    rename = adapt_versions.os.replace
+    rename = publish.os.replace
 
     def killed(src, dst):
         if str(src).endswith(".partial"):
             raise KeyboardInterrupt("killed mid-publish")
         rename(src, dst)
 
-    monkeypatch.setattr(adapt_versions.os, "replace", killed)
+    monkeypatch.setattr(publish.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         run_round(start(root), TrainerState())
-    monkeypatch.setattr(adapt_versions.os, "replace", rename)
+    monkeypatch.setattr(publish.os, "replace", rename)
     assert (versions / "LATEST").read_text() == "v0000\n"
     assert (versions / ".v0001.partial" / "version.json").is_file()
     (versions / "..v0002.partial-abc").mkdir()  # a save_drafter temp folder of a kill earlier still
@@ -338,7 +338,7 @@ def test_the_command_runs_rounds_and_stops_on_sigterm(tmp_path, tiny):
 
 
 def test_rows_restored_from_the_prefix_cache_are_not_read_as_context(tiny, tmp_path):
-    from draftsmith.train.adapt_data import read_shard
+    from draftsmith.train.adapt.data import read_shard
 
     r = requests(tiny[1], 1)[0]
     n = r["input_ids"].shape[0]
@@ -355,8 +355,8 @@ def test_rows_restored_from_the_prefix_cache_are_not_read_as_context(tiny, tmp_p
 def test_a_round_is_due_on_requests_captured_even_when_the_store_evicted_them(tiny, tmp_path):
     from draftsmith.serve.adapt.config import AdaptConfig
     from draftsmith.serve.adapt.versions import Workspace
-    from draftsmith.train.adapt import due, hold_lock, orphaned
-    from draftsmith.train.adapt_round import Trainer
+    from draftsmith.train.adapt.loop import due, hold_lock, orphaned
+    from draftsmith.train.adapt.round import Trainer
 
     root = workspace(tmp_path, tiny)
     manifest = json.loads((root / "capture" / "manifest.json").read_text())
@@ -372,7 +372,7 @@ def test_a_round_is_due_on_requests_captured_even_when_the_store_evicted_them(ti
         [
             sys.executable,
             "-c",
-            f"from draftsmith.train.adapt import hold_lock; from pathlib import Path; "
+            f"from draftsmith.train.adapt.loop import hold_lock; from pathlib import Path; "
             f"from draftsmith.serve.adapt.versions import Workspace; hold_lock(Workspace(Path({str(root)!r})))",
         ],
         capture_output=True,

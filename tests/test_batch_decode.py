@@ -85,7 +85,7 @@ def test_rows_draw_from_what_sampling_keeps_with_their_own_generators():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_one_chat_left_decodes_in_half_precision_on_cpu(tiny_llama_dir, dtype):
-    """distill loads the target offline (decode=False): bf16/fp16 stay half precision on CPU. With one chat to answer
+    """regenerate loads the target offline (decode=False): bf16/fp16 stay half precision on CPU. With one chat to answer
     (one conversation, or a resume with one left) the decoder has one slot, and a [1, 1] slot tensor reaches
     layers_forward's batch-invariant branch, which asserts start is an int."""
     model = load_model(tiny_llama_dir(), dtype=dtype, decode=False)

@@ -130,7 +130,7 @@ def test_verify_cost_on_a_kind_without_accept_probs_drafts_as_fixed(chat_target,
     carry no accept probabilities, so every step verifies what verify=fixed verifies."""
     fixed = build_engine(chat_target, SpecConfig("ngram", 3), False, 96)
     cost = build_engine(chat_target, SpecConfig("ngram", 3, verify="cost"), False, 96, cache_dir=str(tmp_path))
-    assert fixed.schedule is None and cost.schedule is not None
+    assert fixed.draft_cut is None and cost.draft_cut is not None
     assert len(list((tmp_path / "verify_cost").glob("*.json"))) == 1
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     a, b = (e.generate(prompt, 24, SamplingParams()) for e in (fixed, cost))

@@ -16,7 +16,7 @@ from helpers import build_tiny_chat_target, sum_chats
 def made(smollm2_dir, tmp_path_factory) -> tuple[CurveConfig, Path]:
     root = tmp_path_factory.mktemp("curve")
     target = build_tiny_chat_target(root / "target", smollm2_dir, head_dim=32)
-    train_args = [f"data.source={sum_chats(root)}", "data.self_distill=false", "data.max_length=48"]
+    train_args = [f"data.source={sum_chats(root)}", "data.regenerated=false", "data.max_length=48"]
     train_args += ["train.max_steps=2", "train.batch_size=2", "train.eval_every=0"]
     cfg = CurveConfig(
         out=str(root / "out"),

@@ -81,7 +81,7 @@ def launch(config: Path, out: Path, port: int, target, data, precision: str, *ex
     cmd += ["--deepspeed_config_file", str(config), "--num_processes", "2", "--num_machines", "1"]
     cmd += ["--main_process_port", str(port), "-m", "draftsmith.train", f"out={out}"]
     cmd += [f"target.path={target}", "target.dtype=float32", f"data.source={data}", "data.max_length=48"]
-    cmd += ["data.heldout_fraction=0.2", "data.self_distill=false"]  # as the single-process run it is compared with
+    cmd += ["data.heldout_fraction=0.2", "data.regenerated=false"]  # as the single-process run it is compared with
     cmd += ["head=eagle3", "head.draft_vocab_size=256", "head.loss.ttt_steps=2", "train.features.mode=online"]
     cmd += [f"train.max_steps={STEPS}", "train.batch_size=2", "train.checkpoint_every=2", "train.log_every=1"]
     cmd += ["train.lr=1e-2", "train.warmup_steps=10", f"train.max_grad_norm={MAX_GRAD_NORM}"]

@@ -470,7 +470,7 @@ def test_draftsmith_train_head_dflash_train_quick(chat_target, tmp_path):
         "data.max_conversations=null",
         "data.max_length=64",
         "data.heldout_fraction=0.2",
-        "data.distill.backend=draftsmith",  # vLLM's CPU attention has no head size 16
+        "data.regenerate.backend=draftsmith",  # vLLM's CPU attention has no head size 16
         "train.epochs=1",
         "train.eval_every=4",
         "train.eval_max_new_tokens=8",

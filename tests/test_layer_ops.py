@@ -50,9 +50,9 @@ def test_norm_modules_take_the_call_only_in_fp32_inference():
     torch.nn.init.normal_(norm.weight)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
-        assert native.takes(x) and not native.takes(x.bfloat16()) and not native.takes(x.double())
+        assert native.handles(x) and not native.handles(x.bfloat16()) and not native.handles(x.double())
         torch.testing.assert_close(norm(x), F.rms_norm(x, (64,), norm.weight, 1e-5))
-    assert not native.takes(x)  # gradients flow: torch's ops, which autograd knows
+    assert not native.handles(x)  # gradients flow: torch's ops, which autograd knows
     norm(x.requires_grad_()).sum().backward()
     assert x.grad is not None
 
@@ -81,7 +81,7 @@ def test_autocast_keeps_torchs_ops():
     pack_linears(mlp)
     x = torch.randn(2, 32)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not native.takes(x)
+        assert not native.handles(x)
         assert mlp(x).dtype == torch.bfloat16
     with torch.no_grad(), pytest.raises(ValueError, match="fp32 CPU tensors, got torch.bfloat16"):
         layer_ops.silu_mul(torch.randn(2, 8).bfloat16())

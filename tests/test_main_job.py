@@ -45,7 +45,7 @@ def main_job(out: Path, target: Path, chats: Path, tmp_path: Path) -> subprocess
         "MAIN_TARGET": f"target.path={target}",
         "MAIN_TRAIN_ARGS": f"data.source={chats} data.max_conversations=null data.max_length=64 "
         "train.max_steps=2 train.batch_size=2 train.eval_every=100 train.eval_prompts=1 wandb.enabled=false "
-        "+data.distill.engine_args.enforce_eager=true data.distill.fidelity=2 data.distill.fidelity_tokens=4",
+        "+data.regenerate.engine_args.enforce_eager=true data.regenerate.fidelity=2 data.regenerate.fidelity_tokens=4",
         "MAIN_RAG_ARGS": f"suite.document={doc}",
     }
     args = ["bash", "scripts/main.sh", "limit=2", "max_new_tokens=4", "wandb.enabled=false"]

@@ -46,7 +46,7 @@ def target(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def data(target):
-    """Self-distilled tiny data: random prompts and the target's greedy answers (the masked part)."""
+    """Regenerated tiny data: random prompts and the target's greedy answers (the masked part)."""
     g = torch.Generator().manual_seed(0)
     engine = Engine(target, max_seq_len=64)
     prompts = [torch.randint(0, 128, (PROMPT_LEN,), generator=g).tolist() for _ in range(8)]

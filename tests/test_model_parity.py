@@ -147,7 +147,7 @@ def test_grouped_attention_masks_each_row_of_a_batched_decode() -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, h, m, 16, generator=g) for h, m in ((6, 1), (2, 40), (2, 40)))
     valid = torch.arange(48).expand(3, 48) < torch.tensor([[10], [25], [40]])
-    mask = valid[:, :40].view(3, 1, 1, 40)  # not contiguous, as train/distill.py slices it
+    mask = valid[:, :40].view(3, 1, 1, 40)  # not contiguous, as train/regenerate.py slices it
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(grouped_attention(q, k, v, mask), ref, rtol=1e-5, atol=1e-5)
     assert use_grouped_attention(q.bfloat16(), mask)

@@ -16,7 +16,7 @@ from draftsmith.train.optimizer import (
     newton_schulz_fp32,
     orthogonalized_in_fp32,
 )
-from draftsmith.train.plan import warmup_decay
+from draftsmith.train.schedule import warmup_decay
 from helpers import eagle_head, head_features, tiny_head
 
 

@@ -2,7 +2,7 @@
 new kind gets them by registering: its references resolve and its spec and configs exist; one training step on a
 tiny target; save and load; greedy output equal to plain decoding from the saved folder, drafting the shape the
 folder records; speculative sampling keeping the target's distribution (chi-square on a vocabulary-8 target); both
-with each draft verified whole and cut by a cost schedule (spec.verify=cost); and export + validation in every
+with each draft verified whole and cut by the cost cut (spec.verify=cost); and export + validation in every
 format it declares, the serve commands asking for the folder's shape."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from draftsmith.heads import kinds
 from draftsmith.heads.drafter_folder import Recipe, TargetInfo, own_state, read_drafter, save_drafter
 from draftsmith.heads.kinds import DraftShape
 from draftsmith.serve.build import make_proposer, resolve_shape
+from draftsmith.serve.engine.draft_cut import CostCut
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.policy import DraftPolicy
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import TreeConfig
 from draftsmith.serve.export.base import Format
 from draftsmith.serve.export.pipeline import export, validate
@@ -45,13 +45,13 @@ FORMATS = [(name, fmt) for name in BUILTIN for fmt in kinds.get(name).formats]
 SHAPE = DraftShape(num_tokens=2, topk=2, total_tokens=3, choices=[[0], [1], [0, 0]])
 CONF = Path(draftsmith.conf.__path__[0])
 # a verify cost curve steep enough that a random head's drafts are cut often, and not always to nothing
-STEEP = CostSchedule(lambda rows: 1.0 + 0.01 * rows)
+STEEP = CostCut(lambda rows: 1.0 + 0.01 * rows)
 
 
-def scheduled(engine: Engine, verify: str) -> Engine:
+def cut_by_cost(engine: Engine, verify: str) -> Engine:
     """The engine with spec.verify's schedule or policy, on a made-up cost curve (the measured one:
     test_cost_profile.py). The policy probes every 4th plain step, so a random head's drafts keep being verified."""
-    engine.schedule = STEEP if verify == "cost" else None
+    engine.draft_cut = STEEP if verify == "cost" else None
     engine.policy = DraftPolicy(STEEP.cost, PolicyConfig(probe_every=4)) if verify == "policy" else None
     return engine
 
@@ -162,7 +162,7 @@ def test_greedy_output_equals_plain_drafting_the_folders_shape(kind, verify, tin
     assert resolve_shape(SpecConfig(spec_name, 1, drafter=str(folder))).num_tokens == 1  # the spec's own wins
     proposer = make_proposer(SpecConfig(spec_name, drafter=str(folder)), target)
     rated = spy_accept_probs(proposer)
-    engine = scheduled(Engine(target.model, proposer, max_seq_len=96), verify)
+    engine = cut_by_cost(Engine(target.model, proposer, max_seq_len=96), verify)
     plain = Engine(target.model, max_seq_len=96)
     drafts, rows, steps = 0, Counter(), Counter()
     for p in PROMPTS:
@@ -240,7 +240,7 @@ def sampling_engine(kind: str, small, folder: Path, verify: str, chain: bool = F
     spec = SpecConfig(kinds.get(kind).name, drafter=str(folder))
     if chain:
         spec.tree = TreeConfig(1, 0)
-    return scheduled(Engine(target.model, make_proposer(spec, target), max_seq_len=16), verify)
+    return cut_by_cost(Engine(target.model, make_proposer(spec, target), max_seq_len=16), verify)
 
 
 def check_sampling(kind: str, engine: Engine, joint: torch.Tensor) -> None:
@@ -266,14 +266,14 @@ def test_speculative_sampling_keeps_the_target_distribution(kind, verify, small,
 
 
 # kinds whose draft a tree topk shapes: with topk 1 under sampling they draw a chain, which the schedule may cut only
-# by what the levels above a level say (serve/engine/schedule.py)
+# by what the levels above a level say (serve/engine/draft_cut.py)
 CHAINS = [k for k in BUILTIN if "topk" in kinds.get(k).draft_keys]
 
 
 @pytest.mark.parametrize("kind", CHAINS)
 def test_a_sampled_chain_cut_by_the_cost_schedule_keeps_the_target_distribution(kind, small, tmp_path):
     engine = sampling_engine(kind, small, tmp_path / kind, "cost", chain=True)
-    engine.schedule = CostSchedule(lambda rows: 1.0 + 0.02 * rows)  # the second level left out of many steps
+    engine.draft_cut = CostCut(lambda rows: 1.0 + 0.02 * rows)  # the second level left out of many steps
     check_sampling(kind, engine, small[1])
 
 

@@ -27,8 +27,8 @@ from draftsmith.serve.adapt.versions import Workspace, version_name, version_num
 from draftsmith.serve.http.client import client_id, tagged
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
-from draftsmith.train.adapt import start
-from draftsmith.train.adapt_round import TrainerState, run_round
+from draftsmith.train.adapt.loop import start
+from draftsmith.train.adapt.round import TrainerState, run_round
 from helpers import build_tiny_chat_target, user
 from serve_process import running_server
 

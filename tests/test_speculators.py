@@ -1,7 +1,7 @@
 """vLLM's speculators format out (serve/export/speculators.py) and EAGLE-3 heads made elsewhere in
-(serve/export/foreign.py), on a tiny random Llama target: the export's keys against the speculators source, validation,
-round trips that draft exactly what the original head drafts, and every bad folder refused before anything loads. The
-real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""
+(serve/export/external_heads.py), on a tiny random Llama target: the export's keys against the speculators source,
+validation, round trips that draft exactly what the original head drafts, and every bad folder refused before anything
+loads. The real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from draftsmith.serve.build import build_engine, resolve_shape
 from draftsmith.serve.drafters import folder_drafter
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import TreeConfig
-from draftsmith.serve.export import foreign, speculators
+from draftsmith.serve.export import external_heads, speculators
 from draftsmith.serve.export.base import ExportError
 from draftsmith.serve.export.pipeline import export, validate
 from draftsmith.serve.models.target import TargetConfig, load_target
@@ -309,7 +309,7 @@ def no_weights_read(monkeypatch):
     def fail(folder):
         raise AssertionError(f"weights of {folder} were read before the folder was checked")
 
-    monkeypatch.setattr(foreign, "load_state_dict", fail)
+    monkeypatch.setattr(external_heads, "load_state_dict", fail)
 
 
 SPEC, FLAT = 3, 4
@@ -396,7 +396,7 @@ def test_refuses_an_embedding_that_is_not_the_targets(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["eagle", "draft_model"])
-def test_a_foreign_head_needs_spec_eagle3(tiny, spec):
+def test_an_external_head_needs_spec_eagle3(tiny, spec):
     _, target, _, folder, _ = tiny
     with pytest.raises(ValueError, match=r"is an EAGLE-3 head \(speculators layout\); use it with spec=eagle3"):
         build_engine(target, SpecConfig(spec, 3, drafter=str(folder)), False, 256)

@@ -277,7 +277,7 @@ def test_qwen2_always_has_attention_bias() -> None:
 
 
 def test_cache_dir_set_explicitly_wins_over_the_environment(tmp_path: Path, monkeypatch) -> None:
-    """Precedence of the cache root, the same for converted targets, feature caches and self-distilled answers:
+    """Precedence of the cache root, the same for converted targets, feature caches and regenerated answers:
     target.cache_dir, else $DRAFTSMITH_CACHE, else ~/.cache/draftsmith."""
     from draftsmith.train.features import FeatureConfig, cache_folder
 
@@ -291,7 +291,10 @@ def test_cache_dir_set_explicitly_wins_over_the_environment(tmp_path: Path, monk
     assert cache_folder(FeatureConfig(), key, None).parent == env / "features"
     # the entry names existing caches were written under: a change would orphan them and rebuild
     assert cache_folder(FeatureConfig(), key, None).name == "t_1234abcd-c4a9d927f0d7"
-    assert target_mod.keyed_cache_path(None, "distill", "t@1", {}, ".jsonl") == env / "distill/t_1-44136fa355b3.jsonl"
+    assert (
+        target_mod.keyed_cache_path(None, "regenerate", "t@1", {}, ".jsonl")
+        == env / "regenerate/t_1-44136fa355b3.jsonl"
+    )
     monkeypatch.delenv("DRAFTSMITH_CACHE")
     assert target_mod.cache_root(None) == home / ".cache" / "draftsmith"
     assert TargetConfig().cache_dir is None  # "not set" is distinguishable from the default

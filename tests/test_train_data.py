@@ -18,7 +18,7 @@ from draftsmith.serve.shared.conversations import (
     split_key,
 )
 from draftsmith.train.chat import encode, encode_all, render_chat
-from draftsmith.train.data import DataConfig, DistillConfig
+from draftsmith.train.data import DataConfig, RegenerateConfig
 
 END = "<|im_end|>"  # SmolLM2's end-of-turn token
 
@@ -171,12 +171,12 @@ def test_a_non_utf8_byte_names_its_line(tmp_path):
 
 
 def test_self_distillation_refuses_a_nan_temperature_and_engine_args_it_sets_itself():
-    with pytest.raises(ValueError, match="data.distill.temperature must be >= 0 and top_p in .*got nan"):
-        DistillConfig(temperature=float("nan"))
+    with pytest.raises(ValueError, match="data.regenerate.temperature must be >= 0 and top_p in .*got nan"):
+        RegenerateConfig(temperature=float("nan"))
     with pytest.raises(ValueError, match="engine_args sets dtype, max_model_len, which regeneration sets itself"):
-        DistillConfig(engine_args={"max_model_len": 8, "dtype": "half", "enforce_eager": True})
-    with pytest.raises(ValueError, match="data.distill.backend must be auto, vllm or draftsmith"):
-        DistillConfig(backend="hf")
+        RegenerateConfig(engine_args={"max_model_len": 8, "dtype": "half", "enforce_eager": True})
+    with pytest.raises(ValueError, match="data.regenerate.backend must be auto, vllm or draftsmith"):
+        RegenerateConfig(backend="hf")
 
 
 def test_a_truncated_json_array_is_read_up_to_the_cut_and_counted(tmp_path):

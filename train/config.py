@@ -81,8 +81,8 @@ class RunConfig:
     imports: list[str] = field(default_factory=list)  # modules to import first (custom head kinds and losses)
 
     def __post_init__(self) -> None:
-        if self.data.distill.answers > 1 and not self.data.self_distill:
+        if self.data.regenerate.answers > 1 and not self.data.regenerated:
             raise ValueError(
-                f"data.distill.answers={self.data.distill.answers} draws answers by regeneration: set "
-                "data.self_distill=true, or drop it (the source's answers are one per conversation)"
+                f"data.regenerate.answers={self.data.regenerate.answers} draws answers by regeneration: set "
+                "data.regenerated=true, or drop it (the source's answers are one per conversation)"
             )

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass
-class DistillConfig:
-    """Regeneration (train/distill.py): the target's own answers replace the source's."""
+class RegenerateConfig:
+    """Regeneration (train/regenerate.py): the target's own answers replace the source's."""
 
     max_new_tokens: int = 512  # per answer (and never past data.max_length: later tokens are cut anyway)
     temperature: float = 0.0  # 0 = greedy
@@ -25,39 +25,39 @@ class DistillConfig:
     shard: str | None = None  # i/n: answer only the i-th of n contiguous slices, into the shard's own file
     fidelity: int = 0  # after vLLM wrote answers: this many first turns, vLLM vs draftsmith, fp32 greedy (fidelity.py)
     fidelity_tokens: int = 64  # new tokens per checked turn
-    out: str | None = None  # the JSONL; default <target.cache_dir or $DRAFTSMITH_CACHE>/distill/<target>-<key>.jsonl
+    out: str | None = None  # the JSONL; default <target.cache_dir or $DRAFTSMITH_CACHE>/regenerate/<target>-<key>.jsonl
 
     def __post_init__(self) -> None:
         if self.fidelity < 0 or self.fidelity_tokens < 1:
             f, k = self.fidelity, self.fidelity_tokens
-            raise ValueError(f"data.distill.fidelity must be >= 0 and fidelity_tokens >= 1, got {f} and {k}")
+            raise ValueError(f"data.regenerate.fidelity must be >= 0 and fidelity_tokens >= 1, got {f} and {k}")
         if self.max_new_tokens < 1 or (self.batch_size is not None and self.batch_size < 1):
             n, b = self.max_new_tokens, self.batch_size
-            raise ValueError(f"data.distill.max_new_tokens and batch_size must be >= 1, got {n} and {b}")
+            raise ValueError(f"data.regenerate.max_new_tokens and batch_size must be >= 1, got {n} and {b}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0) or not 0 < self.top_p <= 1:
             t, p = self.temperature, self.top_p
-            raise ValueError(f"data.distill.temperature must be >= 0 and top_p in (0, 1], got {t} and {p}")
+            raise ValueError(f"data.regenerate.temperature must be >= 0 and top_p in (0, 1], got {t} and {p}")
         if self.answers < 1 or (self.answers > 1 and self.temperature == 0):
             raise ValueError(
-                f"data.distill.answers={self.answers}: it must be >= 1, and more than one draw per conversation "
-                "needs sampling (every greedy draw is the same answer): set data.distill.temperature, e.g. 0.7"
+                f"data.regenerate.answers={self.answers}: it must be >= 1, and more than one draw per conversation "
+                "needs sampling (every greedy draw is the same answer): set data.regenerate.temperature, e.g. 0.7"
             )
         if self.spec not in ("ar", "ngram"):
-            raise ValueError(f"data.distill.spec must be ar or ngram (no drafter is trained yet), got {self.spec!r}")
+            raise ValueError(f"data.regenerate.spec must be ar or ngram (no drafter is trained yet), got {self.spec!r}")
         if self.backend not in ("auto", "vllm", "draftsmith"):
-            raise ValueError(f"data.distill.backend must be auto, vllm or draftsmith, got {self.backend!r}")
+            raise ValueError(f"data.regenerate.backend must be auto, vllm or draftsmith, got {self.backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"data.distill.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"data.regenerate.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         self.engine_args = dict(self.engine_args)
         taken = sorted(set(self.engine_args) & OWN_ENGINE_ARGS)
         if taken:
             raise ValueError(
-                f"data.distill.engine_args sets {', '.join(taken)}, which regeneration sets itself (the target's "
-                "folder, data.distill.dtype, data.max_length, greedy defaults): drop them"
+                f"data.regenerate.engine_args sets {', '.join(taken)}, which regeneration sets itself (the target's "
+                "folder, data.regenerate.dtype, data.max_length, greedy defaults): drop them"
             )
 
 
-OWN_ENGINE_ARGS = frozenset({"model", "dtype", "seed", "max_model_len", "generation_config"})  # vllm_worker sets them
+OWN_ENGINE_ARGS = frozenset({"model", "dtype", "seed", "max_model_len", "generation_config"})  # the worker sets them
 ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # what changes the answers (not how fast)
 
 
@@ -70,8 +70,8 @@ class DataConfig:
     max_conversations: int | None = 2000  # training conversations kept (after filtering); null = all
     max_length: int = 1024  # tokens per example (longer ones are truncated)
     heldout_fraction: float = 0.02  # share of conversation ids held out for evaluation
-    self_distill: bool = False  # train on the target's own answers (train/distill.py) instead of the source's
-    distill: DistillConfig = field(default_factory=DistillConfig)
+    regenerated: bool = False  # train on the target's own answers (train/regenerate.py) instead of the source's
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
     def __post_init__(self) -> None:
         if not 0 <= self.heldout_fraction < 1:
@@ -81,10 +81,11 @@ class DataConfig:
 
 
 def data_key(cfg: DataConfig) -> dict:
-    """The settings that decide the examples (feature cache keys, resume fingerprints). self_distill: the distill
+    """The settings that decide the examples (feature cache keys, resume fingerprints). regenerated: the regenerate
     settings that decide the answers when it is on (answers per conversation where more than one); null when off,
     as the others cannot change the examples."""
     key = asdict(cfg)
-    distill, on = key.pop("distill"), key.pop("self_distill")
-    draws = {"answers": distill["answers"]} if distill["answers"] > 1 else {}
-    return {**key, "self_distill": {k: distill[k] for k in ANSWER_FIELDS} | draws if on else None}
+    regenerate, on = key.pop("regenerate"), key.pop("regenerated")
+    draws = {"answers": regenerate["answers"]} if regenerate["answers"] > 1 else {}
+    # "self_distill": the name this entry had before regeneration was named so; kept, so existing keys still match
+    return {**key, "self_distill": {k: regenerate[k] for k in ANSWER_FIELDS} | draws if on else None}

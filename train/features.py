@@ -71,12 +71,12 @@ def cache_key(
 ) -> dict:
     """computed_in: the dtype the target ran in (bf16 features are faster to make where bf16 is native and round
     differently from fp32 ones); dtype: the dtype they are stored in; answers: a digest of the regenerated answers
-    (self-distillation), so features of other answers are never reused for them."""
+    (regeneration), so features of other answers are never reused for them."""
     key = {
         "format_version": FORMAT_VERSION,
         "target": target_id,
         "computed_in": computed_in,
-        "data": {**data_key(data), "source_stamp": source_stamp(data.source)},  # self-distilled answers key apart
+        "data": {**data_key(data), "source_stamp": source_stamp(data.source)},  # regenerated answers key apart
         "layers": list(layers),
         "dtype": dtype,
         "chat_template": hashlib.sha256(chat_template.encode()).hexdigest()[:12],

@@ -19,9 +19,9 @@ from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_ch
 from draftsmith.serve.shared.conversations import Conversation
 from draftsmith.serve.spec import SpecConfig
 
-from .data import DistillConfig
+from .data import RegenerateConfig
+from .regenerate_vllm import VllmJob, VllmWorker, find_vllm_python
 from .turns import user_segments
-from .vllm_backend import VllmJob, VllmWorker, find_vllm_python
 
 
 @dataclass
@@ -64,16 +64,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def check_prompts(loaded: LoadedTarget, convs: list[Conversation], cfg: DistillConfig) -> list[list[int]]:
-    """The first turns the check answers: data.distill.fidelity of them that fit the target's context with
-    data.distill.fidelity_tokens to answer."""
+def check_prompts(loaded: LoadedTarget, convs: list[Conversation], cfg: RegenerateConfig) -> list[list[int]]:
+    """The first turns the check answers: data.regenerate.fidelity of them that fit the target's context with
+    data.regenerate.fidelity_tokens to answer."""
     context = loaded.model.config.max_position_embeddings
     prompts = first_prompts(convs, loaded.tokenizer, cfg.fidelity, context - cfg.fidelity_tokens)
     if not prompts:
         raise ValueError(
             f"the fidelity check found no conversation whose first user turn fits {context} tokens with "
-            f"data.distill.fidelity_tokens={cfg.fidelity_tokens} to answer: lower it, or skip the check "
-            "(data.distill.fidelity=0)"
+            f"data.regenerate.fidelity_tokens={cfg.fidelity_tokens} to answer: lower it, or skip the check "
+            "(data.regenerate.fidelity=0)"
         )
     return prompts
 
@@ -81,7 +81,7 @@ def check_prompts(loaded: LoadedTarget, convs: list[Conversation], cfg: DistillC
 def check_fidelity(
     loaded: LoadedTarget,
     prompts: list[list[int]],
-    cfg: DistillConfig,
+    cfg: RegenerateConfig,
     out: Path,
     cache_dir: str | None = None,
     regenerating: VllmWorker | None = None,
@@ -119,7 +119,7 @@ class FidelityCheck:
 
     target: LoadedTarget
     convs: list[Conversation]
-    cfg: DistillConfig
+    cfg: RegenerateConfig
     out: Path
     cache_dir: str | None
     say: Callable[[str], None]

@@ -49,7 +49,7 @@ from .features import collate, target_states
 from .head import build_head, trained_kind
 from .log import MetricsLog, Window
 from .optimizer import make_optimizer
-from .plan import Plan, warmup_decay
+from .schedule import Schedule, warmup_decay
 
 
 class LossModule(nn.Module):
@@ -92,7 +92,7 @@ def setup(cfg: RunConfig) -> Loop:
     if set_vocab is not None:  # EAGLE-3's draft vocabulary: the most frequent answer tokens
         set_vocab(token_counts)
     head.to(acc.device)
-    plan = Plan.make(len(dataset), tc, acc.num_processes)
+    plan = Schedule.make(len(dataset), tc, acc.num_processes)
     say(f"{len(dataset)} examples, {plan.steps_per_epoch} steps per epoch, {plan.total_steps} steps; {data_info}")
 
     if acc.distributed_type == DistributedType.DEEPSPEED:
@@ -280,7 +280,7 @@ class Loop:
     target: LoadedTarget
     layers: tuple[int, ...]
     dataset: TrainingData
-    plan: Plan
+    plan: Schedule
     fingerprint: dict
     hook: Callable[[nn.Module, str, dict | None], dict] | None  # (head, kind, weights): acceptance_hook's run
     token_counts: Tensor  # of the training answers, saved with the drafter (serve-time draft vocabularies)
@@ -339,7 +339,7 @@ class Loop:
         tau = self.last_eval.get("tau")
         measured = {"mean_acceptance_length": tau, "source": "training eval"} if tau else {}
         recipe = Recipe(
-            data=f"{cfg.data.source}{' (self-distilled)' if cfg.data.self_distill else ''} "
+            data=f"{cfg.data.source}{' (regenerated)' if cfg.data.regenerated else ''} "
             f"({len(self.dataset)} examples, max_length {cfg.data.max_length})",
             steps=state.step,
             tokens=state.tokens,

@@ -1,6 +1,6 @@
 """AdaptConfig: what draftsmith-serve captures of its traffic and how the trainer beside it adapts the drafter
 (the `adaptation` block of conf/serve.yaml; `adapt=true` turns it on). Read by the server and by the trainer
-(train/adapt.py), which gets it in ADAPT_DIR/adapt.json."""
+(train/adapt/loop.py), which gets it in ADAPT_DIR/adapt.json."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The speculative engine: prefill (with prefix cache), then propose -> (cut) -> verify -> keep, batch 1.
 
-Plain decoding is the same loop with no proposer: every step verifies an empty tree. With a cost schedule
-(spec.verify=cost, serve/engine/schedule.py) a step verifies only the part of the draft worth its rows; with a draft
+Plain decoding is the same loop with no proposer: every step verifies an empty tree. With a cost cut
+(spec.verify=cost, serve/engine/draft_cut.py) a step verifies only the part of the draft worth its rows; with a draft
 policy (spec.verify=policy, serve/engine/policy.py) the step decides first whether to draft, with what and how deep.
 Either way the proposer still hears about the tree it drafted.
 """
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from draftsmith.runtime.kv_cache import KVCache
 from draftsmith.runtime.llama import ForwardOut, Transformer
+from draftsmith.serve.engine.draft_cut import CostCut
 from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.graphs import cache_len, make_static_step, resolve_mode
 from draftsmith.serve.engine.metrics import Metrics
@@ -25,7 +26,6 @@ from draftsmith.serve.engine.observer import Observer
 from draftsmith.serve.engine.policy import DraftPolicy, Plan
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams, pick
-from draftsmith.serve.engine.schedule import CostSchedule
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
 from draftsmith.serve.engine.verify import verify
 from draftsmith.serve.proposers.base import Proposer
@@ -42,8 +42,8 @@ class Engine:
     max_seq_len: int = 4096
     salt: str = ""  # separates prefix-cache entries of other targets, dtypes and drafters
     cuda_graphs: str = "auto"  # static-shape step (graphs.py): auto | compile | graphs | eager | off
-    schedule: CostSchedule | None = None  # cut each draft to what pays for its verify rows (None: verify it whole)
-    policy: DraftPolicy | None = None  # decide before each step what to draft (takes the place of schedule)
+    draft_cut: CostCut | None = None  # cut each draft to what pays for its verify rows (None: verify it whole)
+    policy: DraftPolicy | None = None  # decide before each step what to draft (takes the place of draft_cut)
     cache: KVCache = field(init=False, repr=False)
     accept_s: float = field(init=False, default=0.0)  # the proposer's accept() last step: part of its cost per step
 
@@ -206,7 +206,7 @@ class Engine:
         return end + 1
 
     def plan(self, tokens: Tensor, sp: SamplingParams, budget: int, m: Metrics) -> Plan:
-        """What this step verifies: the policy's choice, else the proposer's draft, cut by the schedule if any."""
+        """What this step verifies: the policy's choice, else the proposer's draft, cut by draft_cut if any."""
         if self.proposer is None:
             return Plan(DraftTree.empty(tokens.device))
         if self.policy is not None:
@@ -214,7 +214,7 @@ class Engine:
         else:
             proposer = self.proposer
             tree, seconds = self.clocked(lambda: proposer.propose(tokens, sp, budget))
-            kept = self.schedule.cut(tree, seconds + self.accept_s, sp.greedy) if self.schedule else None
+            kept = self.draft_cut.cut(tree, seconds + self.accept_s, sp.greedy) if self.draft_cut else None
             plan = Plan(tree, kept, 0, seconds, "whole" if kept is None else "cut")
         if plan.verifies_nothing and plan.decision != "probe":
             plan.decision = "plain"
@@ -225,7 +225,7 @@ class Engine:
         """The call's result and its seconds (a GPU synchronised around it when they steer a cost decision)."""
         begin = time.perf_counter()
         out = call()
-        if self.schedule is not None or self.policy is not None:
+        if self.draft_cut is not None or self.policy is not None:
             self.sync()
         return out, time.perf_counter() - begin
 
@@ -233,7 +233,7 @@ class Engine:
         assert self.proposer is not None, "only a proposer is told what was accepted"
         begin = time.perf_counter()
         self.proposer.accept(tokens, tree, path, out)
-        if self.schedule is not None:  # the schedule charges accept's time to the next draft
+        if self.draft_cut is not None:  # the cut charges accept's time to the next draft
             self.sync()
         self.accept_s = time.perf_counter() - begin
 

@@ -6,7 +6,7 @@ lookup (n-gram, suffix) costs next to nothing to draft, so it drafts first and i
 that costs a forward per level is judged before it drafts, at each depth, by what its last draft would be worth cut
 to that depth at today's calibrated estimates (its deeper levels from its last draft that deep): expected emitted
 tokens and verify rows, against its measured draft time there. The best of plain, each lookup draft and each drafter
-at each depth is taken. A draft is cut to the nodes that pay, as spec.verify=cost cuts (serve/engine/schedule.py), by
+at each depth is taken. A draft is cut to the nodes that pay, as spec.verify=cost cuts (serve/engine/draft_cut.py), by
 calibrated estimates (serve/engine/calibration.py) instead of the drafter's own probabilities.
 
 A request whose drafts stop paying goes plain; within a plain run the drafters are judged again every REJUDGE-th step
@@ -24,7 +24,7 @@ learnt from drafts that follow a step the same drafter drafted: the first draft 
 drafter over the tokens it skipped (serve/proposers/propose_eagle.py), which a later draft does not pay.
 
 Lossless as the cost cut is: whether a step drafts, and how deep, depends on earlier steps only; a drawn (sampled)
-draft is cut by whole levels, level d by what the levels above it say (schedule.stopped_levels).
+draft is cut by whole levels, level d by what the levels above it say (draft_cut.stopped_levels).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from draftsmith.serve.engine.calibration import Acceptance, Key, node_key
+from draftsmith.serve.engine.draft_cut import Cost, best_levels, best_subset, path_probs, stopped_levels
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.schedule import Cost, best_levels, best_subset, path_probs, stopped_levels
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.proposers.base import Proposer
 from draftsmith.serve.spec import PolicyConfig

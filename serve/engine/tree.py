@@ -4,7 +4,7 @@ Node i has a token, a parent (-1 = the root, i.e. the pending token whose KV is 
 yet) and a depth (root children have depth 1). Nodes are topologically ordered (parent < i).
 For sampling, each node also carries the draft distribution its token was drawn from, given
 its earlier siblings; a deterministic choice (greedy, n-gram, top-k) is a one-hot row. A drafter that knows how
-likely its nodes are also sets accept_probs, which the engine's cost schedule (serve/engine/schedule.py) cuts by.
+likely its nodes are also sets accept_probs, which the engine's cost cut (serve/engine/draft_cut.py) cuts by.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def eagle3_shapes(src: Source[Eagle3Head], config: dict) -> Shapes:
 
 
 def eagle3_table(c, bias: bool) -> Shapes:
-    """An EAGLE-3 head of config c in the LlamaForCausalLMEagle3 names (also what serve/export/foreign.py reads)."""
+    """An EAGLE-3 head of config c in the LlamaForCausalLMEagle3 names (also what serve/export/external_heads.py
+    reads)."""
     h = c.hidden_size
     s = {"fc.weight": (h, len(c.target_layers) * h), **attn_shapes("midlayer.self_attn", 2 * h, c, bias)}
     s |= mlp_shapes("midlayer.mlp", c)

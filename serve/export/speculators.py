@@ -49,8 +49,8 @@ SPECULATORS_CONFIG_KEYS = frozenset({"algorithm", "proposal_methods", "default_p
 VERIFIER_KEYS = frozenset({"name_or_path", "architectures"})
 GREEDY_KEYS = frozenset({"proposal_type", "speculative_tokens", "verifier_accept_k", "accept_tolerance"})
 # variants of the EAGLE-3 layer draftsmith's Eagle3Head does not compute: each key -> the value it runs (written
-# here; serve/export/foreign.py refuses a folder that sets another). norm_before_residual is one of the head's own
-# switches (EAGLE31_KEYS), always written: vLLM reads a speculators folder without it as true, speculators as false.
+# here; serve/export/external_heads.py refuses a folder that sets another). norm_before_residual is one of the head's
+# own switches (EAGLE31_KEYS), always written: vLLM reads a speculators folder without it as true, speculators as false.
 PLAIN = {"fc_norm": False}
 
 

@@ -11,7 +11,7 @@ from .config import TrainConfig
 
 
 @dataclass
-class Plan:
+class Schedule:
     steps_per_epoch: int
     total_steps: int
     batch_size: int
@@ -19,7 +19,7 @@ class Plan:
     seed: int
 
     @classmethod
-    def make(cls, n: int, tc: TrainConfig, world: int) -> Plan:
+    def make(cls, n: int, tc: TrainConfig, world: int) -> Schedule:
         per_epoch = n // tc.batch_size // world // tc.grad_accum
         if per_epoch == 0:
             raise ValueError(

@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_module
 from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.conversations import Conversation, Skipped
-from draftsmith.train import regen_backends
-from draftsmith.train.data import DistillConfig
-from draftsmith.train.distill import DistillRun, distill, run
-from draftsmith.train.vllm_backend import VllmUnavailable, find_vllm_python
+from draftsmith.train import regenerate_backends
+from draftsmith.train.data import RegenerateConfig
+from draftsmith.train.regenerate import RegenerateRun, regenerate, run
+from draftsmith.train.regenerate_vllm import VllmUnavailable, find_vllm_python
 from helpers import build_tiny_chat_target, command_line, said, user
 
 try:
@@ -43,15 +43,15 @@ def target_dir(smollm2_dir, tmp_path_factory) -> Path:
     return build_tiny_chat_target(tmp_path_factory.mktemp("tiny-chat"), smollm2_dir, head_dim=32)
 
 
-def cfg(backend: str) -> DistillConfig:
-    return DistillConfig(max_new_tokens=NEW, backend=backend, dtype="float32", engine_args=EAGER, batch_size=2)
+def cfg(backend: str) -> RegenerateConfig:
+    return RegenerateConfig(max_new_tokens=NEW, backend=backend, dtype="float32", engine_args=EAGER, batch_size=2)
 
 
 def test_vllm_answers_turn_by_turn_as_the_target_does(target_dir, tmp_path):
     target = load_target(TargetConfig(path=str(target_dir), dtype="float32"))
     lines = []
-    theirs = distill(CONVS, target, cfg("vllm"), tmp_path / "v.jsonl", 256, Skipped(), say=lines.append)
-    ours = distill(CONVS, target, cfg("draftsmith"), tmp_path / "d.jsonl", 256, Skipped())
+    theirs = regenerate(CONVS, target, cfg("vllm"), tmp_path / "v.jsonl", 256, Skipped(), say=lines.append)
+    ours = regenerate(CONVS, target, cfg("draftsmith"), tmp_path / "d.jsonl", 256, Skipped())
     assert [c.generator["engine"] for c in theirs] == ["vllm"] * 3 and theirs[0].generator["dtype"] == "float32"
     assert any("by vllm 0.32" in line for line in lines)
     a = theirs[0].messages  # the second user turn follows vLLM's own first answer, not the source's "4."
@@ -62,10 +62,10 @@ def test_vllm_answers_turn_by_turn_as_the_target_does(target_dir, tmp_path):
 
 def test_the_command_checks_fidelity_and_says_so(target_dir, tmp_path, capsys):
     overrides, out = command_line(target_dir, tmp_path, CONVS, "vllm")
-    overrides += ["+data.distill.engine_args.enforce_eager=true", "data.distill.fidelity=3"]
-    overrides += ["data.distill.fidelity_tokens=8", "data.distill.dtype=float32"]
+    overrides += ["+data.regenerate.engine_args.enforce_eager=true", "data.regenerate.fidelity=3"]
+    overrides += ["data.regenerate.fidelity_tokens=8", "data.regenerate.dtype=float32"]
     with initialize_config_module("draftsmith.conf", version_base=None):
-        run(typed(compose("distill", overrides=overrides), DistillRun))
+        run(typed(compose("regenerate", overrides=overrides), RegenerateRun))
     printed = capsys.readouterr().out
     assert "regenerated 3 conversations" in printed and "by vllm 0.32" in printed and "float32, greedy" in printed
     assert not out.with_suffix(".fidelity.vllm.log").exists()  # the fp32 vLLM that regenerated was asked again
@@ -77,11 +77,11 @@ def test_the_command_checks_fidelity_and_says_so(target_dir, tmp_path, capsys):
 def test_a_target_vllm_cannot_run_falls_back_under_auto_saying_why(smollm2_dir, tmp_path, monkeypatch):
     """vLLM loads a head size of 16 but its CPU attention cannot run it: the worker's one-token warm-up fails at
     start, so auto answers with draftsmith's own decoder, saying why (backend=vllm raising that cause instead is
-    test_distill's, on a vLLM that fails to import)."""
-    monkeypatch.setattr(regen_backends, "native_bf16", lambda device: True)  # where auto asks vLLM first
+    test_regenerate's, on a vLLM that fails to import)."""
+    monkeypatch.setattr(regenerate_backends, "native_bf16", lambda device: True)  # where auto asks vLLM first
     folder = build_tiny_chat_target(tmp_path / "t16", smollm2_dir, head_dim=16)
     target, lines = load_target(TargetConfig(path=str(folder), dtype="float32")), []
-    convs = distill(CONVS[1:2], target, cfg("auto"), tmp_path / "a.jsonl", 256, Skipped(), say=lines.append)
+    convs = regenerate(CONVS[1:2], target, cfg("auto"), tmp_path / "a.jsonl", 256, Skipped(), say=lines.append)
     assert convs[0].generator["engine"] == "draftsmith"
     assert any("falls back to draftsmith's own" in line and "head_dim=16" in line for line in lines), lines
     summary = next(line for line in lines if line.startswith("regenerated "))
@@ -100,8 +100,8 @@ def test_sampled_answers_survive_a_chunked_prefill(target_dir, tmp_path):
     differ from greedy."""
     target = load_target(TargetConfig(path=str(target_dir), dtype="float32"))
     args = EAGER | {"max_num_batched_tokens": 256}
-    sampled = DistillConfig(max_new_tokens=NEW, backend="vllm", dtype="float32", engine_args=args, temperature=0.9)
-    first = distill(LONG, target, sampled, tmp_path / "s.jsonl", 256, Skipped())
-    greedy = distill(LONG, target, cfg("vllm"), tmp_path / "g.jsonl", 256, Skipped())
+    sampled = RegenerateConfig(max_new_tokens=NEW, backend="vllm", dtype="float32", engine_args=args, temperature=0.9)
+    first = regenerate(LONG, target, sampled, tmp_path / "s.jsonl", 256, Skipped())
+    greedy = regenerate(LONG, target, cfg("vllm"), tmp_path / "g.jsonl", 256, Skipped())
     assert [c.generator["temperature"] for c in first] == [0.9] * 4
     assert [c.messages for c in first] != [c.messages for c in greedy]

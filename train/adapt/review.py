@@ -11,11 +11,11 @@ import logging
 from draftsmith.serve.adapt.verdict import Verdict
 from draftsmith.serve.adapt.versions import read_json
 
-from .adapt_data import Item, Shard, by_client, distinct, listed_shards, read_captured
-from .adapt_gate import Shape
-from .adapt_groups import as_rows, mean_gain, score_groups
-from .adapt_round import Trainer, batches, load_head, usable
-from .dataset import pad_id
+from ..dataset import pad_id
+from .data import Item, Shard, by_client, distinct, listed_shards, read_captured
+from .gate import Shape
+from .groups import as_rows, mean_gain, score_groups
+from .round import Trainer, batches, load_head, usable
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""vLLM as the regeneration backend: a worker process in vLLM's own Python (train/vllm_worker.py) holding one
+"""vLLM as the regeneration backend: a worker process in vLLM's own Python (train/regenerate_vllm_worker.py) holding one
 engine over the target, fed batches of chat-encoded prompts over JSON lines.
 
 vLLM pins its own torch and transformers, so it usually lives in a virtual environment of its own:
 scripts/setup.sh makes one at ~/.cache/draftsmith/vllm-venv ($VLLM_VENV moves it). The Python that runs the worker
-is, first found: data.distill.vllm_python, $DRAFTSMITH_VLLM_PYTHON, $VLLM_VENV/bin/python, <cache root>/vllm-venv
+is, first found: data.regenerate.vllm_python, $DRAFTSMITH_VLLM_PYTHON, $VLLM_VENV/bin/python, <cache root>/vllm-venv
 (a cache moved by target.cache_dir or $DRAFTSMITH_CACHE), ~/.cache/draftsmith/vllm-venv, this Python.
 """
 
@@ -24,12 +24,13 @@ from pathlib import Path
 from draftsmith.files import DEFAULT_CACHE
 from draftsmith.serve.models.target import cache_root
 
-WORKER = Path(__file__).with_name("vllm_worker.py")
+WORKER = Path(__file__).with_name("regenerate_vllm_worker.py")
 VENV_PYTHON = Path("vllm-venv") / "bin" / "python"
 EXCEPTION = re.compile(r"\b\w+(Error|Exception): ")
 START_TIMEOUT_S = 1800  # a vLLM that has not started in half an hour is hung (a start takes a small part of it)
 INSTALL_HINT = (
-    "install it with `bash scripts/setup.sh` (a venv at ~/.cache/draftsmith/vllm-venv), or set data.distill.vllm_python"
+    "install it with `bash scripts/setup.sh` (a venv at ~/.cache/draftsmith/vllm-venv), or set "
+    "data.regenerate.vllm_python"
 )
 KV_CACHE_BYTES = 2 << 30  # CPU memory for vLLM's KV cache: 256 chats of 512 tokens of SmolLM2-135M need ~3/4 GiB
 
@@ -66,7 +67,7 @@ def vllm_pythons(setting: str | None, cache_dir: str | None) -> list[str]:
 def find_vllm_python(setting: str | None, cache_dir: str | None) -> str:
     candidates = vllm_pythons(setting, cache_dir)
     if setting and not has_vllm(setting):
-        raise VllmUnavailable(f"data.distill.vllm_python={setting} cannot import vllm; {INSTALL_HINT}")
+        raise VllmUnavailable(f"data.regenerate.vllm_python={setting} cannot import vllm; {INSTALL_HINT}")
     for python in candidates:
         if Path(python).exists() and has_vllm(python):
             return python
@@ -101,7 +102,7 @@ class VllmJob:
 
 
 class VllmWorker:
-    """The parent's end of train/vllm_worker.py: started once, one batch of prompts per call."""
+    """The parent's end of train/regenerate_vllm_worker.py: started once, one batch of prompts per call."""
 
     def __init__(self, python: str, job: VllmJob, log: Path) -> None:
         self.job, self.log = job, log

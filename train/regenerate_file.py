@@ -23,7 +23,7 @@ from .jsonl import complete_rows
 
 BAD_ROW = (
     "is not a row of regenerated answers ({id, messages}): this file is not an answers file; point "
-    "data.distill.out at a new path (nothing was written to this one)"
+    "data.regenerate.out at a new path (nothing was written to this one)"
 )
 TORN = b'{"id": '  # how every row append_row writes starts: only such a line can be one cut off mid-write
 
@@ -99,7 +99,7 @@ def parse_shard(shard: str) -> tuple[int, int]:
     """`i/n` -> (i, n): shard i (from 0) of n."""
     match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", shard)
     if not match or not int(match[1]) < int(match[2]):
-        raise ValueError(f"data.distill.shard must be i/n with 0 <= i < n (e.g. 0/4), got {shard!r}")
+        raise ValueError(f"data.regenerate.shard must be i/n with 0 <= i < n (e.g. 0/4), got {shard!r}")
     return int(match[1]), int(match[2])
 
 

@@ -28,7 +28,7 @@ from draftsmith.serve.export.export_eagle3 import EAGLE31_KEYS, eagle3_table
 from draftsmith.serve.export.speculators import FLAT_LAYER, LAYER, PLAIN, flat_name, speculators_name
 from draftsmith.serve.models.loader import load_state_dict, weight_files
 
-FOREIGN_KIND = "eagle3"  # the registered kind these folders load as (spec=eagle3)
+EXTERNAL_KIND = "eagle3"  # the registered kind these folders load as (spec=eagle3)
 ARCH = "LlamaForCausalLMEagle3"
 PREFIX = {"speculators": LAYER, "specforge": FLAT_LAYER}  # the head's layer in each layout
 OTHER_SPECULATORS = ("peagle", "dflash", "dflash2", "dspark", "mtp", "xpress")  # speculators types not run here
@@ -38,8 +38,8 @@ MAX_DEPTH = 64  # a recorded speculative_tokens past this is a broken config, no
 
 
 @dataclass
-class Foreign:
-    """What a foreign folder's config.json says, in draftsmith's terms."""
+class External:
+    """What an external folder's config.json says, in draftsmith's terms."""
 
     fmt: str  # speculators | specforge
     layer: dict  # the head's one-layer Llama config (HF keys)
@@ -50,7 +50,7 @@ class Foreign:
     norms: dict = field(default_factory=dict)  # Eagle3Config's norm switches (EAGLE31_KEYS)
 
 
-def foreign_format(folder: Path) -> str | None:
+def external_format(folder: Path) -> str | None:
     """speculators / specforge for an EAGLE-3 folder made elsewhere; None for anything else (a draftsmith folder,
     an HF model, a broken file: their own loaders say what is wrong)."""
     try:
@@ -83,12 +83,12 @@ def recorded_depth(folder: Path) -> int | None:
     return depth
 
 
-def read_foreign(folder: Path, fmt: str) -> Foreign:
+def read_external(folder: Path, fmt: str) -> External:
     config = json.loads((Path(folder) / "config.json").read_text())
     return read_speculators(folder, config) if fmt == "speculators" else read_specforge(folder, config)
 
 
-def read_speculators(folder: Path, config: dict) -> Foreign:
+def read_speculators(folder: Path, config: dict) -> External:
     path = Path(folder) / "config.json"
     mtype = config.get("speculators_model_type")
     if mtype != "eagle3":
@@ -110,7 +110,7 @@ def read_speculators(folder: Path, config: dict) -> Foreign:
     layer = config["transformer_layer_config"]
     if not isinstance(layer, dict):
         raise ValueError(f"{path}: transformer_layer_config must be an object (a Llama config)")
-    return Foreign(
+    return External(
         "speculators",
         layer,
         vocab_size_of(path, "draft_vocab_size", config["draft_vocab_size"]),
@@ -121,12 +121,12 @@ def read_speculators(folder: Path, config: dict) -> Foreign:
     )
 
 
-def read_specforge(folder: Path, config: dict) -> Foreign:
+def read_specforge(folder: Path, config: dict) -> External:
     path, eagle = Path(folder) / "config.json", config.get("eagle_config") or {}
     unsupported(path, config | eagle, PLAIN | {"use_aux_hidden_state": True})  # vLLM reads eagle_config too
     layer = {k: v for k, v in config.items() if k not in ("eagle_config", "architectures")}
     size_key = "draft_vocab_size" if config.get("draft_vocab_size") is not None else "vocab_size"
-    return Foreign(
+    return External(
         "specforge",
         layer,
         vocab_size_of(path, size_key, config.get(size_key)),
@@ -164,7 +164,7 @@ def unsupported(path: Path, config: dict, runs: dict) -> None:
         )
 
 
-def foreign_config(f: Foreign, folder: Path, target_config: ModelConfig) -> Eagle3Config:
+def external_config(f: External, folder: Path, target_config: ModelConfig) -> Eagle3Config:
     """The Eagle3Config the folder describes, refused (naming the key) where it is not a one-layer Llama head
     this engine runs or does not fit the target."""
     path = Path(folder) / "config.json"
@@ -185,7 +185,7 @@ def foreign_config(f: Foreign, folder: Path, target_config: ModelConfig) -> Eagl
         raise ValueError(f"{path}: {e}") from e
 
 
-def check_fits(f: Foreign, m: ModelConfig, target_config: ModelConfig, path: Path) -> None:
+def check_fits(f: External, m: ModelConfig, target_config: ModelConfig, path: Path) -> None:
     """Sizes and target layers against the target's."""
     off = []
     for name, theirs, ours in (
@@ -202,7 +202,7 @@ def check_fits(f: Foreign, m: ModelConfig, target_config: ModelConfig, path: Pat
         raise ValueError(f"{path} was made for another target: {'; '.join(off)}; use a head made for this target")
 
 
-def check_verifier(f: Foreign, target_config: ModelConfig, target_id: str, path: Path) -> None:
+def check_verifier(f: External, target_config: ModelConfig, target_id: str, path: Path) -> None:
     """A speculators folder names its verifier: it must be the target (its architecture; its config.json, where
     name_or_path is a folder here)."""
     if f.verifier is None:
@@ -319,12 +319,12 @@ def same_weights(a: Tensor, b: Tensor, values: torch.dtype) -> bool:
 # ---------------------------------------------------------------- loading
 
 
-def foreign_head(folder: Path, fmt: str, model: Transformer, target_id: str, dtype: torch.dtype) -> Eagle3Head:
-    """An Eagle3Head from a foreign folder, refused (ValueError) unless it fits the target; checked on
+def external_head(folder: Path, fmt: str, model: Transformer, target_id: str, dtype: torch.dtype) -> Eagle3Head:
+    """An Eagle3Head from an external folder, refused (ValueError) unless it fits the target; checked on
     config.json and the safetensors header before any weight is read."""
     folder = Path(folder)
-    f = read_foreign(folder, fmt)
-    cfg = foreign_config(f, folder, model.config)
+    f = read_external(folder, fmt)
+    cfg = external_config(f, folder, model.config)
     check_verifier(f, model.config, target_id, folder / "config.json")
     check_weights(folder, cfg, PREFIX[fmt])
     state = head_state(folder, cfg, PREFIX[fmt], model)

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from .features import CachedFeatures
+from ..features import CachedFeatures
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
-"""The vLLM end of regeneration (train/vllm_backend.py starts it): one vLLM engine over the target, answering
+"""The vLLM end of regeneration (train/regenerate_vllm.py starts it): one vLLM engine over the target, answering
 batches of chat-encoded prompts with token ids, so the chat template, turns and files stay on draftsmith's side.
 
 It runs in vLLM's own Python (vLLM pins its own torch and transformers), as a script: it imports vLLM and the
 standard library only, never draftsmith.
 
-    python vllm_worker.py JOB.json     # JOB: {"model", "dtype", "max_model_len", "kv_cache_bytes", "engine_args",
-                                       #       "seeded"}
+    python regenerate_vllm_worker.py JOB.json
+    # JOB: {"model", "dtype", "max_model_len", "kv_cache_bytes", "engine_args", "seeded"}
 
 Its first stdout line says it is ready (vLLM's version, the load time; one token generated); then each stdin line
 is a batch {"prompts": [[ids]], "max_tokens": [n], "seeds": [s], "temperature", "top_p", "stop_token_ids"} and

@@ -2,10 +2,10 @@
 
 It reads everything from ADAPT_DIR/adapt.json (the target, the first drafter, the `adaptation` settings), runs at
 the lowest CPU priority, polls the capture store, and once publish_every requests were captured since its last
-round runs one (train/adapt_round.py), publishing versions the server swaps in; and once a new live version has served
-rollback_window requests, it judges it against the version it replaced on them (train/adapt_review.py), which the
+round runs one (train/adapt/round.py), publishing versions the server swaps in; and once a new live version has served
+rollback_window requests, it judges it against the version it replaced on them (train/adapt/review.py), which the
 server rolls back on. SIGTERM abandons the round in progress; a half-written version is never visible
-(train/adapt_versions.py).
+(train/adapt/publish.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from draftsmith.serve.adapt.config import AdaptConfig
 from draftsmith.serve.adapt.versions import Workspace, read_json
 from draftsmith.serve.models.target import TargetConfig, load_target
 
-from .adapt_data import listed_shards
-from .adapt_review import review
-from .adapt_round import Abandoned, Trainer, TrainerState, load_head, open_replay, run_round
+from .data import listed_shards
+from .review import review
+from .round import Abandoned, Trainer, TrainerState, load_head, open_replay, run_round
 
 log = logging.getLogger("draftsmith.train.adapt")
 
@@ -140,7 +140,3 @@ def main(argv: list[str] | None = None) -> None:
     serve_rounds(trainer, state, parent)
     lock.close()
     log.info("stopped")
-
-
-if __name__ == "__main__":
-    main()

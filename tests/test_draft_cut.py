@@ -1,4 +1,4 @@
-"""serve/engine/schedule.py: the cost-scheduled cut on hand-made trees, against brute force over every allowed cut;
+"""serve/engine/draft_cut.py: the cost-scheduled cut on hand-made trees, against brute force over every allowed cut;
 the sampling restrictions (whole levels; a drawn level never judged by its own draws); DraftTree.subtree; the engine
 telling the proposer the accepted path in its own tree's indices."""
 
@@ -8,9 +8,9 @@ import itertools
 
 import torch
 
+from draftsmith.serve.engine.draft_cut import CostCut, path_probs, stopped_levels
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
-from draftsmith.serve.engine.schedule import CostSchedule, path_probs, stopped_levels
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.proposers.base import Proposer
@@ -52,7 +52,7 @@ def test_greedy_keeps_the_best_prefix_closed_set_of_a_chain():
     cost = linear(1.0, 0.1)
     a = [0.9, 0.9, 0.2, 0.9]
     t = tree([-1, 0, 1, 2], a)
-    keep = kept(t, CostSchedule(cost).cut(t, 0.0, greedy=True))
+    keep = kept(t, CostCut(cost).cut(t, 0.0, greedy=True))
     best = max(range(5), key=lambda m: rate([-1, 0, 1, 2], a, list(range(m)), cost))
     assert keep == list(range(best)) == [0, 1]
 
@@ -67,7 +67,7 @@ def test_greedy_matches_brute_force_on_random_trees():
         cost = linear(1.0, float(torch.rand((), generator=g)) * 0.5)
         draft_s = float(torch.rand((), generator=g))
         t = tree(parents, a)
-        keep = kept(t, CostSchedule(cost).cut(t, draft_s, greedy=True))
+        keep = kept(t, CostCut(cost).cut(t, draft_s, greedy=True))
         assert prefix_closed(parents, set(keep)), (parents, keep)
         sets = (
             list(s) for m in range(n + 1) for s in itertools.combinations(range(n), m) if prefix_closed(parents, set(s))
@@ -78,15 +78,15 @@ def test_greedy_matches_brute_force_on_random_trees():
 
 def test_a_flat_cost_keeps_everything_and_a_steep_one_nothing():
     t = tree([-1, 0, 0, 1], [0.5, 0.4, 0.3, 0.2])
-    assert CostSchedule(linear(1.0, 0.0)).cut(t, 0.0, greedy=True) is None  # None: the whole tree
-    assert CostSchedule(linear(1.0, 10.0)).cut(t, 0.0, greedy=True).tolist() == []
+    assert CostCut(linear(1.0, 0.0)).cut(t, 0.0, greedy=True) is None  # None: the whole tree
+    assert CostCut(linear(1.0, 10.0)).cut(t, 0.0, greedy=True).tolist() == []
 
 
 def test_draft_time_makes_a_longer_draft_pay():
     """The same row costs weigh less against a step whose drafting already took long."""
     t, cost = tree([-1, 0, 1], [0.6, 0.6, 0.6]), linear(0.01, 0.01)
-    fast = kept(t, CostSchedule(cost).cut(t, 0.0, greedy=True))
-    slow = kept(t, CostSchedule(cost).cut(t, 1.0, greedy=True))
+    fast = kept(t, CostCut(cost).cut(t, 0.0, greedy=True))
+    slow = kept(t, CostCut(cost).cut(t, 1.0, greedy=True))
     assert len(fast) < len(slow) == 3
 
 
@@ -95,8 +95,8 @@ def test_sampling_cuts_whole_levels_only():
     parents, a = [-1, -1, 0, 0], [0.95, 0.05, 0.9, 0.5]
     cost = linear(1.0, 0.12)
     t = tree(parents, a)
-    assert 1 not in kept(t, CostSchedule(cost).cut(t, 0.0, greedy=True))
-    keep = kept(t, CostSchedule(cost).cut(t, 0.0, greedy=False))
+    assert 1 not in kept(t, CostCut(cost).cut(t, 0.0, greedy=True))
+    keep = kept(t, CostCut(cost).cut(t, 0.0, greedy=False))
     assert 1 in keep
     depths = t.depths.tolist()
     deepest = max((depths[i] for i in keep), default=0)
@@ -119,20 +119,20 @@ def test_drawn_levels_are_kept_by_what_the_levels_above_say():
             changed = stopped_levels(path_probs(parents, other), [1, 2, 3, 4, 5], cost, 0.0)
             assert (d < len(base)) == (d < len(changed)), (a, d)  # level d + 1 in or out alike
     t = tree(parents, [0.01] * 5, draft_probs=True)
-    assert kept(t, CostSchedule(cost).cut(t, 0.0, greedy=False)) == [0]  # level 1 always stays
+    assert kept(t, CostCut(cost).cut(t, 0.0, greedy=False)) == [0]  # level 1 always stays
 
 
 def test_no_accept_probs_means_no_cut():
     t = DraftTree(torch.tensor([1, 2]), torch.tensor([-1, 0]))
-    assert CostSchedule(linear(1.0, 10.0)).cut(t, 0.0, greedy=True) is None
-    assert CostSchedule(linear(1.0, 10.0)).cut(DraftTree.empty(), 0.0, greedy=True) is None
+    assert CostCut(linear(1.0, 10.0)).cut(t, 0.0, greedy=True) is None
+    assert CostCut(linear(1.0, 10.0)).cut(DraftTree.empty(), 0.0, greedy=True) is None
 
 
 def test_non_finite_accept_probs_are_not_trusted_to_cut(caplog):
     """A drafter with NaN weights (its confidence NaN) must not switch speculation off: the draft is verified whole."""
     for bad in (float("nan"), float("inf")):
         t = tree([-1, 0, 1], [0.9, bad, 0.1])
-        assert CostSchedule(linear(1.0, 10.0)).cut(t, 0.0, greedy=True) is None
+        assert CostCut(linear(1.0, 10.0)).cut(t, 0.0, greedy=True) is None
 
 
 def test_subtree_renumbers_and_carries_the_probabilities():
@@ -179,7 +179,7 @@ def test_the_proposer_hears_the_path_in_the_indices_of_the_tree_it_drafted(tiny_
     prompt = [5, 6, 7, 8]
     full = prompt + Engine(model, max_seq_len=64).generate(prompt, 12, SamplingParams()).output_ids
     spy = PlantedProposer(full)
-    engine = Engine(model, spy, max_seq_len=64, schedule=CostSchedule(linear(1.0, 0.05)))
+    engine = Engine(model, spy, max_seq_len=64, draft_cut=CostCut(linear(1.0, 0.05)))
     out = engine.generate(prompt, 12, SamplingParams())
     assert prompt + out.output_ids == full
     assert spy.told and all(size == 3 and drafted == emitted for size, drafted, emitted in spy.told), spy.told

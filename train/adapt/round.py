@@ -1,6 +1,6 @@
 """One round of online adaptation: snapshot the capture store, fine-tune the live head on the captured requests mixed
 with a replay sample of its original training data, judge the candidate against the live head on the same held-back
-requests (each client's, and the replay cache's judging sample: one group each, train/adapt_groups.py), and publish it
+requests (each client's, and the replay cache's judging sample: one group each, train/adapt/groups.py), and publish it
 as the next version when it gains more than min_gain over the groups and loses no more than that on any."""
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ from draftsmith.serve.adapt.versions import Workspace, read_json, version_name, 
 from draftsmith.serve.drafters import target_info
 from draftsmith.serve.models.target import LoadedTarget, native_bf16
 
-from .adapt_data import (
+from ..batch import FeatureBatch
+from ..dataset import pad_id
+from ..features import MANIFEST, CachedFeatures, collate
+from ..trainer import feature_batch, loss_for
+from .data import (
     Item,
     ReadResult,
     Shard,
@@ -43,13 +47,9 @@ from .adapt_data import (
     split_heldout,
     window,
 )
-from .adapt_gate import Shape
-from .adapt_groups import REPLAY, as_rows, mean_gain, refusal, score_groups, too_few
-from .adapt_versions import VersionRecord, publish
-from .batch import FeatureBatch
-from .dataset import pad_id
-from .features import MANIFEST, CachedFeatures, collate
-from .trainer import feature_batch, loss_for
+from .gate import Shape
+from .groups import REPLAY, as_rows, mean_gain, refusal, score_groups, too_few
+from .publish import VersionRecord, publish
 
 log = logging.getLogger(__name__)
 

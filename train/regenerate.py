@@ -1,19 +1,20 @@
-"""Regeneration (self-distillation): the target answers each conversation's user turns itself, turn by turn (each
+"""Regeneration: the target answers each conversation's user turns itself, turn by turn (each
 answer is fed back before the next user turn), so a drafter learns what the target says, not what the source's
 model said.
 
-The answers come from vLLM's offline batched generation where it is installed (train/vllm_backend.py), else from
-draftsmith's own decoders (train/regen_backends.py). They are appended to a JSONL file one finished conversation
-at a time (train/distill_file.py): a rerun skips the ids already there. Scale-out is by id range: each machine
-writes its shard (`data.distill.shard=i/n`), and whoever trains merges the shards found beside the file.
+The answers come from vLLM's offline batched generation where it is installed (train/regenerate_vllm.py), else from
+draftsmith's own decoders (train/regenerate_backends.py). They are appended to a JSONL file one finished conversation
+at a time (train/regenerate_file.py): a rerun skips the ids already there. Scale-out is by id range: each machine
+writes its shard (`data.regenerate.shard=i/n`), and whoever trains merges the shards found beside the file.
 
     draftsmith-regenerate data.max_conversations=600 data.max_length=512
-    draftsmith-regenerate data.distill.shard=0/4 data.distill.out=answers.jsonl    # one machine of four
+    draftsmith-regenerate data.regenerate.shard=0/4 data.regenerate.out=answers.jsonl    # one machine of four
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,8 +26,11 @@ from tqdm import tqdm
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, keyed_cache_path
 from draftsmith.serve.shared.conversations import Conversation, Skipped, provenance
 
-from .data import ANSWER_FIELDS, DataConfig, DistillConfig
-from .distill_file import (
+from .data import ANSWER_FIELDS, DataConfig, RegenerateConfig
+from .features import source_stamp
+from .fidelity import FidelityCheck
+from .regenerate_backends import describe, open_backend, uses_own
+from .regenerate_file import (
     append_row,
     locked_output,
     merge_into,
@@ -37,11 +41,8 @@ from .distill_file import (
     shard_range,
     shards_beside,
 )
-from .features import source_stamp
-from .fidelity import FidelityCheck
-from .regen_backends import describe, open_backend, uses_own
+from .regenerate_vllm import VllmUnavailable, VllmWorker, find_vllm_python
 from .turns import Chat, draws, prepare
-from .vllm_backend import VllmUnavailable, VllmWorker, find_vllm_python
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
 
@@ -60,7 +61,7 @@ class Regenerated:
     truncated: int = 0  # answers that stopped at the token limit (kept, marked in their rows)
     looped: int = 0  # answers with fewer than half their 6-grams unique (turns.loops)
     start_s: float = 0.0  # the backend's start (vLLM's engine and its compile)
-    draws: int = 1  # rows per source conversation (data.distill.answers): `conversations` counts rows
+    draws: int = 1  # rows per source conversation (data.regenerate.answers): `conversations` counts rows
 
     def __str__(self) -> str:
         if not self.conversations:
@@ -93,7 +94,7 @@ def generate_into(
     path: Path,
     todo: list[tuple[Chat, list[int]]],
     target: LoadedTarget,
-    cfg: DistillConfig,
+    cfg: RegenerateConfig,
     limit: int,
     show: bool,
     cache_dir: str | None = None,
@@ -134,10 +135,10 @@ def generate_into(
 # ---- entry points
 
 
-def distill(
+def regenerate(
     convs: list[Conversation],
     target: LoadedTarget,
-    cfg: DistillConfig,
+    cfg: RegenerateConfig,
     path: Path,
     max_length: int,
     skipped: Skipped,
@@ -148,15 +149,15 @@ def distill(
     say: Callable[[str], None] = print,
     done: Callable[[Regenerated], None] = lambda _: None,
 ) -> list[Conversation]:
-    """`convs` with the target's answers (input order, data.distill.answers draws of each; the unanswerable ones
+    """`convs` with the target's answers (input order, data.regenerate.answers draws of each; the unanswerable ones
     counted in `skipped`), generated into `path` where not there already (shards beside it merged in first). Over
     several processes the own
     decoder deals every world-th conversation to each rank's part file, which rank 0 then appends to `path`;
-    vLLM runs on rank 0 alone (it takes every core, or every GPU it is given). With data.distill.shard=i/n only
+    vLLM runs on rank 0 alone (it takes every core, or every GPU it is given). With data.regenerate.shard=i/n only
     the i-th of n contiguous slices is answered, into the shard's own file. `done` hears what this process
     regenerated (its rows, tokens and time; not rows merged in from shards)."""
     if not convs:
-        raise ValueError("self-distillation got no conversations: check data.source and data.max_conversations")
+        raise ValueError("regeneration got no conversations: check data.source and data.max_conversations")
     limit = min(max_length, target.model.config.max_position_embeddings - TREE_ROOM)
     todo = prepare(draws(convs, cfg.answers), target.tokenizer, limit, skipped)
     order = [chat.id for chat, _ in todo]
@@ -168,7 +169,9 @@ def distill(
     own, mine = path, todo
     if cfg.shard:
         if world > 1:
-            raise ValueError("data.distill.shard is for the regeneration command run once per machine, not under DDP")
+            raise ValueError(
+                "data.regenerate.shard is for the regeneration command run once per machine, not under DDP"
+            )
         index, count = parse_shard(cfg.shard)
         own, mine = shard_path(path, index, count), [todo[i] for i in shard_range(len(todo), index, count)]
         wanted = {chat.id for chat, _ in mine}
@@ -195,11 +198,11 @@ def distill(
     rows = read_rows(path) | (read_rows(own) if cfg.shard else {})  # a shard's ids may be in the file already
     out = [conversation(rows[i]) for i in order if i in rows and (not cfg.shard or i in wanted)]
     if not out:
-        raise ValueError(f"self-distillation left no conversation to train on (skipped: {skipped})")
+        raise ValueError(f"regeneration left no conversation to train on (skipped: {skipped})")
     return out
 
 
-def vllm_found(cfg: DistillConfig, cache_dir: str | None) -> bool:
+def vllm_found(cfg: RegenerateConfig, cache_dir: str | None) -> bool:
     try:
         find_vllm_python(cfg.vllm_python, cache_dir)
     except VllmUnavailable:
@@ -207,7 +210,7 @@ def vllm_found(cfg: DistillConfig, cache_dir: str | None) -> bool:
     return True
 
 
-def check_shard(shard: Path, target_id: str, cfg: DistillConfig) -> None:
+def check_shard(shard: Path, target_id: str, cfg: RegenerateConfig) -> None:
     """A shard is merged only if its rows were written by this target with these sampling settings."""
     wanted = {k: getattr(cfg, k) for k in ANSWER_FIELDS} | {"target": target_id}
     for row in read_rows(shard).values():
@@ -224,41 +227,59 @@ def conversation(row: dict) -> Conversation:
     return Conversation(row["id"], row["messages"], *provenance(row))
 
 
-def distill_path(data: DataConfig, target: LoadedTarget, cache_dir: str | None) -> Path:
-    """data.distill.out, else <cache_root(cache_dir)>/distill/<target>-<key hash>.jsonl, keyed by what changes the
+def answers_path(data: DataConfig, target: LoadedTarget, cache_dir: str | None) -> Path:
+    """data.regenerate.out, else <cache_root(cache_dir)>/regenerate/<target>-<key hash>.jsonl, keyed by what changes the
     answers (not max_conversations: a run with more conversations appends to the same file)."""
-    if data.distill.out:
-        return Path(data.distill.out).expanduser()
+    if data.regenerate.out:
+        return Path(data.regenerate.out).expanduser()
     key = {
         "target": target.target_id,
         "source": data.source,
         "source_stamp": source_stamp(data.source),
         "max_length": data.max_length,
         "chat_template": hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest()[:12],
-        **{k: getattr(data.distill, k) for k in ANSWER_FIELDS},
+        **{k: getattr(data.regenerate, k) for k in ANSWER_FIELDS},
     }
-    return keyed_cache_path(cache_dir, "distill", target.target_id, key, ".jsonl")
+    return adopt_legacy(keyed_cache_path(cache_dir, "regenerate", target.target_id, key, ".jsonl"))
+
+
+LEGACY_GROUP = "distill"  # the cache group regenerated answers were kept in before it was named for regeneration
+
+
+def adopt_legacy(path: Path) -> Path:
+    """path, with the answers (whole, sharded or in parts, and their logs) that an older draftsmith kept under the
+    legacy group moved beside it when it has none of its own, so no regenerated answer is lost or made again."""
+    pattern = path.stem + ".*"  # the answers, a shard's or a part's, their logs
+    if path.parent.is_dir() and any(path.parent.glob(pattern)):
+        return path
+    for f in sorted((path.parent.parent / LEGACY_GROUP).glob(pattern)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(f, path.parent / f.name)
+        except FileNotFoundError:  # another process of the run moved it first
+            pass
+    return path
 
 
 @dataclass
-class DistillRun:
-    """`draftsmith-regenerate` (conf/distill.yaml): the train split of `data`, answered by `target`."""
+class RegenerateRun:
+    """`draftsmith-regenerate` (conf/regenerate.yaml): the train split of `data`, answered by `target`."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
 
 
-def run(cfg: DistillRun) -> Path:
+def run(cfg: RegenerateRun) -> Path:
     from draftsmith.serve.models.target import load_target
     from draftsmith.serve.shared.conversations import load_conversations
 
     data = cfg.data
     convs, skipped = load_conversations(data.source, data.heldout_fraction, limit=data.max_conversations)
     target = load_target(cfg.target, offline=True)
-    path = distill_path(cfg.data, target, cfg.target.cache_dir)
-    out = distill(convs, target, data.distill, path, data.max_length, skipped, cache_dir=cfg.target.cache_dir)
+    path = answers_path(cfg.data, target, cfg.target.cache_dir)
+    out = regenerate(convs, target, data.regenerate, path, data.max_length, skipped, cache_dir=cfg.target.cache_dir)
     answers = sum(m["role"] == "assistant" for c in out for m in c.messages)
-    written = shard_path(path, *parse_shard(data.distill.shard)) if data.distill.shard else path
+    written = shard_path(path, *parse_shard(data.regenerate.shard)) if data.regenerate.shard else path
     print(f"{len(out)} conversations ({answers} answers by {target.target_id}) in {written}; skipped: {skipped}")
     return written
 
@@ -269,10 +290,10 @@ def main() -> None:
 
     from draftsmith.serve.shared.cli import typed_or_exit
 
-    @hydra.main(config_path="../conf", config_name="distill", version_base=None)
+    @hydra.main(config_path="../conf", config_name="regenerate", version_base=None)
     def _main(cfg: DictConfig) -> None:
         try:
-            run(typed_or_exit(cfg, DistillRun, "draftsmith-regenerate"))
+            run(typed_or_exit(cfg, RegenerateRun, "draftsmith-regenerate"))
         except VllmUnavailable as e:  # its cause and its log's path are in the one line
             sys.exit(f"draftsmith-regenerate: {e}")
 

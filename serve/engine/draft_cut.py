@@ -31,7 +31,7 @@ Cost = Callable[[int], float]  # seconds of one verify forward over this many ro
 
 
 @dataclass
-class CostSchedule:
+class CostCut:
     """Cuts each draft to the part worth verifying on this machine (spec.verify=cost)."""
 
     cost: Cost

@@ -18,9 +18,9 @@ from draftsmith.serve.models.target import LoadedTarget, eos_ids, native_bf16, o
 from draftsmith.serve.spec import SpecConfig
 
 from .batch_decode import Todo, Turns, answer_in_slots
-from .data import DistillConfig
+from .data import RegenerateConfig
+from .regenerate_vllm import VllmJob, VllmUnavailable, VllmWorker, find_vllm_python
 from .turns import Chat, finish_turn, turn_seed
-from .vllm_backend import VllmJob, VllmUnavailable, VllmWorker, find_vllm_python
 
 # chats, their prompts, token budgets -> each prompt's new tokens (an end-of-turn token included where one ended it)
 Generate = Callable[[list[Chat], list[list[int]], list[int]], list[list[int]]]
@@ -38,7 +38,7 @@ class Backend:
     worker: VllmWorker | None = None  # vLLM's, while open: the fidelity check asks it too where it runs fp32
 
 
-def generator_record(engine: str, engine_version: str, dtype: str, cfg: DistillConfig, target_id: str) -> dict:
+def generator_record(engine: str, engine_version: str, dtype: str, cfg: RegenerateConfig, target_id: str) -> dict:
     sampling = {k: getattr(cfg, k) for k in ("temperature", "top_p", "seed", "max_new_tokens")}
     return {"engine": engine, "version": engine_version, "dtype": dtype, **sampling, "target": target_id}
 
@@ -50,9 +50,9 @@ def describe(generator: dict) -> str:
 
 
 def open_backend(
-    target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None, say
+    target: LoadedTarget, cfg: RegenerateConfig, limit: int, log: Path, cache_dir: str | None, say
 ) -> Backend:
-    """data.distill.backend: vllm, draftsmith, or auto: draftsmith's own decoder where the device has no native bf16
+    """data.regenerate.backend: vllm, draftsmith, or auto: draftsmith's own decoder where the device has no native bf16
     (there vLLM runs fp32, no faster than the own slots; docs/benchmarks.md), else vLLM where it is installed and
     starts, else the own decoder, saying so in one line."""
     if own_first(cfg, str(target.model.device)):
@@ -67,18 +67,20 @@ def open_backend(
     return own_backend(target, cfg, limit)
 
 
-def uses_own(cfg: DistillConfig, device: str) -> bool:
+def uses_own(cfg: RegenerateConfig, device: str) -> bool:
     """Regeneration runs the own decoder without trying vLLM: asked for it, or own_first."""
     return cfg.backend == "draftsmith" or own_first(cfg, device)
 
 
-def own_first(cfg: DistillConfig, device: str) -> bool:
+def own_first(cfg: RegenerateConfig, device: str) -> bool:
     """backend=auto on a device without native bf16 kernels: there vLLM runs fp32, and the own decoder's slots
     generate at its pace without its start (docs/benchmarks.md); where bf16 is native vLLM's bf16 batches are faster."""
     return cfg.backend == "auto" and not native_bf16(device)
 
 
-def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path, cache_dir: str | None) -> Backend:
+def vllm_backend(
+    target: LoadedTarget, cfg: RegenerateConfig, limit: int, log: Path, cache_dir: str | None
+) -> Backend:
     if target.folder is None:
         raise VllmUnavailable("the target was not loaded from a folder vLLM could read")
     python = find_vllm_python(cfg.vllm_python, cache_dir)
@@ -99,12 +101,12 @@ def vllm_backend(target: LoadedTarget, cfg: DistillConfig, limit: int, log: Path
 
 
 def vllm_dtype(name: str) -> str:
-    """data.distill.dtype: auto is bfloat16 where the device computes it natively (as target.dtype=auto while
+    """data.regenerate.dtype: auto is bfloat16 where the device computes it natively (as target.dtype=auto while
     training and regenerating, serve/models/target.py offline_dtype)."""
     return offline_dtype(name, "auto")
 
 
-def own_backend(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Backend:
+def own_backend(target: LoadedTarget, cfg: RegenerateConfig, limit: int) -> Backend:
     batch = cfg.batch_size or OWN_BATCH
     if batch == 1:
         answer = in_rounds(engine_generate(target, cfg, limit), 1, target, cfg, limit)
@@ -121,8 +123,8 @@ def draftsmith_version() -> str:
         return "unknown"
 
 
-def engine_generate(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Generate:
-    """The engine, one conversation at a time, with a lossless proposer (data.distill.spec)."""
+def engine_generate(target: LoadedTarget, cfg: RegenerateConfig, limit: int) -> Generate:
+    """The engine, one conversation at a time, with a lossless proposer (data.regenerate.spec)."""
     engine = build_engine(target, SpecConfig(cfg.spec), prefix_cache=False, max_seq_len=limit)
     sp = SamplingParams(cfg.temperature, cfg.top_p)
 
@@ -134,7 +136,7 @@ def engine_generate(target: LoadedTarget, cfg: DistillConfig, limit: int) -> Gen
     return generate
 
 
-def in_slots(target: LoadedTarget, cfg: DistillConfig, limit: int, slots: int) -> Answer:
+def in_slots(target: LoadedTarget, cfg: RegenerateConfig, limit: int, slots: int) -> Answer:
     """Many conversations continuously batched on the engine's runner (train/batch_decode.py); a chat keeps its slot,
     and its KV, for all its turns."""
     sp, eos = SamplingParams(cfg.temperature, cfg.top_p), eos_ids(target)
@@ -146,7 +148,7 @@ def in_slots(target: LoadedTarget, cfg: DistillConfig, limit: int, slots: int) -
     return lambda todo: answer_in_slots(target.model, todo, slots, limit, sp, eos, turns)
 
 
-def in_rounds(generate: Generate, batch_size: int, target: LoadedTarget, cfg: DistillConfig, limit: int) -> Answer:
+def in_rounds(generate: Generate, batch_size: int, target: LoadedTarget, cfg: RegenerateConfig, limit: int) -> Answer:
     """A backend that answers a round of turns at once: up to batch_size conversations in flight, one turn each per
     round; a finished chat's place goes to a waiting one, so a kill loses at most batch_size chats' work."""
     eos = eos_ids(target)

@@ -2,15 +2,15 @@
 cache's judging sample another), each group one vote, so a client's many requests weigh what one client's few do.
 
 Used to publish a candidate (it must gain more than min_gain on the mean over groups, lose no more than min_gain on
-any group, and be judged on at least min_clients groups) and to roll a live version back (train/adapt_review.py)."""
+any group, and be judged on at least min_clients groups) and to roll a live version back (train/adapt/review.py)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .adapt_gate import Shape, judge
-from .batch import FeatureBatch
+from ..batch import FeatureBatch
+from .gate import Shape, judge
 
 REPLAY = "replay"  # the replay cache's group
 
