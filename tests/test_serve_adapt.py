@@ -6,6 +6,7 @@ only on the garbage, and a rolled-back version's line never serves again."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -24,7 +25,7 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.adapt.config import AdaptConfig
 from draftsmith.serve.adapt.verdict import Verdict
 from draftsmith.serve.adapt.versions import Workspace, version_name, version_number
-from draftsmith.serve.http.client import client_id, tagged
+from draftsmith.serve.http.client import client_id, hashed, new_salt, tagged
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
 from draftsmith.train.adapt.loop import start
@@ -114,10 +115,23 @@ def test_a_client_is_its_key_else_its_user_else_its_address():
         raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
         return Request({"type": "http", "headers": raw, "client": ("10.0.0.7", 51234)})
 
-    assert client_id(request({"Authorization": "Bearer k1"}), "alice") == tagged("key", "k1")
-    assert client_id(request({}), "alice") == tagged("user", "alice") != tagged("key", "alice")
-    assert client_id(request({"Authorization": "Basic abc"}), None) == tagged("peer", "10.0.0.7")
-    assert "k1" not in tagged("key", "k1")  # no key is written into the capture store
+    salt = new_salt()
+    assert client_id(request({"Authorization": "Bearer k1"}), "alice", salt) == tagged("key", hashed("k1"), salt)
+    assert client_id(request({}), "alice", salt) == tagged("user", "alice", salt) != tagged("key", "alice", salt)
+    assert client_id(request({"Authorization": "Basic abc"}), None, salt) == tagged("peer", "10.0.0.7", salt)
+    assert "k1" not in tagged("key", "k1", salt)  # no key is written into the capture store
+    # keyed by the salt: an address (a space small enough to try whole) or a guessed key checks nothing without it
+    assert tagged("peer", "10.0.0.7", salt) != tagged("peer", "10.0.0.7", new_salt())
+    assert hashlib.sha256(b"10.0.0.7").hexdigest()[:16] not in tagged("peer", "10.0.0.7", salt)
+
+
+def test_the_workspace_keeps_one_secret_salt(tmp_path):
+    ws = Workspace(tmp_path / "ws")
+    salt = ws.client_salt()
+    assert len(salt) == 32 and ws.client_salt() == salt == Workspace(ws.root).client_salt()  # across restarts
+    assert ws.salt_file.stat().st_mode & 0o777 == 0o600  # the owner's alone
+    ws.salt_file.write_bytes(b"short")  # damaged: a new one, never a short key
+    assert len(ws.client_salt()) == 32 and ws.client_salt() != salt
 
 
 PROBE = dict(client_cap=3, publish_every=4, steps=4, batch_size=2, holdout=0.34, rollback_window=2, max_length=64)
@@ -180,7 +194,8 @@ def test_probe_one_clients_garbage_steers_nothing_and_a_rolled_back_line_never_s
     extra = ["adapt=true", f"adaptation.dir={ws.root}", "adaptation.trainer=false"]
     extra += [f"adaptation.{k}={v}" for k, v in PROBE.items() if k != "max_length"]  # the trainer's alone
     answers: dict[str, str] = {}
-    attacker, alice = tagged("key", "attacker-key"), tagged("key", "alice-key")
+    salt = ws.client_salt()  # the server reads the same one
+    attacker, alice = tagged("key", hashed("attacker-key"), salt), tagged("key", hashed("alice-key"), salt)
     with running_server(tiny[0], tmp_path, *args(tiny, *extra)) as server:
         url = f"{server.url}/v1"
         bad = openai.OpenAI(base_url=url, api_key="attacker-key", max_retries=0, timeout=120)

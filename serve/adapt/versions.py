@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import secrets
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from draftsmith.files import temp_folder_beside, write_text_atomic
+from draftsmith.files import temp_folder_beside, write_file_atomic, write_text_atomic
 
 VERSION = re.compile(r"v(\d{4,})")
 
@@ -44,6 +46,15 @@ def read_json(path: Path) -> dict | None:
     except (OSError, json.JSONDecodeError):
         return None
     return data if isinstance(data, dict) else None
+
+
+SALT_BYTES = 32
+
+
+def write_secret(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 @dataclass
@@ -73,6 +84,20 @@ class Workspace:
     @property
     def trainer_log(self) -> Path:
         return self.root / "trainer.jsonl"
+
+    @property
+    def salt_file(self) -> Path:
+        return self.root / "client_salt"
+
+    def client_salt(self) -> bytes:
+        """The secret the server keys client ids with (serve/http/client.py): made once, readable by its owner only,
+        so a capture's ids are the same across restarts and mean nothing without it."""
+        path = self.salt_file
+        if path.is_file() and path.stat().st_size == SALT_BYTES:
+            return path.read_bytes()
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, lambda tmp: write_secret(tmp, secrets.token_bytes(SALT_BYTES)))
+        return path.read_bytes()
 
     def folder(self, version: str) -> Path:
         return self.versions / version

@@ -22,7 +22,7 @@ from draftsmith.serve.http.admission import Admission
 from draftsmith.serve.http.admit import Admitted
 from draftsmith.serve.http.auth import CLIENT, OPEN_PATHS, KeyCheck
 from draftsmith.serve.http.body import read_body
-from draftsmith.serve.http.client import client_id, queue_client
+from draftsmith.serve.http.client import client_id, new_salt, queue_client
 from draftsmith.serve.http.errors import APIError, server_error, unexpected
 from draftsmith.serve.http.metrics import CONTENT_TYPE, ServeMetrics
 from draftsmith.serve.http.responses import DONE, Reply, event, model_card, stats
@@ -42,6 +42,7 @@ class Backend:
     metrics_need_key: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     closers: list[Callable[[], None]] = field(default_factory=list)  # run at shutdown, after the worker stopped
+    client_salt: bytes = field(default_factory=new_salt)  # keys the client ids (client.py)
 
 
 def make_app(backend: Backend) -> FastAPI:
@@ -77,7 +78,7 @@ def make_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        owner = queue_client(request)
+        owner = queue_client(request, backend.client_salt)
         backend.admission.check(owner)  # a client with its most requests waiting: 429 before its body is read
         body = await read_body(request, limits.bounds.body_bytes, limits.bounds.body_timeout_s)
         admitted = await backend.admission(body, owner)
@@ -90,7 +91,9 @@ def make_app(backend: Backend) -> FastAPI:
             asyncio.get_running_loop(),
             salt,
         )
-        job.client = client_id(request, admitted.request.user)  # adaptation's per-client caps and judging
+        job.client = client_id(
+            request, admitted.request.user, backend.client_salt
+        )  # adaptation's per-client caps and judging
         job.owner = owner
         backend.worker.submit(job)
         reply = Reply(name, backend.spec)

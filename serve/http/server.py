@@ -18,6 +18,7 @@ from draftsmith.serve.http.app import Backend, make_app
 from draftsmith.serve.http.auth import api_keys, exposure_problem
 from draftsmith.serve.http.bounds import resolve
 from draftsmith.serve.http.chat_text import ChatEncoder
+from draftsmith.serve.http.client import new_salt
 from draftsmith.serve.http.config import ServeConfig
 from draftsmith.serve.http.metrics import ServeMetrics
 from draftsmith.serve.http.protocol import timed_h11
@@ -41,17 +42,20 @@ def build_backend(cfg: ServeConfig, observers: Sequence[Callable[[Job], Observer
     warm_up(engine, encode_chat(target.tokenizer, [{"role": "user", "content": "Hello"}]))
     name = cfg.model_name or target.target_id.split("@")[0]
     metrics = ServeMetrics(name, cfg.spec.name)
-    watchers, between, closers = list(observers), None, []
+    watchers, between, closers, salt = list(observers), None, [], new_salt()
     if cfg.adapt:
         adaptation = Adaptation(cfg.adaptation, target, cfg.target, cfg.spec, engine)
         adaptation.register_metrics(metrics.registry)
         watchers.append(lambda job: adaptation.observer(job.prompt_ids, job.client))
         between, closers = adaptation.between_requests, [adaptation.close]
+        salt = adaptation.ws.client_salt()  # a client keeps its id across restarts, for its caps and judging
     worker = Worker(engine, target.tokenizer, metrics, cfg.max_queue, watchers, between, cfg.max_queue_per_client)
     limits = Limits(name, engine.max_seq_len, cfg.max_tokens, resolve(cfg.limits, engine.max_seq_len))
     admission = Admission(ChatEncoder(target.tokenizer, cfg.parse_special_tokens), limits, cfg.max_queue_per_client)
     keys = api_keys(cfg.api_key)
-    return Backend(worker, admission, cfg.spec.name, metrics, keys, cfg.metrics_need_key, closers=closers)
+    return Backend(
+        worker, admission, cfg.spec.name, metrics, keys, cfg.metrics_need_key, closers=closers, client_salt=salt
+    )
 
 
 def warm_up(engine: Engine, prompt_ids: list[int]) -> None:
