@@ -358,3 +358,18 @@ def test_serve_config_refuses_bad_settings():
         compose_serve(["port=70000"])
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         compose_serve(["max_tokens=0"])
+
+
+def test_the_startup_heap_leaves_the_collectors_sweeps():
+    """What start-up loaded is frozen: a full collection afterwards sweeps only what was made since, so its pause
+    does not grow with the model and libraries (docs/serving.md, Security)."""
+    import gc
+
+    from draftsmith.serve.http.server import freeze_startup_heap
+
+    try:
+        frozen = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() > 10_000  # torch and the test session's modules at least
+        assert len(gc.get_objects()) < frozen / 10  # what the collector still tracks
+    finally:
+        gc.unfreeze()

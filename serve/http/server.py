@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable, Sequence
 
@@ -76,12 +77,23 @@ def serve(cfg: ServeConfig) -> None:
     backend = build_backend(cfg)
     limits = backend.admission.limits
     keyed = f", {len(backend.keys)} API key(s)" if backend.keys else ""
+    frozen = freeze_startup_heap()
     print(
-        f"draftsmith-serve: {limits.model_name} (spec={backend.spec}, context {limits.context} tokens{keyed}) on "
-        f"http://{cfg.host}:{cfg.port}/v1",
+        f"draftsmith-serve: {limits.model_name} (spec={backend.spec}, context {limits.context} tokens{keyed}, "
+        f"{frozen} startup objects out of the collector's sweeps) on http://{cfg.host}:{cfg.port}/v1",
         flush=True,
     )
     uvicorn.Server(uvicorn_config(cfg, backend)).run()
+
+
+def freeze_startup_heap() -> int:
+    """Moves every object alive after start-up (torch, transformers, the model, the tokenizer: some 300k) out of the
+    garbage collector's reach, as vLLM does. Why: a full collection sweeps them all, ~0.1-0.2 s on a small CPU, and
+    it runs on the event loop's thread whenever allocation triggers it, so /health and every stream stall that long.
+    Returns how many objects it froze."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def uvicorn_config(cfg: ServeConfig, backend: Backend) -> uvicorn.Config:
