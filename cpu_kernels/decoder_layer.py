@@ -7,7 +7,7 @@ evicted the interpreter's own data from the caches, that Python costs several ti
 (docs/benchmarks.md, Rope, attention and norms on draftsmith's kernels). One call per layer runs the same kernels in the
 same order, so a layer gives the same bits by either road. Where it runs: where rope_attention.handles does, for layers
 whose linears are packed in panels (fused qkv and gate-up), q/k norms (Qwen3) included. EAGLE-3's midlayer
-(heads/eagle3.py), whose attention reads two normed halves and whose residual is the feature, has a call of its own. """
+(heads/eagle3.py), whose attention reads two normed halves and whose residual is the feature, has a call of its own."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ module call, checking the step's rope rows, caches and mask, proving the layer's
 sizeable share of a small model's step (docs/benchmarks.md, The whole stack in one call). Here the step's operands are
 checked once, one watch proves every layer's plan current (cpu_kernels/watch.py), and one call runs the layers in order,
 each as decoder_layer runs it alone, so the bits are the same by either road. Where it runs: where every layer of the
-stack takes the one-layer call, and they share their attention's shape. """
+stack takes the one-layer call, and they share their attention's shape."""
 
 from __future__ import annotations
 

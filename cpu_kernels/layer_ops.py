@@ -5,7 +5,7 @@ Why: PyTorch runs an fp32 RMSNorm as some eight small ops on CPU (61 of them a S
 silu, product and split as four more; one call each costs a fraction of that (docs/benchmarks.md, Rope, attention and
 norms on draftsmith's kernels). Each row is computed on its own in a fixed order, so, like the panel linears and the
 one-call attention, a row's bits do not depend on the rows around it. Where it runs: native.handles (fp32, AVX2 and
-AVX-512 CPUs by default). """
+AVX-512 CPUs by default)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ PANEL outputs, [panels, in, PANEL], which a thread streams front to back, in the
 bits): the same products from a half to a fifth of the bytes (SmolLM2's decode step twice as fast on an AVX2 EPYC,
 docs/benchmarks.md). DRAFTSMITH_PANELS=fp32 keeps every weight in fp32 (to compare the two). Where it runs, and what
 happens where it cannot be built: cpu_kernels/native.py. A kernel that fails its self-check is not used either (one
-warning). """
+warning)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,7 @@ def tau_samples(boot: Bootstrap, arm: Arm, positions: int) -> tuple[np.ndarray, 
 
 
 @dataclass
-class Parting:
+class TauDifference:
     """Two arms' τ and per-position rates compared on the same resampled prompts."""
 
     a: str
@@ -108,7 +108,7 @@ class Parting:
         return self.interval is not None and not (self.interval[0] <= 0.0 <= self.interval[1])
 
 
-def parting(boot: Bootstrap, a: Arm, b: Arm, positions: int) -> Parting:
+def tau_difference(boot: Bootstrap, a: Arm, b: Arm, positions: int) -> TauDifference:
     """Paired: both arms must have run the bootstrap's prompts, all of them (an unpaired difference would mix
     prompt difficulty into the engines' difference)."""
     for arm in (a, b):
@@ -122,7 +122,7 @@ def parting(boot: Bootstrap, a: Arm, b: Arm, positions: int) -> Parting:
         iv = interval(pa[i] - pb[i])
         if iv is not None and not (iv[0] <= 0.0 <= iv[1]):
             apart.append(i + 1)
-    return Parting(a.label, b.label, diff, interval(ta - tb), apart)
+    return TauDifference(a.label, b.label, diff, interval(ta - tb), apart)
 
 
 def arm_row(boot: Bootstrap, arm: Arm, plain: Arm | None, reference: Arm, positions: int) -> dict:
@@ -181,15 +181,15 @@ def cells(r: dict, positions: int) -> list[str]:
     ]
 
 
-def markdown(rows: list[dict], partings: list[Parting], info: list[Parting], positions: int) -> str:
+def markdown(rows: list[dict], differences: list[TauDifference], info: list[TauDifference], positions: int) -> str:
     head = ["engine", "precision", "method", "tokens/s", "speedup", "τ", *(f"pos {i + 1}" for i in range(positions))]
     head += ["= its plain", "= draftsmith fp32 plain"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cells(r, positions)) + " |" for r in rows]
     lines += ["", "Paired τ differences (same resampled prompts; a pair fails when its interval excludes 0):", ""]
-    for p in partings + info:
+    for p in differences + info:
         verdict = "PARTS" if p.parts else "agrees"
         where = f", positions {p.positions}" if p.positions else ""
-        tag = "" if p in partings else " (informational: another precision)"
+        tag = "" if p in differences else " (informational: another precision)"
         lines.append(f"- {p.a} − {p.b}: {fmt(p.tau_diff, p.interval, 3)} → {verdict}{where}{tag}")
     return "\n".join(lines) + "\n"

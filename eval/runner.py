@@ -17,7 +17,7 @@ from draftsmith.cpu_kernels import panels
 from draftsmith.files import write_text_atomic
 from draftsmith.serve.build import build_engine, resolve_shape
 from draftsmith.serve.drafters import drafter_dtype
-from draftsmith.serve.engine.cost_profile import forward_path, own_kernels
+from draftsmith.serve.engine.cost_profile import forward_path, kernel_library
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, encode_raw, load_target
@@ -311,7 +311,7 @@ def summarize(
     base = of(main, "ar")
     dtypes = run_settings["drafter_dtypes"]
     rows = {label: method_result(label, spec, main, cfg, dtypes.get(label)) for label, spec in methods.items()}
-    kernels = own_kernels(engine)
+    kernels = kernel_library(engine)
     checks = [row.lossless for row in rows.values()]
     every = [r.metrics for r in main]
     return RunResult(

@@ -34,12 +34,12 @@ from draftsmith.eval.cross_engine import (
     COUNTING,
     ENGINE_COUNTING,
     Arm,
-    Parting,
     Record,
+    TauDifference,
     arm_row,
     markdown,
-    parting,
     recount,
+    tau_difference,
 )
 from draftsmith.eval.machine import describe, environment
 from draftsmith.eval.stats import Bootstrap
@@ -178,16 +178,16 @@ def run_all(arms: Arms, prompts: list[list[int]], warmup: int) -> None:
                 bar.update()
 
 
-def analyse(arms: list[Arm], k: int, seed: int) -> tuple[list[dict], list[Parting], list[Parting]]:
+def analyse(arms: list[Arm], k: int, seed: int) -> tuple[list[dict], list[TauDifference], list[TauDifference]]:
     boot = Bootstrap.over([r.id for r in arms[0].records], seed)
     reference = next(a for a in arms if a.engine == "draftsmith" and a.plain)
     plain = {(a.engine, a.precision): a for a in arms if a.plain}
     rows = [arm_row(boot, a, plain.get((a.engine, a.precision)), reference, k) for a in arms]
     spec = [a for a in arms if not a.plain]
     same = [a for a in spec if a.precision in ("fp32", "f32")]
-    pairs = [parting(boot, a, b, k) for i, a in enumerate(same) for b in same[i + 1 :]]
+    pairs = [tau_difference(boot, a, b, k) for i, a in enumerate(same) for b in same[i + 1 :]]
     f32 = next((a for a in same if a.engine == "llama.cpp"), None)
-    info = [parting(boot, a, f32, k) for a in spec if a not in same and f32 is not None]
+    info = [tau_difference(boot, a, f32, k) for a in spec if a not in same and f32 is not None]
     return rows, pairs, info
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.eval.cross_engine import Arm, Record, arm_row, identical, markdown, parting, recount
+from draftsmith.eval.cross_engine import Arm, Record, arm_row, identical, markdown, recount, tau_difference
 from draftsmith.eval.stats import Bootstrap
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.metrics import Metrics
@@ -80,21 +80,21 @@ def arm(engine: str, method: str, per_prompt: list[list[tuple[int, int]]], token
     return Arm(engine, "fp32", method, records)
 
 
-def test_parting_finds_the_position_where_two_engines_part():
+def test_tau_difference_finds_the_position_where_two_engines_part():
     rng = torch.Generator().manual_seed(0)
     steps = [[(int(torch.randint(0, 4, (1,), generator=rng)), 3) for _ in range(6)] for _ in range(30)]
     a, same = arm("A", "eagle3", steps), arm("B", "eagle3", steps)
     boot = Bootstrap.over([r.id for r in a.records], 0)
-    agree = parting(boot, a, same, 3)
+    agree = tau_difference(boot, a, same, 3)
     assert not agree.parts and agree.positions == [] and agree.tau_diff == 0.0
     # B never accepts a third token: τ lower, position 3 parts, positions 1 and 2 are the same
     cut = [[(min(x, 2), d) for x, d in s] for s in steps]
     b = arm("B", "eagle3", cut)
-    p = parting(boot, a, b, 3)
+    p = tau_difference(boot, a, b, 3)
     assert p.parts and p.tau_diff > 0 and p.positions == [3]
     fewer = Arm("B", "fp32", "eagle3", b.records[:20])
     with pytest.raises(ValueError, match="ran other prompts"):  # an unpaired difference is no engines' difference
-        parting(boot, a, fewer, 3)
+        tau_difference(boot, a, fewer, 3)
 
 
 def test_rows_and_report():
@@ -106,6 +106,6 @@ def test_rows_and_report():
     assert row["identical_to_plain"] == (4, 4) and row["speedup"] == pytest.approx(1.0)
     assert arm_row(boot, plain, plain, plain, 3)["identical_to_plain"] is None
     assert identical(spec, arm("A", "plain", [[]] * 4, tokens=11)) == (0, 4)
-    text = markdown([arm_row(boot, plain, plain, plain, 3), row], [parting(boot, spec, spec, 3)], [], 3)
+    text = markdown([arm_row(boot, plain, plain, plain, 3), row], [tau_difference(boot, spec, spec, 3)], [], 3)
     assert "| A | fp32 | eagle3 k=3 |" in text and "4.000" in text and "→ agrees" in text
     assert isinstance(Metrics(), Metrics)

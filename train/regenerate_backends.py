@@ -78,9 +78,7 @@ def own_first(cfg: RegenerateConfig, device: str) -> bool:
     return cfg.backend == "auto" and not native_bf16(device)
 
 
-def vllm_backend(
-    target: LoadedTarget, cfg: RegenerateConfig, limit: int, log: Path, cache_dir: str | None
-) -> Backend:
+def vllm_backend(target: LoadedTarget, cfg: RegenerateConfig, limit: int, log: Path, cache_dir: str | None) -> Backend:
     if target.folder is None:
         raise VllmUnavailable("the target was not loaded from a folder vLLM could read")
     python = find_vllm_python(cfg.vllm_python, cache_dir)

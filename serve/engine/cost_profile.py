@@ -71,8 +71,8 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "device": str(engine.model.device),
         "forward": forward_path(engine),
         "torch": torch.__version__,
-        "kernels": own_kernels(engine),
-        "panels": panel_formats(engine.model) if own_kernels(engine) else None,
+        "kernels": kernel_library(engine),
+        "panels": panel_formats(engine.model) if kernel_library(engine) else None,
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),
         "rows": rows,
@@ -85,7 +85,7 @@ def forward_path(engine: Engine) -> str:
     return "dynamic" if engine.static is None else "compiled" if engine.static.prefill else "static"
 
 
-def own_kernels(engine: Engine) -> str | None:
+def kernel_library(engine: Engine) -> str | None:
     """The library of draftsmith's own kernels an eager fp32 CPU engine runs on (new ones cost rows differently); None
     for other engines (a compiled forward never calls them), whose curves a new library leaves alone."""
     model = engine.model
