@@ -57,4 +57,4 @@ stage "4/4 export for vLLM and SGLang -> $OUT/export-vllm"
 draftsmith-export "$TARGET" drafter="$HEAD/final" format=vllm out="$OUT/export-vllm" overwrite=true
 
 stage "done"
-python scripts/headline.py "$OUT"
+draftsmith-headline "$OUT"

@@ -18,7 +18,7 @@ them). Before a pass's rounds, both its servers answer one short block per level
 
 Per (pass, arm, N): throughput, mean TPOT, τ (vLLM's /metrics), and the speedups with 95% bootstrap intervals; per
 N, the K to serve with, or speculation off, and the --speculative-config that says so in vLLM 0.32, against the K
-the export's card asks for at every load (scripts/vllm_concurrency_report.py and vllm_draft_lengths_report.py
+the export's card asks for at every load (eval/vllm_concurrency_report.py and vllm_draft_lengths_report.py
 compute and write results.json, report.md and the PNG). `draftsmith-export ... vllm_sweep=OUT/results.json` puts
 the recommendation in the export's card; `draftsmith-eval ... vllm_sweep=OUT/results.json` prints it.
 
@@ -64,8 +64,18 @@ from draftsmith.serve.shared.cpu import cpu_name  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from domain_shift import free_port, stop  # noqa: E402
-from vllm_concurrency_report import SCHEDULE, Block, Request, by_pass, levels, points, tpot_s, write_report  # noqa: E402
 from vllm_crosscheck import SPEC_COUNTERS, SPIN_S, default_vllm_python, vllm_env  # noqa: E402
+
+from draftsmith.eval.vllm_concurrency_report import (  # noqa: E402
+    SCHEDULE,
+    Block,
+    Request,
+    by_pass,
+    levels,
+    points,
+    tpot_s,
+    write_report,
+)
 
 SERVER = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 600

@@ -116,6 +116,25 @@ def test_past_its_cap_the_oldest_requests_go_first(setup, tmp_path):
         CaptureStore(tmp_path, "other", engine.target_layers, cap_bytes=1)
 
 
+def test_shards_captured_under_another_client_salt_are_dropped(setup, tmp_path):
+    """Client ids keyed with another salt name the same clients differently (and one made without a salt could
+    confirm a guessed key): a restart under a new salt drops them rather than count a client twice."""
+    engine, _ = engine_for(setup, prefix_cache=False)
+    made = [capture(engine, p, client="key:a")[1] for p in PROMPTS[:2]]
+    store = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1 << 30, client_ids="salt-one")
+    store.add(made[0])
+    store.close()
+    same = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1 << 30, client_ids="salt-one")
+    same.close()
+    assert len(same.shards) == 1
+    other = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1 << 30, client_ids="salt-two")
+    other.add(made[1])
+    other.close()
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert [s["seq"] for s in manifest["shards"]] == [1] and manifest["client_ids"] == "salt-two"
+    assert sorted(p.name for p in tmp_path.glob("shard-*")) == ["shard-00000001.safetensors"]
+
+
 def test_identical_prompts_count_once_and_each_client_keeps_its_cap(setup, tmp_path):
     engine, _ = engine_for(setup, prefix_cache=False)
     store = CaptureStore(tmp_path, "tiny", engine.target_layers, cap_bytes=1 << 30, client_cap=2)

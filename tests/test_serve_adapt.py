@@ -25,6 +25,7 @@ from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.serve.adapt.config import AdaptConfig
 from draftsmith.serve.adapt.verdict import Verdict
 from draftsmith.serve.adapt.versions import Workspace, version_name, version_number
+from draftsmith.serve.http.auth import KeyCheck
 from draftsmith.serve.http.client import client_id, hashed, new_salt, tagged
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.models.target import TargetConfig, target_id
@@ -131,7 +132,26 @@ def test_the_workspace_keeps_one_secret_salt(tmp_path):
     assert len(salt) == 32 and ws.client_salt() == salt == Workspace(ws.root).client_salt()  # across restarts
     assert ws.salt_file.stat().st_mode & 0o777 == 0o600  # the owner's alone
     ws.salt_file.write_bytes(b"short")  # damaged: a new one, never a short key
-    assert len(ws.client_salt()) == 32 and ws.client_salt() != salt
+    salt = ws.client_salt()
+    assert len(salt) == 32 and ws.salt_file.stat().st_mode & 0o777 == 0o600
+    ws.salt_file.chmod(0o644)  # made readable by others since: the owner's alone again, the same salt
+    assert ws.client_salt() == salt and ws.salt_file.stat().st_mode & 0o777 == 0o600
+    ws.salt_file.unlink()
+    ws.salt_file.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match="is a link"):
+        ws.client_salt()
+
+
+def test_a_key_has_one_id_checked_or_not_whatever_its_bytes():
+    """auth.py names a checked key by the digest of its header bytes; an unchecked one (no api_key set) reads the
+    same digest, non-ASCII bytes and all."""
+    raw = "Bearer kä\xa0".encode()  # UTF-8 bytes, as a client sends them; starlette hands them over as latin-1
+    checked = KeyCheck(None, keys=["kä\xa0"]).identify(raw)
+    header = raw.decode("latin-1")
+    request = Request({"type": "http", "headers": [(b"authorization", raw)], "client": ("10.0.0.7", 1)})
+    salt = new_salt()
+    assert checked == hashed("kä\xa0") and request.headers["authorization"] == header
+    assert client_id(request, None, salt) == tagged("key", checked, salt)
 
 
 PROBE = dict(client_cap=3, publish_every=4, steps=4, batch_size=2, holdout=0.34, rollback_window=2, max_length=64)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -54,8 +55,10 @@ def chat(client, messages, **kw):
     return client.chat.completions.create(model=MODEL, messages=messages, **kw)
 
 
-def test_models_lists_the_target(client):
+def test_models_lists_the_target(client, server):
     assert [m.id for m in client.models.list()] == [MODEL]
+    frozen = re.search(r"(\d+) startup objects out of the collector's sweeps", server.log.read_text())
+    assert frozen and int(frozen.group(1)) > 10_000  # serve() froze its start-up heap before serving
     assert client.models.retrieve(MODEL).owned_by == "draftsmith"
 
 

@@ -1,4 +1,4 @@
-"""scripts/vllm_concurrency_report.py: throughput pooled over rounds and paired by round, TPOT paired by request,
+"""eval/vllm_concurrency_report.py: throughput pooled over rounds and paired by round, TPOT paired by request,
 τ from the counters, identical outputs counted, the concurrency at which speculation stops paying, and, over
 passes of several draft lengths, the recommendation per level written to results.json and report.md."""
 
@@ -8,8 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
-from vllm_concurrency_report import Block, Level, Request, level, stops_paying, tpot_s, verdict, write_report
 
+from draftsmith.eval.vllm_concurrency_report import (
+    Block,
+    Level,
+    Request,
+    level,
+    stops_paying,
+    tpot_s,
+    verdict,
+    write_report,
+)
 from draftsmith.serve.export.vllm_sweep import read_sweep
 
 

@@ -22,7 +22,7 @@ from draftsmith.serve.adapt.judge import LiveTally
 from draftsmith.serve.adapt.store import CaptureStore
 from draftsmith.serve.adapt.trainer_process import TrainerProcess
 from draftsmith.serve.adapt.verdict import Verdict
-from draftsmith.serve.adapt.versions import LiveRecord, Workspace, version_name, version_number
+from draftsmith.serve.adapt.versions import LiveRecord, Workspace, salt_fingerprint, version_name, version_number
 from draftsmith.serve.build import engine_salt, make_proposer, resolve_shape
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.generation import Generation
@@ -66,8 +66,14 @@ class Adaptation:
         self.served_version = version_name(0)  # the version the engine drafts with: v0000 is spec.drafter's copy
         self.swap_to(self.record.live)
         cap = int(cfg.capture_gb * 2**30)
+        self.client_salt = self.ws.client_salt()  # keys the client ids the store records (serve/http/client.py)
         self.store = CaptureStore(
-            self.ws.capture, target.target_id, engine.target_layers, cap, client_cap=cfg.client_cap
+            self.ws.capture,
+            target.target_id,
+            engine.target_layers,
+            cap,
+            client_cap=cfg.client_cap,
+            client_ids=salt_fingerprint(self.client_salt),
         )
         settings = {"target": asdict(target_cfg), "drafter": str(self.ws.folder(version_name(0)))}
         self.trainer = TrainerProcess(self.ws, settings | {"options": asdict(cfg)}) if cfg.trainer else None

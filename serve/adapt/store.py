@@ -43,8 +43,12 @@ class CaptureStore:
         cap_bytes: int,
         queue_size: int = 64,
         client_cap: int | None = None,
+        client_ids: str = "",
     ):
+        """client_ids: the fingerprint of the salt its client ids are keyed with (serve/http/client.py); shards a
+        previous run wrote under another are dropped, as their ids name the same clients differently."""
         self.folder, self.cap_bytes, self.client_cap = Path(folder), cap_bytes, client_cap
+        self.client_ids = client_ids
         self.folder.mkdir(parents=True, exist_ok=True)
         self.key = {"format_version": FORMAT_VERSION, "target": target_id, "layers": list(layers)}
         self.key |= {"dtype": "bfloat16", "source": "capture"}
@@ -72,6 +76,11 @@ class CaptureStore:
                 f"({made.get('key')}); point adaptation.dir elsewhere or delete {self.folder}"
             )
         self.shards = [s for s in made.get("shards", []) if (self.folder / s["file"]).is_file()]
+        if self.shards and made.get("client_ids", "") != self.client_ids:
+            for s in self.shards:
+                (self.folder / s["file"]).unlink(missing_ok=True)
+            log.warning("dropped %d captured requests: their client ids were made under another salt", len(self.shards))
+            self.shards = []
         self.seq = made.get("capture", {}).get("next_seq", 0)
         self.evicted = made.get("capture", {}).get("evicted", 0)
         self.duplicates = made.get("capture", {}).get("duplicates", 0)
@@ -173,4 +182,5 @@ class CaptureStore:
             "masked_tokens": sum(s.get("masked_tokens", 0) for s in self.shards),
             "shards": self.shards,
             "capture": capture,
+            "client_ids": self.client_ids,
         }

@@ -15,7 +15,9 @@ back (its line) is never served nor trained from.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -49,6 +51,12 @@ def read_json(path: Path) -> dict | None:
 
 
 SALT_BYTES = 32
+log = logging.getLogger("draftsmith.serve.adapt")
+
+
+def salt_fingerprint(salt: bytes) -> str:
+    """Names a salt without giving it away: which salt a capture store's client ids were made under."""
+    return hmac.new(salt, b"draftsmith client ids", hashlib.sha256).hexdigest()[:16]
 
 
 def write_secret(path: Path, data: bytes) -> None:
@@ -93,8 +101,15 @@ class Workspace:
         """The secret the server keys client ids with (serve/http/client.py): made once, readable by its owner only,
         so a capture's ids are the same across restarts and mean nothing without it."""
         path = self.salt_file
+        if path.is_symlink():
+            raise ValueError(f"{path} is a link; the adaptation workspace keeps its own salt there: remove the link")
         if path.is_file() and path.stat().st_size == SALT_BYTES:
+            if path.stat().st_mode & 0o077:
+                log.warning("%s was readable by others: made the owner's alone (0600)", path)
+                os.chmod(path, 0o600)
             return path.read_bytes()
+        if path.exists():
+            log.warning("%s is not a %d-byte salt: a new one (earlier client ids no longer match)", path, SALT_BYTES)
         self.root.mkdir(parents=True, exist_ok=True)
         write_file_atomic(path, lambda tmp: write_secret(tmp, secrets.token_bytes(SALT_BYTES)))
         return path.read_bytes()

@@ -42,7 +42,7 @@ class Backend:
     metrics_need_key: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
     closers: list[Callable[[], None]] = field(default_factory=list)  # run at shutdown, after the worker stopped
-    client_salt: bytes = field(default_factory=new_salt)  # keys the client ids (client.py)
+    client_salt: bytes = field(default_factory=new_salt, repr=False)  # keys the client ids (client.py)
 
 
 def make_app(backend: Backend) -> FastAPI:

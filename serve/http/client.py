@@ -18,7 +18,7 @@ import secrets
 
 from fastapi import Request
 
-from draftsmith.serve.http.auth import CLIENT, is_loopback
+from draftsmith.serve.http.auth import CLIENT, digest, is_loopback
 
 BEARER = "bearer "
 LOCAL = "local"  # loopback without a key
@@ -33,17 +33,17 @@ def client_id(request: Request, user: str | None, salt: bytes) -> str:
     checked = getattr(request.state, CLIENT, None)  # the checked key's sha256, in hex
     if checked:
         return tagged("key", checked, salt)
-    auth = request.headers.get("authorization", "")
-    if auth[: len(BEARER)].lower() == BEARER and auth[len(BEARER) :].strip():
+    auth = request.headers.get("authorization", "").encode("latin-1")  # the header's bytes, as auth.py reads them
+    if auth[: len(BEARER)].lower() == BEARER.encode() and auth[len(BEARER) :].strip():
         return tagged("key", hashed(auth[len(BEARER) :].strip()), salt)
     if user:
         return tagged("user", user, salt)
     return tagged("peer", request.client.host if request.client else "unknown", salt)
 
 
-def hashed(key: str) -> str:
-    """A key as auth.py names a checked one, so a key reads the same id checked or not."""
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+def hashed(key: str | bytes) -> str:
+    """A key as auth.py names a checked one (the digest of its bytes), so a key reads the same id checked or not."""
+    return digest(key).hex()
 
 
 def tagged(kind: str, value: str, salt: bytes) -> str:

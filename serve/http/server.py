@@ -49,7 +49,7 @@ def build_backend(cfg: ServeConfig, observers: Sequence[Callable[[Job], Observer
         adaptation.register_metrics(metrics.registry)
         watchers.append(lambda job: adaptation.observer(job.prompt_ids, job.client))
         between, closers = adaptation.between_requests, [adaptation.close]
-        salt = adaptation.ws.client_salt()  # a client keeps its id across restarts, for its caps and judging
+        salt = adaptation.client_salt  # a client keeps its id across restarts, for its caps and judging
     worker = Worker(engine, target.tokenizer, metrics, cfg.max_queue, watchers, between, cfg.max_queue_per_client)
     limits = Limits(name, engine.max_seq_len, cfg.max_tokens, resolve(cfg.limits, engine.max_seq_len))
     admission = Admission(ChatEncoder(target.tokenizer, cfg.parse_special_tokens), limits, cfg.max_queue_per_client)

@@ -1,7 +1,7 @@
 """The statistics, table and plot of scripts/vllm_concurrency.py: plain vLLM against vLLM with a drafter, level by
 level of concurrency, from the blocks it measured (one block: one arm driven at one concurrency in one round), pass
 by pass (one pass: plain against one draft setting, K=2 or the recommended schedule); the draft lengths compared
-and the recommendation from them are scripts/vllm_draft_lengths_report.py's.
+and the recommendation from them are eval/vllm_draft_lengths_report.py's.
 
 Throughput is output tokens over a block's wall time, pooled over rounds (sums, then ratios, as eval/stats.py
 pools); its interval and the speedup's are a bootstrap over rounds, the two arms' blocks of a round drawn together.
@@ -17,11 +17,12 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
-from vllm_draft_lengths_report import draft_lengths_section
 
 from draftsmith.eval.plots import errors, save
+from draftsmith.eval.replay_stats import number
 from draftsmith.eval.report import ci, table
 from draftsmith.eval.stats import Bootstrap, Interval, interval, ratio
+from draftsmith.eval.vllm_draft_lengths_report import draft_lengths_section
 from draftsmith.serve.export.draft_lengths import Point
 from draftsmith.serve.export.vllm_sweep import Sweep, record
 
@@ -82,10 +83,6 @@ def tpot_s(latency_s: float | None, ttft_s: float | None, tokens: int | None) ->
     return (latency_s - ttft_s) / (tokens - 1)
 
 
-def number(x: float | np.floating) -> float | None:
-    return float(x) if np.isfinite(x) else None
-
-
 def by_key(blocks: list[Block], attr: str) -> dict[str, dict[str, float | str]]:
     """arm -> request key -> the request's `attr`, where it has one."""
     found: dict[str, dict] = {a: {} for a in ARMS}
@@ -103,7 +100,7 @@ def throughput(blocks: list[Block], seed: int) -> tuple[dict, dict, float | None
     arms = by_round(blocks)
     rounds = sorted(arms["plain"].keys() & arms["spec"].keys())
     tables = {a: np.array([[arms[a][r].tokens, arms[a][r].wall_s] for r in rounds], float) for a in ARMS}
-    points = {a: ratio(*tables[a].sum(0)) if rounds else np.nan for a in ARMS}
+    points = {a: np.asarray(ratio(*tables[a].sum(0)) if rounds else np.nan) for a in ARMS}
     boot = Bootstrap.over(map(str, rounds), seed)
     samples = {a: ratio(*(boot.weights @ tables[a]).T) for a in ARMS} if boot.enough else {}
     ivs = {a: interval(samples[a]) if samples else None for a in ARMS}
@@ -128,7 +125,7 @@ def tpot(blocks: list[Block], seed: int) -> tuple[int, dict, dict, float | None,
 def tau(blocks: list[Block], seed: int) -> tuple[float | None, Interval]:
     spec = sorted((b for b in blocks if b.arm == "spec"), key=lambda b: b.round)
     counts = np.array([[b.accepted, b.drafts] for b in spec], float).reshape(-1, 2)
-    point = 1 + ratio(*counts.sum(0)) if counts[:, 1].sum() > 0 else np.nan
+    point = np.asarray(1 + ratio(*counts.sum(0)) if counts[:, 1].sum() > 0 else np.nan)
     boot = Bootstrap.over((str(b.round) for b in spec), seed)
     if not boot.enough or not counts[:, 1].sum():
         return number(point), None

@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """The main job's headline: per method speedup and tau with their 95% intervals and the lossless line on
 MT-bench, the 2x2 study on rag (its control and finding), and where the reports are.
-Usage: python scripts/headline.py runs/main"""
+Usage: draftsmith-headline runs/main"""
 
 from __future__ import annotations
 
@@ -50,7 +49,13 @@ def study_lines(results: RunResult) -> list[str]:
     return lines + [f"  {study.finding}"]
 
 
-def main(out: Path) -> None:
+def main(argv: list[str] | None = None) -> None:
+    """`draftsmith-headline [RUN_DIR]` (default runs/main)."""
+    args = sys.argv[1:] if argv is None else argv
+    print(headline(Path(args[0] if args else "runs/main")))
+
+
+def headline(out: Path) -> str:
     lines, machine = [], None
     for name, fn in (("mt_bench", mt_bench_lines), ("rag", study_lines)):
         path = out / name / "results.json"
@@ -63,8 +68,4 @@ def main(out: Path) -> None:
         lines.append(f"vLLM/SGLang export: {export} (serve commands in its README.md)")
     if machine:
         lines.append(f"machine: {machine}")
-    print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "runs/main"))
+    return "\n".join(lines)
