@@ -130,7 +130,7 @@ def test_the_workspace_keeps_one_secret_salt(tmp_path):
     ws = Workspace(tmp_path / "ws")
     salt = ws.client_salt()
     assert len(salt) == 32 and ws.client_salt() == salt == Workspace(ws.root).client_salt()  # across restarts
-    assert ws.salt_file.stat().st_mode & 0o777 == 0o600  # the owner's alone
+    assert ws.salt_file.stat().st_mode & 0o777 == 0o600 and ws.root.stat().st_mode & 0o777 == 0o700  # the owner's
     ws.salt_file.write_bytes(b"short")  # damaged: a new one, never a short key
     salt = ws.client_salt()
     assert len(salt) == 32 and ws.salt_file.stat().st_mode & 0o777 == 0o600

@@ -97,10 +97,19 @@ class Workspace:
     def salt_file(self) -> Path:
         return self.root / "client_salt"
 
+    def keep_private(self) -> None:
+        """The workspace is its owner's alone (0700): its captures hold clients' prompts and answers, and the
+        capture manifest their digests."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.root.stat().st_mode & 0o077:
+            log.warning("%s was open to others: made the owner's alone (0700)", self.root)
+            os.chmod(self.root, 0o700)
+
     def client_salt(self) -> bytes:
         """The secret the server keys client ids with (serve/http/client.py): made once, readable by its owner only,
         so a capture's ids are the same across restarts and mean nothing without it."""
         path = self.salt_file
+        self.keep_private()
         if path.is_symlink():
             raise ValueError(f"{path} is a link; the adaptation workspace keeps its own salt there: remove the link")
         if path.is_file() and path.stat().st_size == SALT_BYTES:
@@ -110,7 +119,6 @@ class Workspace:
             return path.read_bytes()
         if path.exists():
             log.warning("%s is not a %d-byte salt: a new one (earlier client ids no longer match)", path, SALT_BYTES)
-        self.root.mkdir(parents=True, exist_ok=True)
         write_file_atomic(path, lambda tmp: write_secret(tmp, secrets.token_bytes(SALT_BYTES)))
         return path.read_bytes()
 
