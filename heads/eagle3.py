@@ -8,7 +8,7 @@ is a plain dump. The target's embedding (and, for the loss, its lm_head) is borr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +37,7 @@ class Eagle3Config(EagleConfig):
     norm_before_fc: bool = False  # an RMSNorm (input_norm) over the concatenated target features before fc
     norm_output: bool = False  # EAGLE-3.1: the next depth reads norm(output), what the lm_head reads, not output
     norm_before_residual: bool = False  # the layer's residual is hidden_norm(feature), not the feature (speculators')
+    qk_norm: bool = False  # a Qwen3-style layer: per-head RMSNorm on q and k before rope (vLLM's Eagle3Qwen3)
 
     def __post_init__(self) -> None:
         if self.init not in ("scratch", "target"):
@@ -47,6 +48,9 @@ class Eagle3Config(EagleConfig):
             raise ValueError(f"target_layers must be distinct, ascending and >= 0, got {layers}")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+
+    def layer_config(self) -> ModelConfig:
+        return replace(super().layer_config(), qk_norm=self.qk_norm)
 
     @classmethod
     def from_target(cls, cfg: ModelConfig, **overrides) -> Self:

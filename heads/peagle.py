@@ -38,9 +38,10 @@ class PEagleConfig(Eagle3Config):
             raise ValueError(f"peagle num_layers must be in [1, {MAX_LAYERS}], got {self.num_layers}")
         if self.num_depths < 1:
             raise ValueError(f"peagle num_depths (tokens per draft) must be >= 1, got {self.num_depths}")
-        if self.norm_before_fc or self.norm_output or self.norm_before_residual:
+        if self.norm_before_fc or self.norm_output or self.norm_before_residual or self.qk_norm:
             raise ValueError(
-                "peagle takes none of norm_before_fc, norm_output, norm_before_residual (EAGLE-3 options): drop them"
+                "peagle takes none of norm_before_fc, norm_output, norm_before_residual, qk_norm (EAGLE-3 options): "
+                "drop them"
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(

@@ -119,11 +119,13 @@ def test_a_norm_of_another_class_takes_the_modules(tiny_llama_dir):
         assert torch.equal(got, steps(model)[1][0])
 
 
-def test_eagle3_midlayer_in_one_call_gives_the_modules_bits(tiny_llama_dir):
-    """EAGLE-3's midlayer (two normed halves in, the feature as residual) in one call: a prefill and a draft level of
-    two siblings give the modules' outputs and cache, bit for bit."""
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama-layer", "qwen3-layer"])
+def test_eagle3_midlayer_in_one_call_gives_the_modules_bits(tiny_llama_dir, qk_norm):
+    """EAGLE-3's midlayer (two normed halves in, the feature as residual; Qwen3-style: q and k normed per head) in
+    one call: a prefill and a draft level of two siblings give the modules' outputs and cache, bit for bit."""
     target = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
-    head = eagle_head("eagle3", target).eval().requires_grad_(False)
+    head = eagle_head("eagle3", target, qk_norm=qk_norm).eval().requires_grad_(False)
+    assert hasattr(head.midlayer.self_attn, "q_norm") == qk_norm
     pack_linears(head)
     c, gen = head.config, torch.Generator().manual_seed(0)
     feats, toks = torch.randn(1, 6, c.hidden_size, generator=gen), torch.randint(0, c.vocab_size, (1, 6), generator=gen)

@@ -129,7 +129,9 @@ EAGLE31 = {"norm_before_fc": True, "norm_output": True}
 
 
 @pytest.mark.parametrize(
-    "norms", [{}, EAGLE31, {"norm_before_residual": True}], ids=["eagle3", "eagle3.1", "normed-residual"]
+    "norms",
+    [{}, EAGLE31, {"norm_before_residual": True}, {"qk_norm": True}],
+    ids=["eagle3", "eagle3.1", "normed-residual", "qwen3-layer"],
 )
 def test_eagle3_training_time_test_is_what_drafting_sees(norms, target):
     """Step j of unroll at index i equals drafting depth j+1 with the KV cache: the real pairs 0..i in slots

@@ -271,6 +271,20 @@ def test_a_head_whose_residual_is_normed_goes_out_and_comes_back_drafting_the_sa
             export(drafter, "sglang", tmp_path / "sglang", tcfg, "fp32")
 
 
+def test_a_qwen3_style_head_drafts_from_its_folder_and_no_format_takes_it_yet(tiny, tmp_path):
+    """qk_norm (a Qwen3-style layer: q and k normed per head): saved and read back with its norms, it drafts the
+    same; every export refuses it, as no engine's forward for it is checked yet, and nothing is written."""
+    tcfg, target, *_ = tiny
+    drafter = save_head(target, tcfg, tmp_path / "qwen3", qk_norm=True)
+    back = loaded(target, drafter)
+    assert back.config.qk_norm and hasattr(back.midlayer.self_attn, "k_norm")
+    assert any(drafted(target, drafter)[1])  # it drafts
+    for fmt in ("vllm", "speculators", "sglang"):
+        with pytest.raises(ExportError, match="Qwen3-style"):
+            export(drafter, fmt, tmp_path / fmt, tcfg, "fp32")
+        assert not (tmp_path / fmt).exists()
+
+
 def test_specforge_folder_with_its_embedding_and_default_layers(tiny, tmp_path):
     """SpecForge saves the draft's (frozen) copy of the target embedding and, unless told otherwise, no layer ids:
     the engines' default 2, L/2, L-3 (here 0, 1, 2 for 3 layers), as the head was made with."""

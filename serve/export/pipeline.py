@@ -139,6 +139,11 @@ def export(
     src = read_source(drafter, target_cfg or TargetConfig(), gguf_target)
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
+    if getattr(src.head.config, "qk_norm", False):
+        raise ExportError(
+            "this head's layer is Qwen3-style (qk_norm): no export format is checked against an engine's forward for "
+            "it yet; draft with it in draftsmith (spec.drafter=...), or train without head.args.qk_norm"
+        )
     if fmt == "sglang" and (missing := sglang_misses(src)):
         raise ExportError(
             f"SGLang's EAGLE-3 layer computes none of {', '.join(missing)}, which this head uses: it would draft "
