@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The parallel drafters against the main job's EAGLE-3 head, fixed and cost-scheduled verification, in one
 # interleaved eval (docs/benchmarks.md, "DSpark and cost-scheduled verification"). Heads from
-# `python scripts/same_budget.py --out SB --arms dflash_b4,dspark_b4 --no-eval`.
+# `python benchmarks/same_budget.py --out SB --arms dflash_b4,dspark_b4 --no-eval`.
 #   [SB=DIR] [EAGLE3=HEAD] bash scripts/parallel_drafters_eval.sh SUITE OUT [more draftsmith-eval overrides...]
 set -euo pipefail
 suite=$1 out=$2 sb=${SB:-runs/sb29} eagle3=${EAGLE3:-runs/main/eagle3/final}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # speculators (vLLM's drafter trainer, PyPI `speculators`) in a virtual environment of its own: it pins
-# transformers <= 5.19 where draftsmith runs a newer one. The peer of scripts/speculators_peer.py. Made once at
+# transformers <= 5.19 where draftsmith runs a newer one. The peer of benchmarks/speculators_peer.py. Made once at
 # $SPECULATORS_VENV, default ~/.cache/draftsmith/speculators-venv; a second call finds it and returns.
 # torch comes first and pinned, as in setup.sh. speculators' own requirements name torchvision and torchaudio,
 # which would pull a CUDA torch and which its trainer never imports, so its requirements are installed by hand.

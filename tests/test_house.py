@@ -7,8 +7,21 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# the package's folders (draftsmith/ holds __init__.py and files.py), the tests and the scripts
-FOLDERS = ("cpu_kernels", "runtime", "heads", "serve", "train", "eval", "conf", "draftsmith", "tests", "scripts", ".ci")
+# the package's folders (draftsmith/ holds __init__.py and files.py), the tests, the scripts and the benchmarks
+FOLDERS = (
+    "cpu_kernels",
+    "runtime",
+    "heads",
+    "serve",
+    "train",
+    "eval",
+    "conf",
+    "draftsmith",
+    "tests",
+    "scripts",
+    "benchmarks",
+    ".ci",
+)
 TEXT = {".py", ".yaml", ".yml", ".json", ".sh", ".toml", ".md", ".txt", ".cfg", ".ini", ""}
 # a tracker entry by number, in prose or in a name (a word "issue" then a number, maybe after a space, _ or -)
 TRACKER = re.compile(r"issue[ _-]?[0-9]+", re.IGNORECASE)

@@ -5,8 +5,8 @@ its default dtype, each backend's default conversations in flight) into a file o
 conversations, new tokens, generation seconds (vLLM's start-up apart), tokens/s, and the ratio. Run it on an idle
 machine.
 
-    python scripts/bench_regen.py --conversations 64 --max-new-tokens 128
-    python scripts/bench_regen.py --conversations 96 --max-new-tokens 256 --temperature 0.7 --top-p 0.8
+    python benchmarks/bench_regen.py --conversations 64 --max-new-tokens 128
+    python benchmarks/bench_regen.py --conversations 96 --max-new-tokens 256 --temperature 0.7 --top-p 0.8
 """
 
 from __future__ import annotations

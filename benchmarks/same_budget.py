@@ -7,8 +7,8 @@ machine (its second logging window, past the first steps' warm-up); the arm then
 (train.max_steps, so its LR schedule spans the budget), without the in-training evals. One `draftsmith-eval` then
 runs every head against plain decoding on the same prompts, interleaved, with intervals (results.json, report.md).
 
-    python scripts/same_budget.py --minutes 6 --out runs/same_budget
-    python scripts/same_budget.py --minutes 25 --out runs/same_budget_quick suite=mt_bench repeats=2
+    python benchmarks/same_budget.py --minutes 6 --out runs/same_budget
+    python benchmarks/same_budget.py --minutes 25 --out runs/same_budget_quick suite=mt_bench repeats=2
 
 Arguments after the options go to the eval (e.g. limit=24 max_new_tokens=96 target.dtype=float32). Finished
 arms are reused and a killed one resumes (delete an arm's folder to retrain it). Writes OUT/budget.json: each

@@ -8,7 +8,7 @@ the acceptance of a depth-1 draft that verifies those k tokens side by side. Aga
 depth-1 x 3 acceptance: 0.452 vs 0.44-0.45 for one quick head, 0.526 vs 0.50 for another. Unlike the
 in-training eval (4 prompts, 32 tokens) it is the same few thousand positions every time.
 
-    python scripts/probe_topk.py runs/main/eagle3/final runs/other/final
+    python benchmarks/probe_topk.py runs/main/eagle3/final runs/other/final
 """
 
 from __future__ import annotations

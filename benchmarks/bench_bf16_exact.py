@@ -7,7 +7,7 @@
    (inexact on AMX) vs fp32.
 3. plain greedy decoding tok/s, fp32 vs bf16 (bit-exact), on a few MT-bench prompts, interleaved prompt by prompt.
 
-  python scripts/bench_bf16_exact.py [--repeats 30] [--prompts 4] [--new 64] [--prefill 2000]
+  python benchmarks/bench_bf16_exact.py [--repeats 30] [--prompts 4] [--new 64] [--prefill 2000]
 """
 
 from __future__ import annotations

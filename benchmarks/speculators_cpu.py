@@ -7,7 +7,7 @@ unchanged. On a CPU without bf16 kernels (AVX2 only) it also runs Muon's Newton-
 torch.optim.Muon casts it to bf16, which such a CPU emulates: about 20 s per optimizer step of an EAGLE-3 head,
 where a GPU or a CPU with bf16 kernels takes milliseconds. The iteration is the same otherwise.
 
-    $SPECULATORS_VENV/bin/python scripts/speculators_cpu.py STEPS_FILE train --speculator-type eagle3 ...
+    $SPECULATORS_VENV/bin/python benchmarks/speculators_cpu.py STEPS_FILE train --speculator-type eagle3 ...
 
 STEPS_FILE receives one line per optimizer step, the step's end as seconds since the start (time.perf_counter),
 so a probe run tells the trainer's seconds per step on this machine.

@@ -23,8 +23,8 @@
 
 bf16 runs where the CPU has oneDNN bf16 kernels (AVX512-BF16, AMX); on AVX2, where it is emulated, fp32 alone.
 
-  python scripts/bench_step_parts.py [--context 300] [--rounds 6] [--dtypes bfloat16,float32] [--rows 1,2,4,8,32]
-  python scripts/bench_step_parts.py --sections drafter --drafter runs/main/eagle3/final
+  python benchmarks/bench_step_parts.py [--context 300] [--rounds 6] [--dtypes bfloat16,float32] [--rows 1,2,4,8,32]
+  python benchmarks/bench_step_parts.py --sections drafter --drafter runs/main/eagle3/final
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ over --repeats rounds (median, with the quartiles):
 Only the drafters run (the target's outputs are random tensors), so this is draft cost, not acceptance; on a
 loaded machine the ratios hold better than the times.
 
-    python scripts/bench_parallel_draft.py --kind peagle --dtype bfloat16 --k 4
-    python scripts/bench_parallel_draft.py --kind dflash --k 1,3,7
+    python benchmarks/bench_parallel_draft.py --kind peagle --dtype bfloat16 --k 4
+    python benchmarks/bench_parallel_draft.py --kind dflash --k 1,3,7
 """
 
 from __future__ import annotations

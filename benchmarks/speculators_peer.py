@@ -3,7 +3,7 @@
 draft vocabulary and the same training wall clock, on this machine's CPU.
 
     bash scripts/speculators_venv.sh          # once: speculators 0.9 in a venv of its own
-    python scripts/speculators_peer.py --head runs/main/eagle3/final --features ~/.cache/draftsmith/features/KEY \
+    python benchmarks/speculators_peer.py --head runs/main/eagle3/final --features ~/.cache/draftsmith/features/KEY \
         --out runs/peer [eval overrides, e.g. limit=16 max_new_tokens=64]
 
 Stages, each kept in OUT and skipped once done, so a killed run resumes at the stage it was in:
