@@ -139,7 +139,7 @@ def export(
     src = read_source(drafter, target_cfg or TargetConfig(), gguf_target)
     f = format_for(src.kind, fmt)
     check_target_type(src, fmt, f)
-    if getattr(src.head.config, "qk_norm", False):
+    if src.kind == "eagle3" and src.head.config.qk_norm:  # a draft model's qk norms are its own Qwen3 layers
         raise ExportError(
             "this head's layer is Qwen3-style (qk_norm): no export format is checked against an engine's forward for "
             "it yet; draft with it in draftsmith (spec.drafter=...), or train without head.args.qk_norm"
