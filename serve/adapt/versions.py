@@ -20,12 +20,12 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from draftsmith.files import temp_folder_beside, write_file_atomic, write_text_atomic
+from draftsmith.serve.http.client import SALT_BYTES, new_salt
 
 VERSION = re.compile(r"v(\d{4,})")
 
@@ -50,7 +50,6 @@ def read_json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-SALT_BYTES = 32
 log = logging.getLogger("draftsmith.serve.adapt")
 
 
@@ -119,7 +118,7 @@ class Workspace:
             return path.read_bytes()
         if path.exists():
             log.warning("%s is not a %d-byte salt: a new one (earlier client ids no longer match)", path, SALT_BYTES)
-        write_file_atomic(path, lambda tmp: write_secret(tmp, secrets.token_bytes(SALT_BYTES)))
+        write_file_atomic(path, lambda tmp: write_secret(tmp, new_salt()))
         return path.read_bytes()
 
     def folder(self, version: str) -> Path:
