@@ -183,7 +183,7 @@ def run_all(engines: dict[Arm, Engine], prompts: list[Prompt], tokenizer, cfg: E
             if all((p.id, rep) in done for p in prompts):
                 continue
             for engine in engines.values():  # each repeat starts cold, so repeats measure the same thing
-                start_cold(engine)
+                engine.forget()  # no hit, drafting or estimate from the warm-up or earlier repeats
             for i, prompt in enumerate(prompts):
                 k = (i + rep) % len(order)
                 answers = [answer(engines[arm], arm, prompt, tokenizer, cfg, rep, i) for arm in order[k:] + order[:k]]
@@ -261,18 +261,6 @@ def warm_up(engines: dict[Arm, Engine], prompt: Prompt, tokenizer, cfg: EvalConf
     for engine in engines.values():
         for _ in range(cfg.warmup):
             engine.generate(ids, min(16, cfg.max_new_tokens), SamplingParams(cfg.temperature, seed=0))
-
-
-def start_cold(engine: Engine) -> None:
-    """Forget the warm-up and earlier repeats: no prefix-cache hits from them, no drafting from their answers (suffix
-    decoding's global tree) and no estimate learnt from them (the draft policy's), so every repeat measures the same
-    thing."""
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.reset()
-    if engine.proposer:
-        engine.proposer.forget()
-    if engine.policy is not None:
-        engine.policy.forget()
 
 
 def method_result(label: str, spec: SpecConfig, main: list[Record], cfg: EvalConfig, dtype: str | None) -> MethodResult:

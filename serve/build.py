@@ -8,6 +8,7 @@ from pathlib import Path
 
 from draftsmith.heads.drafter_folder import read_meta
 from draftsmith.heads.kinds import DraftShape, by_spec, folder_shape, get, resolve
+from draftsmith.serve.engine.calibration import Acceptance
 from draftsmith.serve.engine.cost_profile import load_or_measure
 from draftsmith.serve.engine.draft_cut import CostCut
 from draftsmith.serve.engine.engine import Engine
@@ -148,4 +149,6 @@ def build_engine(
             engine.draft_cut = CostCut(cost)
         else:
             engine.policy = DraftPolicy(cost, spec.policy)
+    if spec.policy.report_estimates and engine.policy is None and proposer is not None:
+        engine.estimates = Acceptance(spec.policy.prior_weight, spec.policy.half_life)
     return engine

@@ -40,6 +40,9 @@ class PolicyConfig:
     probe_every: int = 16  # plain steps in a row before a probe (0: never probe)
     prior_weight: float = 4.0  # request observations the engine's estimate from earlier requests counts as
     half_life: float = 32.0  # request steps after which an observation weighs half
+    # verify=fixed or cost: estimate each drafted node's acceptance as the policy would, for the calibration report
+    # only (nothing is decided by it); verify=policy always reports its estimates
+    report_estimates: bool = False
 
     def __post_init__(self) -> None:
         if self.probe_every < 0:

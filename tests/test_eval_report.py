@@ -41,6 +41,7 @@ def evaluated(tiny_target, tmp_path_factory):
         f"out={out}",
         "wandb.enabled=false",
         "spec=ngram",
+        "spec.policy.report_estimates=true",  # verified whole, its estimates reported beside
         "methods=[layerskip]",
         "methods.layerskip.layers=1",
         "methods.layerskip.verify=policy",
@@ -73,6 +74,7 @@ def test_report_has_the_tables_a_person_reads_and_the_plots(evaluated):
     steps = results.methods["layerskip"].steps
     assert sum(steps.values()) == results.methods["layerskip"].target_forward_passes
     assert "| layerskip | draft_model @ depth 1 |" in text  # the policy's estimates against what was accepted
+    assert "| ngram | ngram @ depth 1 |" in text and results.methods["ngram"].steps["whole"] > 0  # reported, whole
     assert "| ngram |" in text and "| layerskip |" in text and "| method | rag | all |" in text
     assert "Greedy: 4/4 turns identical to plain decoding (lossless)." in text
     assert "**Finding:** The prefix cache" in text or "**Finding:** Finding withheld" in text  # a loaded machine

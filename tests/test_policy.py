@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from draftsmith.eval.calibration_report import own_cell
-from draftsmith.eval.runner import start_cold
 from draftsmith.serve.engine.calibration import BINS, Acceptance, calibration_error, node_key, reliability_add
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.metrics import Metrics
@@ -281,8 +280,25 @@ def test_an_eval_repeat_starts_the_policy_cold(target, future):
     engine.policy = DraftPolicy(COST)
     engine.generate(PROMPTS[0], 8, GREEDY)
     assert engine.policy.acceptance.tally and engine.policy.draft_s
-    start_cold(engine)
+    engine.forget()
     assert not engine.policy.acceptance.tally and not engine.policy.draft_s and not engine.policy.last
+
+
+def test_estimates_are_reported_beside_a_whole_draft_and_decide_nothing(target, future):
+    """spec.policy.report_estimates: a fixed-verify run keeps the policy's estimates for the calibration report, past
+    the first 32 steps too, and drafts and emits what it would without them."""
+    right = lambda n: n % 4 == 0  # noqa: E731  (some drafts right, most wrong: over 32 steps, both outcomes seen)
+    plain = Engine(target, Scripted(future, right, depth=1), max_seq_len=128).generate(PROMPTS[0], NEW, GREEDY)
+    engine = Engine(target, Scripted(future, right, depth=1), max_seq_len=128)
+    engine.estimates = Acceptance()
+    out = engine.generate(PROMPTS[0], NEW, GREEDY)
+    assert out.output_ids == plain.output_ids == future[len(PROMPTS[0]) :]
+    assert out.metrics.drafts == plain.metrics.drafts and plain.metrics.calibration == {}
+    table, settled = out.metrics.calibration["scripted/1"], out.metrics.calibration["scripted/1/settled"]
+    assert sum(table[:BINS]) == out.metrics.drafts and 0 < sum(settled[:BINS]) < sum(table[:BINS])
+    assert 0 < sum(table[2 * BINS :]) < sum(table[:BINS])  # hits and misses both counted
+    engine.forget()
+    assert not engine.estimates.tally and not engine.estimates.pooled
 
 
 def test_merge_is_refused_under_the_policy():

@@ -18,12 +18,13 @@ from torch import Tensor
 
 from draftsmith.runtime.kv_cache import KVCache
 from draftsmith.runtime.llama import ForwardOut, Transformer
+from draftsmith.serve.engine.calibration import Acceptance
 from draftsmith.serve.engine.draft_cut import CostCut
 from draftsmith.serve.engine.generation import Generation
 from draftsmith.serve.engine.graphs import cache_len, make_static_step, resolve_mode
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.observer import Observer
-from draftsmith.serve.engine.policy import DraftPolicy, Plan
+from draftsmith.serve.engine.policy import DraftPolicy, Plan, estimate, record
 from draftsmith.serve.engine.prefix_cache import PrefixCache
 from draftsmith.serve.engine.sampling import SamplingParams, pick
 from draftsmith.serve.engine.tree import DraftTree, causal_mask
@@ -44,6 +45,8 @@ class Engine:
     cuda_graphs: str = "auto"  # static-shape step (graphs.py): auto | compile | graphs | eager | off
     draft_cut: CostCut | None = None  # cut each draft to what pays for its verify rows (None: verify it whole)
     policy: DraftPolicy | None = None  # decide before each step what to draft (takes the place of draft_cut)
+    # without a policy: its acceptance estimates, kept for the calibration report only (spec.policy.report_estimates)
+    estimates: Acceptance | None = None
     cache: KVCache = field(init=False, repr=False)
     accept_s: float = field(init=False, default=0.0)  # the proposer's accept() last step: part of its cost per step
 
@@ -81,6 +84,18 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
 
+    def forget(self) -> None:
+        """Back to a cold engine: no prefix-cache hits, no drafting from earlier answers (suffix decoding's global
+        tree), no acceptance estimate or draft time learnt from earlier requests."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
+        if self.proposer:
+            self.proposer.forget()
+        if self.policy is not None:
+            self.policy.forget()
+        if self.estimates is not None:
+            self.estimates = Acceptance(self.estimates.prior_weight, self.estimates.half_life)
+
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
             raise ValueError("empty prompt: give at least one token")
@@ -109,6 +124,8 @@ class Engine:
             self.proposer.gen = gen  # drafts are sampled from the request's generator: a seed fixes the whole run
         if self.policy is not None:
             self.policy.start()
+        if self.estimates is not None:
+            self.estimates.start()
         m = Metrics(prompt_tokens=len(prompt_ids))
         begin = time.perf_counter()
         room = len(prompt_ids) + max_new_tokens + 1 + (self.proposer.max_tree_size if self.proposer else 0)
@@ -200,6 +217,8 @@ class Engine:
                 self.accept(tokens[: end + 1], drafted, drafted_path, verified)
                 if self.policy is not None:
                     self.policy.observe(plan, drafted_path, m)
+                elif self.estimates is not None:
+                    record(self.estimates, plan, drafted_path, m)
             if watching:
                 watching.accept(tokens[: end + 1], path, verified)
         m.draft_s += propose_s + self.accept_s
@@ -216,6 +235,10 @@ class Engine:
             tree, seconds = self.clocked(lambda: proposer.propose(tokens, sp, budget))
             kept = self.draft_cut.cut(tree, seconds + self.accept_s, sp.greedy) if self.draft_cut else None
             plan = Plan(tree, kept, 0, seconds, "whole" if kept is None else "cut")
+            if self.estimates is not None:
+                self.estimates.tick()
+                plan.keys, plan.estimates, plan.own = estimate(self.estimates, 0, tree, sp)
+                plan.name = proposer.name
         if plan.verifies_nothing and plan.decision != "probe":
             plan.decision = "plain"
         m.record_decision(plan.decision)

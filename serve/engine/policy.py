@@ -232,12 +232,7 @@ class DraftPolicy:
     def estimate(
         self, i: int, tree: DraftTree, sp: SamplingParams
     ) -> tuple[list[Key], list[float], list[float | None]]:
-        """Per node: what its estimate pools with, the estimate, and the drafter's own probability (in [0, 1], None
-        where it gives none or a non-finite one)."""
-        raw = tree.accept_probs.float().tolist() if tree.accept_probs is not None else [None] * len(tree)
-        own = [min(max(p, 0.0), 1.0) if p is not None and math.isfinite(p) else None for p in raw]
-        keys = [node_key(i, not sp.greedy, d, p, tree.match_len) for d, p in zip(tree.depth_list, own, strict=True)]
-        return keys, [self.acceptance.rate(k) for k in keys], own
+        return estimate(self.acceptance, i, tree, sp)
 
     def remember(self, i: int, plan: Plan, asked: int) -> None:
         """Drafter i's draft, asked `asked` levels deep, to judge its next one before drafting (an empty draft: worth
@@ -307,18 +302,33 @@ class DraftPolicy:
             self.draft_s[(i, depth)] = ema(old, seconds)
 
     def observe(self, plan: Plan, path: list[int], m: Metrics) -> None:
-        """What the target accepted of the plan's tree (path: drafted node indices): every verified node whose parent
-        was accepted updates its estimate, and goes into the request's reliability tables."""
-        if plan.verifies_nothing:
-            return
-        tree, on_path, settled = plan.tree, set(path), self.acceptance.step > SETTLED
-        for v in range(len(tree)) if plan.kept is None else plan.kept.tolist():
-            parent = tree.parent_list[v]
-            if parent >= 0 and parent not in on_path:
-                continue
-            hit = v in on_path
-            self.acceptance.observe(plan.keys[v], hit)
-            m.record_estimate(plan.name, tree.depth_list[v], plan.estimates[v], plan.own[v], hit, settled)
+        record(self.acceptance, plan, path, m)
+
+
+def estimate(
+    acceptance: Acceptance, i: int, tree: DraftTree, sp: SamplingParams
+) -> tuple[list[Key], list[float], list[float | None]]:
+    """Per node of part i's draft: what its estimate pools with, the estimate, and the drafter's own probability (in
+    [0, 1], None where it gives none or a non-finite one)."""
+    raw = tree.accept_probs.float().tolist() if tree.accept_probs is not None else [None] * len(tree)
+    own = [min(max(p, 0.0), 1.0) if p is not None and math.isfinite(p) else None for p in raw]
+    keys = [node_key(i, not sp.greedy, d, p, tree.match_len) for d, p in zip(tree.depth_list, own, strict=True)]
+    return keys, [acceptance.rate(k) for k in keys], own
+
+
+def record(acceptance: Acceptance, plan: Plan, path: list[int], m: Metrics) -> None:
+    """What the target accepted of the plan's tree (path: drafted node indices): every verified node whose parent was
+    accepted updates its estimate, and goes into the request's reliability tables."""
+    if plan.verifies_nothing:
+        return
+    tree, on_path, settled = plan.tree, set(path), acceptance.step > SETTLED
+    for v in range(len(tree)) if plan.kept is None else plan.kept.tolist():
+        parent = tree.parent_list[v]
+        if parent >= 0 and parent not in on_path:
+            continue
+        hit = v in on_path
+        acceptance.observe(plan.keys[v], hit)
+        m.record_estimate(plan.name, tree.depth_list[v], plan.estimates[v], plan.own[v], hit, settled)
 
 
 def ema(old: float, new: float) -> float:

@@ -63,12 +63,7 @@ def warm_up(engine: Engine, prompt_ids: list[int]) -> None:
     """One short untimed request (first-call costs, CUDA graph capture), then the caches it filled and what the draft
     policy learnt from it emptied: the first client neither pays for it nor hits it."""
     engine.generate(prompt_ids, 4, SamplingParams())
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.reset()
-    if engine.proposer is not None:
-        engine.proposer.forget()
-    if engine.policy is not None:  # its 4-token drafts say nothing of the drafter's depth or acceptance
-        engine.policy.forget()
+    engine.forget()  # its 4-token drafts say nothing of the drafter's depth or acceptance
 
 
 def serve(cfg: ServeConfig) -> None:
