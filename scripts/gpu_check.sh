@@ -52,8 +52,8 @@ stage() { # stage NAME SECONDS CMD...: run CMD (a command under a time limit, or
 
 setup() { # draftsmith as a shim package of symlinks into the checkout; the carried wheels into $WORK/site
   rm -rf "$WORK" && mkdir -p "$WORK/site" "$WORK/shim/draftsmith" "$WORK/cwd" || return 1
-  ln -s "$REPO/draftsmith/__init__.py" "$WORK/shim/draftsmith/__init__.py"
-  for pkg in heads serve train eval conf; do ln -s "$REPO/$pkg" "$WORK/shim/draftsmith/$pkg"; done
+  for f in "$REPO"/draftsmith/*.py; do ln -s "$f" "$WORK/shim/draftsmith/$(basename "$f")"; done
+  for pkg in cpu_kernels runtime heads serve train eval peers conf; do ln -s "$REPO/$pkg" "$WORK/shim/draftsmith/$pkg"; done
   ls "$REPO"/.whl/*.whl >/dev/null || { echo "no wheels in $REPO/.whl: run scripts/gpu_wheels.sh and carry .whl"; return 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
     "$REPO"/.whl/*.whl
