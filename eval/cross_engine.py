@@ -1,4 +1,4 @@
-"""One acceptance report across engines (scripts/engines_crosscheck.py): the same prompts through draftsmith's
+"""One acceptance report across engines (peers/engines_crosscheck.py): the same prompts through draftsmith's
 engine, vLLM and llama.cpp, every engine's verification steps recounted the one way draftsmith counts them, then
 τ, acceptance by position and speedup with bootstrap intervals over prompts (eval/stats.py), output identity, and
 the paired τ differences that fail the report where their interval excludes zero.

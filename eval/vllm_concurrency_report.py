@@ -1,4 +1,4 @@
-"""The statistics, table and plot of scripts/vllm_concurrency.py: plain vLLM against vLLM with a drafter, level by
+"""The statistics, table and plot of peers/vllm_concurrency.py: plain vLLM against vLLM with a drafter, level by
 level of concurrency, from the blocks it measured (one block: one arm driven at one concurrency in one round), pass
 by pass (one pass: plain against one draft setting, K=2 or the recommended schedule); the draft lengths compared
 and the recommendation from them are eval/vllm_draft_lengths_report.py's.

@@ -1,4 +1,4 @@
-"""The draft-length part of scripts/vllm_concurrency.py's report: each K's throughput speedup per concurrency
+"""The draft-length part of peers/vllm_concurrency.py's report: each K's throughput speedup per concurrency
 level side by side, the recommendation derived from them (serve/export/draft_lengths.py), shown against the K the
 export's card asks for at every load, and the --speculative-config that serves it in vLLM 0.32; with the measured
 schedule's own speedup where that was run too."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, for a session lent the nvidia-h200 machine: the CUDA tests, then
-# scripts/gpu_bench.py on random-weight SmolLM2-135M (bf16, fp32) and Llama-3.1-8B (bf16) shapes.
+# The GPU check, for a session lent the nvidia-h200 machine: the CUDA tests, then eval/gpu_bench.py
+# (python -m draftsmith.eval.gpu_bench) on random-weight SmolLM2-135M (bf16, fp32) and Llama-3.1-8B (bf16) shapes.
 # Runs on the machine as it is: its python3 (3.12, torch 2.11 CUDA, transformers 5.17), no registry, no
 # install of draftsmith (a shim package of symlinks to this checkout), the missing pure-Python wheels
 # carried in .whl/. Budgets: the tests at most 120 s, the benchmark at most 300 s (it starts no section past
@@ -52,8 +52,8 @@ stage() { # stage NAME SECONDS CMD...: run CMD (a command under a time limit, or
 
 setup() { # draftsmith as a shim package of symlinks into the checkout; the carried wheels into $WORK/site
   rm -rf "$WORK" && mkdir -p "$WORK/site" "$WORK/shim/draftsmith" "$WORK/cwd" || return 1
-  ln -s "$REPO/draftsmith/__init__.py" "$WORK/shim/draftsmith/__init__.py"
-  for pkg in heads serve train eval conf; do ln -s "$REPO/$pkg" "$WORK/shim/draftsmith/$pkg"; done
+  for f in "$REPO"/draftsmith/*.py; do ln -s "$f" "$WORK/shim/draftsmith/$(basename "$f")"; done
+  for pkg in cpu_kernels runtime heads serve train eval peers conf; do ln -s "$REPO/$pkg" "$WORK/shim/draftsmith/$pkg"; done
   ls "$REPO"/.whl/*.whl >/dev/null || { echo "no wheels in $REPO/.whl: run scripts/gpu_wheels.sh and carry .whl"; return 1; }
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
     "$REPO"/.whl/*.whl
@@ -91,9 +91,9 @@ main() {
   stage pytest 120 "$PY" -m pytest -q -p no:cacheprovider -rsx --junitxml "$OUT/pytest.xml" -k "cuda or device" \
     "$REPO/tests/test_cuda_graphs.py" "$REPO/tests/test_verify.py" "$REPO/tests/test_engine.py"
   if [ "$DEVICE" = cuda ]; then
-    stage gpu_bench 300 "$PY" "$REPO/scripts/gpu_bench.py" --device cuda --budget-s 230 --out "$OUT" "$@"
+    stage gpu_bench 300 "$PY" -m draftsmith.eval.gpu_bench --device cuda --budget-s 230 --out "$OUT" "$@"
   else
-    stage gpu_bench 1800 "$PY" "$REPO/scripts/gpu_bench.py" --device cpu --out "$OUT" "$@"
+    stage gpu_bench 1800 "$PY" -m draftsmith.eval.gpu_bench --device cpu --out "$OUT" "$@"
   fi
   echo "gpu_check: ${#FAILED[@]} failed stage(s): ${FAILED[*]:-none}; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
   return "${#FAILED[@]}"

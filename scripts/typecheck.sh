@@ -9,7 +9,7 @@ root=$PWD
 tree=$root/build/typecheck
 mkdir -p "$tree/draftsmith"
 for f in "$root"/draftsmith/*.py; do ln -sfn "$f" "$tree/draftsmith/$(basename "$f")"; done
-for d in cpu_kernels runtime heads serve train eval conf; do ln -sfn "$root/$d" "$tree/draftsmith/$d"; done
+for d in cpu_kernels runtime heads serve train eval peers conf; do ln -sfn "$root/$d" "$tree/draftsmith/$d"; done
 cd "$tree"
 MYPYPATH=$tree mypy --config-file "$root/pyproject.toml" --cache-dir "$root/.mypy_cache" -p draftsmith "$@" \
-  | sed -E 's#^draftsmith/(cpu_kernels|runtime|heads|serve|train|eval|conf)/#\1/#'
+  | sed -E 's#^draftsmith/(cpu_kernels|runtime|heads|serve|train|eval|peers|conf)/#\1/#'

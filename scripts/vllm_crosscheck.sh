@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The vLLM cross-check of exported drafters (docs/export.md), in one command. vLLM pins its own torch, so it
-# lives in its own virtual environment (scripts/vllm_venv.sh; made here on first use if setup has not).
+# The vLLM cross-check of exported drafters (docs/export.md), in one command: `draftsmith-peers vllm` (flags:
+# peers/vllm_crosscheck.py). vLLM pins its own torch, so it lives in its own virtual environment
+# (scripts/vllm_venv.sh; made here on first use if setup has not).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-$HOME/.cache/draftsmith/vllm-venv}
@@ -14,4 +15,4 @@ if [[ " $* " == *" --suffix "* ]] && ! "$VENV/bin/python" -c "import arctic_infe
   "$VENV/bin/pip" install -q arctic-inference  # vLLM's suffix decoding; builds its C++ trees (cmake, g++)
 fi
 export VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
-exec nice -n 10 python scripts/vllm_crosscheck.py --vllm-python "$VENV/bin/python" "$@"
+exec nice -n 10 python -m draftsmith.peers vllm --vllm-python "$VENV/bin/python" "$@"

@@ -1,7 +1,7 @@
 """Export (serve/export/pipeline.py) on tiny drafters of every kind for a tiny random Llama target: each format's key
 names, shapes and config.json as the engines expect them; the validator catching a renamed key, a wrong shape,
 a missing d2t and a wrong weight; the HF draft model as transformers' assistant_model; refusals and atomic
-writes. The real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""
+writes. The real-vLLM check is peers/vllm_crosscheck.py (its own environment, not run here)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """DFlash export for a tiny random Llama target: vLLM's native `dflash` layout (keys, shapes,
 config.json with dflash_config) with and without a draft vocabulary, the model card's vLLM command, and the
 validator catching renamed keys, wrong layer ids, a causal-looking config and small tampering of a bf16 export.
-The run in vLLM itself is scripts/vllm_crosscheck.py (its own environment)."""
+The run in vLLM itself is peers/vllm_crosscheck.py (its own environment)."""
 
 from __future__ import annotations
 

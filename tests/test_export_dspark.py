@@ -2,7 +2,7 @@
 markov_head.* and confidence_head.proj.*, config.json with sample_from_anchor and the heads' settings), the
 model card's vLLM commands, the refusal of the Markov heads vLLM does not run, and the validator catching a
 renamed or missing head tensor, a wrong sample_from_anchor, a shifted d2t and tampered heads. The run in vLLM
-itself is scripts/vllm_crosscheck.py (its own environment)."""
+itself is peers/vllm_crosscheck.py (its own environment)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ its `dflash` GGUF (serve/export/export_dflash_gguf.py) and DSpark heads as that 
 gguf package as llama.cpp reads them (names, ne order, types, absolute d2t, the target's tokenizer, DFlash's mask
 token); the validators' llama.cpp-convention forwards catching a wrongly permuted q, a renamed tensor, a shifted
 d2t, another tokenizer or mask token, a causal flag; refusals of what llama.cpp cannot run and of a GGUF target that
-is not the drafter's. Running the files in llama.cpp is scripts/engines_crosscheck.py (it needs a llama.cpp build)."""
+is not the drafter's. Running the files in llama.cpp is peers/engines_crosscheck.py (it needs a llama.cpp build)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,16 @@
-"""scripts/gpu_bench.py on CPU with a tiny shape: the HF twin is the same model as the runner (so the speed
-comparison is like for like), and every section runs and lands in the JSON and Markdown the GPU check returns."""
+"""eval/gpu_bench.py (the GPU check's benchmark) on CPU with a tiny shape: the HF twin is the same model as the
+runner (so the speed comparison is like for like), and every section runs and lands in the JSON and Markdown the GPU
+check returns."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import gpu_bench
 import pytest
 import torch
+
+from draftsmith.eval import gpu_bench
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,6 +15,7 @@ FOLDERS = (
     "serve",
     "train",
     "eval",
+    "peers",
     "conf",
     "draftsmith",
     "tests",

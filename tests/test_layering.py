@@ -1,6 +1,7 @@
-"""Imports follow docs/design.md: cpu_kernels <- runtime <- heads <- serve <- train, serve <- eval, and draftsmith/'s
-own modules (files.py) import none of them; nothing imports a __main__; no
-two modules import each other, however indirectly. In tests/, no file imports a test module or conftest: what several
+"""Imports follow docs/design.md: cpu_kernels <- runtime <- heads <- serve <- train, serve <- eval, train and eval <-
+peers, and draftsmith/'s own modules (files.py) import none of them; nothing imports a __main__; no
+two modules import each other, however indirectly. The workers run by path in vLLM's own Python (STANDALONE) import
+no draftsmith at all. In tests/, no file imports a test module or conftest: what several
 modules share is in helpers.py (plain code) or conftest.py (fixtures), so running one test file never runs another's
 module code.
 
@@ -25,7 +26,10 @@ ALLOWED = {
     "serve": {"cpu_kernels", "runtime", "heads", "serve"},
     "train": {"cpu_kernels", "runtime", "heads", "serve", "train"},
     "eval": {"cpu_kernels", "runtime", "heads", "serve", "eval"},
+    "peers": {"cpu_kernels", "runtime", "heads", "serve", "train", "eval", "peers"},
 }
+# run by their path in vLLM's own Python, where draftsmith is not installed
+STANDALONE = ("train/regenerate_vllm_worker.py", "peers/vllm_worker.py", "peers/vllm_reload_worker.py")
 
 
 def module_name(path: Path) -> str:
@@ -106,6 +110,26 @@ def test_the_lower_rooms_refuse_what_sits_above_them(tmp_path, monkeypatch):
         (tmp_path / room / "x.py").write_text(line + "from draftsmith.files import cache_root\n")
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
     assert [len(violations(room)) for room in ("cpu_kernels", "runtime", "draftsmith")] == [1, 1, 1]
+
+
+def draftsmith_imports(path: Path) -> list[str]:
+    """One line per import of draftsmith in the file, a relative one (resolved into the package) included."""
+    where = path.relative_to(ROOT)
+    return [f"{where}:{line} imports {m}" for line, m in imported(path) if m.split(".")[0] == "draftsmith"]
+
+
+def test_standalone_workers_import_no_draftsmith():
+    assert all((ROOT / f).is_file() for f in STANDALONE)
+    assert [v for f in STANDALONE for v in draftsmith_imports(ROOT / f)] == []
+
+
+def test_the_standalone_walk_sees_absolute_and_relative_imports(tmp_path, monkeypatch):
+    (tmp_path / "peers").mkdir()
+    worker = tmp_path / "peers" / "w.py"
+    lines = ["import json", "import vllm_worker", "from draftsmith.files import x", "def f():", "    from . import y"]
+    worker.write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    assert [v.split(" ")[0] for v in draftsmith_imports(worker)] == ["peers/w.py:3", "peers/w.py:5"]
 
 
 def test_importing_the_runtime_registers_no_drafter_kinds():

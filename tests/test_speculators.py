@@ -1,7 +1,7 @@
 """vLLM's speculators format out (serve/export/speculators.py) and EAGLE-3 heads made elsewhere in
 (serve/export/external_heads.py), on a tiny random Llama target: the export's keys against the speculators source,
 validation, round trips that draft exactly what the original head drafts, and every bad folder refused before anything
-loads. The real-vLLM check is scripts/vllm_crosscheck.py (its own environment, not run here)."""
+loads. The real-vLLM check is peers/vllm_crosscheck.py (its own environment, not run here)."""
 
 from __future__ import annotations
 

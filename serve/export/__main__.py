@@ -27,7 +27,7 @@ class ExportConfig:
     push: bool = False
     gguf_target: str | None = None  # format=gguf: the target GGUF llama.cpp runs beside the head (default: the
     # GGUF the target was read from, e.g. the built-in SmolLM2's)
-    vllm_sweep: str | None = None  # a draft-length sweep's results.json (scripts/vllm_concurrency.py): the card
+    vllm_sweep: str | None = None  # a draft-length sweep's results.json (peers/vllm_concurrency.py): the card
     # recommends the draft length per concurrency level from it
 
 

@@ -60,7 +60,7 @@ def concurrency_section(sweep: Sweep | None, card_k: int | None, out: Path, comm
             "concurrency; re-export with `vllm_sweep=RUN/results.json` to recommend from it here.\n"
         )
     return (
-        f"{TITLE}\n\nMeasured by scripts/vllm_concurrency.py with {sweep.origin()} (`{sweep.source}`; the export at "
+        f"{TITLE}\n\nMeasured by `draftsmith-peers concurrency` with {sweep.origin()} (`{sweep.source}`; the export at "
         f"`{sweep.model}` served as `{sweep.method}`): throughput against plain vLLM, 95% intervals over rounds. "
         f"Recommended per level: {RULE}.\n\n{choices_table(sweep, card_k)}\n\n"
         f"{sentence(verdict(sweep.choices()))}. {serve_text(sweep, command)}"

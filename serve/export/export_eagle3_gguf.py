@@ -1,6 +1,6 @@
 """EAGLE-3 heads out to llama.cpp: one GGUF of architecture `eagle3`, tensor for tensor and key for key what
 llama.cpp's own converter writes (convert_hf_to_gguf.py --target-model-dir on a format=vllm export;
-scripts/engines_crosscheck.py compares the two files), with the target GGUF's tokenizer, which llama.cpp needs to
+peers/engines_crosscheck.py compares the two files), with the target GGUF's tokenizer, which llama.cpp needs to
 pair the two models.
 
 What llama.cpp changes from the HF layout: names (midlayer.* -> blk.0.*, norm -> output_norm, lm_head -> output),

@@ -128,7 +128,7 @@ def export(
 ) -> Path:
     """Export drafter to OUT in `fmt`; OUT appears only once the export has passed validation. gguf_target: the
     target GGUF llama.cpp runs the head beside (format=gguf), where the target was not read from one. vllm_sweep:
-    a draft-length sweep's results.json (scripts/vllm_concurrency.py) the card recommends from."""
+    a draft-length sweep's results.json (peers/vllm_concurrency.py) the card recommends from."""
     from draftsmith.serve.export.checks import check_export  # which imports this module
 
     drafter, out = Path(drafter).expanduser(), Path(out).expanduser()

@@ -1,4 +1,4 @@
-"""A measured draft-length sweep through vLLM, as scripts/vllm_concurrency.py records it in its results.json
+"""A measured draft-length sweep through vLLM, as peers/vllm_concurrency.py records it in its results.json
 (the `draft_lengths` entry), and read back by the export card and draftsmith-eval, which recommend from it."""
 
 from __future__ import annotations

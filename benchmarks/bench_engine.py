@@ -14,16 +14,17 @@ Batch 1, greedy. Sections:
      EOS): tok/s, draftsmith/peer with a 95% bootstrap interval over prompts, outputs identical token for token;
      with --eagle3 DIR also the same exported EAGLE-3 head in draftsmith and vLLM as a chain of --peer-k, with both
      τ. vLLM runs in its own venv (--vllm-python; made by scripts/vllm_crosscheck.sh) as a worker kept alive over
-     the pair's requests (vllm_crosscheck.VllmServer), timing llm.generate of each prompt itself; llama.cpp's time
-     is its server's own (prompt + decode). A peer's start (vLLM: its compile) and first request are timed apart.
+     the pair's requests (draftsmith.peers.vllm_client.VllmServer), timing llm.generate of each prompt itself;
+     llama.cpp's time is its server's own (prompt + decode). A peer's start (vLLM: its compile) and first request
+     are timed apart.
 
 Variants run interleaved prompt by prompt (A, B, ..., then B, A, ... on the next repeat) after a
-warm-up; a variant's time on a prompt is the median over repeats, its tokens/s is the sum of new
-tokens over the sum of those medians. Tokens/s counts the whole request (prefill included).
+warm-up (draftsmith.eval.timed_runs); a variant's time on a prompt is the median over repeats, its tokens/s is the
+sum of new tokens over the sum of those medians. Tokens/s counts the whole request (prefill included).
 
-    python scripts/bench_engine.py            # every section (run times: docs/benchmarks.md)
-    python scripts/bench_engine.py --quick    # fewer prompts and tokens
-    python scripts/bench_engine.py --sections vllm --peer-prompts 20 [--eagle3 HEAD]   # the peer table
+    python benchmarks/bench_engine.py            # every section (run times: docs/benchmarks.md)
+    python benchmarks/bench_engine.py --quick    # fewer prompts and tokens
+    python benchmarks/bench_engine.py --sections vllm --peer-prompts 20 [--eagle3 HEAD]   # the peer table
 """
 
 from __future__ import annotations
@@ -40,22 +41,32 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import llamacpp_peer as lp  # noqa: E402  (scripts/: the llama.cpp server)
 import torch  # noqa: E402
-import vllm_crosscheck as vc  # noqa: E402  (scripts/, beside this file: no vLLM import until a worker starts)
 from tqdm import tqdm  # noqa: E402
 
+from draftsmith.eval.timed_runs import (  # noqa: E402
+    Prompt,
+    Results,
+    Run,
+    TimedEngine,
+    Variant,
+    interleave,
+    run_engine,
+    run_hf,
+)
+from draftsmith.peers import llamacpp_peer as lp  # noqa: E402  (the llama.cpp server)
+from draftsmith.peers import vllm_client  # noqa: E402  (no vLLM import until a worker starts)
+from draftsmith.peers import vllm_crosscheck as vc  # noqa: E402
+from draftsmith.peers.vllm_worker import SPEC_COUNTERS  # noqa: E402
 from draftsmith.serve.build import make_proposer  # noqa: E402
-from draftsmith.serve.engine.engine import Engine  # noqa: E402
 from draftsmith.serve.engine.metrics import Metrics  # noqa: E402
 from draftsmith.serve.engine.prefix_cache import PrefixCache  # noqa: E402
-from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.models.target import (  # noqa: E402
     SHORT_NAMES,
     LoadedTarget,  # noqa: E402
@@ -69,7 +80,6 @@ from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer 
 from draftsmith.serve.proposers.propose_suffix import SuffixProposer  # noqa: E402
 from draftsmith.serve.spec import SuffixConfig  # noqa: E402
 
-GREEDY = SamplingParams()
 BENCH_DTYPES = ("float32", "bfloat16")
 MTBENCH = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 SECTIONS = ("hf", "ngram", "prefix", "layerskip", "vllm")
@@ -86,135 +96,6 @@ QUICK = dict(
     prefix_repeats=1,
     prefix_dtypes=["float32"],
 )
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-@dataclass
-class Run:
-    """One request: its new tokens, timings, and where a step's time went."""
-
-    tokens: list[int]
-    total_s: float
-    ttft_s: float = 0.0
-    metrics: Metrics | None = None
-    steps: int = 0
-    step_s: float = 0.0  # inside Engine.step
-    target_s: float = 0.0  # inside Engine.forward, during a step
-    proposer_s: float = 0.0  # inside proposer.propose / accept (drafter forwards included)
-
-
-class TimedEngine(Engine):
-    """Engine with wall-clock counters around each step, the target forward inside it, and the proposer."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.in_step = False
-        self.reset_timers()
-        if self.proposer is not None:
-            self.proposer.propose = self.timed(self.proposer.propose)
-            self.proposer.accept = self.timed(self.proposer.accept)
-
-    def reset_timers(self) -> None:
-        self.steps, self.step_s, self.target_s, self.proposer_s = 0, 0.0, 0.0, 0.0
-
-    def clock(self) -> float:
-        self.sync()
-        return time.perf_counter()
-
-    def timed(self, fn: Callable) -> Callable:
-        def wrapper(*args, **kwargs):
-            begin = self.clock()
-            out = fn(*args, **kwargs)
-            self.proposer_s += self.clock() - begin
-            return out
-
-        return wrapper
-
-    def step(self, *args, **kwargs) -> int:
-        self.in_step = True
-        begin = self.clock()
-        n = super().step(*args, **kwargs)
-        self.step_s += self.clock() - begin
-        self.steps += 1
-        self.in_step = False
-        return n
-
-    def forward(self, *args, **kwargs):
-        if not self.in_step:  # prefill: not part of a verify step
-            return super().forward(*args, **kwargs)
-        begin = self.clock()
-        out = super().forward(*args, **kwargs)
-        self.target_s += self.clock() - begin
-        return out
-
-
-def run_engine(engine: TimedEngine, ids: list[int], max_new: int, eos: tuple[int, ...]) -> Run:
-    engine.eos_ids = eos
-    engine.reset_timers()
-    if engine.proposer is not None:  # each request as if first: suffix's global tree would hold the last repeat's
-        engine.proposer.forget()
-    g = engine.generate(ids, max_new, GREEDY)
-    m = g.metrics
-    return Run(g.output_ids, m.total_s, m.ttft_s, m, engine.steps, engine.step_s, engine.target_s, engine.proposer_s)
-
-
-def run_hf(model, ids: list[int], max_new: int, pad_id: int) -> Run:
-    """HF greedy generate of exactly max_new tokens (EOS suppressed until then by min_new_tokens)."""
-    x = torch.tensor([ids], device=model.device)
-    with torch.inference_mode():
-        sync(model.device)
-        begin = time.perf_counter()
-        out = model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=max_new,
-            min_new_tokens=max_new,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=pad_id,
-        )
-        sync(model.device)
-        total = time.perf_counter() - begin
-    return Run(out[0, len(ids) :].tolist(), total)
-
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-@dataclass
-class Prompt:
-    name: str
-    ids: list[int]
-
-
-Variant = tuple[str, Callable[[list[int], int], Run]]
-
-
-@dataclass
-class Results:
-    """runs[variant][prompt index] = one Run per repeat."""
-
-    prompts: list[Prompt]
-    runs: dict[str, list[list[Run]]] = field(default_factory=dict)
-
-
-def interleave(desc: str, variants: list[Variant], prompts: list[Prompt], repeats: int, max_new: int, warmup: int):
-    res = Results(prompts, {name: [[] for _ in prompts] for name, _ in variants})
-    for _, fn in tqdm(variants, desc=f"{desc} warm-up", leave=False):
-        fn(prompts[0].ids, warmup)
-    with tqdm(total=repeats * len(prompts) * len(variants), desc=desc) as bar:
-        for r in range(repeats):
-            order = variants if r % 2 == 0 else variants[::-1]
-            for i, p in enumerate(prompts):
-                for name, fn in order:
-                    bar.set_postfix_str(f"{p.name} {name}")
-                    res.runs[name][i].append(fn(p.ids, max_new))
-                    bar.update()
-    return res
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -727,7 +608,7 @@ class PeerSetup:
 
 def vllm_installed(python: str) -> bool:
     check = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
-    return Path(python).is_file() and subprocess.run([python, "-c", check], env=vc.vllm_env()).returncode == 0
+    return Path(python).is_file() and subprocess.run([python, "-c", check], env=vllm_client.vllm_env()).returncode == 0
 
 
 def eagle3_engine(args, model, tok, tid: str, folder: Path, dtype: str) -> TimedEngine:
@@ -750,7 +631,7 @@ class Peer:
 
 
 def start_vllm(args, job: dict, work: Path, name: str) -> Peer:
-    server = vc.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"), dict(args.vllm_env))
+    server = vllm_client.VllmServer(args.vllm_python, job, work, name.replace(" ", "-"), dict(args.vllm_env))
     return Peer("vLLM", server.version, server.load_s, lambda ids, n: run_vllm(server, ids, n), server.close)
 
 
@@ -764,7 +645,7 @@ def start_llamacpp(gguf: Path, work: Path, name: str) -> Peer:
 
 def run_vllm(server, ids: list[int], max_new: int) -> Run:
     r = server.generate(ids, max_new)
-    drafts, accepted = (int(r[k]) for k in vc.SPEC_COUNTERS)
+    drafts, accepted = (int(r[k]) for k in SPEC_COUNTERS)
     m = Metrics(drafts=drafts, accepted_tokens=accepted, new_tokens=len(r["tokens"]), total_s=r["seconds"])
     return Run(r["tokens"], r["seconds"], metrics=m)
 
@@ -932,7 +813,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 def add_peer_args(p: argparse.ArgumentParser) -> None:
     """The options of section 6, the vLLM peer table."""
-    p.add_argument("--vllm-python", default=vc.default_vllm_python())
+    p.add_argument("--vllm-python", default=vllm_client.default_vllm_python())
     p.add_argument(
         "--vllm-env",
         type=lambda s: tuple(s.split("=", 1)),

@@ -2,7 +2,7 @@
 verification step accepted (its LLAMA_TRACE log: "accepted a/n draft tokens", one line per step).
 
 Built by scripts/llamacpp_build.sh into ~/.cache/draftsmith/llama.cpp (bin/ and the converter in src/). Used by
-scripts/engines_crosscheck.py; it needs only the standard library and draftsmith's Metrics.
+the engines' cross-check (engines_crosscheck.py) and benchmarks/bench_engine.py's peer table.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from bench_serve import free_port
 
 from draftsmith.eval.cross_engine import recount
 from draftsmith.serve.engine.metrics import Metrics
+
+from .processes import free_port
 
 HOME = Path(os.environ.get("LLAMACPP_DIR", Path.home() / ".cache/draftsmith/llama.cpp"))
 # one line per verification step; a checkpoint restore logs its own line, then the replayed step logs again

@@ -7,8 +7,8 @@ asks a normal chat request every few seconds. Reports /health's latency (median,
 100 ms), whether the normal client was served, what each attack got back, and the server's RSS idle, at its peak and
 after (the target: peak within 1.5x idle).
 
-    python scripts/serve_load.py --out results.json                   # tiny random target, SmolLM2's tokenizer
-    python scripts/serve_load.py --model smollm2 --duration 60 --out results.json   # the real SmolLM2-135M
+    python benchmarks/serve_load.py --out results.json                # tiny random target, SmolLM2's tokenizer
+    python benchmarks/serve_load.py --model smollm2 --duration 60 --out results.json   # the real SmolLM2-135M
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import free_port, wait_healthy  # noqa: E402
+from draftsmith.peers.processes import free_port, wait_healthy
 
 KEYS = ("attacker-key", "normal-key")
 MODEL = "load"

