@@ -228,8 +228,9 @@ def settings_line(r: RunResult) -> str:
 
 CALIBRATION_NOTE = (
     "\n\nNodes whose parent was accepted, with the draft policy's acceptance estimate (spec.verify=policy, or "
-    "spec.policy.report_estimates=true beside a draft verified whole or cut) and what was accepted; ECE: the expected calibration error over ten estimate bins. A drafter whose probabilities are "
-    "NaN, or that gives none, is judged by observed acceptance alone."
+    "spec.policy.report_estimates=true beside a draft verified whole or cut) and what was accepted; ECE: the "
+    "expected calibration error over ten estimate bins. A drafter whose probabilities are NaN, or that gives none, is "
+    "judged by observed acceptance alone."
 )
 
 
