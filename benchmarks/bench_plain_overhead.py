@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""What a step the draft policy leaves plain costs with a drafter attached, against plain decoding's own step.
+
+Four engines on the real SmolLM2-135M, greedy, MT-bench first turns, run interleaved prompt by prompt after a
+warm-up; per request, its decode time per token (TTFT apart) and its TTFT:
+- plain: no drafter;
+- attached: the head loaded and fed as under the policy (its prefill, the target's tapped layers, what each step
+  hands it), never asked to draft: every step's plan is a plain step;
+- deciding: as attached, with the policy's decision made every step as the engine makes it, and never coming out
+  a draft (the head judged worth nothing, no probe);
+- policy: the policy as the engine runs it (its first draft, probes, drafts it judges worth it).
+Each is set against plain with a 95% bootstrap interval over prompts (paired: the same prompts resampled together).
+The prefix cache is off, so every request prefills its whole prompt, the head's too.
+
+  python benchmarks/bench_plain_overhead.py --drafter runs/main/eagle3/final [--prompts 16] [--new 64] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+
+from draftsmith.eval.machine import cpu_flags  # noqa: E402
+from draftsmith.eval.suites import SuiteConfig, load_suite  # noqa: E402
+from draftsmith.serve.build import build_engine  # noqa: E402
+from draftsmith.serve.engine.engine import Engine  # noqa: E402
+from draftsmith.serve.engine.policy import Plan  # noqa: E402
+from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
+from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, load_target  # noqa: E402
+from draftsmith.serve.spec import PolicyConfig, SpecConfig  # noqa: E402
+
+GREEDY = SamplingParams()
+RESAMPLES = 2000
+
+
+def engines(target: LoadedTarget, drafter: str, max_seq_len: int) -> dict[str, Engine]:
+    cache = TargetConfig().cache_dir
+    plain = build_engine(target, SpecConfig("ar"), False, max_seq_len, cache_dir=cache)
+    spec = SpecConfig("eagle3", drafter=drafter, verify="policy")
+    made = {name: build_engine(target, spec, False, max_seq_len, cache_dir=cache) for name in ENGINES}
+    for name, engine in made.items():
+        ENGINES[name](engine)
+    return {"plain": plain, **made}
+
+
+def never_drafts(engine: Engine) -> None:
+    policy = engine.policy
+    assert policy is not None, "built with spec.verify=policy"
+    policy.plan = lambda parts, tokens, sp, budget, timed: Plan(policy.empty_tree(tokens.device))  # type: ignore[method-assign]
+
+
+def judges_nothing_worth(engine: Engine) -> None:
+    policy = engine.policy
+    assert policy is not None, "built with spec.verify=policy"
+    policy.cfg = PolicyConfig(probe_every=0)
+    policy.best_depth = lambda i, budget, spent, sp: (0, 0.0)  # type: ignore[method-assign]
+
+
+ENGINES = {"attached": never_drafts, "deciding": judges_nothing_worth, "policy": lambda engine: None}
+
+
+def timed_request(engine: Engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
+    """ms per token after the first, TTFT ms, and the tokens."""
+    g = engine.generate(ids, new, GREEDY)
+    m = g.metrics
+    return 1000 * (m.total_s - m.ttft_s) / max(m.new_tokens - 1, 1), 1000 * m.ttft_s, g.output_ids
+
+
+def measure(made: dict[str, Engine], prompts: list[list[int]], new: int, rounds: int) -> dict[str, np.ndarray]:
+    """name -> [prompt, round, (tpot, ttft)], variants in a rotating order; outputs checked against plain's."""
+    out = {name: np.zeros((len(prompts), rounds, 2)) for name in made}
+    names = list(made)
+    for name in names:  # warm-up: first-call costs, the cost curve
+        timed_request(made[name], prompts[0], 8)
+    for r in range(rounds):
+        for engine in made.values():  # each round starts cold, as an eval's repeat does
+            engine.forget()
+        for i, ids in enumerate(prompts):
+            k = (i + r) % len(names)
+            tokens = {}
+            for name in names[k:] + names[:k]:
+                tpot, ttft, tokens[name] = timed_request(made[name], ids, new)
+                out[name][i, r] = tpot, ttft
+            assert all(t == tokens["plain"] for t in tokens.values()), f"prompt {i}: an output differs from plain's"
+        print(f"round {r + 1}/{rounds} done")
+    return out
+
+
+def paired(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, float]:
+    """sum(a) / sum(b) over prompts (each prompt's rounds averaged), with a 95% bootstrap interval."""
+    a, b = a.mean(axis=1), b.mean(axis=1)
+    rng = np.random.default_rng(seed)
+    w = rng.multinomial(len(a), [1 / len(a)] * len(a), size=RESAMPLES)
+    draws = (w @ a) / (w @ b)
+    low, high = np.percentile(draws, [2.5, 97.5])
+    return float(a.sum() / b.sum()), float(low), float(high)
+
+
+def report(out: dict[str, np.ndarray]) -> None:
+    base = out["plain"]
+    print(f"{'engine':10s} {'ms/token':>9s}  {'vs plain':>22s}  {'TTFT ms':>8s}  {'vs plain':>22s}")
+    for name, x in out.items():
+        tpot, ttft = statistics.median(x[..., 0].ravel()), statistics.median(x[..., 1].ravel())
+        r, lo, hi = paired(x[..., 0], base[..., 0])
+        q, qlo, qhi = paired(x[..., 1], base[..., 1])
+        print(f"{name:10s} {tpot:9.2f}  {r:6.3f}x [{lo:.3f}, {hi:.3f}]  {ttft:8.1f}  {q:6.3f}x [{qlo:.3f}, {qhi:.3f}]")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True, help="an EAGLE-3 drafter folder")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    target = load_target(TargetConfig())
+    questions = [p.turns[0] for p in load_suite(SuiteConfig(name="mt_bench"), args.prompts)]
+    prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+    made = engines(target, args.drafter, max(map(len, prompts)) + args.new + 64)
+    flags = " ".join(cpu_flags())
+    print(f"{target.target_id}, {len(prompts)} MT-bench first turns x {args.rounds} rounds, {args.new} new tokens")
+    print(f"CPU flags: {flags}")
+    report(measure(made, prompts, args.new, args.rounds))
+
+
+if __name__ == "__main__":
+    main()
