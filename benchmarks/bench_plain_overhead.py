@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What a step the draft policy leaves plain costs with a drafter attached, against plain decoding's own step.
 
-Four engines on the real SmolLM2-135M, greedy, MT-bench first turns, run interleaved prompt by prompt after a
-warm-up; per request, its decode time per token (TTFT apart) and its TTFT:
+Four engines on the real SmolLM2-135M, greedy, a suite's first turns (MT-bench's by default), run interleaved prompt
+by prompt after a warm-up; per request, its decode time per token (TTFT apart) and its TTFT:
 - plain: no drafter;
 - attached: the head loaded and fed as under the policy (its prefill, the target's tapped layers, what each step
   hands it), never asked to draft: every step's plan is a plain step;
@@ -115,16 +115,17 @@ def report(out: dict[str, np.ndarray]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True, help="an EAGLE-3 drafter folder")
+    ap.add_argument("--suite", default="mt_bench", help="a suite's first turns (mt_bench, humaneval, rag, ...)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     target = load_target(TargetConfig())
-    questions = [p.turns[0] for p in load_suite(SuiteConfig(name="mt_bench"), args.prompts)]
+    questions = [p.turns[0] for p in load_suite(SuiteConfig(name=args.suite), args.prompts)]
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for q in questions]
     made = engines(target, args.drafter, max(map(len, prompts)) + args.new + 64)
     flags = " ".join(cpu_flags())
-    print(f"{target.target_id}, {len(prompts)} MT-bench first turns x {args.rounds} rounds, {args.new} new tokens")
+    print(f"{target.target_id}, {len(prompts)} {args.suite} first turns x {args.rounds} rounds, {args.new} new tokens")
     print(f"CPU flags: {flags}")
     report(measure(made, prompts, args.new, args.rounds))
 

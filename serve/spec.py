@@ -38,6 +38,7 @@ class PolicyConfig:
     """spec.policy: the draft policy's settings (spec.verify=policy)."""
 
     probe_every: int = 16  # plain steps in a row before a probe (0: never probe)
+    probe_backoff: int = 4  # a probe that finds nothing doubles the wait, up to this many times probe_every
     prior_weight: float = 4.0  # request observations the engine's estimate from earlier requests counts as
     half_life: float = 32.0  # request steps after which an observation weighs half
     # verify=fixed or cost: estimate each drafted node's acceptance as the policy would, for the calibration report
@@ -47,6 +48,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.probe_every < 0:
             raise ValueError(f"spec.policy.probe_every must be >= 0 (0 = never probe), got {self.probe_every}")
+        if self.probe_backoff < 1:
+            raise ValueError(f"spec.policy.probe_backoff must be >= 1 (times probe_every), got {self.probe_backoff}")
         if not self.prior_weight > 0:
             raise ValueError(f"spec.policy.prior_weight must be > 0, got {self.prior_weight}")
         if not self.half_life > 0:

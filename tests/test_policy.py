@@ -135,6 +135,15 @@ def test_probes_that_find_nothing_back_off_to_four_times_probe_every(target, fut
     assert gaps[:3] == [2, 4, 8] and set(gaps[3:]) <= {8}, decisions
 
 
+def test_a_longer_backoff_looks_less_often(target, future):
+    engine = Engine(target, Scripted(future, lambda n: False), max_seq_len=128)
+    engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=2, probe_backoff=16))
+    engine.generate(PROMPTS[0], NEW, GREEDY)
+    assert engine.policy.wait == 32  # 2, 4, 8, 16, 32: backed off to 16 x probe_every
+    with pytest.raises(ValueError, match="spec.policy.probe_backoff must be >= 1"):
+        PolicyConfig(probe_backoff=0)
+
+
 def test_the_wait_before_a_probe_goes_on_from_one_request_to_the_next(target, future):
     """A drafter that stopped paying is looked at once per wait across requests, not again early in each request."""
     engine = Engine(target, Scripted(future, lambda n: False), max_seq_len=128)

@@ -13,10 +13,10 @@ A request whose drafts stop paying goes plain; within a plain run the drafters a
 (nothing is observed meanwhile, so the decision holds), and a plain step costs next to nothing. After `probe_every`
 plain steps in a row it probes: the lookup's first node if one drafted, else the cheapest drafter's first node (its
 whole first level where it samples its draft). A probe that does not bring drafting back doubles the wait for the
-next, up to 4 x `probe_every`; a draft worth making resets it. So probing costs at most one draft level and one verify
-row per `probe_every` + 1 steps, one per 4 x `probe_every` + 1 while requests stay plain (the plain run and the wait go
-on from one request to the next), and a request whose acceptance comes back is drafting again within
-4 x `probe_every` + 1 steps. Likewise a drafter drafting short of its deepest goes one level deeper every
+next, up to `probe_backoff` x `probe_every` (B x P); a draft worth making resets it. So probing costs at most one
+draft level and one verify row per P + 1 steps, one per B x P + 1 while requests stay plain (the plain run and the
+wait go on from one request to the next), and a request whose acceptance comes back is drafting again within B x P + 1
+steps. Likewise a drafter drafting short of its deepest goes one level deeper every
 `probe_every`-th draft, so deeper levels that came to pay are found.
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
@@ -135,7 +135,7 @@ class DraftPolicy:
         elif best.part < 0 and self.probe_due():
             best = self.probe(parts, found, tokens, sp, spent, timed)
             if best.decision == "probe":  # back to probe_every once drafting pays
-                self.wait = min(2 * self.wait, 4 * self.cfg.probe_every)
+                self.wait = min(2 * self.wait, self.cfg.probe_backoff * self.cfg.probe_every)
         if best.decision != "probe" and not best.verifies_nothing:
             self.wait = self.cfg.probe_every
         best.seconds = max(best.seconds, spent)
