@@ -6,10 +6,12 @@ by prompt after a warm-up; per request, its decode time per token (TTFT apart) a
 - plain: no drafter;
 - attached: the head loaded and fed as under the policy (its prefill, the target's tapped layers, what each step
   hands it), never asked to draft: every step's plan is a plain step;
-- deciding: as attached, with the policy's decision made every step as the engine makes it, and never coming out
-  a draft (the head judged worth nothing, no probe);
+- deciding: the policy judging the head every step as the engine does, with every verify row past the first priced
+  out of reach and no probe: it drafts once per round (the policy's first look at the head's shape, every node then
+  cut) and never verifies a draft;
 - policy: the policy as the engine runs it (its first draft, probes, drafts it judges worth it).
-Each is set against plain with a 95% bootstrap interval over prompts (paired: the same prompts resampled together).
+Each is set against plain with a 95% bootstrap interval over prompts (paired: the same prompts resampled together), and
+how many times each asked the head for a draft.
 The prefix cache is off, so every request prefills its whole prompt, the head's too.
 
   python benchmarks/bench_plain_overhead.py --drafter runs/main/eagle3/final [--prompts 16] [--new 64] [--rounds 3]
@@ -18,6 +20,7 @@ The prefix cache is off, so every request prefills its whole prompt, the head's 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 
@@ -46,7 +49,10 @@ def engines(target: LoadedTarget, drafter: str, max_seq_len: int) -> dict[str, E
     made = {name: build_engine(target, spec, False, max_seq_len, cache_dir=cache) for name in ENGINES}
     for name, engine in made.items():
         ENGINES[name](engine)
-    return {"plain": plain, **made}
+    made = {"plain": plain, **made}
+    for name, engine in made.items():
+        counted(engine, ASKED, name)
+    return made
 
 
 def never_drafts(engine: Engine) -> None:
@@ -59,10 +65,25 @@ def judges_nothing_worth(engine: Engine) -> None:
     policy = engine.policy
     assert policy is not None, "built with spec.verify=policy"
     policy.cfg = PolicyConfig(probe_every=0)
-    policy.best_depth = lambda i, budget, spent, sp: (0, 0.0)  # type: ignore[method-assign]
+    one_row = policy.cost(1)
+    policy.cost = lambda rows: one_row if rows <= 1 else math.inf
+
+
+def counted(engine: Engine, asked: dict[str, int], name: str) -> None:
+    """Count the drafts the engine asks its proposer for."""
+    if engine.proposer is None:
+        return
+    propose = engine.proposer.propose
+
+    def asking(*args, **kwargs):
+        asked[name] += 1
+        return propose(*args, **kwargs)
+
+    engine.proposer.propose = asking  # type: ignore[method-assign]
 
 
 ENGINES = {"attached": never_drafts, "deciding": judges_nothing_worth, "policy": lambda engine: None}
+ASKED = {"plain": 0, **dict.fromkeys(ENGINES, 0)}  # drafts asked of the head, per engine, over the timed rounds
 
 
 def timed_request(engine: Engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
@@ -78,6 +99,7 @@ def measure(made: dict[str, Engine], prompts: list[list[int]], new: int, rounds:
     names = list(made)
     for name in names:  # warm-up: first-call costs, the cost curve
         timed_request(made[name], prompts[0], 8)
+    ASKED.update(dict.fromkeys(ASKED, 0))
     for r in range(rounds):
         for engine in made.values():  # each round starts cold, as an eval's repeat does
             engine.forget()
@@ -89,6 +111,7 @@ def measure(made: dict[str, Engine], prompts: list[list[int]], new: int, rounds:
                 out[name][i, r] = tpot, ttft
             assert all(t == tokens["plain"] for t in tokens.values()), f"prompt {i}: an output differs from plain's"
         print(f"round {r + 1}/{rounds} done")
+    assert ASKED["attached"] == 0 and ASKED["deciding"] <= rounds, ASKED
     return out
 
 
@@ -104,12 +127,15 @@ def paired(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, f
 
 def report(out: dict[str, np.ndarray]) -> None:
     base = out["plain"]
-    print(f"{'engine':10s} {'ms/token':>9s}  {'vs plain':>22s}  {'TTFT ms':>8s}  {'vs plain':>22s}")
+    print(f"{'engine':10s} {'ms/token':>9s}  {'vs plain':>22s}  {'TTFT ms':>8s}  {'vs plain':>22s}  drafts asked")
     for name, x in out.items():
         tpot, ttft = statistics.median(x[..., 0].ravel()), statistics.median(x[..., 1].ravel())
         r, lo, hi = paired(x[..., 0], base[..., 0])
         q, qlo, qhi = paired(x[..., 1], base[..., 1])
-        print(f"{name:10s} {tpot:9.2f}  {r:6.3f}x [{lo:.3f}, {hi:.3f}]  {ttft:8.1f}  {q:6.3f}x [{qlo:.3f}, {qhi:.3f}]")
+        print(
+            f"{name:10s} {tpot:9.2f}  {r:6.3f}x [{lo:.3f}, {hi:.3f}]  {ttft:8.1f}  {q:6.3f}x [{qlo:.3f}, {qhi:.3f}]"
+            f"  {ASKED[name]}"
+        )
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int | None:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    sys.argv[0] = f"draftsmith-peers {args.check}"  # the check's usage line names the command
+    sys.argv = [f"draftsmith-peers {args.check}", *args.args]  # its usage line, and the command a result records
     module = importlib.import_module(f"draftsmith.peers.{CHECKS[args.check]}")
     return module.cli(args.args)
 

@@ -17,7 +17,7 @@ where both draft the same tokens: that separates the algorithm from the engines.
 vLLM lives in its own virtual environment (it pins its own torch): this check runs in draftsmith's Python and
 starts `--vllm-python` on vllm_worker.py beside it (`--vllm-job`, `--arctic-job`), one process per method.
 One command: bash scripts/vllm_crosscheck.sh [--drafter eagle3=DIR ...] [--fresh] [--suffix] (creates the venv once;
-it runs `draftsmith-crosscheck vllm`).
+it runs `draftsmith-peers vllm`).
 """
 
 from __future__ import annotations

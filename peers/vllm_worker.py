@@ -1,4 +1,4 @@
-"""The vLLM end of the vLLM cross-checks: eval/peers/vllm_client.py starts it, one process per job, in vLLM's own
+"""The vLLM end of the vLLM cross-checks: peers/vllm_client.py starts it, one process per job, in vLLM's own
 Python (vLLM pins its own torch), as a script run by its path. It imports vLLM, what vLLM's environment holds (torch,
 safetensors, the speculators package, arctic_inference) and the standard library only, never draftsmith.
 

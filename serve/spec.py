@@ -116,6 +116,12 @@ class SpecConfig:
                 f"spec.verify={self.verify} decides what is drafted and spec=ar drafts nothing: drop it or pick a "
                 "drafting spec"
             )
+        lookup = self.ngram_tokens or self.suffix_tokens
+        if self.policy.report_estimates and self.verify != "policy" and (self.name == "ar" or lookup):
+            raise ValueError(
+                "spec.policy.report_estimates estimates one drafter's nodes beside a fixed or cut draft: spec=ar "
+                "drafts nothing, and a drafter paired with a lookup is reported part by part under spec.verify=policy"
+            )
         if self.draft_vocab and self.name not in vocab_specs():
             raise ValueError(draft_vocab_refusal(self.name))
 

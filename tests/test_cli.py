@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
 
 from draftsmith.eval.runner import EvalConfig, run_eval
+from draftsmith.peers import __main__ as peers
 from draftsmith.serve.__main__ import GenerateConfig
 from draftsmith.serve.__main__ import run as generate
 from draftsmith.serve.shared.cli import typed
@@ -200,3 +202,14 @@ def test_every_command_finds_its_config(command):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "rror" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_peer_check_records_a_command_line_that_runs_again(monkeypatch):
+    """draftsmith-peers CHECK ...: the check sees its own flags, and sys.argv (which the concurrency sweep records as
+    its command) reads as the command that was run, without the check's name twice."""
+    seen: dict = {}
+    check = types.SimpleNamespace(cli=lambda argv: seen.update(argv=argv, recorded=list(sys.argv)))
+    monkeypatch.setattr(peers.importlib, "import_module", lambda name: check)
+    monkeypatch.setattr(sys, "argv", ["draftsmith-peers", "concurrency", "--k", "1"])
+    peers.main()
+    assert seen == {"argv": ["--k", "1"], "recorded": ["draftsmith-peers concurrency", "--k", "1"]}

@@ -307,7 +307,16 @@ def test_estimates_are_reported_beside_a_whole_draft_and_decide_nothing(target, 
     assert sum(table[:BINS]) == out.metrics.drafts and 0 < sum(settled[:BINS]) < sum(table[:BINS])
     assert 0 < sum(table[2 * BINS :]) < sum(table[:BINS])  # hits and misses both counted
     engine.forget()
-    assert not engine.estimates.tally and not engine.estimates.pooled
+    assert not engine.estimates.tally and not engine.estimates.pooled and engine.accept_s == 0.0
+
+
+def test_estimates_beside_a_paired_lookup_or_no_drafter_are_refused():
+    estimates = PolicyConfig(report_estimates=True)
+    with pytest.raises(ValueError, match="reported part by part under spec.verify=policy"):
+        SpecConfig("eagle3", drafter="x", ngram_tokens=5, policy=estimates)
+    with pytest.raises(ValueError, match="spec=ar drafts nothing"):
+        SpecConfig("ar", policy=estimates)
+    SpecConfig("eagle3", drafter="x", ngram_tokens=5, verify="policy", policy=estimates)  # the policy reports anyway
 
 
 def test_merge_is_refused_under_the_policy():

@@ -95,6 +95,7 @@ class Engine:
             self.policy.forget()
         if self.estimates is not None:
             self.estimates = Acceptance(self.estimates.prior_weight, self.estimates.half_life)
+        self.accept_s = 0.0
 
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len == 0:
