@@ -149,6 +149,6 @@ def build_engine(
             engine.draft_cut = CostCut(cost)
         else:
             engine.policy = DraftPolicy(cost, spec.policy)
-    if spec.policy.report_estimates and engine.policy is None and proposer is not None:
+    if spec.policy.report_estimates and engine.policy is None:  # spec=ar with it is refused: a proposer is here
         engine.estimates = Acceptance(spec.policy.prior_weight, spec.policy.half_life)
     return engine
