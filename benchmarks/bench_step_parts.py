@@ -95,7 +95,7 @@ def patched(patches) -> ExitStack:
 ONEDNN = "eager, fp32 on torch's kernels"  # oneDNN's linears and SDPA, without cpu_kernels/native.py's library
 TORCH_OPS = [(native, "wanted", lambda: False)]  # every one of draftsmith's kernels steps aside
 LAYER_BY_LAYER = "eager, fp32 one call per layer"  # the layers as one call each, not the whole stack in one
-ONE_CALL_PER_LAYER = [(decoder_stack, "takes", lambda *args: None)]
+ONE_CALL_PER_LAYER = [(decoder_stack, "steps", lambda *args: False)]
 
 
 FP32_PANELS = "eager, fp32 weights in fp32 panels"  # every weight in fp32 panels, none in a narrower exact format
@@ -278,7 +278,7 @@ def fp32_peak_gflops(rounds: int) -> float:
 
 
 MODULES = "draft (layer module by module)"  # as before cpu_kernels/decoder_layer.py's one call took EAGLE-3's midlayer
-ONE_CALL_LAYER_OFF = [(decoder_layer, "takes", lambda *args: None)]
+ONE_CALL_LAYER_OFF = [(decoder_layer, "step_plan", lambda *args: None)]
 
 
 def drafter_section(folder: str, context: int, rounds: int, gbs: float) -> None:

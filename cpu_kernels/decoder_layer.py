@@ -96,8 +96,9 @@ READS = (
 )
 
 
-def takes(layer: Any, x: Tensor, caches: Caches, start: object, mask: object) -> Plan | None:
-    """The layer's plan for a cached batch-1 fp32 step, where its projections are packed in panels; else None."""
+def step_plan(layer: Any, x: Tensor, caches: Caches, start: object, mask: object) -> Plan | None:
+    """The layer's plan for a cached batch-1 fp32 step, where its projections are packed in panels; else None. A
+    drafter's layers take it one by one; a target's take the whole stack (cpu_kernels/decoder_stack.py)."""
     if caches[0] is None or caches[1] is None or not isinstance(start, int) or not rope_attention.handles(x, mask):
         return None
     return plan(layer) if kernel() is not None else None
@@ -206,7 +207,7 @@ def run(
     tail = (k.data_ptr(), v.data_ptr(), work.data_ptr(), out.data_ptr())
     if not made.hidden_norm:
         fn = kernel()
-        assert fn is not None, "takes() found the kernel"
+        assert fn is not None, "step_plan() found the kernel"
         fn(rows.data_ptr(), n, made.weights, step, *tail)
         return out
     assert feature is not None, "EAGLE-3's midlayer reads the feature too"

@@ -5,8 +5,9 @@ Why: with each layer one call (cpu_kernels/decoder_layer.py), what is left of a 
 module call, checking the step's rope rows, caches and mask, proving the layer's plan current, allocating its output, a
 sizeable share of a small model's step (docs/benchmarks.md, The whole stack in one call). Here the step's operands are
 checked once, one watch proves every layer's plan current (cpu_kernels/watch.py), and one call runs the layers in order,
-each as decoder_layer runs it alone, so the bits are the same by either road. Where it runs: where every layer of the
-stack takes the one-layer call, and they share their attention's shape."""
+each as decoder_layer runs it alone, so the bits are the same by either road. Where it runs: a model on the cpu_kernels
+path (runtime/llama.py, Transformer.path), whose every layer takes the one-layer call, the layers sharing their
+attention's shape."""
 
 from __future__ import annotations
 
@@ -58,14 +59,16 @@ class Stack:
 STACKS: weakref.WeakKeyDictionary[nn.Module, Stack] = weakref.WeakKeyDictionary()
 
 
-def takes(
-    layers: nn.Module, forward: Callable, x: Tensor, cache: LayerCaches | None, start: object, mask: object
-) -> Stack | None:
-    """The stack's plans for a cached batch-1 fp32 step where every layer is a plain one (its class's `forward`, no
-    hooks) that takes the one-layer call; else None."""
-    if cache is None or not isinstance(start, int) or not isinstance(layers, nn.Module) or kernel() is None:
-        return None
-    if not rope_attention.handles(x, mask):
+def steps(x: Tensor, cache: LayerCaches | None, start: object, mask: object) -> bool:
+    """A call the stack runs: a cached batch-1 no-grad fp32 CPU step at a slot number, its mask causal (None) or a bool
+    tensor, where the library is built."""
+    return cache is not None and isinstance(start, int) and rope_attention.handles(x, mask) and kernel() is not None
+
+
+def current(layers: nn.Module, forward: Callable) -> Stack | None:
+    """The stack's plans, kept while its watch holds and made anew when not; None where a layer is not a plain one (its
+    class's `forward`, no hooks) that takes the one-layer call, or the library is not built."""
+    if not isinstance(layers, nn.Module) or kernel() is None:
         return None
     kept = STACKS.get(layers)
     if kept is not None and kept.watch.holds():
@@ -126,7 +129,7 @@ def run(
         tap_ptrs[i] = aux[j].data_ptr()
     work, out = rows.new_empty(n * stack.work), torch.empty_like(rows)
     fn = kernel()
-    assert fn is not None, "takes() found the kernel"
+    assert fn is not None, "steps() found the kernel"
     fn(rows.data_ptr(), n, stack.layers, count, step, k_ptrs, v_ptrs, tap_ptrs, work.data_ptr(), out.data_ptr())
     return out, list(aux)
 

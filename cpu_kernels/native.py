@@ -19,6 +19,7 @@ older ones.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -27,6 +28,8 @@ import shlex
 import shutil
 import subprocess
 import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
@@ -60,6 +63,8 @@ EXPORTS = (
 # bits would then depend on the path (masked or causal) that computed it
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 KEEP = 4  # built libraries kept in the cache, the newest first (prune_older)
+# set while a model on the reference path runs (runtime/llama.py, Transformer.path): no call takes these kernels
+SWITCHED_OFF: ContextVar[bool] = ContextVar("draftsmith_kernels_switched_off", default=False)
 SETTINGS = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
 
 
@@ -86,11 +91,21 @@ def version() -> str | None:
 
 
 def handles(x: Tensor) -> bool:
-    """A no-grad fp32 CPU call where the kernels are usable. Training, autocast (the linears then give bf16), other
-    dtypes and a forward being compiled (inductor fuses these ops itself, and cannot trace a ctypes call) keep
-    torch's ops."""
+    """A no-grad fp32 CPU call where the kernels are usable and not switched off. Training, autocast (the linears then
+    give bf16), other dtypes and a forward being compiled (inductor fuses these ops itself, and cannot trace a ctypes
+    call) keep torch's ops."""
     eager = not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
-    return x.dtype == torch.float32 and x.is_cpu and eager and usable()
+    return x.dtype == torch.float32 and x.is_cpu and eager and not SWITCHED_OFF.get() and usable()
+
+
+@contextlib.contextmanager
+def switched_off() -> Iterator[None]:
+    """Within it, every call keeps torch's ops: the linears, norms and attention of a model on the reference path."""
+    token = SWITCHED_OFF.set(True)
+    try:
+        yield
+    finally:
+        SWITCHED_OFF.reset(token)
 
 
 def setting_from_env() -> bool | None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import panels
+from . import native, panels
 from .watch import Watch, watching
 
 NATIVE = {  # does this CPU's oneDNN have kernels for the dtype
@@ -85,8 +85,12 @@ def invariant_rows(rows: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def handles_packed(x: Tensor, dtype: torch.dtype) -> bool:
-    """Only no-grad CPU calls in the packed dtype: autograd and autocast need the plain weight."""
-    return x.is_cpu and x.dtype == dtype and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    """Only no-grad CPU calls in the packed dtype: autograd and autocast need the plain weight, and so do fp32 panels
+    while draftsmith's kernels are switched off (a model on the reference path: oneDNN's packed layouts stay, as
+    torch's own)."""
+    eager = not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    switched_off = native.SWITCHED_OFF.get() and dtype == torch.float32 and panels.available()  # pack_weight's choice
+    return x.is_cpu and x.dtype == dtype and eager and not switched_off
 
 
 class PackedLinear(nn.Module):

@@ -85,7 +85,7 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, feature, cos, sin, kc, vc, start: int, mask) -> Tensor:
         # fp32 CPU: one call, the same bits; the call's residual is the feature itself
-        plan = None if self.norm_before_residual else decoder_layer.takes(self, embeds, (kc, vc), start, mask)
+        plan = None if self.norm_before_residual else decoder_layer.step_plan(self, embeds, (kc, vc), start, mask)
         if plan:
             return decoder_layer.run(plan, embeds, (cos, sin), (kc, vc), start, mask, feature)
         return self.finish(feature, self.self_attn(self.attn_input(embeds, feature), cos, sin, kc, vc, start, mask))

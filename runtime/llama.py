@@ -3,11 +3,20 @@
 Batch 1, static KV cache indexed by position, explicit positions and attention mask so
 the same forward serves prefill, decode and tree verification. Parameter names match
 HF transformers, so a safetensors state dict loads as is.
+
+A target runs one of two forwards, chosen once when it is loaded (Transformer.path):
+- `cpu_kernels`: its fp32 weights on a CPU where draftsmith's kernels run (cpu_kernels/), every layer fitting them.
+  A cached batch-1 step (prefill, decode, verify) is one call through the whole stack of layers; other calls (no
+  cache: training features; batched regeneration) run the modules below on the kernels' linears and norms.
+- `reference`: the modules below on torch's ops alone: SDPA, in half precision on a CPU the batch-invariant attention
+  (runtime/attention.py); on a GPU the engine compiles it or captures it in CUDA graphs (serve/engine/graphs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -23,6 +32,7 @@ from .attention import BlockPlan, attend, make_plans
 from .kv_cache import KVCache
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+CPU_KERNELS, REFERENCE = "cpu_kernels", "reference"  # the target's two forwards (Transformer.path)
 
 
 @dataclass
@@ -219,34 +229,51 @@ class Attention(nn.Module):
         `mask` [.., n, max_len] allows.
         mask as plans (Transformer.layers_forward, CPU bf16/fp16): batch-invariant attention, same bits per row."""
         b, n, _ = x.shape
-        cached = k_cache is not None and v_cache is not None and isinstance(start, int)
-        if cached and rope_attention.handles(x, mask) and rope_attention.norms_fit(self):
-            # fp32 CPU: (q/k norms,) rope, cache write and attention in one call, row-invariant
-            if (fused := fused_linear(self, "qkv_proj")) is not None:
-                caches, norms = (k_cache, v_cache), rope_attention.qk_norms(self)
-                out = rope_attention.rope_attention(fused(x), cos, sin, caches, start, mask, self.n_heads, norms)  # type: ignore[arg-type]
-                return self.o_proj(out)
+        if (out := self.kernel_step(x, cos, sin, (k_cache, v_cache), start, mask)) is not None:
+            return self.o_proj(out)
         q, k, v = self.qkv(x, cos, sin)
-        if isinstance(start, Tensor):  # write at slots, attend over the whole cache (`mask` says what is visible)
-            assert k_cache is not None and v_cache is not None, "slots are cache slots"
-            write_slots(k_cache, start, k)
-            write_slots(v_cache, start, v)
-            k, v = k_cache, v_cache
-        elif k_cache is not None:
-            assert v_cache is not None, "a cache has both halves"
-            end = start + n
-            k_cache[:, :, start:end] = k
-            v_cache[:, :, start:end] = v
-            k, v = k_cache[:, :, :end], v_cache[:, :, :end]
-        if isinstance(mask, list):  # batch-invariant plans (runtime/attention.py)
-            assert k_cache is not None and v_cache is not None, "plans read the cache"
-            out = attend(q, k_cache, v_cache, mask)
-        elif use_grouped_attention(q, mask):
-            out = grouped_attention(q, k, v, mask)
-        else:
-            causal = mask is None and n > 1  # only valid from start == 0; the caller passes a mask otherwise
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        if k_cache is not None and v_cache is not None:
+            k, v = write_cache((k_cache, v_cache), k, v, start)
+        out = attention(q, k, v, mask, (k_cache, v_cache))
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+    def kernel_step(self, x: Tensor, cos: Tensor, sin: Tensor, caches, start, mask) -> Tensor | None:
+        """A drafter's fp32 CPU step on draftsmith's kernel: (q/k norms,) rope, cache write and attention in one call,
+        row-invariant; None where it does not run (a target's steps run its whole stack: Transformer.path)."""
+        fused = fused_linear(self, "qkv_proj")
+        if fused is None or caches[0] is None or caches[1] is None or not isinstance(start, int):
+            return None
+        if not rope_attention.handles(x, mask) or not rope_attention.norms_fit(self):
+            return None
+        norms = rope_attention.qk_norms(self)
+        return rope_attention.rope_attention(fused(x), cos, sin, caches, start, mask, self.n_heads, norms)
+
+
+def write_cache(caches: tuple[Tensor, Tensor], k: Tensor, v: Tensor, start: int | Tensor) -> tuple[Tensor, Tensor]:
+    """k, v [b, kv_heads, n, d] into the caches at slots [start, start+n), or at the slots a tensor `start` names;
+    returns the keys and values to attend over (the slots up to the last written, or the whole cache for slot tensors:
+    the mask says what is visible)."""
+    k_cache, v_cache = caches
+    if isinstance(start, Tensor):
+        write_slots(k_cache, start, k)
+        write_slots(v_cache, start, v)
+        return k_cache, v_cache
+    end = start + k.shape[2]
+    k_cache[:, :, start:end] = k
+    v_cache[:, :, start:end] = v
+    return k_cache[:, :, :end], v_cache[:, :, :end]
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask, caches: tuple[Tensor | None, Tensor | None]) -> Tensor:
+    """q [b, heads, n, d] over k, v [b, kv_heads, m, d]: by the batch-invariant plans where mask is a list of them (they
+    read the whole caches), grouped in fp32 for a few half-precision rows on a CPU, else SDPA (mask None: causal)."""
+    if isinstance(mask, list):
+        assert caches[0] is not None and caches[1] is not None, "plans read the cache"
+        return attend(q, caches[0], caches[1], mask)
+    if use_grouped_attention(q, mask):
+        return grouped_attention(q, k, v, mask)
+    causal = mask is None and q.shape[2] > 1  # only valid from start == 0; the caller passes a mask otherwise
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
 
 
 class MLP(nn.Module):
@@ -281,7 +308,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kc: Tensor | None, vc: Tensor | None, start: int, mask
     ) -> Tensor:
-        if plan := decoder_layer.takes(self, x, (kc, vc), start, mask):  # fp32 CPU: one call, the same bits
+        if plan := decoder_layer.step_plan(self, x, (kc, vc), start, mask):  # a drafter's fp32 CPU step: one call
             return decoder_layer.run(plan, x, (cos, sin), (kc, vc), start, mask)  # type: ignore[arg-type]
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kc, vc, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -315,6 +342,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_cache(cfg.max_position_embeddings)
         self.narrowed_to: torch.dtype | None = None  # set where bf16 weights run in fp32 (serve/models/loader.py)
+        self.path = REFERENCE  # its forward: chosen when it is loaded (choose_path)
 
     def rope_cache(self, max_len: int) -> None:
         cos, sin = rope_tables(self.config, max_len)
@@ -342,6 +370,45 @@ class Transformer(nn.Module):
         dtype = torch.float32 if invariant_path(self.dtype, self.device) else self.dtype
         return KVCache.allocate(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, dtype, self.device)
 
+    def choose_path(self) -> str:
+        """Choose the forward, once (where the model is loaded): cpu_kernels where draftsmith's kernels run its weights
+        and every layer fits the one-call stack, else reference. Returns why not cpu_kernels ("" where it is)."""
+        why = self.why_reference()
+        self.path = REFERENCE if why else CPU_KERNELS
+        return why
+
+    def why_reference(self) -> str:
+        w = self.lm_head.weight
+        if not native.runs(w):
+            return f"draftsmith's CPU kernels do not run {w.dtype} weights on {w.device} here (cpu_kernels/native.py)"
+        if decoder_stack.current(self.model.layers, DecoderLayer.forward) is None:
+            return (
+                "a layer does not fit the one-call stack (a hook or forward of its own, an unusual norm or bias, "
+                "linears not packed)"
+            )
+        return ""
+
+    def stack(self) -> decoder_stack.Stack | None:
+        """On the cpu_kernels path, the layers' one-call stack. A model changed since it was loaded so that the stack no
+        longer runs it (a hook, a layer of another kind, moved off the CPU) goes to the reference path here, once,
+        with a warning; choose_path() chooses again."""
+        if self.path != CPU_KERNELS:
+            return None
+        if (stack := decoder_stack.current(self.model.layers, DecoderLayer.forward)) is not None:
+            return stack
+        self.path = REFERENCE
+        warnings.warn(
+            "draftsmith: the model changed since it was loaded and its layers no longer fit the one-call CPU stack "
+            f"({self.why_reference() or 'it fits again'}); it runs the reference forward from now on "
+            "(model.choose_path() chooses again)",
+            stacklevel=3,
+        )
+        return None
+
+    def kernels(self) -> contextlib.AbstractContextManager:
+        """Where this model's modules may take draftsmith's kernels: on the cpu_kernels path; never on the reference."""
+        return contextlib.nullcontext() if self.path == CPU_KERNELS else native.switched_off()
+
     def forward(
         self,
         tokens: Tensor,
@@ -360,17 +427,21 @@ class Transformer(nn.Module):
         target_layers: layer indices whose input residual stream to return (L = last layer's output).
         """
         attn_mask = None if mask is None else mask.view(1, 1, *mask.shape)
-        x, aux = self.layers_forward(tokens.unsqueeze(0), positions, cache, start, attn_mask, target_layers)
-        hidden = self.model.norm(x)[0]
-        rows = hidden if logit_rows is None else hidden[logit_rows]
-        return ForwardOut(self.lm_head(rows).float(), hidden, [a[0] for a in aux])
+        stack = self.stack()
+        with self.kernels():
+            x, aux = self.layers_forward(tokens.unsqueeze(0), positions, cache, start, attn_mask, target_layers, stack)
+            hidden = self.model.norm(x)[0]
+            rows = hidden if logit_rows is None else hidden[logit_rows]
+            return ForwardOut(self.lm_head(rows).float(), hidden, [a[0] for a in aux])
 
     def hidden_states(self, tokens: Tensor, target_layers: tuple[int, ...] = ()) -> tuple[Tensor, list[Tensor]]:
         """Training-time forward, no cache: tokens [b, n] (right-padded) -> final normed hidden [b, n, H]
         and the requested layers' inputs, causal attention from position 0."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x, aux = self.layers_forward(tokens, positions, None, 0, None, target_layers)
-        return self.model.norm(x), aux
+        self.stack()  # a model changed since it was loaded leaves the cpu_kernels path here
+        with self.kernels():
+            x, aux = self.layers_forward(tokens, positions, None, 0, None, target_layers)
+            return self.model.norm(x), aux
 
     def layers_forward(
         self,
@@ -380,12 +451,13 @@ class Transformer(nn.Module):
         start: int | Tensor,
         mask,
         target_layers: tuple[int, ...],
+        stack: decoder_stack.Stack | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
+        """The layers on the model's path: a step in one call where it has its stack, else module by module."""
         x = self.model.embed_tokens(tokens)
         cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)
-        layers = self.model.layers
-        if stack := decoder_stack.takes(layers, DecoderLayer.forward, x, cache, start, mask):  # fp32 CPU: one call
-            assert cache is not None and isinstance(start, int), "takes() checked"
+        if stack is not None and decoder_stack.steps(x, cache, start, mask):
+            assert cache is not None and isinstance(start, int), "steps() checked"
             return decoder_stack.run(stack, x, (cos, sin), cache, start, mask, target_layers)
         if cache is not None and batch_invariant(x) and isinstance(start, int):  # slot tensors keep SDPA
             c = self.config

@@ -152,6 +152,8 @@ def folder_drafter(
     if draft_vocab:
         head.restrict_vocab(frequent_ids(load_token_counts(folder, m.config.vocab_size), draft_vocab))
     pack_linears(head.eval().requires_grad_(False))
+    if isinstance(head, Transformer):  # a draft model: its forward, chosen as a target's is
+        head.choose_path()
     return head
 
 

@@ -624,12 +624,18 @@ def four_steps(model, cache=None, taps: tuple[int, ...] = ()) -> tuple[list, obj
         return [model(t, p, cache, s, m, target_layers=taps) for t, p, s, m in calls], cache
 
 
+# each one-call road's gate, and what it answers when switched off
+GATES = {"decoder_stack": ("steps", False), "decoder_layer": ("step_plan", None)}
+
+
 @contextlib.contextmanager
 def without(*roads) -> Iterator[None]:
-    """The given one-call roads (modules with a `takes`, such as cpu_kernels/decoder_stack.py) switched off."""
+    """The given one-call roads switched off: cpu_kernels/decoder_stack.py (a target's step then runs module by module,
+    on the kernels each module takes) and cpu_kernels/decoder_layer.py (each layer's modules one by one)."""
     with contextlib.ExitStack() as stack:
         for road in roads:
-            stack.enter_context(mock.patch.object(road, "takes", lambda *args: None))
+            gate, answer = GATES[road.__name__.rsplit(".", 1)[-1]]
+            stack.enter_context(mock.patch.object(road, gate, lambda *args, answer=answer: answer))
         yield
 
 

@@ -11,6 +11,7 @@ import torch
 from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native
 from draftsmith.cpu_kernels.packed import pack_linears
 from draftsmith.runtime.kv_cache import KVCache
+from draftsmith.runtime.llama import REFERENCE
 from draftsmith.serve.models.loader import load_model
 from helpers import eagle_head, four_steps, without
 
@@ -38,7 +39,7 @@ def steps(model) -> list:
 def test_one_call_gives_the_modules_bits(target):
     layer = target.model.layers[0]
     with torch.inference_mode():
-        assert decoder_layer.takes(layer, torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1)), 0, None)
+        assert decoder_layer.step_plan(layer, torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1)), 0, None)
     one_call = steps(target)
     with without(decoder_layer):
         modules = steps(target)
@@ -72,12 +73,13 @@ def test_layers_that_do_not_fit_take_the_modules(tiny_llama_dir):
     x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
     qwen3.model.layers[0].self_attn.k_norm.eps = 1e-3  # q and k norms of two eps: the kernel applies one
     with torch.inference_mode():
-        assert decoder_layer.takes(qwen3.model.layers[0], x, caches, 0, None) is None
-        assert decoder_layer.takes(qwen3.model.layers[1], x, caches, 0, None) is not None
+        assert decoder_layer.step_plan(qwen3.model.layers[0], x, caches, 0, None) is None
+        assert decoder_layer.step_plan(qwen3.model.layers[1], x, caches, 0, None) is not None
         llama = load_model(tiny_llama_dir("llama", hidden_size=96, num_attention_heads=6), torch.float32, "cpu")
-        assert decoder_layer.takes(llama.model.layers[0], x, caches, torch.tensor([0]), None) is None  # slot tensors
-        assert decoder_layer.takes(llama.model.layers[0], x.double(), caches, 0, None) is None
-    assert decoder_layer.takes(llama.model.layers[0], x, caches, 0, None) is None  # gradients flow
+        slots = torch.tensor([0])
+        assert decoder_layer.step_plan(llama.model.layers[0], x, caches, slots, None) is None
+        assert decoder_layer.step_plan(llama.model.layers[0], x.double(), caches, 0, None) is None
+    assert decoder_layer.step_plan(llama.model.layers[0], x, caches, 0, None) is None  # gradients flow
 
 
 def test_a_norm_moved_or_changed_under_the_same_parameter_is_replanned(tiny_llama_dir):
@@ -100,10 +102,10 @@ def test_a_norm_the_kernel_cannot_read_takes_the_modules(tiny_llama_dir):
     norm.weight = torch.nn.Parameter(torch.stack([w * 2, w], 1)[:, 1])  # the same values, every other float
     x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
     with torch.inference_mode():
-        assert decoder_layer.takes(model.model.layers[0], x, caches, 0, None) is None
+        assert decoder_layer.step_plan(model.model.layers[0], x, caches, 0, None) is None
     norm.weight = torch.nn.Parameter(w.double())
     with torch.inference_mode():
-        assert decoder_layer.takes(model.model.layers[0], x, caches, 0, None) is None
+        assert decoder_layer.step_plan(model.model.layers[0], x, caches, 0, None) is None
 
 
 def test_a_norm_of_another_class_takes_the_modules(tiny_llama_dir):
@@ -113,8 +115,10 @@ def test_a_norm_of_another_class_takes_the_modules(tiny_llama_dir):
     layer.input_layernorm = torch.nn.LayerNorm(96, eps=layer.post_attention_layernorm.eps)
     x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
     with torch.inference_mode():
-        assert decoder_layer.takes(layer, x, caches, 0, None) is None
-    got = steps(model)[1][0]
+        assert decoder_layer.step_plan(layer, x, caches, 0, None) is None
+    with pytest.warns(UserWarning, match="no longer fit the one-call CPU stack"):
+        got = steps(model)[1][0]
+    assert model.path == REFERENCE  # a target whose layer does not fit runs torch's ops throughout
     with without(decoder_layer):
         assert torch.equal(got, steps(model)[1][0])
 
@@ -143,7 +147,7 @@ def test_eagle3_midlayer_in_one_call_gives_the_modules_bits(tiny_llama_dir, qk_n
 
     with torch.inference_mode():
         x, caches = torch.zeros(1, 1, c.hidden_size), (torch.zeros(1), torch.zeros(1))
-        assert decoder_layer.takes(head.midlayer, x, caches, 0, None) is not None
+        assert decoder_layer.step_plan(head.midlayer, x, caches, 0, None) is not None
     one_call = run()
     with without(decoder_layer):
         modules = run()

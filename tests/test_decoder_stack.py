@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native, panels
-from draftsmith.runtime.llama import DecoderLayer
+from draftsmith.runtime.llama import CPU_KERNELS, REFERENCE, DecoderLayer
 from draftsmith.serve.models.loader import load_model
 from helpers import exactly, four_steps, without
 
@@ -31,8 +31,20 @@ def steps(model, cache=None) -> list:
     return [t for o in outs for t in (o.logits, o.hidden, *o.aux)] + [torch.stack(cache.k), torch.stack(cache.v)]
 
 
-def takes(layers, *step):
-    return decoder_stack.takes(layers, DecoderLayer.forward, *step)
+def current(layers):
+    return decoder_stack.current(layers, DecoderLayer.forward)
+
+
+def on_the_reference_path(model_type: str, tiny_llama_dir, change=None) -> list:
+    """steps() of the same model loaded on the reference path (torch's ops throughout), changed alike."""
+    model = tiny(model_type, tiny_llama_dir)
+    model.path = REFERENCE
+    handle = change(model) if change is not None else None
+    try:
+        return steps(model)
+    finally:
+        if handle is not None:
+            handle.remove()
 
 
 def same(got: list, want: list) -> bool:
@@ -46,7 +58,7 @@ def test_the_stack_gives_the_layers_bits_and_taps(model_type, tiny_llama_dir):
         with mock.patch.object(decoder_stack, "make_stack", wraps=decoder_stack.make_stack) as made:
             with mock.patch.object(decoder_layer, "make_plan", wraps=decoder_layer.make_plan) as planned:
                 stacked = steps(model)
-    assert ran.call_count == 4 and made.call_count == 1 and planned.call_count == 3  # planned once, then kept
+    assert ran.call_count == 4 and made.call_count == 0 and planned.call_count == 0  # planned at load, then kept
     with without(decoder_stack):
         layer_by_layer = steps(model)
     with without(decoder_stack, decoder_layer):
@@ -139,8 +151,7 @@ def test_a_layer_added_or_removed_is_replanned(tiny_llama_dir):
     with without(decoder_stack, decoder_layer):
         assert same(grown, steps(model))
     del model.model.layers[0]
-    with torch.inference_mode():
-        stack = takes(model.model.layers, torch.zeros(1, 1, 96), model.new_cache(8), 0, None)
+    stack = current(model.model.layers)
     assert stack is not None and len(stack.plans) == 3
 
 
@@ -161,28 +172,34 @@ class Skip(nn.Module):
 
 
 @pytest.mark.parametrize("change", [unpack_an_o_projection, put_in_a_layer_of_another_kind])
-def test_one_layer_that_does_not_fit_sends_the_stack_layer_by_layer(change, tiny_llama_dir):
+def test_a_layer_that_no_longer_fits_sends_the_model_to_the_reference_path(change, tiny_llama_dir):
+    """The path is chosen at load; a model changed after it so that one layer does not fit the stack leaves the
+    cpu_kernels path once, with a warning, and runs torch's ops from then on, layer by layer calls included."""
     model = tiny("llama", tiny_llama_dir)
+    assert model.path == CPU_KERNELS
     change(model)
     with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
-        got = steps(model)
-    assert ran.call_count == 0
-    with without(decoder_stack, decoder_layer):
-        assert same(got, steps(model))
+        with mock.patch.object(decoder_layer, "run", wraps=decoder_layer.run) as one_layer:
+            with pytest.warns(UserWarning, match="no longer fit the one-call CPU stack"):
+                got = steps(model)
+    assert ran.call_count == 0 and one_layer.call_count == 0 and model.path == REFERENCE
+    assert same(got, on_the_reference_path("llama", tiny_llama_dir, lambda m: change(m)))
 
 
 def test_what_the_stack_does_not_take(tiny_llama_dir):
     llama, qwen3 = tiny("llama", tiny_llama_dir), tiny("qwen3", tiny_llama_dir)
     x = torch.zeros(1, 1, 96)
+    assert current(llama.model.layers) is not None
+    assert current(qwen3.model.layers) is not None  # q/k norms in the call
+    qwen3.model.layers[1].self_attn.q_norm.register_forward_hook(lambda *_: None)
+    assert current(qwen3.model.layers) is None  # the call would skip the hook
     with torch.inference_mode():
-        assert takes(llama.model.layers, x, llama.new_cache(8), 0, None) is not None
-        assert takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is not None  # q/k norms in the call
-        qwen3.model.layers[1].self_attn.q_norm.register_forward_hook(lambda *_: None)
-        assert takes(qwen3.model.layers, x, qwen3.new_cache(8), 0, None) is None  # the call would skip the hook
-        assert takes(llama.model.layers, x, None, 0, None) is None  # training: no cache
-        assert takes(llama.model.layers, x, llama.new_cache(8), torch.tensor([0]), None) is None
-        assert takes(llama.model.layers, x.expand(2, 1, 96), llama.new_cache(8), 0, None) is None
-    assert takes(llama.model.layers, x, llama.new_cache(8), 0, None) is None  # gradients flow
+        assert decoder_stack.steps(x, llama.new_cache(8), 0, None)
+        assert not decoder_stack.steps(x, None, 0, None)  # training: no cache
+        assert not decoder_stack.steps(x, llama.new_cache(8), torch.tensor([0]), None)  # slot tensors
+        assert not decoder_stack.steps(x.expand(2, 1, 96), llama.new_cache(8), 0, None)  # a batch
+        assert not decoder_stack.steps(x, llama.new_cache(8), 0, torch.zeros(1, 1))  # an additive mask
+    assert not decoder_stack.steps(x, llama.new_cache(8), 0, None)  # gradients flow
 
 
 def test_a_cache_for_another_model_is_named(tiny_llama_dir):
@@ -253,17 +270,23 @@ def patch_a_forward(model) -> object:
 
 @pytest.mark.parametrize("hook", [hook_a_layer, hook_an_mlp, hook_every_module, patch_a_forward])
 def test_hooks_and_a_patched_forward_are_honoured(hook, tiny_llama_dir):
-    """The kernels run in place of modules: where one of those has a hook or its own forward, the modules run."""
+    """The kernels run in place of modules: where one of those has a hook or its own forward, the model goes to the
+    reference path (with a warning), whose modules run the hook; choose_path() brings it back once it is gone."""
     model = tiny("llama", tiny_llama_dir)
     plain = steps(model)
     handle = hook(model)
     try:
-        hooked = steps(model)
-        with without(decoder_stack, decoder_layer):
-            assert same(hooked, steps(model))
+        with pytest.warns(UserWarning, match="no longer fit the one-call CPU stack"):
+            hooked = steps(model)
     finally:
         handle.remove()
-    assert same(steps(model), plain) != (hook is patch_a_forward)
+    assert model.path == REFERENCE
+    assert same(hooked, on_the_reference_path("llama", tiny_llama_dir, hook))
+    why = model.choose_path()
+    if hook is patch_a_forward:  # a forward set on an instance stays
+        assert why and model.path == REFERENCE
+    else:
+        assert not why and model.path == CPU_KERNELS and same(steps(model), plain)
 
 
 def test_layers_under_their_own_names_are_planned_once(tiny_llama_dir):

@@ -27,6 +27,7 @@ import torch
 from draftsmith.cpu_kernels import native
 from draftsmith.cpu_kernels.packed import panel_formats
 from draftsmith.files import write_text_atomic
+from draftsmith.runtime.llama import CPU_KERNELS
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.target import keyed_cache_path
 from draftsmith.serve.shared.cpu import cpu_name
@@ -86,11 +87,10 @@ def forward_path(engine: Engine) -> str:
 
 
 def kernel_library(engine: Engine) -> str | None:
-    """The library of draftsmith's own kernels an eager fp32 CPU engine runs on (new ones cost rows differently); None
-    for other engines (a compiled forward never calls them), whose curves a new library leaves alone."""
-    model = engine.model
-    eager_fp32_cpu = engine.static is None and model.dtype == torch.float32 and model.device.type == "cpu"
-    return native.version() if eager_fp32_cpu else None
+    """The library of draftsmith's own kernels an eager engine on the cpu_kernels path runs on (new ones cost rows
+    differently); None for other engines (the reference path, a compiled forward), whose curves a new library leaves
+    alone."""
+    return native.version() if engine.static is None and engine.model.path == CPU_KERNELS else None
 
 
 def profile_path(cache_dir: str | None, print_: dict[str, Any]) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from safetensors.torch import load_file
 from draftsmith.cpu_kernels import panels
 from draftsmith.cpu_kernels.packed import pack_linears
 from draftsmith.runtime.llama import ModelConfig, Transformer
+
+log = logging.getLogger(__name__)
 
 
 def read_hf_config(folder: Path) -> dict:
@@ -108,13 +111,15 @@ def load_model(
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if pack:
         pack_linears(model)
+    if why := model.choose_path():
+        log.info("%s runs the reference forward: %s", folder.name, why)
     return model
 
 
 def fp32_arithmetic(dtype: torch.dtype, device: str | torch.device) -> bool:
     """bf16 weights on a CPU where draftsmith's fp32 kernels run: they stream bf16 panels as fast as the memory gives
-    and compute in fp32, a SmolLM2 decode step 3.2x faster than torch's eager bf16 and 2.3x its compiled one on an
-    AVX512-BF16 EPYC (docs/benchmarks.md); the same bf16 bytes, with activations, KV cache and rope in fp32 (as
+    and compute in fp32, faster than torch's eager or compiled bf16 (docs/benchmarks.md); the same bf16 bytes, with
+    activations, KV cache and rope in fp32 (as
     llama.cpp runs a bf16 file). The model keeps its fp32 parameters beside the panels: 1.5x torch's bf16 weight
     memory. Not where the panels would hold fp32 (DRAFTSMITH_PANELS=fp32, or a kernel that failed its self-check):
     twice bf16's bytes."""

@@ -29,4 +29,5 @@ def layerskip_model(model: Transformer, num_layers: int) -> Transformer:
     draft.model.layers = nn.ModuleList(model.model.layers[:num_layers])
     draft.lm_head = model.lm_head
     draft.cos, draft.sin = model.cos, model.sin
+    draft.choose_path()
     return draft

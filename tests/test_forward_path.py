@@ -1,0 +1,120 @@
+"""The target's one switch (runtime/llama.py, Transformer.path): chosen once when it is loaded, cpu_kernels running
+each step through the whole C++ stack and the reference running torch's ops alone, what each calls, what a run
+records."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import pytest
+import torch
+
+from draftsmith.cpu_kernels import decoder_layer, decoder_stack, layer_ops, native, panels, rope_attention
+from draftsmith.runtime.llama import CPU_KERNELS, REFERENCE
+from draftsmith.serve.engine.cost_profile import kernel_library
+from draftsmith.serve.engine.engine import Engine
+from draftsmith.serve.engine.sampling import SamplingParams
+from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
+from helpers import PROMPTS, four_steps
+
+KERNEL_CALLS = (
+    (decoder_stack, "run"),
+    (decoder_layer, "run"),
+    (rope_attention, "rope_attention"),
+    (layer_ops, "rms_norm"),
+    (layer_ops, "silu_mul"),
+    (panels, "panel_linear"),
+)
+needs_kernels = pytest.mark.skipif(not native.usable(), reason="draftsmith's fp32 kernels run on AVX2 and AVX-512 CPUs")
+
+
+def tiny(tiny_llama_dir, model_type: str = "llama", dtype: torch.dtype = torch.float32, **kwargs):
+    return load_model(tiny_llama_dir(model_type, hidden_size=96, num_attention_heads=6), dtype, "cpu", **kwargs)
+
+
+@contextlib.contextmanager
+def counted() -> Iterator[dict[str, mock.MagicMock]]:
+    """Each of draftsmith's kernel entry points, wrapped to count its calls."""
+    with contextlib.ExitStack() as stack:
+        spies = {
+            f"{owner.__name__.rsplit('.', 1)[-1]}.{name}": stack.enter_context(
+                mock.patch.object(owner, name, wraps=getattr(owner, name))
+            )
+            for owner, name in KERNEL_CALLS
+        }
+        yield spies
+
+
+@needs_kernels
+def test_an_fp32_cpu_model_is_loaded_on_the_cpu_kernels_path(tiny_llama_dir):
+    model = tiny(tiny_llama_dir)
+    assert model.path == CPU_KERNELS and model.why_reference() == ""
+    with counted() as calls:
+        four_steps(model)
+    assert calls["decoder_stack.run"].call_count == 4  # prefill, decode, chain and tree verify: one call each
+    inside = ("decoder_layer.run", "rope_attention.rope_attention", "layer_ops.silu_mul")
+    assert all(calls[name].call_count == 0 for name in inside)
+    assert calls["layer_ops.rms_norm"].call_count == 4  # the final norm, before the lm_head
+
+
+@needs_kernels
+def test_calls_that_are_not_steps_run_the_modules_on_the_kernels(tiny_llama_dir):
+    """Training features (no cache) have no stack call; on the cpu_kernels path their norms and linears still take the
+    kernels, and their values are the reference's up to rounding."""
+    model = tiny(tiny_llama_dir)
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode(), counted() as calls:
+        fast, _ = model.hidden_states(tokens)
+    assert calls["layer_ops.rms_norm"].call_count > 0 and calls["panels.panel_linear"].call_count > 0
+    model.path = REFERENCE
+    with torch.inference_mode(), counted() as calls:
+        reference, _ = model.hidden_states(tokens)
+    assert sum(c.call_count for c in calls.values()) == 0
+    assert torch.allclose(fast, reference, atol=1e-4)
+
+
+def test_the_reference_path_calls_none_of_draftsmiths_kernels(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
+    model = tiny(tiny_llama_dir)
+    assert model.path == REFERENCE and "do not run" in model.why_reference()
+    with counted() as calls:
+        outs, _ = four_steps(model)
+    assert sum(c.call_count for c in calls.values()) == 0
+    monkeypatch.delenv(native.ENV)
+    if native.usable():  # the same weights on the kernels: the same logits up to rounding
+        fast, _ = four_steps(tiny(tiny_llama_dir))
+        assert all(torch.allclose(f.logits, r.logits, atol=1e-4) for f, r in zip(fast, outs, strict=True))
+
+
+def test_half_precision_and_unpacked_models_take_the_reference(tiny_llama_dir):
+    """bf16 arithmetic (an offline load, decode=False) and linears left unpacked are not what the stack runs: the
+    reference is chosen at load, never switched to mid-run."""
+    half = tiny(tiny_llama_dir, dtype=torch.bfloat16, decode=False)
+    unpacked = tiny(tiny_llama_dir, pack=False)
+    assert half.path == REFERENCE and "bfloat16" in half.why_reference()
+    assert unpacked.path == REFERENCE
+    for model in (half, unpacked):
+        with counted() as calls:
+            four_steps(model)
+        assert sum(c.call_count for c in calls.values()) == 0
+
+
+@pytest.mark.parametrize("path", [CPU_KERNELS, REFERENCE])
+def test_greedy_speculation_equals_plain_on_either_path(path, tiny_llama_dir):
+    model = tiny(tiny_llama_dir)
+    if path == CPU_KERNELS and model.path != CPU_KERNELS:
+        pytest.skip("draftsmith's fp32 kernels do not run here")
+    model.path = path
+    plain = Engine(model, max_seq_len=128)
+    spec = Engine(model, NgramProposer(NgramConfig(num_tokens=5)), max_seq_len=128)
+    drafted = 0
+    for prompt in PROMPTS:
+        want = plain.generate(prompt, 40, SamplingParams())
+        got = spec.generate(prompt, 40, SamplingParams())
+        assert got.output_ids == want.output_ids, prompt
+        drafted += got.metrics.draft_tokens
+    assert drafted > 0
+    assert (kernel_library(spec) is not None) == (path == CPU_KERNELS)  # what a run records as its kernels
