@@ -9,12 +9,15 @@ by prompt after a warm-up; per request, its decode time per token (TTFT apart) a
 - deciding: the policy judging the head every step as the engine does, with every verify row past the first priced
   out of reach and no probe: it drafts once per round (the policy's first look at the head's shape, every node then
   cut) and never verifies a draft;
-- policy: the policy as the engine runs it (its first draft, probes, drafts it judges worth it).
+- policy: the policy as the engine runs it (its first draft, probes, drafts it judges worth it);
+- with --head-window N, windowed: the policy with spec.head_window=N (the head's prefill over the prompt's last N
+  tokens alone).
 Each is set against plain with a 95% bootstrap interval over prompts (paired: the same prompts resampled together), and
 how many times each asked the head for a draft.
 The prefix cache is off, so every request prefills its whole prompt, the head's too.
 
   python benchmarks/bench_plain_overhead.py --drafter runs/main/eagle3/final [--prompts 16] [--new 64] [--rounds 3]
+      [--suite rag] [--head-window 256]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import math
 import os
 import statistics
+from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -42,13 +46,17 @@ GREEDY = SamplingParams()
 RESAMPLES = 2000
 
 
-def engines(target: LoadedTarget, drafter: str, max_seq_len: int) -> dict[str, Engine]:
+def engines(target: LoadedTarget, drafter: str, max_seq_len: int, window: int) -> dict[str, Engine]:
     cache = TargetConfig().cache_dir
     plain = build_engine(target, SpecConfig("ar"), False, max_seq_len, cache_dir=cache)
     spec = SpecConfig("eagle3", drafter=drafter, verify="policy")
     made = {name: build_engine(target, spec, False, max_seq_len, cache_dir=cache) for name in ENGINES}
     for name, engine in made.items():
         ENGINES[name](engine)
+    if window:
+        windowed = replace(spec, head_window=window)
+        made["windowed"] = build_engine(target, windowed, False, max_seq_len, cache_dir=cache)
+        ASKED["windowed"] = 0
     made = {"plain": plain, **made}
     for name, engine in made.items():
         counted(engine, ASKED, name)
@@ -145,11 +153,12 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--head-window", type=int, default=0, help="also the policy with spec.head_window=N (0: not)")
     args = ap.parse_args()
     target = load_target(TargetConfig())
     questions = [p.turns[0] for p in load_suite(SuiteConfig(name=args.suite), args.prompts)]
     prompts = [encode_chat(target.tokenizer, [{"role": "user", "content": q}]) for q in questions]
-    made = engines(target, args.drafter, max(map(len, prompts)) + args.new + 64)
+    made = engines(target, args.drafter, max(map(len, prompts)) + args.new + 64, args.head_window)
     flags = " ".join(cpu_flags())
     print(f"{target.target_id}, {len(prompts)} {args.suite} first turns x {args.rounds} rounds, {args.new} new tokens")
     print(f"CPU flags: {flags}")

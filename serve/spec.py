@@ -78,6 +78,9 @@ class SpecConfig:
     suffix: SuffixConfig = field(default_factory=SuffixConfig)  # suffix (and suffix_tokens): vLLM's suffix settings
     draft_dtype: str = "auto"  # the drafter's weights: auto (serve/drafters.py draft_dtype) | float32 | bfloat16
     draft_vocab: int = 0  # eagle, medusa, draft: draft over the N most frequent training-answer tokens (0 = all)
+    # eagle, eagle3: the head reads only the prompt's last N tokens (and all it generates), so its prefill runs over
+    # those alone: a long prompt's head prefill costs a fixed N tokens, not the prompt (0 = the whole prompt)
+    head_window: int = 512
     # fixed: verify every draft whole | cost: verify the part that emits the most tokens per second, by the drafter's
     # accept probabilities and this machine's measured verify cost (serve/engine/draft_cut.py); a draft without
     # accept probabilities (n-gram, suffix) is verified whole | policy: decide before each step whether to draft,
@@ -97,6 +100,8 @@ class SpecConfig:
             raise ValueError(f"spec.draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if self.ngram_tokens < 0:
             raise ValueError(f"spec.ngram_tokens must be >= 0 (0 = off), got {self.ngram_tokens}")
+        if self.head_window < 0:
+            raise ValueError(f"spec.head_window must be >= 0 (0 = the whole prompt), got {self.head_window}")
         if self.suffix_tokens < 0:
             raise ValueError(f"spec.suffix_tokens must be >= 0 (0 = off), got {self.suffix_tokens}")
         if self.ngram_tokens and self.suffix_tokens:

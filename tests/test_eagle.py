@@ -430,6 +430,43 @@ def trained(target, plain):
 TREES = [("eagle", 1, 0), ("eagle", 3, 8), ("eagle3", 1, 0), ("eagle3", 4, 10)]
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_head_window_reads_the_prompts_last_tokens_and_drafts_as_it_would_cold(kind, target, trained):
+    """spec.head_window: the head's prefill runs over the prompt's last `window` slots alone, and it drafts from those
+    and what it generates. Through the prefix cache, a request whose window starts before that of the request that
+    stored its prefix fills the slots that one left out (and trusts none an older request left behind), so it drafts
+    as it would on a cold engine; every output is plain decoding's."""
+    window = 8
+    other, long = PROMPTS[3], PROMPTS[2] + PROMPTS[1]  # 20 and 32 tokens, no block in common
+    short = long[:22]  # a 20-token hit of long's blocks; its window starts at slot 14, long's at 24, other's at 12
+
+    def proposer() -> EagleProposer:
+        made = EagleProposer(trained[kind], kind, 4, TreeConfig(1, 0), window=window)
+        extend = made.extend
+        made.extend = lambda tokens: (ran.append((made.cached, tokens.numel())), extend(tokens))[1]
+        return made
+
+    def cold(prompt):
+        engine = Engine(target, proposer(), max_seq_len=MAX_SEQ)
+        out = engine.generate(prompt, 12, GREEDY)
+        return out, engine.proposer.cache.read(len(prompt) - window, len(prompt))
+
+    ran: list[tuple[int, int]] = []
+    plain = Engine(target, max_seq_len=MAX_SEQ)
+    engine = Engine(target, proposer(), prefix_cache=PrefixCache(block_size=4), max_seq_len=MAX_SEQ)
+    for prompt in (other, long):
+        ran.clear()
+        assert engine.generate(prompt, 12, GREEDY).output_ids == plain.generate(prompt, 12, GREEDY).output_ids
+        assert ran[0] == (len(prompt) - window, len(prompt) + 1)  # the prefill: the window and the first new token
+    want, want_kv = cold(short)
+    ran.clear()
+    got = engine.generate(short, 12, GREEDY)
+    assert got.metrics.prefix_hit_tokens == 20 and ran[0] == (14, 23)  # slots 14-19 restored empty, filled here
+    assert got.output_ids == want.output_ids == plain.generate(short, 12, GREEDY).output_ids
+    assert same_kv(engine.proposer.cache.read(len(short) - window, len(short)), want_kv)
+    assert got.metrics.accepted_per_position == want.metrics.accepted_per_position and got.metrics.accepted_tokens
+
+
 @pytest.mark.parametrize("kind,topk,total", TREES)
 def test_greedy_output_equals_plain(kind, topk, total, target, plain, trained):
     proposer = EagleProposer(trained[kind], kind, 4, TreeConfig(topk, total))
@@ -709,6 +746,8 @@ def test_spec_config_builds_eagle_proposers(target, plain, tmp_path, tiny_llama_
         SpecConfig("eagle", drafter="x", draft_dtype="fp8")
     with pytest.raises(ValueError, match="spec.ngram_tokens must be >= 0"):
         SpecConfig("eagle", drafter="x", ngram_tokens=-1)
+    with pytest.raises(ValueError, match="spec.head_window must be >= 0"):
+        SpecConfig("eagle3", drafter="x", head_window=-8)
     with pytest.raises(ValueError, match="spec=eagle3 needs spec.drafter=DIR"):
         SpecConfig("eagle3")
     with pytest.raises(ValueError, match="topk must be >= 1"):

@@ -9,6 +9,11 @@ recomputed from the target's real features, which also gives the head's predicti
 token: the first level of the next draft. That recomputation, and the features' projection, wait for the next draft:
 a step the draft policy (serve/engine/policy.py) leaves plain costs the head nothing, and the tokens it skipped run in
 one forward later.
+
+With a window (spec.head_window) the head reads only the prompt's last `window` tokens and everything after: its
+prefill runs over those slots alone. The features are kept for the whole prompt, so a later request whose window
+starts earlier can fill its slots from them; which slots hold real pairs is kept per slot too (`filled`), through the
+prefix cache, since a slot restored from it may lie before the window of the request that stored it.
 """
 
 from __future__ import annotations
@@ -42,13 +47,17 @@ class EagleProposer(Proposer):
         num_tokens: int = 4,
         tree: TreeConfig | None = None,
         generator: torch.Generator | None = None,
+        window: int = 0,
     ) -> None:
         self.head, self.name, self.depth, self.tree, self.gen = head, kind, num_tokens, tree or TreeConfig(), generator
+        self.window = window  # the prompt's last tokens the head reads (0: all)
+        self.first = 1  # the first slot this request's head reads (slot 0 holds no pair)
         self.target_layers = tuple(head.target_layers)
         self.vocab_ids = head.vocab_ids  # EAGLE-3: target id of each draft id
         self.max_tree_size = tree_size(self.tree, num_tokens, head.lm_head.out_features)
         self.cache: KVCache | None = None
         self.store: FeatureStore | None = None  # per token: the target feature the head reads
+        self.filled: FeatureStore | None = None  # per slot: 1 where it holds a real pair (a window leaves some out)
         self.cached = 0  # slots [0, cached) hold real pairs
         self.known = 0  # tokens [0, known) have their target outputs kept (the last one pending)
         # target outputs not yet made features: (first token, hidden, aux), consecutive tokens
@@ -58,13 +67,16 @@ class EagleProposer(Proposer):
 
     @property
     def slot_caches(self) -> list[SlotCache]:
-        return [self.cache, self.store] if self.cache is not None and self.store is not None else []
+        if self.cache is None or self.store is None or self.filled is None:
+            return []
+        return [self.cache, self.store, self.filled]
 
     def reserve(self, max_len: int) -> None:
         c, w = self.head.config, self.head.fc.weight
         room = max_len + self.depth * self.tree.width
         self.cache = KVCache.allocate(1, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
         self.store = FeatureStore.allocate(room, c.hidden_size, w.dtype, w.device)
+        self.filled = FeatureStore.allocate(room, 1, torch.bool, w.device)
         if self.head.cos.shape[0] < room:  # drafts reach a few positions past the last verified one
             self.head.rope_cache(room)
 
@@ -72,8 +84,18 @@ class EagleProposer(Proposer):
         """Features of tokens [0, start) and slots [0, start) came from the prefix cache."""
         self.unstored = []
         self.keep_features(start, out.hidden, out.aux)
-        self.cached, self.known = max(start, 1), tokens.numel()
+        prompt = tokens.numel() - 1
+        assert self.filled is not None, "reserve() comes first"
+        self.filled.features[start:] = False  # what an earlier request left past the restored slots is not this one's
+        self.first = max(1, prompt - self.window) if self.window else 1
+        self.cached, self.known = self.first_unfilled(self.first, max(start, self.first)), tokens.numel()
         self.extend(tokens)
+
+    def first_unfilled(self, begin: int, end: int) -> int:
+        """The first slot in [begin, end) that holds no real pair (end where every one does)."""
+        assert self.filled is not None, "reserve() comes first"
+        empty = (~self.filled.features[begin:end, 0]).nonzero()
+        return begin + int(empty[0]) if empty.numel() else end
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
         self.unstored.append((self.known - 1, out.hidden, out.aux))  # the next draft stores them, runs the new slots
@@ -99,9 +121,11 @@ class EagleProposer(Proposer):
         assert self.store is not None, "reserve() comes first"
         feats = self.store.features[s - 1 : n - 1]
         mask = torch.ones(n - s, n, dtype=torch.bool, device=tokens.device).tril(s)
-        mask[:, 0] = False
+        mask[:, : self.first] = False  # slot 0, and the prompt before the window
         h = self.head(feats[None], tokens[None, s:n], torch.arange(s, n, device=tokens.device), self.cache, s, mask)
         self.feature, self.logits = h[0, -1], self.head.logits(h[0, -1:]).float()
+        assert self.filled is not None, "reserve() comes first"
+        self.filled.features[s:n] = True
         self.cached = n
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
@@ -117,7 +141,7 @@ class EagleProposer(Proposer):
             self.extend(tokens)
         sampled = k == 1 and not sp.greedy
         visible = torch.zeros(1, n + (depth - 1) * k, dtype=torch.bool, device=dev)
-        visible[:, 1:n] = True
+        visible[:, self.first : n] = True
         assert self.feature is not None and self.logits is not None, "a draft follows prefill()"
         feats, logits, scores = self.feature[None], self.logits, torch.zeros(1, device=dev)
         frontier = torch.full((1,), -1, device=dev)  # node index of each expanded row (-1: the root)
@@ -176,4 +200,4 @@ def eagle_proposer(spec: SpecConfig, target: LoadedTarget) -> EagleProposer:
     """spec=eagle, eagle3: the head borrows the target's embedding (and EAGLE-1 its lm_head)."""
     head = cast("EagleHead | Eagle3Head", load_drafter(spec, target, target.model))
     assert spec.num_tokens is not None, "serve/build.py resolves it"
-    return EagleProposer(head, spec.name, spec.num_tokens, spec.tree)
+    return EagleProposer(head, spec.name, spec.num_tokens, spec.tree, window=spec.head_window)
