@@ -162,6 +162,7 @@ def random_target(hf: dict, dtype: torch.dtype, device: str, seed: int = 0) -> T
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device == "cpu":
         pack_linears(model)
+    model.choose_path()
     return model
 
 
@@ -220,6 +221,7 @@ def proposers(target: Transformer, shape: Shape) -> dict[str, Proposer]:
     eagle3 = on_device(lambda: Eagle3Head(Eagle3Config.from_target(c), target), target)
     medusa = on_device(lambda: medusa_heads(target), target)
     draft = on_device(lambda: DraftModel(DraftModelConfig(**shape.draft), target), target)
+    draft.choose_path()  # as serve/drafters.py finishes a loaded draft model
     return {
         "EAGLE-1 chain 4": EagleProposer(eagle, "eagle", 4, TreeConfig(topk=1)),
         "EAGLE-3 tree 5x4/12": EagleProposer(eagle3, "eagle3", 5, TreeConfig(topk=4, total_tokens=12)),

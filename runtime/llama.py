@@ -5,9 +5,10 @@ the same forward serves prefill, decode and tree verification. Parameter names m
 HF transformers, so a safetensors state dict loads as is.
 
 A target runs one of two forwards, chosen once when it is loaded (Transformer.path):
-- `cpu_kernels`: its fp32 weights on a CPU where draftsmith's kernels run (cpu_kernels/), every layer fitting them.
-  A cached batch-1 step (prefill, decode, verify) is one call through the whole stack of layers; other calls (no
-  cache: training features; batched regeneration) run the modules below on the kernels' linears and norms.
+- `cpu_kernels`: its fp32 weights on a CPU where draftsmith's kernels run (cpu_kernels/). A cached batch-1 step
+  (prefill, decode, verify) is one call through the whole stack of layers where every layer fits it (`stacked`,
+  decided at load), else the modules below on the kernels, which give a row the same bits in any step; other calls
+  (no cache: training features; batched regeneration) run the modules on the kernels' linears and norms.
 - `reference`: the modules below on torch's ops alone: SDPA, in half precision on a CPU the batch-invariant attention
   (runtime/attention.py); on a GPU the engine compiles it or captures it in CUDA graphs (serve/engine/graphs.py).
 """
@@ -15,8 +16,8 @@ A target runs one of two forwards, chosen once when it is loaded (Transformer.pa
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -33,6 +34,7 @@ from .kv_cache import KVCache
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 CPU_KERNELS, REFERENCE = "cpu_kernels", "reference"  # the target's two forwards (Transformer.path)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -343,6 +345,7 @@ class Transformer(nn.Module):
         self.rope_cache(cfg.max_position_embeddings)
         self.narrowed_to: torch.dtype | None = None  # set where bf16 weights run in fp32 (serve/models/loader.py)
         self.path = REFERENCE  # its forward: chosen when it is loaded (choose_path)
+        self.stacked = False  # on cpu_kernels: its steps in one call through the whole stack (choose_path)
 
     def rope_cache(self, max_len: int) -> None:
         cos, sin = rope_tables(self.config, max_len)
@@ -371,37 +374,43 @@ class Transformer(nn.Module):
         return KVCache.allocate(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, dtype, self.device)
 
     def choose_path(self) -> str:
-        """Choose the forward, once (where the model is loaded): cpu_kernels where draftsmith's kernels run its weights
-        and every layer fits the one-call stack, else reference. Returns why not cpu_kernels ("" where it is)."""
-        why = self.why_reference()
-        self.path = REFERENCE if why else CPU_KERNELS
-        return why
+        """Choose the forward, once (where the model is loaded): cpu_kernels where draftsmith's kernels run its weights,
+        each step in one call through the whole stack where every layer fits it (`stacked`), else reference. Returns
+        what keeps it from the whole stack ("" where it runs it)."""
+        self.path = CPU_KERNELS if native.runs(self.lm_head.weight) else REFERENCE
+        self.stacked = (
+            self.path == CPU_KERNELS and decoder_stack.current(self.model.layers, DecoderLayer.forward) is not None
+        )
+        return self.why_not_stacked()
 
-    def why_reference(self) -> str:
+    def why_not_stacked(self) -> str:
         w = self.lm_head.weight
         if not native.runs(w):
             return f"draftsmith's CPU kernels do not run {w.dtype} weights on {w.device} here (cpu_kernels/native.py)"
         if decoder_stack.current(self.model.layers, DecoderLayer.forward) is None:
             return (
                 "a layer does not fit the one-call stack (a hook or forward of its own, an unusual norm or bias, "
-                "linears not packed)"
+                "linears not packed): steps run module by module on the kernels"
             )
         return ""
 
     def stack(self) -> decoder_stack.Stack | None:
-        """On the cpu_kernels path, the layers' one-call stack. A model changed since it was loaded so that the stack no
-        longer runs it (a hook, a layer of another kind, moved off the CPU) goes to the reference path here, once,
-        with a warning; choose_path() chooses again."""
-        if self.path != CPU_KERNELS:
+        """The layers' one-call stack, where this model runs it. A model changed since it was loaded so that it no
+        longer does (a hook, a layer of another kind) runs its steps module by module on the kernels from then on, the
+        same bits a row gets in any step; one moved off the CPU or to another dtype goes to the reference path. Either
+        once, with a warning; choose_path() chooses again."""
+        if self.path != CPU_KERNELS or not self.stacked:
             return None
         if (stack := decoder_stack.current(self.model.layers, DecoderLayer.forward)) is not None:
             return stack
-        self.path = REFERENCE
-        warnings.warn(
-            "draftsmith: the model changed since it was loaded and its layers no longer fit the one-call CPU stack "
-            f"({self.why_reference() or 'it fits again'}); it runs the reference forward from now on "
-            "(model.choose_path() chooses again)",
-            stacklevel=3,
+        self.stacked = False
+        if not native.runs(self.lm_head.weight):
+            self.path = REFERENCE
+        log.warning(
+            "draftsmith: the model changed since it was loaded: %s; from now on it runs %s (model.choose_path() "
+            "chooses again)",
+            self.why_not_stacked() or "it fits again",
+            "the reference forward" if self.path == REFERENCE else "its steps module by module",
         )
         return None
 

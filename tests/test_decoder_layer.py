@@ -11,7 +11,7 @@ import torch
 from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native
 from draftsmith.cpu_kernels.packed import pack_linears
 from draftsmith.runtime.kv_cache import KVCache
-from draftsmith.runtime.llama import REFERENCE
+from draftsmith.runtime.llama import CPU_KERNELS
 from draftsmith.serve.models.loader import load_model
 from helpers import eagle_head, four_steps, without
 
@@ -116,9 +116,8 @@ def test_a_norm_of_another_class_takes_the_modules(tiny_llama_dir):
     x, caches = torch.zeros(1, 1, 96), (torch.zeros(1), torch.zeros(1))
     with torch.inference_mode():
         assert decoder_layer.step_plan(layer, x, caches, 0, None) is None
-    with pytest.warns(UserWarning, match="no longer fit the one-call CPU stack"):
-        got = steps(model)[1][0]
-    assert model.path == REFERENCE  # a target whose layer does not fit runs torch's ops throughout
+    got = steps(model)[1][0]
+    assert model.path == CPU_KERNELS and not model.stacked  # its steps run module by module from now on
     with without(decoder_layer):
         assert torch.equal(got, steps(model)[1][0])
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native, panels
-from draftsmith.runtime.llama import CPU_KERNELS, REFERENCE, DecoderLayer
+from draftsmith.runtime.llama import CPU_KERNELS, DecoderLayer
 from draftsmith.serve.models.loader import load_model
 from helpers import exactly, four_steps, without
 
@@ -33,18 +33,6 @@ def steps(model, cache=None) -> list:
 
 def current(layers):
     return decoder_stack.current(layers, DecoderLayer.forward)
-
-
-def on_the_reference_path(model_type: str, tiny_llama_dir, change=None) -> list:
-    """steps() of the same model loaded on the reference path (torch's ops throughout), changed alike."""
-    model = tiny(model_type, tiny_llama_dir)
-    model.path = REFERENCE
-    handle = change(model) if change is not None else None
-    try:
-        return steps(model)
-    finally:
-        if handle is not None:
-            handle.remove()
 
 
 def same(got: list, want: list) -> bool:
@@ -172,18 +160,18 @@ class Skip(nn.Module):
 
 
 @pytest.mark.parametrize("change", [unpack_an_o_projection, put_in_a_layer_of_another_kind])
-def test_a_layer_that_no_longer_fits_sends_the_model_to_the_reference_path(change, tiny_llama_dir):
-    """The path is chosen at load; a model changed after it so that one layer does not fit the stack leaves the
-    cpu_kernels path once, with a warning, and runs torch's ops from then on, layer by layer calls included."""
+def test_a_layer_that_no_longer_fits_sends_the_steps_module_by_module(change, tiny_llama_dir, caplog):
+    """Whether the steps run as one stack is decided at load; a model changed after it so that one layer does not fit
+    runs them module by module on the kernels from then on (the same bits a row gets in any step), with a warning."""
     model = tiny("llama", tiny_llama_dir)
-    assert model.path == CPU_KERNELS
+    assert model.path == CPU_KERNELS and model.stacked
     change(model)
-    with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
-        with mock.patch.object(decoder_layer, "run", wraps=decoder_layer.run) as one_layer:
-            with pytest.warns(UserWarning, match="no longer fit the one-call CPU stack"):
-                got = steps(model)
-    assert ran.call_count == 0 and one_layer.call_count == 0 and model.path == REFERENCE
-    assert same(got, on_the_reference_path("llama", tiny_llama_dir, lambda m: change(m)))
+    with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran, caplog.at_level("WARNING"):
+        got = steps(model)
+    assert ran.call_count == 0 and model.path == CPU_KERNELS and not model.stacked
+    assert "changed since it was loaded" in caplog.text and "module by module" in caplog.text
+    with without(decoder_stack, decoder_layer):
+        assert same(got, steps(model))
 
 
 def test_what_the_stack_does_not_take(tiny_llama_dir):
@@ -269,24 +257,25 @@ def patch_a_forward(model) -> object:
 
 
 @pytest.mark.parametrize("hook", [hook_a_layer, hook_an_mlp, hook_every_module, patch_a_forward])
-def test_hooks_and_a_patched_forward_are_honoured(hook, tiny_llama_dir):
-    """The kernels run in place of modules: where one of those has a hook or its own forward, the model goes to the
-    reference path (with a warning), whose modules run the hook; choose_path() brings it back once it is gone."""
+def test_hooks_and_a_patched_forward_are_honoured(hook, tiny_llama_dir, caplog):
+    """The kernels run in place of modules: where one of those has a hook or its own forward, the steps run module by
+    module (with a warning), each module running the hook; choose_path() brings the stack back once it is gone."""
     model = tiny("llama", tiny_llama_dir)
     plain = steps(model)
     handle = hook(model)
     try:
-        with pytest.warns(UserWarning, match="no longer fit the one-call CPU stack"):
+        with caplog.at_level("WARNING"):
             hooked = steps(model)
+        with without(decoder_stack, decoder_layer):
+            assert same(hooked, steps(model))
     finally:
         handle.remove()
-    assert model.path == REFERENCE
-    assert same(hooked, on_the_reference_path("llama", tiny_llama_dir, hook))
+    assert "changed since it was loaded" in caplog.text and not model.stacked and model.path == CPU_KERNELS
     why = model.choose_path()
     if hook is patch_a_forward:  # a forward set on an instance stays
-        assert why and model.path == REFERENCE
+        assert "does not fit" in why and not model.stacked
     else:
-        assert not why and model.path == CPU_KERNELS and same(steps(model), plain)
+        assert not why and model.stacked and same(steps(model), plain)
 
 
 def test_layers_under_their_own_names_are_planned_once(tiny_llama_dir):

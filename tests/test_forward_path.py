@@ -17,6 +17,7 @@ from draftsmith.serve.engine.cost_profile import kernel_library
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.models.loader import load_model
+from draftsmith.serve.proposers.propose_draft_model import DraftChainConfig, DraftModelProposer
 from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from helpers import PROMPTS, four_steps
 
@@ -51,7 +52,7 @@ def counted() -> Iterator[dict[str, mock.MagicMock]]:
 @needs_kernels
 def test_an_fp32_cpu_model_is_loaded_on_the_cpu_kernels_path(tiny_llama_dir):
     model = tiny(tiny_llama_dir)
-    assert model.path == CPU_KERNELS and model.why_reference() == ""
+    assert model.path == CPU_KERNELS and model.stacked and model.why_not_stacked() == ""
     with counted() as calls:
         four_steps(model)
     assert calls["decoder_stack.run"].call_count == 4  # prefill, decode, chain and tree verify: one call each
@@ -79,7 +80,7 @@ def test_calls_that_are_not_steps_run_the_modules_on_the_kernels(tiny_llama_dir)
 def test_the_reference_path_calls_none_of_draftsmiths_kernels(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv(native.ENV, "0")
     model = tiny(tiny_llama_dir)
-    assert model.path == REFERENCE and "do not run" in model.why_reference()
+    assert model.path == REFERENCE and "do not run" in model.why_not_stacked()
     with counted() as calls:
         outs, _ = four_steps(model)
     assert sum(c.call_count for c in calls.values()) == 0
@@ -89,17 +90,20 @@ def test_the_reference_path_calls_none_of_draftsmiths_kernels(tiny_llama_dir, mo
         assert all(torch.allclose(f.logits, r.logits, atol=1e-4) for f, r in zip(fast, outs, strict=True))
 
 
-def test_half_precision_and_unpacked_models_take_the_reference(tiny_llama_dir):
-    """bf16 arithmetic (an offline load, decode=False) and linears left unpacked are not what the stack runs: the
-    reference is chosen at load, never switched to mid-run."""
+def test_half_precision_takes_the_reference_and_unpacked_linears_step_module_by_module(tiny_llama_dir):
+    """bf16 arithmetic (an offline load, decode=False) is not what the kernels run: the reference, chosen at load. fp32
+    linears left unpacked do not fit the stack: the model stays on the kernels, its steps module by module."""
     half = tiny(tiny_llama_dir, dtype=torch.bfloat16, decode=False)
+    assert half.path == REFERENCE and not half.stacked and "bfloat16" in half.why_not_stacked()
+    with counted() as calls:
+        four_steps(half)
+    assert sum(c.call_count for c in calls.values()) == 0
     unpacked = tiny(tiny_llama_dir, pack=False)
-    assert half.path == REFERENCE and "bfloat16" in half.why_reference()
-    assert unpacked.path == REFERENCE
-    for model in (half, unpacked):
+    if native.usable():
+        assert unpacked.path == CPU_KERNELS and not unpacked.stacked and "not packed" in unpacked.choose_path()
         with counted() as calls:
-            four_steps(model)
-        assert sum(c.call_count for c in calls.values()) == 0
+            four_steps(unpacked)
+        assert calls["decoder_stack.run"].call_count == 0 and calls["layer_ops.rms_norm"].call_count > 0
 
 
 @pytest.mark.parametrize("path", [CPU_KERNELS, REFERENCE])
@@ -118,3 +122,25 @@ def test_greedy_speculation_equals_plain_on_either_path(path, tiny_llama_dir):
         drafted += got.metrics.draft_tokens
     assert drafted > 0
     assert (kernel_library(spec) is not None) == (path == CPU_KERNELS)  # what a run records as its kernels
+
+
+@needs_kernels
+def test_a_hooked_target_stays_lossless_at_near_ties(tiny_llama_dir):
+    """A hook keeps a model off the whole stack: its steps run module by module on the kernels, which give a row the
+    same bits decoded or verified, so speculation still equals plain greedy where two tokens nearly tie (torch's ops
+    would part: their one-row and many-row products round differently)."""
+    model = tiny(tiny_llama_dir)
+    with torch.no_grad():  # rows 64..127 of the lm_head a hair from rows 0..63: near-ties everywhere
+        w = model.lm_head.weight
+        noise = torch.randn(64, w.shape[1], generator=torch.Generator().manual_seed(0))
+        w[64:128] = w[:64] * (1 + 3e-7 * noise)
+    model.model.layers[1].register_forward_hook(lambda module, args, out: out)
+    plain = Engine(model, max_seq_len=128)
+    spec = Engine(model, DraftModelProposer(model, DraftChainConfig(5)), max_seq_len=128)
+    with mock.patch.object(decoder_stack, "run", wraps=decoder_stack.run) as ran:
+        for prompt in PROMPTS:
+            assert (
+                spec.generate(prompt, 60, SamplingParams()).output_ids
+                == plain.generate(prompt, 60, SamplingParams()).output_ids
+            ), prompt
+    assert ran.call_count == 0 and model.path == CPU_KERNELS and not model.stacked

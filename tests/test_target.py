@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.cpu_kernels import decoder_layer, native, panels
 from draftsmith.cpu_kernels.packed import pack_linears, panel_formats
-from draftsmith.runtime.llama import CPU_KERNELS, REFERENCE, ModelConfig, Transformer
+from draftsmith.runtime.llama import ModelConfig, Transformer
 from draftsmith.serve.build import engine_salt
 from draftsmith.serve.drafters import auto_draft_dtype, draft_lm
 from draftsmith.serve.models import target as target_mod
@@ -185,7 +185,7 @@ def test_bf16_runs_as_bf16_weights_in_fp32_on_the_kernels(tiny_llama_dir, smollm
         for p in fp32.parameters():
             p.copy_(p.bfloat16())
     pack_linears(fp32)
-    assert fp32.path == REFERENCE and fp32.choose_path() == "" and fp32.path == CPU_KERNELS  # chosen again, packed
+    assert not fp32.stacked and fp32.choose_path() == "" and fp32.stacked  # packed now: chosen again, it fits
     packed_weights = [t for h in map(decoder_layer.current_tensors, bf16.model.layers) if h for t in h.values()]
     assert {t.dtype for t in packed_weights if t.dim() == 3} == {torch.bfloat16}
     outs, cache = four_steps(bf16)

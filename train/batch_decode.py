@@ -69,14 +69,15 @@ class Slots:
         view = KVCache([k[:, :, :span] for k in self.cache.k], [v[:, :, :span] for v in self.cache.v])
         visible = torch.arange(span, device=dev) <= lengths[:, None]
         b = len(self.held)
-        x, _ = self.model.layers_forward(
-            torch.tensor(tokens, device=dev).view(b, 1), lengths.view(b, 1, 1), view, lengths.view(b, 1),
-            visible.view(b, 1, 1, span), (),
-        )  # fmt: skip
-        for i in live:
-            self.held[i].append(tokens[i])
-        rows = x[torch.tensor(live, device=dev), -1]
-        return self.model.lm_head(self.model.model.norm(rows)).float()
+        with self.model.kernels():  # the model's path: torch's ops alone on the reference
+            x, _ = self.model.layers_forward(
+                torch.tensor(tokens, device=dev).view(b, 1), lengths.view(b, 1, 1), view, lengths.view(b, 1),
+                visible.view(b, 1, 1, span), (),
+            )  # fmt: skip
+            for i in live:
+                self.held[i].append(tokens[i])
+            rows = x[torch.tensor(live, device=dev), -1]
+            return self.model.lm_head(self.model.model.norm(rows)).float()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

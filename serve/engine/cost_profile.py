@@ -65,6 +65,7 @@ class ProfileSettings:
 
 def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict[str, Any]:
     """What a measured curve holds for: a file recording anything else is stale."""
+    engine.model.stack()  # a model changed since it was loaded leaves the whole stack before its curve is filed
     return {
         "schema": SCHEMA,
         "target": target_id,
@@ -73,6 +74,7 @@ def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict
         "forward": forward_path(engine),
         "torch": torch.__version__,
         "kernels": kernel_library(engine),
+        "stacked": engine.model.stacked,  # steps in one call, or module by module on the kernels
         "panels": panel_formats(engine.model) if kernel_library(engine) else None,
         "threads": torch.get_num_threads(),
         "cpu": cpu_name(),

@@ -112,7 +112,7 @@ def load_model(
     if pack:
         pack_linears(model)
     if why := model.choose_path():
-        log.info("%s runs the reference forward: %s", folder.name, why)
+        log.info("%s: %s", folder.name, why)
     return model
 
 
