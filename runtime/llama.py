@@ -377,11 +377,10 @@ class Transformer(nn.Module):
         """Choose the forward, once (where the model is loaded): cpu_kernels where draftsmith's kernels run its weights,
         each step in one call through the whole stack where every layer fits it (`stacked`), else reference. Returns
         what keeps it from the whole stack ("" where it runs it)."""
+        why = self.why_not_stacked()
         self.path = CPU_KERNELS if native.runs(self.lm_head.weight) else REFERENCE
-        self.stacked = (
-            self.path == CPU_KERNELS and decoder_stack.current(self.model.layers, DecoderLayer.forward) is not None
-        )
-        return self.why_not_stacked()
+        self.stacked = not why
+        return why
 
     def why_not_stacked(self) -> str:
         w = self.lm_head.weight
