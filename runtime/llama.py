@@ -398,12 +398,15 @@ class Transformer(nn.Module):
         longer does (a hook, a layer of another kind) runs its steps module by module on the kernels from then on, the
         same bits a row gets in any step; one moved off the CPU or to another dtype goes to the reference path. Either
         once, with a warning; choose_path() chooses again."""
-        if self.path != CPU_KERNELS or not self.stacked:
+        if self.path != CPU_KERNELS:
             return None
-        if (stack := decoder_stack.current(self.model.layers, DecoderLayer.forward)) is not None:
+        if self.stacked and (stack := decoder_stack.current(self.model.layers, DecoderLayer.forward)) is not None:
             return stack
+        moved = not native.runs(self.lm_head.weight)  # checked here only: a stacked model's watch sees a move
+        if not (self.stacked or moved):
+            return None
         self.stacked = False
-        if not native.runs(self.lm_head.weight):
+        if moved:
             self.path = REFERENCE
         log.warning(
             "draftsmith: the model changed since it was loaded: %s; from now on it runs %s (model.choose_path() "

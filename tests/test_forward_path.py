@@ -144,3 +144,16 @@ def test_a_hooked_target_stays_lossless_at_near_ties(tiny_llama_dir):
                 == plain.generate(prompt, 60, SamplingParams()).output_ids
             ), prompt
     assert ran.call_count == 0 and model.path == CPU_KERNELS and not model.stacked
+
+
+@needs_kernels
+def test_a_model_off_the_stack_then_moved_to_bf16_takes_the_reference(tiny_llama_dir):
+    model = tiny(tiny_llama_dir)
+    handle = model.model.layers[1].register_forward_hook(lambda module, args, out: out)
+    four_steps(model)
+    handle.remove()
+    assert model.path == CPU_KERNELS and not model.stacked  # module by module
+    model.to(torch.bfloat16)
+    with counted() as calls:
+        four_steps(model)
+    assert model.path == REFERENCE and sum(c.call_count for c in calls.values()) == 0
