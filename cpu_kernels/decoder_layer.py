@@ -14,8 +14,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -63,6 +64,15 @@ def work_kernel(name: str = "decoder_layer_work") -> ctypes._CFuncPtr | None:  #
 
 
 Caches = tuple[Tensor | None, Tensor | None]
+Forward = TypeVar("Forward", bound=Callable)
+COMPUTED: set[Callable] = set()  # the attention and MLP forwards the kernel computes itself
+
+
+def computes(forward: Forward) -> Forward:
+    """Marks an attention or MLP forward as one the one-call layer computes (runtime/llama.py's). A subclass with a
+    forward of its own is not marked, so a layer that holds one runs module by module, its forward called."""
+    COMPUTED.add(forward)
+    return forward
 
 
 @dataclass
@@ -119,10 +129,13 @@ def plan(layer: Any) -> Plan | None:
 
 
 def watch(layer: Any) -> Watch | None:
-    """What the layer's plan reads; None where a module the kernel stands in for has a forward hook or its own
-    forward (the kernel would skip it)."""
-    seen = watching([layer], READS)
+    """What the layer's plan reads, and the classes of the modules it stands in for; None where one of those has a
+    forward hook, a forward set on the instance, or an attention or MLP forward the kernel does not compute (the kernel
+    would skip it)."""
     attn, mlp = layer.self_attn, layer.mlp
+    if type(attn).forward not in COMPUTED or type(mlp).forward not in COMPUTED:
+        return None
+    seen = watching([layer], READS)
     called = [attn, mlp, layer.input_layernorm, layer.post_attention_layernorm]
     called += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     called += [attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else []

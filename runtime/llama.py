@@ -215,6 +215,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         return q, k, v.transpose(1, 2)
 
+    @decoder_layer.computes
     def forward(
         self,
         x: Tensor,
@@ -288,6 +289,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None
 
+    @decoder_layer.computes
     def forward(self, x: Tensor) -> Tensor:
         if (fused := fused_linear(self, "gate_up_proj")) is not None:
             if native.handles(x):  # fp32 CPU inference: silu(gate) * up in one call

@@ -10,10 +10,12 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native, panels
-from draftsmith.runtime.llama import CPU_KERNELS, DecoderLayer
+from draftsmith.cpu_kernels.layer_ops import RMSNorm
+from draftsmith.runtime.llama import CPU_KERNELS, MLP, DecoderLayer
 from draftsmith.serve.models.loader import load_model
 from helpers import exactly, four_steps, without
 
@@ -159,7 +161,43 @@ class Skip(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("change", [unpack_an_o_projection, put_in_a_layer_of_another_kind])
+class GeluMLP(MLP):
+    """An MLP of another activation: the one-call layer computes SiLU's, so a layer holding it must run its forward."""
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ScaledNorm(RMSNorm):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def put_in_an_mlp_of_its_own(model) -> None:
+    mlp = model.model.layers[1].mlp
+    own = GeluMLP.__new__(GeluMLP)
+    own.__dict__ = dict(mlp.__dict__)  # the same (packed) linears
+    model.model.layers[1].mlp = own
+
+
+def give_an_mlp_another_class(model) -> None:
+    model.model.layers[2].mlp.__class__ = GeluMLP
+
+
+def give_a_norm_another_class(model) -> None:
+    model.model.layers[0].post_attention_layernorm.__class__ = ScaledNorm
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        unpack_an_o_projection,
+        put_in_a_layer_of_another_kind,
+        put_in_an_mlp_of_its_own,
+        give_an_mlp_another_class,
+        give_a_norm_another_class,
+    ],
+)
 def test_a_layer_that_no_longer_fits_sends_the_steps_module_by_module(change, tiny_llama_dir, caplog):
     """Whether the steps run as one stack is decided at load; a model changed after it so that one layer does not fit
     runs them module by module on the kernels from then on (the same bits a row gets in any step), with a warning."""
