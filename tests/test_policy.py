@@ -111,6 +111,54 @@ def test_a_drafter_that_stops_paying_goes_plain_and_probes(target, future):
     assert max(len(r) for r in runs) <= 4 * 8  # never more than 4 x probe_every plain steps without a look
 
 
+class Lagging(Scripted):
+    """A scripted drafter whose draft takes `step` seconds, plus `per_token` for each token of steps it did not draft
+    (what a head with a KV cache runs first, after such steps)."""
+
+    def __init__(self, future: list[int], right, per_token: float, step: float = 0.05):
+        super().__init__(future, right)
+        self.per_token, self.step, self.last, self.seconds = per_token, step, 0, 0.0
+
+    def propose(self, tokens, sp, budget) -> DraftTree:
+        n = tokens.numel()
+        self.seconds = self.step + self.per_token * (n - (self.last or n))
+        self.last = n
+        return super().propose(tokens, sp, budget)
+
+    def prefill(self, tokens, start, out) -> None:
+        self.last = tokens.numel()
+
+    def accept(self, tokens, tree, path, out) -> None:
+        if len(tree):  # it drafted this step: its next draft runs what the step added, as every draft does
+            self.last = tokens.numel()
+
+
+def lagging_run(target, drafter: Lagging, future: list[int]) -> tuple[list[str], DraftPolicy]:
+    engine = Engine(target, drafter, max_seq_len=128)
+    engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=4))
+    engine.clocked = lambda call: (call(), drafter.seconds)  # type: ignore[method-assign]
+    decisions: list[str] = []
+    plan = engine.plan
+    engine.plan = lambda *args: (decisions.append((p := plan(*args)).decision), p)[1]  # type: ignore[method-assign]
+    assert engine.generate(PROMPTS[0], NEW, GREEDY).output_ids == future[len(PROMPTS[0]) :]
+    return decisions, engine.policy
+
+
+@pytest.mark.parametrize("per_token", [0.0, 2.0])
+def test_catching_up_after_steps_not_drafted_is_learnt_and_charged(per_token, target, future):
+    """A draft after steps its drafter did not draft also catches up on them: that time is learnt per token skipped,
+    apart from the draft time, and charged to the drafter judged after such steps (not after its own draft's step)."""
+    right = lambda n: (n // 6) % 2 == 0  # noqa: E731  right and wrong in turns: plain runs, then drafts again
+    decisions, policy = lagging_run(target, Lagging(future, right, per_token), future)
+    assert "plain" in decisions and "probe" in decisions
+    assert policy.catch_up_s[0] == pytest.approx(per_token) and policy.draft_s[(0, 3)] == pytest.approx(0.05)
+    n = len(future) - 4
+    policy.caught_up[0] = n - 5  # five tokens of steps it did not draft
+    assert policy.catch_up_time(0, n) == pytest.approx(5 * per_token)
+    policy.caught_up[0] = n  # its own draft's step: nothing to catch up on
+    assert policy.catch_up_time(0, n) == 0.0
+
+
 def test_a_plain_run_judges_its_drafter_every_fourth_step(target, future, monkeypatch):
     """Nothing is observed in a plain run: the drafter is judged again every REJUDGE-th step, not every step."""
     judged: list[int] = []

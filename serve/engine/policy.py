@@ -21,7 +21,9 @@ steps. Likewise a drafter drafting short of its deepest goes one level deeper ev
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
 learnt from drafts that follow a step the same drafter drafted: the first draft after other steps also runs the
-drafter over the tokens it skipped (serve/proposers/propose_eagle.py), which a later draft does not pay.
+drafter over the tokens it skipped (serve/proposers/propose_eagle.py), which a later draft does not pay. That
+catch-up is learnt apart, per token skipped, and charged to a drafter judged after steps it did not draft: a head
+left out for a plain run costs more to bring back than its draft time says.
 
 Lossless as the cost cut is: whether a step drafts, and how deep, depends on earlier steps only; a drawn (sampled)
 draft is cut by whole levels, level d by what the levels above it say (draft_cut.stopped_levels).
@@ -89,6 +91,8 @@ class DraftPolicy:
     plain_run: int = 0  # plain steps in a row
     previous: int = -1  # the part that drafted the last step (-1: none)
     wait: int = 0  # plain steps in a row before the next probe
+    catch_up_s: dict[int, float] = field(init=False)  # drafter part -> seconds per token it skipped, to catch up
+    caught_up: dict[int, int] = field(init=False)  # drafter part -> the request's length after its last draft's step
     empties: dict[str, DraftTree] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -100,12 +104,14 @@ class DraftPolicy:
         self.acceptance = Acceptance(self.cfg.prior_weight, self.cfg.half_life)
         self.draft_s, self.last, self.deep, self.shallow_run, self.full = {}, {}, {}, {}, set()
         self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
+        self.catch_up_s, self.caught_up = {}, {}
 
     def start(self) -> None:
         """A new request: its estimates start from the engine's. The plain run and the wait before the next probe go
         on from the last request's: a drafter that stopped paying is looked at once per wait, not once per request."""
         self.acceptance.start()
         self.previous = -1
+        self.caught_up = {}  # each drafter's prefill runs the prompt: caught up at the request's first step
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
@@ -125,9 +131,11 @@ class DraftPolicy:
         if best_rate <= plain_rate:
             best, best_rate = empty, plain_rate
         chosen: tuple[int, int] | None = None  # (part, depth) of a drafter worth drafting
+        n = tokens.numel()
         for i, part in enumerate(parts):
+            self.caught_up.setdefault(i, n)
             if not part.by_lookup and self.rejudged():
-                depth, rate = self.best_depth(i, budget, spent, sp)
+                depth, rate = self.best_depth(i, budget, spent + self.catch_up_time(i, n), sp)
                 if rate > best_rate:
                     chosen, best_rate = (i, depth), rate
         if chosen is not None:
@@ -163,7 +171,7 @@ class DraftPolicy:
     ) -> Plan:
         i, depth = chosen
         tree, s = timed(lambda: parts[i].propose(tokens, sp, min(budget, depth)))
-        self.learn_draft_time(i, tree, s)
+        self.learn_draft_time(i, tree, s, tokens.numel())
         plan, _ = self.judge(i, tree, spent + s, sp)
         self.remember(i, plan, min(budget, depth))
         return plan
@@ -187,7 +195,7 @@ class DraftPolicy:
             return Plan(self.empty_tree(tokens.device))
         i = min(drafters, key=lambda j: self.time_at(j, 1))
         tree, s = timed(lambda: parts[i].propose(tokens, sp, 1))
-        self.learn_draft_time(i, tree, s)
+        self.learn_draft_time(i, tree, s, tokens.numel())
         kept = None if tree.draft_probs is not None or len(tree) <= 1 else first
         plan = Plan(tree, kept, i, spent + s, "probe", *self.estimate(i, tree, sp))
         self.remember(i, plan, 1)
@@ -291,18 +299,32 @@ class DraftPolicy:
         near = min(known, key=lambda d: abs(d - depth))
         return self.draft_s[(i, near)] * depth / near
 
-    def learn_draft_time(self, i: int, tree: DraftTree, seconds: float) -> None:
+    def catch_up_time(self, i: int, n: int) -> float:
+        """What drafter i would spend first on the tokens of steps it did not draft, drafting at request length n (0
+        right after its own draft's step: what that step added is part of its draft time)."""
+        return self.catch_up_s.get(i, 0.0) * self.skipped(i, n)
+
+    def skipped(self, i: int, n: int) -> int:
+        return n - self.caught_up.get(i, n)
+
+    def learn_draft_time(self, i: int, tree: DraftTree, seconds: float, n: int) -> None:
+        """A draft's seconds: its draft time where it skipped no step (or nothing is known of it yet); else, past the
+        draft time known at its depth, a catch-up over the tokens it skipped, per token."""
+        skipped, self.caught_up[i] = self.skipped(i, n), n
         if not len(tree):
             return
         depth = max(tree.depth_list)
         old = self.draft_s.get((i, depth))
-        if old is None:
-            self.draft_s[(i, depth)] = seconds
-        elif self.previous == i:  # after steps it did not draft, a draft also catches up on them: not its time
-            self.draft_s[(i, depth)] = ema(old, seconds)
+        if not skipped or not any(j == i for j, _ in self.draft_s):
+            self.draft_s[(i, depth)] = seconds if old is None else ema(old, seconds)
+        else:
+            per_token = max(seconds - self.time_at(i, depth), 0.0) / skipped
+            self.catch_up_s[i] = ema(self.catch_up_s[i], per_token) if i in self.catch_up_s else per_token
 
     def observe(self, plan: Plan, path: list[int], m: Metrics) -> None:
         record(self.acceptance, plan, path, m)
+        if plan.part in self.caught_up and plan.part == self.previous and len(plan.tree):
+            self.caught_up[plan.part] += 1 + len(path)  # its next draft runs these tokens as any draft does
 
 
 def estimate(
