@@ -9,11 +9,12 @@ that must not grow (a layer list; the forward hooks of modules a kernel runs in 
 (its in-place version, where its data lives, its strides), and checks them all with C-level maps.
 
 What it sees: a module, parameter or attribute replaced, added or removed; a forward hook or an instance's own
-forward; a module given another class (`module.__class__ = ...`); a tensor edited in place, moved by a `.data` swap,
-`set_`, `model.to` or `share_memory` (it holds the storage it saw, so new data cannot be handed the old address). A name
-computed on each read (a parametrized weight) cannot be watched: such a watch never holds, and the plan is remade each
-time. What it cannot see, as PyTorch's own version counter cannot: an edit through `.data` (`weight.data.copy_(...)`),
-which writes the storage behind the tensor's back.
+forward; a module given another class (`module.__class__ = ...`) or its class's forward patched; a tensor edited in
+place, moved by a `.data` swap, `set_`, `model.to` or `share_memory` (it holds the storage it saw, so new data cannot
+be handed the old address). A name computed on each read (a parametrized weight) cannot be watched: such a watch never
+holds, and the plan is remade each time. What it cannot see, as PyTorch's own version counter cannot: an edit through
+`.data` (`weight.data.copy_(...)`), which writes the storage behind the tensor's back. Nor a subclass that changes
+what a module computes through a method other than `forward`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_globals
 
 COUNTER = operator.attrgetter("_version")
+CLASS_FORWARD = operator.attrgetter("__class__.forward")
 MISSING = object()  # what a watched link found where there was no such key (a None value is not the same)
 HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
@@ -47,8 +49,9 @@ class Watch:
     tensors: list[Tensor] = field(default_factory=list)
     addresses: list[int] = field(default_factory=list)
     strides: list[tuple[int, ...]] = field(default_factory=list)  # a .data swap to a transposed view keeps the address
-    typed: list[object] = field(default_factory=list)  # modules whose class must stay (`module.__class__ = ...`)
-    types: list[type] = field(default_factory=list)
+    # modules whose class's forward must stay (`module.__class__ = ...`, or the class's forward patched)
+    typed: list[object] = field(default_factory=list)
+    forwards: list[object] = field(default_factory=list)
     # the storage each tensor had, held so that its address cannot be handed to new data while the watch lives
     # (model.bfloat16().float() frees a weight and often gets the same address back, version and strides unchanged)
     pinned: list[Tensor] = field(default_factory=list, repr=False)
@@ -65,7 +68,7 @@ class Watch:
             and list(map(COUNTER, self.counted)) == self.versions
             and list(map(Tensor.data_ptr, self.tensors)) == self.addresses
             and list(map(Tensor.stride, self.tensors)) == self.strides
-            and list(map(type, self.typed)) == self.types
+            and list(map(CLASS_FORWARD, self.typed)) == self.forwards
         )
 
     def follow(self, root: nn.Module, path: str) -> object:
@@ -118,10 +121,10 @@ class Watch:
                 self.versions.append(version)
 
     def keep_plain(self, modules: list[nn.Module]) -> bool:
-        """Watch that these modules stay plain (no hooks, no forward of an instance's own) and of their class; whether
-        they are plain now."""
+        """Watch that these modules stay plain (no hooks, no forward of an instance's own) and run their class's forward
+        of now; whether they are plain now."""
         for m in modules:
-            self.keep_type(m)
+            self.keep_forward(m)
         dicts = hook_dicts(modules)
         for where in dicts:
             self.keep_size(where)
@@ -130,13 +133,13 @@ class Watch:
             self.keep(m.__dict__, "forward", forward)
         return not any(map(len, dicts)) and all(f is MISSING for f in own)
 
-    def keep_type(self, module: object) -> None:
-        self.add_type(module, type(module))
+    def keep_forward(self, module: object) -> None:
+        self.add_forward(module, CLASS_FORWARD(module))
 
-    def add_type(self, module: object, kind: type) -> None:
+    def add_forward(self, module: object, forward: object) -> None:
         if new(self.seen, (id(module), type)):
             self.typed.append(module)
-            self.types.append(kind)
+            self.forwards.append(forward)
 
     def extend(self, other: Watch) -> None:
         """Add another watch's links, sizes and tensors as it saw them."""
@@ -149,8 +152,8 @@ class Watch:
         for t, address, strides in zip(other.tensors, other.addresses, other.strides, strict=True):
             self.add_tensor(t, versions.get(id(t)), address, strides)
         self.pinned += other.pinned  # the other's storages, as it saw them
-        for module, kind in zip(other.typed, other.types, strict=True):
-            self.add_type(module, kind)
+        for module, forward in zip(other.typed, other.forwards, strict=True):
+            self.add_forward(module, forward)
 
 
 def watching(modules: Sequence[nn.Module], paths: Sequence[str]) -> Watch:

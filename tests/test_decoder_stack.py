@@ -15,6 +15,7 @@ from torch import nn
 
 from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native, panels
 from draftsmith.cpu_kernels.layer_ops import RMSNorm
+from draftsmith.cpu_kernels.packed import PackedLinear
 from draftsmith.runtime.llama import CPU_KERNELS, MLP, DecoderLayer
 from draftsmith.serve.models.loader import load_model
 from helpers import exactly, four_steps, without
@@ -188,6 +189,15 @@ def give_a_norm_another_class(model) -> None:
     model.model.layers[0].post_attention_layernorm.__class__ = ScaledNorm
 
 
+class NegatedLinear(PackedLinear):
+    def forward(self, x):
+        return -super().forward(x)
+
+
+def give_an_o_projection_a_forward_of_its_own(model) -> None:
+    model.model.layers[1].self_attn.o_proj.__class__ = NegatedLinear
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -196,6 +206,7 @@ def give_a_norm_another_class(model) -> None:
         put_in_an_mlp_of_its_own,
         give_an_mlp_another_class,
         give_a_norm_another_class,
+        give_an_o_projection_a_forward_of_its_own,
     ],
 )
 def test_a_layer_that_no_longer_fits_sends_the_steps_module_by_module(change, tiny_llama_dir, caplog):
@@ -210,6 +221,20 @@ def test_a_layer_that_no_longer_fits_sends_the_steps_module_by_module(change, ti
     assert "changed since it was loaded" in caplog.text and "module by module" in caplog.text
     with without(decoder_stack, decoder_layer):
         assert same(got, steps(model))
+
+
+def test_a_forward_patched_on_the_class_after_load_is_run(tiny_llama_dir, monkeypatch, caplog):
+    """MLP.forward replaced on the class (every instance at once): the stack sees it at the next step and the steps
+    run module by module, the new forward called."""
+    model = tiny("llama", tiny_llama_dir)
+    plain = steps(model)
+    silu = MLP.forward
+    monkeypatch.setattr(MLP, "forward", lambda self, x: 2 * silu(self, x))
+    with caplog.at_level("WARNING"):
+        doubled = steps(model)
+    assert not model.stacked and "module by module" in caplog.text and not same(doubled, plain)
+    with without(decoder_stack, decoder_layer):
+        assert same(doubled, steps(model))
 
 
 def test_what_the_stack_does_not_take(tiny_llama_dir):

@@ -159,6 +159,21 @@ def test_catching_up_after_steps_not_drafted_is_learnt_and_charged(per_token, ta
     assert policy.catch_up_time(0, n) == 0.0
 
 
+def test_catch_up_is_learnt_only_against_a_measured_depth_and_past_a_few_tokens():
+    """A depth never measured has only a scaled guess of its draft time, and a jitter over one or two skipped tokens
+    would be charged times a whole plain run: neither teaches a catch-up time."""
+    policy = DraftPolicy(COST)
+    policy.start()
+    chain = lambda k: DraftTree.chain(torch.arange(k))  # noqa: E731
+    policy.caught_up[0] = 10
+    policy.learn_draft_time(0, chain(3), 0.3, 10)  # depth 3, nothing skipped: its draft time
+    policy.learn_draft_time(0, chain(1), 0.3, 17)  # depth 1 (scaled from depth 3: 0.1) after 7 skipped tokens
+    policy.learn_draft_time(0, chain(3), 0.31, 19)  # depth 3 after 2 skipped tokens
+    assert 0 not in policy.catch_up_s and policy.draft_s == {(0, 3): 0.3}
+    policy.learn_draft_time(0, chain(3), 0.5, 29)  # depth 3 after 10 skipped tokens: 0.02 s a token
+    assert policy.catch_up_s[0] == pytest.approx(0.02)
+
+
 def test_a_plain_run_judges_its_drafter_every_fourth_step(target, future, monkeypatch):
     """Nothing is observed in a plain run: the drafter is judged again every REJUDGE-th step, not every step."""
     judged: list[int] = []

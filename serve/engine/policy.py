@@ -52,6 +52,9 @@ Timed = Callable[[Callable[[], T]], tuple[T, float]]  # runs a call, returns its
 SETTLED = 32  # request steps after which its estimates count as settled (the calibration report's second table)
 EMA = 0.2  # weight of the newest draft time
 REJUDGE = 4  # a plain run judges its drafters again every this many steps
+# tokens skipped below which a draft teaches no catch-up time: a jitter of the draft time, divided by one or two
+# tokens, would be charged times a whole plain run
+CATCH_UP_MIN = 4
 
 
 @dataclass
@@ -309,7 +312,8 @@ class DraftPolicy:
 
     def learn_draft_time(self, i: int, tree: DraftTree, seconds: float, n: int) -> None:
         """A draft's seconds: its draft time where it skipped no step (or nothing is known of it yet); else, past the
-        draft time known at its depth, a catch-up over the tokens it skipped, per token."""
+        draft time measured at its depth (not one scaled from another depth), a catch-up over the CATCH_UP_MIN or more
+        tokens it skipped, per token."""
         skipped, self.caught_up[i] = self.skipped(i, n), n
         if not len(tree):
             return
@@ -317,13 +321,13 @@ class DraftPolicy:
         old = self.draft_s.get((i, depth))
         if not skipped or not any(j == i for j, _ in self.draft_s):
             self.draft_s[(i, depth)] = seconds if old is None else ema(old, seconds)
-        else:
-            per_token = max(seconds - self.time_at(i, depth), 0.0) / skipped
+        elif old is not None and skipped >= CATCH_UP_MIN:
+            per_token = max(seconds - old, 0.0) / skipped
             self.catch_up_s[i] = ema(self.catch_up_s[i], per_token) if i in self.catch_up_s else per_token
 
     def observe(self, plan: Plan, path: list[int], m: Metrics) -> None:
         record(self.acceptance, plan, path, m)
-        if plan.part in self.caught_up and plan.part == self.previous and len(plan.tree):
+        if plan.part in self.caught_up and len(plan.tree):
             self.caught_up[plan.part] += 1 + len(path)  # its next draft runs these tokens as any draft does
 
 
