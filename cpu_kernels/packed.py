@@ -203,9 +203,9 @@ def refresh(linears: list[PackedLinear | FusedLinear]) -> None:
 def current_packed(module: nn.Module) -> Tensor | None:
     """A PackedLinear's or FusedLinear's up-to-date packed weight; None for a plain linear, or for a subclass with a
     forward of its own (a kernel reading the weight would skip it)."""
-    runs = getattr(type(module), "forward", None)
-    packs = isinstance(module, (PackedLinear, FusedLinear)) and runs in (PackedLinear.forward, FusedLinear.forward)
-    return module.current() if packs else None
+    if not isinstance(module, (PackedLinear, FusedLinear)):
+        return None
+    return module.current() if type(module).forward in (PackedLinear.forward, FusedLinear.forward) else None
 
 
 class Fuses(Protocol):
