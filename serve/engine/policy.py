@@ -95,7 +95,8 @@ class DraftPolicy:
     previous: int = -1  # the part that drafted the last step (-1: none)
     wait: int = 0  # plain steps in a row before the next probe
     catch_up_s: dict[int, float] = field(init=False)  # drafter part -> seconds per token it skipped, to catch up
-    caught_up: dict[int, int] = field(init=False)  # drafter part -> the request's length after its last draft's step
+    # drafter part (not a lookup: nothing to catch up) -> the request's length after its last draft's step
+    caught_up: dict[int, int] = field(init=False)
     empties: dict[str, DraftTree] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,8 +137,10 @@ class DraftPolicy:
         chosen: tuple[int, int] | None = None  # (part, depth) of a drafter worth drafting
         n = tokens.numel()
         for i, part in enumerate(parts):
+            if part.by_lookup:
+                continue
             self.caught_up.setdefault(i, n)
-            if not part.by_lookup and self.rejudged():
+            if self.rejudged():
                 depth, rate = self.best_depth(i, budget, spent + self.catch_up_time(i, n), sp)
                 if rate > best_rate:
                     chosen, best_rate = (i, depth), rate
