@@ -17,8 +17,9 @@ from draftsmith.serve.shared.conversations import (
     parse_row,
     split_key,
 )
+from draftsmith.train.answer_cap import cap_answers
 from draftsmith.train.chat import encode, encode_all, render_chat
-from draftsmith.train.data import DataConfig, RegenerateConfig
+from draftsmith.train.data import DataConfig, RegenerateConfig, data_key
 
 END = "<|im_end|>"  # SmolLM2's end-of-turn token
 
@@ -89,6 +90,29 @@ def test_truncation_keeps_the_first_tokens_and_their_mask(tokenizer, sharegpt):
         cut = encode(tokenizer, conv, max_length=n)
         assert len(cut.input_ids) == min(n, len(full.input_ids))
         assert cut.input_ids == full.input_ids[:n] and cut.loss_mask == full.loss_mask[:n]
+
+
+def test_an_answer_cap_cuts_the_first_long_answer_and_ends_the_conversation_there(tokenizer, sharegpt):
+    """data.answer_cap: what regenerating at max_new_tokens=N gives for the turns kept, from answers made longer."""
+    tokens = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    convs = [c for c in sharegpt[0][:300] if sum(m["role"] == "assistant" for m in c.messages) >= 3]
+    lengths = lambda c: [len(tokens(m["content"])) for m in c.messages if m["role"] == "assistant"]  # noqa: E731
+    conv = next(c for c in convs if lengths(c)[0] <= 64 < lengths(c)[1])  # the second answer is the first long one
+    short = next(c for c in convs if max(lengths(c)) <= 64)
+    capped, cut = cap_answers(tokenizer, [conv, short], 64)
+    assert cut == 1 and capped[1] is short
+    answers = [m["content"] for m in capped[0].messages if m["role"] == "assistant"]
+    whole = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+    assert capped[0].messages[-1]["role"] == "assistant" and len(answers) == 2  # later turns followed the whole one
+    assert answers[0] == whole[0] and whole[1].startswith(answers[1]) and len(tokens(answers[1])) == 64
+    assert capped[0].truncated == [1]
+    ex = encode(tokenizer, capped[0], max_length=100_000)
+    decoded = [tokenizer.decode(r) for r in masked_runs(ex.input_ids, ex.loss_mask)]
+    assert decoded == [whole[0] + END, answers[1]]  # the cut answer's end marker is not trained
+    assert DataConfig(answer_cap=64) != DataConfig() and "answer_cap" not in data_key(DataConfig())
+    assert data_key(DataConfig(answer_cap=64))["answer_cap"] == 64
+    with pytest.raises(ValueError, match="data.answer_cap must be >= 1"):
+        DataConfig(answer_cap=0)
 
 
 def test_conversations_without_answers_are_skipped_and_counted(tokenizer, sharegpt):

@@ -70,6 +70,8 @@ class DataConfig:
     max_conversations: int | None = 2000  # training conversations kept (after filtering); null = all
     max_length: int = 1024  # tokens per example (longer ones are truncated)
     heldout_fraction: float = 0.02  # share of conversation ids held out for evaluation
+    # each answer cut to its first N tokens and its conversation ended there (train/answer_cap.py); null: as made
+    answer_cap: int | None = None
     regenerated: bool = False  # train on the target's own answers (train/regenerate.py) instead of the source's
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
@@ -78,6 +80,8 @@ class DataConfig:
             raise ValueError(f"data.heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
         if self.max_length < 2:
             raise ValueError(f"data.max_length must be >= 2, got {self.max_length}")
+        if self.answer_cap is not None and self.answer_cap < 1:
+            raise ValueError(f"data.answer_cap must be >= 1 token (null: answers as made), got {self.answer_cap}")
 
 
 def data_key(cfg: DataConfig) -> dict:
@@ -86,6 +90,8 @@ def data_key(cfg: DataConfig) -> dict:
     as the others cannot change the examples."""
     key = asdict(cfg)
     regenerate, on = key.pop("regenerate"), key.pop("regenerated")
+    if key["answer_cap"] is None:  # keys made before the setting existed still match
+        del key["answer_cap"]
     draws = {"answers": regenerate["answers"]} if regenerate["answers"] > 1 else {}
     # "self_distill": the name this entry had before regeneration was named so; kept, so existing keys still match
     return {**key, "self_distill": {k: regenerate[k] for k in ANSWER_FIELDS} | draws if on else None}

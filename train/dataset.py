@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from draftsmith.serve.models.target import LoadedTarget
 from draftsmith.serve.shared.conversations import Conversation, Skipped, load_conversations
 
+from .answer_cap import cap_answers
 from .chat import encode_all
 from .config import RunConfig
 from .features import (
@@ -54,6 +55,9 @@ def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerato
             rows, seconds = made[0].conversations, made[0].seconds + made[0].start_s
             stage = {"rows": rows, "answers_per_conversation": data.regenerate.answers, "seconds": seconds}
     check_generated_by(convs, target.target_id, where)
+    if data.answer_cap is not None:
+        convs, cut = cap_answers(target.tokenizer, convs, data.answer_cap)
+        say(f"data.answer_cap={data.answer_cap}: {cut} of {len(convs)} conversations end at an answer cut to it")
     return convs, skipped, stage
 
 
