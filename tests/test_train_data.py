@@ -97,8 +97,8 @@ def test_an_answer_cap_cuts_the_first_long_answer_and_ends_the_conversation_ther
     tokens = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     convs = [c for c in sharegpt[0][:300] if sum(m["role"] == "assistant" for m in c.messages) >= 3]
     lengths = lambda c: [len(tokens(m["content"])) for m in c.messages if m["role"] == "assistant"]  # noqa: E731
-    conv = next(c for c in convs if lengths(c)[0] <= 64 < lengths(c)[1])  # the second answer is the first long one
-    short = next(c for c in convs if max(lengths(c)) <= 64)
+    conv = next(c for c in convs if lengths(c)[0] < 64 < lengths(c)[1])  # the second answer is the first long one
+    short = next(c for c in convs if max(lengths(c)) < 64)
     capped, cut = cap_answers(tokenizer, [conv, short], 64)
     assert cut == 1 and capped[1] is short
     answers = [m["content"] for m in capped[0].messages if m["role"] == "assistant"]
@@ -113,6 +113,13 @@ def test_an_answer_cap_cuts_the_first_long_answer_and_ends_the_conversation_ther
     assert data_key(DataConfig(answer_cap=64))["answer_cap"] == 64
     with pytest.raises(ValueError, match="data.answer_cap must be >= 1"):
         DataConfig(answer_cap=0)
+    # exactly the cap: at max_new_tokens=N its end-of-turn token would not have fitted, so it is cut too
+    say = lambda role, text: {"role": role, "content": text}  # noqa: E731
+    eight = tokenizer.decode(tokens(whole[0])[:8])
+    exact = Conversation("x", [say("user", "Hi"), say("assistant", eight), say("user", "More"), say("assistant", "ok")])
+    assert len(tokens(exact.messages[1]["content"])) == 8
+    (capped,), cut = cap_answers(tokenizer, [exact], 8)
+    assert cut == 1 and capped.truncated == [0] and capped.messages == exact.messages[:2]
 
 
 def test_conversations_without_answers_are_skipped_and_counted(tokenizer, sharegpt):
