@@ -9,11 +9,13 @@ by prompt after a warm-up; per request, its decode time per token (TTFT apart) a
 - deciding: the policy judging the head every step as the engine does, with every verify row past the first priced
   out of reach and no probe: it drafts once per round (the policy's first look at the head's shape, every node then
   cut) and never verifies a draft;
-- policy: the policy as the engine runs it (its first draft, probes, drafts it judges worth it);
+- unbenched: the policy attaching the head to every request (spec.policy.bench_after=0);
+- policy: the policy as the engine runs it (its first draft, probes, drafts it judges worth it, and requests the head
+  sits out once it stopped paying);
 - with --head-window N, windowed: the policy with spec.head_window=N (the head's prefill over the prompt's last N
   tokens alone).
-Each is set against plain with a 95% bootstrap interval over prompts (paired: the same prompts resampled together), and
-how many times each asked the head for a draft.
+Each is set against plain, per token and per whole request, with a 95% bootstrap interval over prompts (paired: the
+same prompts resampled together), and how many times each asked the head for a draft.
 The prefix cache is off, so every request prefills its whole prompt, the head's too.
 
   python benchmarks/bench_plain_overhead.py --drafter runs/main/eagle3/final [--prompts 16] [--new 64] [--rounds 3]
@@ -66,13 +68,14 @@ def engines(target: LoadedTarget, drafter: str, max_seq_len: int, window: int) -
 def never_drafts(engine: Engine) -> None:
     policy = engine.policy
     assert policy is not None, "built with spec.verify=policy"
+    policy.cfg = PolicyConfig(bench_after=0)
     policy.plan = lambda parts, tokens, sp, budget, timed: Plan(policy.empty_tree(tokens.device))  # type: ignore[method-assign]
 
 
 def judges_nothing_worth(engine: Engine) -> None:
     policy = engine.policy
     assert policy is not None, "built with spec.verify=policy"
-    policy.cfg = PolicyConfig(probe_every=0)
+    policy.cfg = PolicyConfig(probe_every=0, bench_after=0)
     one_row = policy.cost(1)
     policy.cost = lambda rows: one_row if rows <= 1 else math.inf
 
@@ -90,20 +93,30 @@ def counted(engine: Engine, asked: dict[str, int], name: str) -> None:
     engine.proposer.propose = asking  # type: ignore[method-assign]
 
 
-ENGINES = {"attached": never_drafts, "deciding": judges_nothing_worth, "policy": lambda engine: None}
+def never_benched(engine: Engine) -> None:
+    assert engine.policy is not None, "built with spec.verify=policy"
+    engine.policy.cfg = replace(engine.policy.cfg, bench_after=0)
+
+
+ENGINES = {
+    "attached": never_drafts,
+    "deciding": judges_nothing_worth,
+    "unbenched": never_benched,
+    "policy": lambda engine: None,
+}
 ASKED = {"plain": 0, **dict.fromkeys(ENGINES, 0)}  # drafts asked of the head, per engine, over the timed rounds
 
 
-def timed_request(engine: Engine, ids: list[int], new: int) -> tuple[float, float, list[int]]:
-    """ms per token after the first, TTFT ms, and the tokens."""
+def timed_request(engine: Engine, ids: list[int], new: int) -> tuple[tuple[float, float, float], list[int]]:
+    """(ms per token after the first, TTFT ms, the request's ms), and the tokens."""
     g = engine.generate(ids, new, GREEDY)
     m = g.metrics
-    return 1000 * (m.total_s - m.ttft_s) / max(m.new_tokens - 1, 1), 1000 * m.ttft_s, g.output_ids
+    return (1000 * (m.total_s - m.ttft_s) / max(m.new_tokens - 1, 1), 1000 * m.ttft_s, 1000 * m.total_s), g.output_ids
 
 
 def measure(made: dict[str, Engine], prompts: list[list[int]], new: int, rounds: int) -> dict[str, np.ndarray]:
-    """name -> [prompt, round, (tpot, ttft)], variants in a rotating order; outputs checked against plain's."""
-    out = {name: np.zeros((len(prompts), rounds, 2)) for name in made}
+    """name -> [prompt, round, (tpot, ttft, request)], variants in a rotating order; outputs checked against plain's."""
+    out = {name: np.zeros((len(prompts), rounds, 3)) for name in made}
     names = list(made)
     for name in names:  # warm-up: first-call costs, the cost curve
         timed_request(made[name], prompts[0], 8)
@@ -115,8 +128,7 @@ def measure(made: dict[str, Engine], prompts: list[list[int]], new: int, rounds:
             k = (i + r) % len(names)
             tokens = {}
             for name in names[k:] + names[:k]:
-                tpot, ttft, tokens[name] = timed_request(made[name], ids, new)
-                out[name][i, r] = tpot, ttft
+                out[name][i, r], tokens[name] = timed_request(made[name], ids, new)
             assert all(t == tokens["plain"] for t in tokens.values()), f"prompt {i}: an output differs from plain's"
         print(f"round {r + 1}/{rounds} done")
     assert ASKED["attached"] == 0 and ASKED["deciding"] <= rounds, ASKED
@@ -135,15 +147,14 @@ def paired(a: np.ndarray, b: np.ndarray, seed: int = 0) -> tuple[float, float, f
 
 def report(out: dict[str, np.ndarray]) -> None:
     base = out["plain"]
-    print(f"{'engine':10s} {'ms/token':>9s}  {'vs plain':>22s}  {'TTFT ms':>8s}  {'vs plain':>22s}  drafts asked")
+    cols = "".join(f"  {label:>8s}  {'vs plain':>22s}" for label in ("ms/token", "TTFT ms", "request"))
+    print(f"{'engine':10s}{cols}  drafts asked")
     for name, x in out.items():
-        tpot, ttft = statistics.median(x[..., 0].ravel()), statistics.median(x[..., 1].ravel())
-        r, lo, hi = paired(x[..., 0], base[..., 0])
-        q, qlo, qhi = paired(x[..., 1], base[..., 1])
-        print(
-            f"{name:10s} {tpot:9.2f}  {r:6.3f}x [{lo:.3f}, {hi:.3f}]  {ttft:8.1f}  {q:6.3f}x [{qlo:.3f}, {qhi:.3f}]"
-            f"  {ASKED[name]}"
-        )
+        cells = ""
+        for j in range(3):
+            r, lo, hi = paired(x[..., j], base[..., j])
+            cells += f"  {statistics.median(x[..., j].ravel()):8.1f}  {r:6.3f}x [{lo:.3f}, {hi:.3f}]"
+        print(f"{name:10s}{cells}  {ASKED[name]}")
 
 
 def main() -> None:

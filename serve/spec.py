@@ -41,6 +41,10 @@ class PolicyConfig:
     probe_backoff: int = 4  # a probe that finds nothing doubles the wait, up to this many times probe_every
     prior_weight: float = 4.0  # request observations the engine's estimate from earlier requests counts as
     half_life: float = 32.0  # request steps after which an observation weighs half
+    # attached requests in a row in which a drafter made no draft but probes: it then sits whole requests out, its
+    # prefill left to a later draft and no step asking it (0: never)
+    bench_after: int = 2
+    attach_every: int = 8  # a drafter sitting requests out is attached to every this-many-th, which probes it
     # verify=fixed or cost: estimate each drafted node's acceptance as the policy would, for the calibration report
     # only (nothing is decided by it); verify=policy always reports its estimates
     report_estimates: bool = False
@@ -54,6 +58,10 @@ class PolicyConfig:
             raise ValueError(f"spec.policy.prior_weight must be > 0, got {self.prior_weight}")
         if not self.half_life > 0:
             raise ValueError(f"spec.policy.half_life must be > 0 (request steps), got {self.half_life}")
+        if self.bench_after < 0:
+            raise ValueError(f"spec.policy.bench_after must be >= 0 requests (0 = never), got {self.bench_after}")
+        if self.attach_every < 1:
+            raise ValueError(f"spec.policy.attach_every must be >= 1 request, got {self.attach_every}")
 
 
 @dataclass

@@ -467,6 +467,35 @@ def test_a_head_window_reads_the_prompts_last_tokens_and_drafts_as_it_would_cold
     assert got.metrics.accepted_per_position == want.metrics.accepted_per_position and got.metrics.accepted_tokens
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_request_the_head_sits_out_leaves_its_slots_for_a_later_one(kind, target, trained):
+    """A head the draft policy benches keeps the target's features at prefill and runs nothing more. The prefix cache
+    then holds a prompt whose head slots are empty: a later request that hits it fills them and drafts as it would
+    cold; and a draft asked of the benched head anyway first runs what it left, drafting as an eager prefill would."""
+    long, short = PROMPTS[2] + PROMPTS[1], (PROMPTS[2] + PROMPTS[1])[:22]  # a 20-token hit of long's blocks
+
+    def cold(prompt):
+        return Engine(target, EagleProposer(trained[kind], kind, 4), max_seq_len=MAX_SEQ).generate(prompt, 12, GREEDY)
+
+    proposer = EagleProposer(trained[kind], kind, 4)
+    engine = Engine(target, proposer, prefix_cache=PrefixCache(block_size=4), max_seq_len=MAX_SEQ)
+    proposer.benched = True
+    ran = []
+    extend = proposer.extend
+    proposer.extend = lambda tokens: (ran.append((proposer.cached, tokens.numel())), extend(tokens))[1]
+    sat_out = engine.generate(long, 12, GREEDY)  # no policy here: every step drafts, the first runs the prompt
+    assert ran[0] == (1, len(long) + 1)  # nothing ran at prefill: the first draft ran the prompt's slots
+    want = cold(long)
+    assert sat_out.output_ids == want.output_ids
+    assert sat_out.metrics.accepted_per_position == want.metrics.accepted_per_position
+    proposer.benched = False
+    ran.clear()
+    got, want = engine.generate(short, 12, GREEDY), cold(short)
+    assert got.metrics.prefix_hit_tokens == 20 and ran[0] == (1, len(short) + 1)  # the restored slots were empty
+    assert got.output_ids == want.output_ids
+    assert got.metrics.accepted_per_position == want.metrics.accepted_per_position and got.metrics.accepted_tokens
+
+
 @pytest.mark.parametrize("kind,topk,total", TREES)
 def test_greedy_output_equals_plain(kind, topk, total, target, plain, trained):
     proposer = EagleProposer(trained[kind], kind, 4, TreeConfig(topk, total))

@@ -74,6 +74,10 @@ class Pair(Proposer):
     def parts(self) -> list[Proposer]:
         return [self.lookup, self.drafter]
 
+    def prefill(self, tokens, start, out) -> None:
+        self.lookup.prefill(tokens, start, out)
+        self.drafter.prefill(tokens, start, out)
+
 
 def run(target, proposer: Proposer, future: list[int], probe_every: int = 8) -> tuple[list[str], Metrics]:
     """Generate prompt 0 under the policy; each step's decision, in order, and the metrics."""
@@ -163,7 +167,7 @@ def test_catch_up_is_learnt_only_against_a_measured_depth_and_past_a_few_tokens(
     """A depth never measured has only a scaled guess of its draft time, and a jitter over one or two skipped tokens
     would be charged times a whole plain run: neither teaches a catch-up time."""
     policy = DraftPolicy(COST)
-    policy.start()
+    policy.start([])
     chain = lambda k: DraftTree.chain(torch.arange(k))  # noqa: E731
     policy.caught_up[0] = 10
     policy.learn_draft_time(0, chain(3), 0.3, 10)  # depth 3, nothing skipped: its draft time
@@ -417,3 +421,69 @@ def test_a_first_request_too_short_for_the_drafters_shape_does_not_cap_its_depth
 def test_an_empty_probe_resets_the_wait_and_counts_once_per_wait(target, future):
     decisions, m = run(target, Empty(future, lambda n: True), future, probe_every=4)
     assert m.probe_steps <= len(decisions) // 5 + 1, decisions  # not every step once the first probe came up empty
+
+
+class Benchable(Scripted):
+    """A scripted drafter that keeps, per request, whether its prefill was told to sit the request out and how often
+    it was asked to draft."""
+
+    def __init__(self, future: list[int], right) -> None:
+        super().__init__(future, right)
+        self.requests: list[tuple[bool, int]] = []  # (benched at prefill, drafts asked so far)
+
+    def prefill(self, tokens, start, out) -> None:
+        self.requests.append((self.benched, self.asked))
+
+
+def requests_run(target, drafter: Proposer, future: list[int], n: int, engine: Engine | None = None, **policy):
+    """n requests of prompt 0 on one engine (a new one with the policy's settings where none is given)."""
+    if engine is None:
+        engine = Engine(target, drafter, max_seq_len=128)
+        engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=4, **policy))
+    outs = [engine.generate(PROMPTS[0], 24, GREEDY) for _ in range(n)]
+    assert all(o.output_ids == future[len(PROMPTS[0]) :][:24] for o in outs)
+    return engine, [o.metrics for o in outs]
+
+
+def test_a_drafter_idle_for_two_requests_sits_requests_out_and_is_attached_every_eighth(target, future):
+    drafter = Benchable(future, lambda n: False)
+    _, metrics = requests_run(target, drafter, future, 24)
+    benched = [b for b, _ in drafter.requests]
+    first = benched.index(True)
+    assert 2 <= first <= 3 and not any(benched[:first])  # its first draft, then two attached requests of probes
+    assert benched[first:] == ([True] * 7 + [False]) * 2 + [True] * (len(benched) - first - 16)
+    asked = [a for _, a in drafter.requests] + [drafter.asked]
+    for i, sat_out in enumerate(benched):
+        assert not sat_out or asked[i + 1] == asked[i]  # no step of a request it sat out asked it
+    assert [m.drafters_benched for m in metrics] == [int(b) for b in benched]
+    assert all(m.plain_steps == m.target_forward_passes for m, b in zip(metrics, benched, strict=True) if b)
+
+
+def test_a_drafter_that_pays_never_sits_a_request_out(target, future):
+    drafter = Benchable(future, lambda n: True)
+    requests_run(target, drafter, future, 6)
+    assert not any(b for b, _ in drafter.requests)
+
+
+def test_bench_after_zero_keeps_every_drafter_attached(target, future):
+    drafter = Benchable(future, lambda n: False)
+    requests_run(target, drafter, future, 8, bench_after=0)
+    assert not any(b for b, _ in drafter.requests)
+
+
+def test_a_benched_drafter_whose_drafts_pay_again_comes_back_at_its_next_attached_request(target, future):
+    good = [False]
+    drafter = Benchable(future, lambda n: good[0])
+    engine, _ = requests_run(target, drafter, future, 4)
+    assert drafter.requests[-1][0]  # sitting out by now
+    good[0] = True
+    requests_run(target, drafter, future, 16, engine)
+    benched = [b for b, _ in drafter.requests[4:]]
+    back = benched.index(False)  # its next attached request: its probes pay, it drafts, and it stays
+    assert back <= 7 and not any(benched[back:])
+
+
+def test_a_lookup_never_sits_out_and_a_benched_drafter_leaves_it_the_steps(target, future):
+    lookup, drafter = Scripted(future, lambda n: True, lookup=True), Benchable(future, lambda n: False)
+    requests_run(target, Pair(lookup, drafter), future, 6)
+    assert drafter.requests[-1][0] and not lookup.benched and lookup.asked > 0

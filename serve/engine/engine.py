@@ -124,10 +124,11 @@ class Engine:
         if self.proposer:
             self.proposer.gen = gen  # drafts are sampled from the request's generator: a seed fixes the whole run
         if self.policy is not None:
-            self.policy.start()
+            assert self.proposer is not None, "serve/build.py sets a policy with a proposer only"
+            self.policy.start(self.proposer.parts())
         if self.estimates is not None:
             self.estimates.start()
-        m = Metrics(prompt_tokens=len(prompt_ids))
+        m = Metrics(prompt_tokens=len(prompt_ids), drafters_benched=len(self.policy.benched) if self.policy else 0)
         begin = time.perf_counter()
         room = len(prompt_ids) + max_new_tokens + 1 + (self.proposer.max_tree_size if self.proposer else 0)
         tokens = torch.zeros(room, dtype=torch.long, device=self.model.device)

@@ -29,6 +29,7 @@ class Metrics:
     probe_steps: int = 0
     whole_steps: int = 0
     cut_steps: int = 0
+    drafters_benched: int = 0  # drafters the policy left out of the request (summed over pooled requests)
     # reliability tables (calibration.reliability_add), keyed "<drafter>/<depth>" for the policy's estimates,
     # ".../settled" for those past a request's first 32 steps, ".../own" for the drafter's own probabilities
     calibration: dict[str, list[float]] = field(default_factory=dict)

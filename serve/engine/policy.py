@@ -19,6 +19,11 @@ wait go on from one request to the next), and a request whose acceptance comes b
 steps. Likewise a drafter drafting short of its deepest goes one level deeper every
 `probe_every`-th draft, so deeper levels that came to pay are found.
 
+A drafter that drafted nothing but probes in `bench_after` attached requests in a row sits whole requests out: no
+step asks it, and its prefill keeps the target's features and leaves its own forward to a later draft, so it costs a
+request next to nothing. Every `attach_every`-th request it is attached again, and its probes there say whether it
+pays again; a draft worth making brings it back for good.
+
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
 learnt from drafts that follow a step the same drafter drafted: the first draft after other steps also runs the
 drafter over the tokens it skipped (serve/proposers/propose_eagle.py), which a later draft does not pay. That
@@ -97,6 +102,12 @@ class DraftPolicy:
     catch_up_s: dict[int, float] = field(init=False)  # drafter part -> seconds per token it skipped, to catch up
     # drafter part (not a lookup: nothing to catch up) -> the request's length after its last draft's step
     caught_up: dict[int, int] = field(init=False)
+    # across requests, per drafter part: attached requests in a row without a draft but probes, and requests sat out
+    idle: dict[int, int] = field(init=False)
+    sat_out: dict[int, int] = field(init=False)
+    benched: set[int] = field(init=False)  # drafter parts sitting this request out
+    attached: set[int] = field(init=False)  # drafter parts attached to it
+    drafted: set[int] = field(init=False)  # drafter parts that made a draft in it (not a probe)
     empties: dict[str, DraftTree] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -109,13 +120,29 @@ class DraftPolicy:
         self.draft_s, self.last, self.deep, self.shallow_run, self.full = {}, {}, {}, {}, set()
         self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
         self.catch_up_s, self.caught_up = {}, {}
+        self.idle, self.sat_out, self.benched, self.attached, self.drafted = {}, {}, set(), set(), set()
 
-    def start(self) -> None:
+    def start(self, parts: list[Proposer]) -> None:
         """A new request: its estimates start from the engine's. The plain run and the wait before the next probe go
-        on from the last request's: a drafter that stopped paying is looked at once per wait, not once per request."""
+        on from the last request's: a drafter that stopped paying is looked at once per wait, not once per request.
+        Drafters idle for bench_after attached requests sit this one out (each part's `benched` says so)."""
         self.acceptance.start()
         self.previous = -1
         self.caught_up = {}  # each drafter's prefill runs the prompt: caught up at the request's first step
+        self.bench([i for i, part in enumerate(parts) if not part.by_lookup])
+        for i, part in enumerate(parts):
+            part.benched = i in self.benched
+
+    def bench(self, drafters: list[int]) -> None:
+        """Which drafters sit the new request out, from the requests before it."""
+        for i in self.attached:
+            self.idle[i] = 0 if i in self.drafted else self.idle.get(i, 0) + 1
+        after, every = self.cfg.bench_after, self.cfg.attach_every
+        self.benched = {
+            i for i in drafters if after and self.idle.get(i, 0) >= after and self.sat_out.get(i, 0) < every - 1
+        }
+        self.sat_out = {i: self.sat_out.get(i, 0) + 1 if i in self.benched else 0 for i in drafters}
+        self.attached, self.drafted = set(drafters) - self.benched, set()
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
@@ -137,7 +164,7 @@ class DraftPolicy:
         chosen: tuple[int, int] | None = None  # (part, depth) of a drafter worth drafting
         n = tokens.numel()
         for i, part in enumerate(parts):
-            if part.by_lookup:
+            if part.by_lookup or i in self.benched:
                 continue
             self.caught_up.setdefault(i, n)
             if self.rejudged():
@@ -152,6 +179,8 @@ class DraftPolicy:
                 self.wait = min(2 * self.wait, self.cfg.probe_backoff * self.cfg.probe_every)
         if best.decision != "probe" and not best.verifies_nothing:
             self.wait = self.cfg.probe_every
+            if best.part in self.attached:
+                self.drafted.add(best.part)
         best.seconds = max(best.seconds, spent)
         best.name = parts[best.part].name if best.part >= 0 else ""
         self.plain_run = self.plain_run + 1 if best.verifies_nothing and best.decision != "probe" else 0
@@ -196,7 +225,7 @@ class DraftPolicy:
         first = torch.zeros(1, dtype=torch.long, device=tokens.device)
         if found is not None:
             return replace(found, kept=first, seconds=spent, decision="probe")
-        drafters = [i for i, part in enumerate(parts) if not part.by_lookup]
+        drafters = [i for i, part in enumerate(parts) if not part.by_lookup and i not in self.benched]
         if not drafters:
             return Plan(self.empty_tree(tokens.device))
         i = min(drafters, key=lambda j: self.time_at(j, 1))

@@ -36,6 +36,8 @@ class Proposer:
     # through nodes it did not draft (serve/proposers/hybrid.py merges n-gram lookup into its tree)
     by_lookup = False  # drafts by looking up the tokens so far (n-gram, suffix): costs next to nothing, so the draft
     # policy (serve/engine/policy.py) drafts it first and judges the draft itself, not its expected worth
+    benched = False  # the draft policy leaves it out of this request: no step asks it to draft, so its prefill may
+    # leave its own forward to a later draft (its state must still let a later request draft from the prefix cache)
 
     @property
     def slot_caches(self) -> list[SlotCache]:

@@ -89,7 +89,8 @@ class EagleProposer(Proposer):
         self.filled.features[start:] = False  # what an earlier request left past the restored slots is not this one's
         self.first = max(1, prompt - self.window) if self.window else 1
         self.cached, self.known = self.first_unfilled(self.first, max(start, self.first)), tokens.numel()
-        self.extend(tokens)
+        if not self.benched:  # benched: the features are kept, the slots stay unfilled for a later draft to run
+            self.extend(tokens)
 
     def first_unfilled(self, begin: int, end: int) -> int:
         """The first slot in [begin, end) that holds no real pair (end where every one does)."""
