@@ -155,6 +155,9 @@ def report(out: dict[str, np.ndarray]) -> None:
             r, lo, hi = paired(x[..., j], base[..., j])
             cells += f"  {statistics.median(x[..., j].ravel()):8.1f}  {r:6.3f}x [{lo:.3f}, {hi:.3f}]"
         print(f"{name:10s}{cells}  {ASKED[name]}")
+    for j, label in enumerate(("ms per token", "TTFT", "request")):
+        r, lo, hi = paired(out["policy"][..., j], out["unbenched"][..., j])
+        print(f"policy / unbenched {label}: {r:.3f}x [{lo:.3f}, {hi:.3f}]")
 
 
 def main() -> None:
