@@ -487,3 +487,31 @@ def test_a_lookup_never_sits_out_and_a_benched_drafter_leaves_it_the_steps(targe
     lookup, drafter = Scripted(future, lambda n: True, lookup=True), Benchable(future, lambda n: False)
     requests_run(target, Pair(lookup, drafter), future, 6)
     assert drafter.requests[-1][0] and not lookup.benched and lookup.asked > 0
+
+
+def test_requests_that_end_before_a_step_say_nothing_of_a_drafters_worth(target, future):
+    drafter = Benchable(future, lambda n: True)
+    engine = Engine(target, drafter, max_seq_len=128)
+    engine.policy = DraftPolicy(COST, PolicyConfig(probe_every=4))
+    for new in (24, 1, 1, 1, 24, 24):
+        engine.generate(PROMPTS[0], new, GREEDY)
+    assert not any(b for b, _ in drafter.requests)
+
+
+def test_a_new_drafter_or_no_policy_starts_attached(target, future):
+    drafter = Benchable(future, lambda n: False)
+    engine, _ = requests_run(target, drafter, future, 4)
+    assert drafter.requests[-1][0]
+    fresh = Benchable(future, lambda n: True)
+    engine.replace_proposer(fresh, "v2")
+    requests_run(target, fresh, future, 3, engine)
+    assert not any(b for b, _ in fresh.requests)
+    engine.replace_proposer(drafter, "v1")
+    for _ in range(12):  # benched again once its requests say so
+        if drafter.benched:
+            break
+        requests_run(target, drafter, future, 1, engine)
+    assert drafter.benched
+    engine.policy = None
+    requests_run(target, drafter, future, 1, engine)
+    assert not drafter.requests[-1][0]  # drafted every step again, its prefill run eagerly

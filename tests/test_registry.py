@@ -50,9 +50,11 @@ STEEP = CostCut(lambda rows: 1.0 + 0.01 * rows)
 
 def cut_by_cost(engine: Engine, verify: str) -> Engine:
     """The engine with spec.verify's schedule or policy, on a made-up cost curve (the measured one:
-    test_cost_profile.py). The policy probes every 4th plain step, so a random head's drafts keep being verified."""
+    test_cost_profile.py). The policy probes every 4th plain step and attaches its drafter to every request, so a random
+    head's drafts keep being verified."""
     engine.draft_cut = STEEP if verify == "cost" else None
-    engine.policy = DraftPolicy(STEEP.cost, PolicyConfig(probe_every=4)) if verify == "policy" else None
+    policy = PolicyConfig(probe_every=4, bench_after=0)
+    engine.policy = DraftPolicy(STEEP.cost, policy) if verify == "policy" else None
     return engine
 
 

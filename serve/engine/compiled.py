@@ -91,6 +91,7 @@ class CompiledStep:
     failed: bool = False
     graph: Callable[..., tuple[Tensor, list[Tensor]]] = field(init=False, repr=False)
     prefill: ClassVar[bool] = True  # every forward of the target: a prefill's rows must carry a decode's bits
+    fresh_outputs: ClassVar[bool] = True  # each call's outputs are its own tensors
 
     def __post_init__(self) -> None:
         use_disk_cache(str(cache_root()))

@@ -83,6 +83,8 @@ class Engine:
         self.proposer, self.salt = proposer, salt
         if self.prefix_cache is not None:
             self.prefix_cache.reset()
+        if self.policy is not None:
+            self.policy.attach_all()  # what the old one's requests said of it says nothing of the new one
 
     def forget(self) -> None:
         """Back to a cold engine: no prefix-cache hits, no drafting from earlier answers (suffix decoding's global
@@ -123,9 +125,12 @@ class Engine:
             gen.seed()  # a fresh seed for this generator only: the global RNG is left alone
         if self.proposer:
             self.proposer.gen = gen  # drafts are sampled from the request's generator: a seed fixes the whole run
-        if self.policy is not None:
-            assert self.proposer is not None, "serve/build.py sets a policy with a proposer only"
-            self.policy.start(self.proposer.parts())
+        if self.proposer is not None:
+            if self.policy is not None:
+                self.policy.start(self.proposer.parts())
+            else:  # a policy taken off leaves no drafter benched
+                for part in self.proposer.parts():
+                    part.benched = False
         if self.estimates is not None:
             self.estimates.start()
         m = Metrics(prompt_tokens=len(prompt_ids), drafters_benched=len(self.policy.benched) if self.policy else 0)
@@ -211,8 +216,7 @@ class Engine:
         tokens[end] = verdict.next_token
         watching = observer if observer is not None and observer.wants_outputs else None
         if self.proposer or watching:
-            rows = torch.tensor([0] + [i + 1 for i in path], device=tokens.device)
-            verified = select_rows(out, rows)
+            verified = out if size == 0 and self.fresh_outputs else select_rows(out, [0] + [i + 1 for i in path])
             if self.proposer:
                 # the proposer's own node indices: it may keep state per node of the tree it drafted
                 drafted_path = path if kept is None else kept[path].tolist()
@@ -225,6 +229,11 @@ class Engine:
                 watching.accept(tokens[: end + 1], path, verified)
         m.draft_s += propose_s + self.accept_s
         return end + 1
+
+    @property
+    def fresh_outputs(self) -> bool:
+        """Whether a forward's outputs are its own tensors, so a plain step's one row is handed on without a copy."""
+        return self.static is None or self.static.fresh_outputs
 
     def plan(self, tokens: Tensor, sp: SamplingParams, budget: int, m: Metrics) -> Plan:
         """What this step verifies: the policy's choice, else the proposer's draft, cut by draft_cut if any."""
@@ -296,5 +305,7 @@ class Engine:
             torch.cuda.synchronize()
 
 
-def select_rows(out: ForwardOut, rows: Tensor) -> ForwardOut:
-    return ForwardOut(out.logits[rows], out.hidden[rows], [a[rows] for a in out.aux])
+def select_rows(out: ForwardOut, rows: list[int]) -> ForwardOut:
+    """The verified rows' outputs, copied (a captured graph's outputs are overwritten by its next replay)."""
+    index = torch.tensor(rows, device=out.hidden.device)
+    return ForwardOut(out.logits[index], out.hidden[index], [a[index] for a in out.aux])

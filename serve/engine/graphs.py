@@ -57,6 +57,7 @@ class StaticStep:
     mode: str = "eager"  # "graphs" (CUDA) or "eager"
     graphs: dict[int, Captured] = field(default_factory=dict)
     prefill: ClassVar[bool] = False  # decode and verify steps only: the prefill runs the dynamic forward
+    fresh_outputs: ClassVar[bool] = False  # a captured graph hands back the same output tensors at every replay
 
     def __call__(
         self, tokens: Tensor, positions: Tensor, start: int, mask: Tensor | None, logit_rows: slice | None = None

@@ -108,6 +108,7 @@ class DraftPolicy:
     benched: set[int] = field(init=False)  # drafter parts sitting this request out
     attached: set[int] = field(init=False)  # drafter parts attached to it
     drafted: set[int] = field(init=False)  # drafter parts that made a draft in it (not a probe)
+    judged: set[int] = field(init=False)  # drafter parts some step of it judged (a request may end before its first)
     empties: dict[str, DraftTree] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -120,7 +121,18 @@ class DraftPolicy:
         self.draft_s, self.last, self.deep, self.shallow_run, self.full = {}, {}, {}, {}, set()
         self.plain_run, self.previous, self.wait = 0, -1, self.cfg.probe_every
         self.catch_up_s, self.caught_up = {}, {}
-        self.idle, self.sat_out, self.benched, self.attached, self.drafted = {}, {}, set(), set(), set()
+        self.attach_all()
+
+    def attach_all(self) -> None:
+        """Forget what earlier requests said of each drafter's worth: every drafter is attached to the next request."""
+        self.idle, self.sat_out, self.benched, self.attached, self.drafted, self.judged = (
+            {},
+            {},
+            set(),
+            set(),
+            set(),
+            set(),
+        )
 
     def start(self, parts: list[Proposer]) -> None:
         """A new request: its estimates start from the engine's. The plain run and the wait before the next probe go
@@ -135,14 +147,14 @@ class DraftPolicy:
 
     def bench(self, drafters: list[int]) -> None:
         """Which drafters sit the new request out, from the requests before it."""
-        for i in self.attached:
+        for i in self.attached & self.judged:  # a request that ended before its first step says nothing
             self.idle[i] = 0 if i in self.drafted else self.idle.get(i, 0) + 1
         after, every = self.cfg.bench_after, self.cfg.attach_every
         self.benched = {
             i for i in drafters if after and self.idle.get(i, 0) >= after and self.sat_out.get(i, 0) < every - 1
         }
         self.sat_out = {i: self.sat_out.get(i, 0) + 1 if i in self.benched else 0 for i in drafters}
-        self.attached, self.drafted = set(drafters) - self.benched, set()
+        self.attached, self.drafted, self.judged = set(drafters) - self.benched, set(), set()
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
@@ -166,6 +178,7 @@ class DraftPolicy:
         for i, part in enumerate(parts):
             if part.by_lookup or i in self.benched:
                 continue
+            self.judged.add(i)
             self.caught_up.setdefault(i, n)
             if self.rejudged():
                 depth, rate = self.best_depth(i, budget, spent + self.catch_up_time(i, n), sp)
