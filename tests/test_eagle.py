@@ -479,16 +479,22 @@ def test_a_request_the_head_sits_out_leaves_its_slots_for_a_later_one(kind, targ
 
     proposer = EagleProposer(trained[kind], kind, 4)
     engine = Engine(target, proposer, prefix_cache=PrefixCache(block_size=4), max_seq_len=MAX_SEQ)
-    proposer.benched = True
-    ran = []
-    extend = proposer.extend
+    ran: list[tuple[int, int]] = []
+    extend, prefill = proposer.extend, proposer.prefill
     proposer.extend = lambda tokens: (ran.append((proposer.cached, tokens.numel())), extend(tokens))[1]
-    sat_out = engine.generate(long, 12, GREEDY)  # no policy here: every step drafts, the first runs the prompt
-    assert ran[0] == (1, len(long) + 1)  # nothing ran at prefill: the first draft ran the prompt's slots
+
+    def sitting_out(tokens, start, out):  # benched as the policy benches it (no policy here: every step drafts)
+        proposer.benched = True
+        prefill(tokens, start, out)
+        assert not ran  # nothing ran at prefill
+
+    proposer.prefill = sitting_out
+    sat_out = engine.generate(long, 12, GREEDY)
+    assert ran[0] == (1, len(long) + 1)  # the first draft ran the prompt's slots
     want = cold(long)
     assert sat_out.output_ids == want.output_ids
     assert sat_out.metrics.accepted_per_position == want.metrics.accepted_per_position
-    proposer.benched = False
+    proposer.prefill = prefill  # the engine, without a policy, attaches it again
     ran.clear()
     got, want = engine.generate(short, 12, GREEDY), cold(short)
     assert got.metrics.prefix_hit_tokens == 20 and ran[0] == (1, len(short) + 1)  # the restored slots were empty
