@@ -42,7 +42,7 @@ from draftsmith.serve.engine.engine import Engine  # noqa: E402
 from draftsmith.serve.engine.policy import Plan  # noqa: E402
 from draftsmith.serve.engine.sampling import SamplingParams  # noqa: E402
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, encode_chat, load_target  # noqa: E402
-from draftsmith.serve.spec import PolicyConfig, SpecConfig  # noqa: E402
+from draftsmith.serve.spec import SpecConfig  # noqa: E402
 
 GREEDY = SamplingParams()
 RESAMPLES = 2000
@@ -66,16 +66,16 @@ def engines(target: LoadedTarget, drafter: str, max_seq_len: int, window: int) -
 
 
 def never_drafts(engine: Engine) -> None:
+    never_benched(engine)
     policy = engine.policy
     assert policy is not None, "built with spec.verify=policy"
-    policy.cfg = PolicyConfig(bench_after=0)
     policy.plan = lambda parts, tokens, sp, budget, timed: Plan(policy.empty_tree(tokens.device))  # type: ignore[method-assign]
 
 
 def judges_nothing_worth(engine: Engine) -> None:
     policy = engine.policy
     assert policy is not None, "built with spec.verify=policy"
-    policy.cfg = PolicyConfig(probe_every=0, bench_after=0)
+    policy.cfg = replace(policy.cfg, probe_every=0, bench_after=0)
     one_row = policy.cost(1)
     policy.cost = lambda rows: one_row if rows <= 1 else math.inf
 

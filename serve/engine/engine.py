@@ -123,17 +123,16 @@ class Engine:
             gen.manual_seed(sp.seed)
         else:
             gen.seed()  # a fresh seed for this generator only: the global RNG is left alone
-        if self.proposer:
-            self.proposer.gen = gen  # drafts are sampled from the request's generator: a seed fixes the whole run
+        benched: set[int] = set()  # drafter parts the policy leaves out of this request
         if self.proposer is not None:
-            if self.policy is not None:
-                self.policy.start(self.proposer.parts())
-            else:  # a policy taken off leaves no drafter benched
-                for part in self.proposer.parts():
-                    part.benched = False
+            self.proposer.gen = gen  # drafts are sampled from the request's generator: a seed fixes the whole run
+            parts = self.proposer.parts()
+            benched = self.policy.start(parts) if self.policy is not None else benched
+            for i, part in enumerate(parts):
+                part.benched = i in benched
         if self.estimates is not None:
             self.estimates.start()
-        m = Metrics(prompt_tokens=len(prompt_ids), drafters_benched=len(self.policy.benched) if self.policy else 0)
+        m = Metrics(prompt_tokens=len(prompt_ids), drafters_benched=len(benched))
         begin = time.perf_counter()
         room = len(prompt_ids) + max_new_tokens + 1 + (self.proposer.max_tree_size if self.proposer else 0)
         tokens = torch.zeros(room, dtype=torch.long, device=self.model.device)

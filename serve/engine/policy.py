@@ -108,7 +108,6 @@ class DraftPolicy:
     benched: set[int] = field(init=False)  # drafter parts sitting this request out
     attached: set[int] = field(init=False)  # drafter parts attached to it
     drafted: set[int] = field(init=False)  # drafter parts that made a draft in it (not a probe)
-    judged: set[int] = field(init=False)  # drafter parts some step of it judged (a request may end before its first)
     empties: dict[str, DraftTree] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -125,36 +124,29 @@ class DraftPolicy:
 
     def attach_all(self) -> None:
         """Forget what earlier requests said of each drafter's worth: every drafter is attached to the next request."""
-        self.idle, self.sat_out, self.benched, self.attached, self.drafted, self.judged = (
-            {},
-            {},
-            set(),
-            set(),
-            set(),
-            set(),
-        )
+        self.idle, self.sat_out, self.benched, self.attached, self.drafted = {}, {}, set(), set(), set()
 
-    def start(self, parts: list[Proposer]) -> None:
+    def start(self, parts: list[Proposer]) -> set[int]:
         """A new request: its estimates start from the engine's. The plain run and the wait before the next probe go
         on from the last request's: a drafter that stopped paying is looked at once per wait, not once per request.
-        Drafters idle for bench_after attached requests sit this one out (each part's `benched` says so)."""
+        Returns the drafter parts that sit this request out, idle for bench_after attached requests."""
+        self.bench([i for i, part in enumerate(parts) if not part.by_lookup], stepped=self.acceptance.step > 0)
         self.acceptance.start()
         self.previous = -1
         self.caught_up = {}  # each drafter's prefill runs the prompt: caught up at the request's first step
-        self.bench([i for i, part in enumerate(parts) if not part.by_lookup])
-        for i, part in enumerate(parts):
-            part.benched = i in self.benched
+        return self.benched
 
-    def bench(self, drafters: list[int]) -> None:
-        """Which drafters sit the new request out, from the requests before it."""
-        for i in self.attached & self.judged:  # a request that ended before its first step says nothing
+    def bench(self, drafters: list[int], stepped: bool) -> None:
+        """Which drafters sit the new request out, from the requests before it. stepped: whether the last request ran
+        a step (one that ended at its first token says nothing of its drafters)."""
+        for i in self.attached if stepped else ():
             self.idle[i] = 0 if i in self.drafted else self.idle.get(i, 0) + 1
         after, every = self.cfg.bench_after, self.cfg.attach_every
         self.benched = {
             i for i in drafters if after and self.idle.get(i, 0) >= after and self.sat_out.get(i, 0) < every - 1
         }
         self.sat_out = {i: self.sat_out.get(i, 0) + 1 if i in self.benched else 0 for i in drafters}
-        self.attached, self.drafted, self.judged = set(drafters) - self.benched, set(), set()
+        self.attached, self.drafted = set(drafters) - self.benched, set()
 
     def plan(self, parts: list[Proposer], tokens: Tensor, sp: SamplingParams, budget: int, timed: Timed) -> Plan:
         self.acceptance.tick()
@@ -178,7 +170,6 @@ class DraftPolicy:
         for i, part in enumerate(parts):
             if part.by_lookup or i in self.benched:
                 continue
-            self.judged.add(i)
             self.caught_up.setdefault(i, n)
             if self.rejudged():
                 depth, rate = self.best_depth(i, budget, spent + self.catch_up_time(i, n), sp)
