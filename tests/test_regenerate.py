@@ -373,6 +373,35 @@ def test_rows_record_their_generator_and_which_answers_hit_the_token_limit(targe
     assert len(rows["a"]["messages"]) == 4 and rows["a"]["messages"][3]["role"] == "assistant"  # kept
 
 
+@pytest.mark.parametrize("batch_size", [1, 3], ids=["rounds", "slots"])
+def test_end_at_cut_ends_a_conversation_at_its_first_cut_answer(target, tmp_path, monkeypatch, batch_size):
+    """A later turn is not asked after an answer cut at max_new_tokens; the answers before it are as without the
+    setting, and the answers are keyed apart (end_at_cut is recorded only where it is on, so older keys match)."""
+    eos = eos_ids(target)[0]
+    script = {("a", 1): "cut", ("d", 0): "cut"}
+    monkeypatch.setattr(regenerate_mod, "open_backend", scripted(script, eos))
+    lines = []
+    out = regenerate(CONVS, target, cfg(end_at_cut=True), tmp_path / "s.jsonl", 512, Skipped(), say=lines.append)
+    d, rows = as_dict(out), read_rows(tmp_path / "s.jsonl")
+    assert [m["role"] for m in d["a"]] == ["user", "assistant"] * 2 and rows["a"]["truncated"] == [1]
+    assert [m["role"] for m in d["d"]] == ["user", "assistant"] and rows["d"]["truncated"] == [0]  # 2 turns dropped
+    assert len(d["b"]) == 3 and len(d["c"]) == 2
+    assert any("1 ended at a cut answer before their last user turn" in line for line in lines)  # a was at its last
+    monkeypatch.undo()
+    real = regenerate(CONVS, target, cfg(batch_size=batch_size, end_at_cut=True), tmp_path / "r.jsonl", 512, Skipped())
+    whole = as_dict(regenerate(CONVS, target, cfg(batch_size=batch_size), tmp_path / "w.jsonl", 512, Skipped()))
+    for conv in real:
+        assert conv.messages == whole[conv.id][: len(conv.messages)] and conv.messages[-1]["role"] == "assistant"
+        if len(conv.messages) < len(whole[conv.id]):
+            assert conv.truncated == [sum(m["role"] == "assistant" for m in conv.messages) - 1]
+    assert sum(map(len, as_dict(real).values())) < sum(map(len, whole.values()))  # the tiny target's answers run long
+    assert all(c.generator["end_at_cut"] is True for c in real)
+    on, off = (DataConfig(regenerated=True, regenerate=cfg(end_at_cut=e)) for e in (True, False))
+    assert data_key(on)["self_distill"] == data_key(off)["self_distill"] | {"end_at_cut": True}
+    assert "end_at_cut" not in data_key(off)["self_distill"]
+    assert answers_path(on, target, str(tmp_path)) != answers_path(off, target, str(tmp_path))
+
+
 def test_shards_by_id_range_merge_into_the_whole_when_training(target, tmp_path, monkeypatch):
     whole = regenerate(CONVS, target, cfg(), tmp_path / "whole.jsonl", 512, Skipped())
     path = tmp_path / "answers.jsonl"

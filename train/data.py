@@ -12,6 +12,7 @@ class RegenerateConfig:
     """Regeneration (train/regenerate.py): the target's own answers replace the source's."""
 
     max_new_tokens: int = 512  # per answer (and never past data.max_length: later tokens are cut anyway)
+    end_at_cut: bool = False  # a conversation ends at its first answer cut at max_new_tokens (not asked past it)
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0  # sampling: each answer draws from a seed of (seed, conversation id, turn)
@@ -61,6 +62,13 @@ OWN_ENGINE_ARGS = frozenset({"model", "dtype", "seed", "max_model_len", "generat
 ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # what changes the answers (not how fast)
 
 
+def answer_settings(cfg: RegenerateConfig) -> dict:
+    """What changes the answers (not how fast they come), as keys record it: end_at_cut only where it is on, so the
+    keys of answers made before it existed still match."""
+    ending = {"end_at_cut": True} if cfg.end_at_cut else {}
+    return {k: getattr(cfg, k) for k in ANSWER_FIELDS} | ending
+
+
 @dataclass
 class DataConfig:
     """Mirrors the hydra group `data`."""
@@ -89,9 +97,10 @@ def data_key(cfg: DataConfig) -> dict:
     settings that decide the answers when it is on (answers per conversation where more than one); null when off,
     as the others cannot change the examples."""
     key = asdict(cfg)
-    regenerate, on = key.pop("regenerate"), key.pop("regenerated")
+    del key["regenerate"]
+    on = key.pop("regenerated")
     if key["answer_cap"] is None:  # keys made before the setting existed still match
         del key["answer_cap"]
-    draws = {"answers": regenerate["answers"]} if regenerate["answers"] > 1 else {}
+    draws = {"answers": cfg.regenerate.answers} if cfg.regenerate.answers > 1 else {}
     # "self_distill": the name this entry had before regeneration was named so; kept, so existing keys still match
-    return {**key, "self_distill": {k: regenerate[k] for k in ANSWER_FIELDS} | draws if on else None}
+    return {**key, "self_distill": answer_settings(cfg.regenerate) | draws if on else None}

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, keyed_cache_path
 from draftsmith.serve.shared.conversations import Conversation, Skipped, provenance
 
-from .data import ANSWER_FIELDS, DataConfig, RegenerateConfig
+from .data import ANSWER_FIELDS, DataConfig, RegenerateConfig, answer_settings
 from .features import source_stamp
 from .fidelity import FidelityCheck
 from .regenerate_backends import describe, open_backend, uses_own
@@ -57,6 +57,7 @@ class Regenerated:
     generator: dict = field(default_factory=dict)
     cut_short: int = 0  # conversations whose context filled before their last user turn (kept, answered so far)
     rejected: int = 0  # conversations stopped at a later turn the chat template rejects (kept, answered so far)
+    ended_at_cut: int = 0  # conversations ended at an answer cut at the token limit (end_at_cut; kept)
     answers: int = 0
     truncated: int = 0  # answers that stopped at the token limit (kept, marked in their rows)
     looped: int = 0  # answers with fewer than half their 6-grams unique (turns.loops)
@@ -72,6 +73,8 @@ class Regenerated:
         rate = self.tokens / max(self.seconds, 1e-9)
         start = f" (+{self.start_s:.0f} s to start it)" if self.start_s >= 1 else ""
         rejected = f", {self.rejected} stopped at a turn the chat template rejects" if self.rejected else ""
+        if self.ended_at_cut:
+            rejected += f", {self.ended_at_cut} ended at a cut answer before their last user turn"
         return (
             f"regenerated {rows} ({self.tokens} new tokens) in {self.seconds:.0f} s, "
             f"{rate:.0f} tok/s, by {describe(self.generator)}{start}; of {self.answers} answers "
@@ -121,6 +124,7 @@ def generate_into(
                     done.looped += sum(chat.looped for chat in finished)
                     done.cut_short += sum(chat.stopped == "max_length" for chat in finished)
                     done.rejected += sum(chat.stopped == "template" for chat in finished)
+                    done.ended_at_cut += sum(chat.stopped == "cut" for chat in finished)
                     done.tokens += new_tokens
                     done.seconds = time.perf_counter() - began
                     bar.set_postfix(tok_s=f"{done.tokens / done.seconds:.0f}", refresh=False)
@@ -212,9 +216,9 @@ def vllm_found(cfg: RegenerateConfig, cache_dir: str | None) -> bool:
 
 def check_shard(shard: Path, target_id: str, cfg: RegenerateConfig) -> None:
     """A shard is merged only if its rows were written by this target with these sampling settings."""
-    wanted = {k: getattr(cfg, k) for k in ANSWER_FIELDS} | {"target": target_id}
+    wanted = {k: getattr(cfg, k) for k in (*ANSWER_FIELDS, "end_at_cut")} | {"target": target_id}
     for row in read_rows(shard).values():
-        generator = row.get("generator") or {}
+        generator = {"end_at_cut": False} | (row.get("generator") or {})  # rows record it only where it is on
         differ = {k: generator.get(k) for k, v in wanted.items() if generator.get(k) != v}
         if differ:
             raise ValueError(
@@ -238,7 +242,7 @@ def answers_path(data: DataConfig, target: LoadedTarget, cache_dir: str | None) 
         "source_stamp": source_stamp(data.source),
         "max_length": data.max_length,
         "chat_template": hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest()[:12],
-        **{k: getattr(data.regenerate, k) for k in ANSWER_FIELDS},
+        **answer_settings(data.regenerate),
     }
     return adopt_legacy(keyed_cache_path(cache_dir, "regenerate", target.target_id, key, ".jsonl"))
 

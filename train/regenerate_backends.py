@@ -40,7 +40,8 @@ class Backend:
 
 def generator_record(engine: str, engine_version: str, dtype: str, cfg: RegenerateConfig, target_id: str) -> dict:
     sampling = {k: getattr(cfg, k) for k in ("temperature", "top_p", "seed", "max_new_tokens")}
-    return {"engine": engine, "version": engine_version, "dtype": dtype, **sampling, "target": target_id}
+    ending = {"end_at_cut": True} if cfg.end_at_cut else {}
+    return {"engine": engine, "version": engine_version, "dtype": dtype, **sampling, **ending, "target": target_id}
 
 
 def describe(generator: dict) -> str:
@@ -141,7 +142,7 @@ def in_slots(target: LoadedTarget, cfg: RegenerateConfig, limit: int, slots: int
     turns = Turns(
         budget=lambda prompt: min(cfg.max_new_tokens, limit - len(prompt)),
         seed=lambda chat: turn_seed(cfg.seed, chat.id, chat.turn),
-        after=lambda chat, out: finish_turn(chat, out, target.tokenizer, eos, limit),
+        after=lambda chat, out: finish_turn(chat, out, target.tokenizer, eos, limit, cfg.end_at_cut),
     )
     return lambda todo: answer_in_slots(target.model, todo, slots, limit, sp, eos, turns)
 
@@ -162,7 +163,7 @@ def in_rounds(generate: Generate, batch_size: int, target: LoadedTarget, cfg: Re
             outs = generate([chat for chat, _ in active], [ids for _, ids in active], budgets)
             kept, finished = [], []
             for (chat, _), out in zip(active, outs, strict=True):
-                ids = finish_turn(chat, out, target.tokenizer, eos, limit)
+                ids = finish_turn(chat, out, target.tokenizer, eos, limit, cfg.end_at_cut)
                 if ids is None:
                     finished.append(chat)
                 else:

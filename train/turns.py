@@ -22,7 +22,7 @@ class Chat:
     turn: int = 0
     truncated: list[int] = field(default_factory=list)  # answers (0 = the first) cut at the token limit
     looped: int = 0  # answers that repeat themselves (loops(): counted for the run's summary, not written)
-    stopped: str = ""  # why it ended before its last user turn: "max_length" or "template" (empty: it did not)
+    stopped: str = ""  # why it ended before its last user turn: "max_length", "template" or "cut" (empty: it did not)
 
     def next_messages(self) -> list[dict] | None:
         return self.messages + self.segments[self.turn] if self.turn < len(self.segments) else None
@@ -101,10 +101,16 @@ def prepare(convs: list[Conversation], tokenizer, limit: int, skipped: Skipped) 
     return out
 
 
-def finish_turn(chat: Chat, out: list[int], tokenizer, eos, limit: int) -> list[int] | None:
+def finish_turn(chat: Chat, out: list[int], tokenizer, eos, limit: int, end_at_cut: bool = False) -> list[int] | None:
     """The chat takes its answer `out` (new tokens); returns its next prompt, or None when it is done (no user turn
-    left, no room under `limit`, or a later turn the chat template rejects: the answers so far are kept)."""
-    chat.add(answer_text(tokenizer, out, eos), cut=not ended(out, eos), looped=loops(out))
+    left, no room under `limit`, a later turn the chat template rejects, or with `end_at_cut` an answer cut at the
+    token limit: the answers so far are kept)."""
+    cut = not ended(out, eos)
+    chat.add(answer_text(tokenizer, out, eos), cut=cut, looped=loops(out))
+    if cut and end_at_cut:
+        if chat.turn < len(chat.segments):
+            chat.stopped = "cut"
+        return None
     try:
         ids = next_prompt(chat, tokenizer, limit)
     except TemplateError:
