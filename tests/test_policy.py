@@ -19,6 +19,8 @@ from draftsmith.serve.engine.sampling import SamplingParams
 from draftsmith.serve.engine.tree import DraftTree
 from draftsmith.serve.models.loader import load_model
 from draftsmith.serve.proposers.base import Proposer
+from draftsmith.serve.proposers.hybrid import HybridProposer
+from draftsmith.serve.proposers.propose_ngram import NgramConfig, NgramProposer
 from draftsmith.serve.spec import PolicyConfig, SpecConfig
 from helpers import PROMPTS
 
@@ -427,12 +429,20 @@ class Benchable(Scripted):
     """A scripted drafter that keeps, per request, whether its prefill was told to sit the request out and how often
     it was asked to draft."""
 
+    mergeable = True  # as an EAGLE head is: serve/proposers/hybrid.py pairs it with a lookup
+
     def __init__(self, future: list[int], right) -> None:
         super().__init__(future, right)
         self.requests: list[tuple[bool, int]] = []  # (benched at prefill, drafts asked so far)
+        self.told = 0  # steps whose outcome it was told (accept)
+        self.told_before: list[int] = []  # per request: steps told before its prefill
 
     def prefill(self, tokens, start, out) -> None:
         self.requests.append((self.benched, self.asked))
+        self.told_before.append(self.told)
+
+    def accept(self, tokens, tree, path, out) -> None:
+        self.told += 1
 
 
 def requests_run(target, drafter: Proposer, future: list[int], n: int, engine: Engine | None = None, **policy):
@@ -453,8 +463,10 @@ def test_a_drafter_idle_for_two_requests_sits_requests_out_and_is_attached_every
     assert 2 <= first <= 3 and not any(benched[:first])  # its first draft, then two attached requests of probes
     assert benched[first:] == ([True] * 7 + [False]) * 2 + [True] * (len(benched) - first - 16)
     asked = [a for _, a in drafter.requests] + [drafter.asked]
+    told = [*drafter.told_before, drafter.told]
     for i, sat_out in enumerate(benched):
-        assert not sat_out or asked[i + 1] == asked[i]  # no step of a request it sat out asked it
+        # no step of a request it sat out asked it anything or told it anything: those steps are plain decoding's
+        assert (asked[i + 1] == asked[i] and told[i + 1] == told[i]) if sat_out else told[i + 1] > told[i]
     assert [m.drafters_benched for m in metrics] == [int(b) for b in benched]
     assert all(m.plain_steps == m.target_forward_passes for m, b in zip(metrics, benched, strict=True) if b)
 
@@ -487,6 +499,17 @@ def test_a_lookup_never_sits_out_and_a_benched_drafter_leaves_it_the_steps(targe
     lookup, drafter = Scripted(future, lambda n: True, lookup=True), Benchable(future, lambda n: False)
     requests_run(target, Pair(lookup, drafter), future, 6)
     assert drafter.requests[-1][0] and not lookup.benched and lookup.asked > 0
+
+
+def test_a_paired_drafter_sitting_a_request_out_is_told_nothing_while_its_lookup_drafts(target, future):
+    """serve/proposers/hybrid.py: the lookup hears every step; the benched drafter, none of the request's."""
+    drafter = Benchable(future, lambda n: False)
+    lookup = NgramProposer(NgramConfig(num_tokens=3))
+    _, metrics = requests_run(target, HybridProposer(drafter, lookup), future, 8)
+    told = [*drafter.told_before, drafter.told]
+    for i, (sat_out, _) in enumerate(drafter.requests):
+        assert (told[i + 1] == told[i]) if sat_out else told[i + 1] > told[i]
+    assert drafter.requests[-1][0] and sum(m.accepted_tokens for m in metrics[-3:]) > 0  # the lookup drafted
 
 
 def test_requests_that_end_before_a_step_say_nothing_of_a_drafters_worth(target, future):

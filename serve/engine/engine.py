@@ -49,6 +49,9 @@ class Engine:
     estimates: Acceptance | None = None
     cache: KVCache = field(init=False, repr=False)
     accept_s: float = field(init=False, default=0.0)  # the proposer's accept() last step: part of its cost per step
+    # every drafter sits this request out: after its prefill (which keeps what the prefix cache stores) the proposer
+    # is neither asked nor told anything, so the request's steps cost what plain decoding's do
+    sitting_out: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         tree = self.proposer.max_tree_size if self.proposer else 0
@@ -130,6 +133,7 @@ class Engine:
             benched = self.policy.start(parts) if self.policy is not None else benched
             for i, part in enumerate(parts):
                 part.benched = i in benched
+        self.sitting_out = self.proposer is not None and len(benched) == len(self.proposer.parts())
         if self.estimates is not None:
             self.estimates.start()
         m = Metrics(prompt_tokens=len(prompt_ids), drafters_benched=len(benched))
@@ -214,9 +218,10 @@ class Engine:
         m.record_step(int((tree.depths <= reach).sum()), min(len(path), reach), size + 1)
         tokens[end] = verdict.next_token
         watching = observer if observer is not None and observer.wants_outputs else None
-        if self.proposer or watching:
+        told = self.proposer is not None and not self.sitting_out
+        if told or watching:
             verified = out if size == 0 and self.fresh_outputs else select_rows(out, [0] + [i + 1 for i in path])
-            if self.proposer:
+            if told:
                 # the proposer's own node indices: it may keep state per node of the tree it drafted
                 drafted_path = path if kept is None else kept[path].tolist()
                 self.accept(tokens[: end + 1], drafted, drafted_path, verified)
@@ -226,7 +231,7 @@ class Engine:
                     record(self.estimates, plan, drafted_path, m)
             if watching:
                 watching.accept(tokens[: end + 1], path, verified)
-        m.draft_s += propose_s + self.accept_s
+        m.draft_s += propose_s + (self.accept_s if told else 0.0)
         return end + 1
 
     @property
@@ -238,7 +243,9 @@ class Engine:
         """What this step verifies: the policy's choice, else the proposer's draft, cut by draft_cut if any."""
         if self.proposer is None:
             return Plan(DraftTree.empty(tokens.device))
-        if self.policy is not None:
+        if self.sitting_out:
+            plan = Plan(DraftTree.empty(tokens.device))
+        elif self.policy is not None:
             plan = self.policy.plan(self.proposer.parts(), tokens, sp, budget, self.clocked)
         else:
             proposer = self.proposer

@@ -20,9 +20,11 @@ steps. Likewise a drafter drafting short of its deepest goes one level deeper ev
 `probe_every`-th draft, so deeper levels that came to pay are found.
 
 A drafter that drafted nothing but probes in `bench_after` attached requests in a row sits whole requests out: no
-step asks it, and its prefill keeps the target's features and leaves its own forward to a later draft, so it costs a
-request next to nothing. Every `attach_every`-th request it is attached again, and its probes there say whether it
-pays again; a draft worth making brings it back for good.
+step asks it or tells it what was accepted, and its prefill keeps the target's features and leaves its own forward to
+a later draft, so it costs a request next to nothing. Where every drafter sits out (no lookup beside them) the
+engine does not ask the policy either: the request's steps are plain decoding's. Every `attach_every`-th request it
+is attached again, and its probes there, due from its first plain step, say whether it pays again; a draft worth
+making brings it back for good.
 
 Estimates are kept apart for greedy and sampled requests (a sampled draft is accepted less often). Draft times are
 learnt from drafts that follow a step the same drafter drafted: the first draft after other steps also runs the
@@ -145,6 +147,10 @@ class DraftPolicy:
         self.benched = {
             i for i in drafters if after and self.idle.get(i, 0) >= after and self.sat_out.get(i, 0) < every - 1
         }
+        if any(self.sat_out.get(i, 0) for i in drafters if i not in self.benched):
+            # attached again: its probes decide, from the first plain step on (the steps of a request every drafter
+            # sat out do not ask the policy, so they never counted toward the wait)
+            self.plain_run = max(self.plain_run, self.wait)
         self.sat_out = {i: self.sat_out.get(i, 0) + 1 if i in self.benched else 0 for i in drafters}
         self.attached, self.drafted = set(drafters) - self.benched, set()
 

@@ -70,7 +70,8 @@ class HybridProposer(Proposer):
         self.lookup.prefill(tokens, start, out)
 
     def accept(self, tokens: Tensor, tree: DraftTree, path: list[int], out: ForwardOut) -> None:
-        self.drafter.accept(tokens, tree, path, out)
+        if not self.drafter.benched:  # one sitting the request out is asked nothing in it: the next prefill resets it
+            self.drafter.accept(tokens, tree, path, out)
         self.lookup.accept(tokens, tree, path, out)
 
     def parts(self) -> list[Proposer]:
