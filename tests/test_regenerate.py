@@ -396,6 +396,19 @@ def test_end_at_cut_ends_a_conversation_at_its_first_cut_answer(target, tmp_path
             assert conv.truncated == [sum(m["role"] == "assistant" for m in conv.messages) - 1]
     assert sum(map(len, as_dict(real).values())) < sum(map(len, whole.values()))  # the tiny target's answers run long
     assert all(c.generator["end_at_cut"] is True for c in real)
+    a = CONVS[0]  # its first answer fills the context: a cut, but one that no later turn could follow anyway
+    room = len(encode_chat(target.tokenizer, a.messages[:1])) + 3
+    lines = []
+    regenerate(
+        [a],
+        target,
+        cfg(batch_size=batch_size, end_at_cut=True),
+        tmp_path / "m.jsonl",
+        room,
+        Skipped(),
+        say=lines.append,
+    )
+    assert any("1 conversations filled max_length" in line and "ended at a cut" not in line for line in lines)
     on, off = (DataConfig(regenerated=True, regenerate=cfg(end_at_cut=e)) for e in (True, False))
     assert data_key(on)["self_distill"] == data_key(off)["self_distill"] | {"end_at_cut": True}
     assert "end_at_cut" not in data_key(off)["self_distill"]

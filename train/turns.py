@@ -107,16 +107,14 @@ def finish_turn(chat: Chat, out: list[int], tokenizer, eos, limit: int, end_at_c
     token limit: the answers so far are kept)."""
     cut = not ended(out, eos)
     chat.add(answer_text(tokenizer, out, eos), cut=cut, looped=loops(out))
-    if cut and end_at_cut:
-        if chat.turn < len(chat.segments):
-            chat.stopped = "cut"
-        return None
     try:
         ids = next_prompt(chat, tokenizer, limit)
     except TemplateError:
         ids, chat.stopped = None, "template"
     if ids is None and not chat.stopped and chat.turn < len(chat.segments):
         chat.stopped = "max_length"
+    if ids is not None and cut and end_at_cut:  # a turn was left, and room for it: the cut ends the conversation
+        ids, chat.stopped = None, "cut"
     return ids
 
 
