@@ -196,6 +196,20 @@ def test_empty_input_and_foreign_files_are_clear_errors(target, tmp_path):
         assert foreign.read_text() == text
 
 
+def test_a_file_made_with_other_answer_settings_is_refused_naming_them(target, tmp_path):
+    """data.regenerate.out names the file, not its settings: a rerun asking for other answers is told, and loses
+    nothing; one asking for the same answers with another batch size reuses them."""
+    path = tmp_path / "answers.jsonl"
+    regenerate(CONVS[:2], target, cfg(), path, 512, Skipped())
+    before = path.read_bytes()
+    for other, named in ((cfg(max_new_tokens=NEW + 1), "max_new_tokens"), (cfg(end_at_cut=True), "end_at_cut")):
+        with pytest.raises(ValueError, match=rf"answers.jsonl holds answers made with \{{'{named}'.*another file"):
+            regenerate(CONVS, target, other, path, 512, Skipped())
+        assert path.read_bytes() == before
+    out = regenerate(CONVS, target, cfg(batch_size=1), path, 512, Skipped())
+    assert len(out) == len(CONVS) and path.read_bytes().startswith(before)
+
+
 def test_a_last_row_without_its_newline_is_kept(target, tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"id": "a", "messages": [user("Hi"), said("Hello.")]}))  # as a "\n".join writes

@@ -45,6 +45,7 @@ from .regenerate_vllm import VllmUnavailable, VllmWorker, find_vllm_python
 from .turns import Chat, draws, prepare
 
 TREE_ROOM = 8  # context left free for the engine's draft tree
+FOREIGN_FILE = "point data.regenerate.out at another file, or ask for the settings it was made with"
 
 
 @dataclass
@@ -184,6 +185,8 @@ def regenerate(
         mine = [t for i, t in enumerate(todo) if i % world == rank] if split else (todo if rank == 0 else [])
         own = part_path(path, rank, world) if split else path
     there = read_rows(path)
+    # a file keyed by these settings holds them; one named by data.regenerate.out may not
+    check_made_alike(path, there, target.target_id, cfg, FOREIGN_FILE)
     mine = [t for t in mine if t[0].id not in there]
     if mine:
         quiet = say if rank == 0 else lambda _: None
@@ -214,17 +217,22 @@ def vllm_found(cfg: RegenerateConfig, cache_dir: str | None) -> bool:
     return True
 
 
-def check_shard(shard: Path, target_id: str, cfg: RegenerateConfig) -> None:
-    """A shard is merged only if its rows were written by this target with these sampling settings."""
+def check_made_alike(path: Path, rows: dict[str, dict], target_id: str, cfg: RegenerateConfig, fix: str) -> None:
+    """Rows are used only if written by this target with these answer settings (a setting a row does not record,
+    written before it existed, is not judged)."""
     wanted = {k: getattr(cfg, k) for k in (*ANSWER_FIELDS, "end_at_cut")} | {"target": target_id}
-    for row in read_rows(shard).values():
+    for row in rows.values():
         generator = {"end_at_cut": False} | (row.get("generator") or {})  # rows record it only where it is on
-        differ = {k: generator.get(k) for k, v in wanted.items() if generator.get(k) != v}
+        differ = {k: generator[k] for k, v in wanted.items() if k in generator and generator[k] != v}
         if differ:
             raise ValueError(
-                f"shard {shard} holds answers made with {differ}, but this run asks for "
-                f"{ {k: wanted[k] for k in differ} }: move it away, or regenerate it with these settings"
+                f"{path} holds answers made with {differ}, but this run asks for "
+                f"{ {k: wanted[k] for k in differ} }: {fix}"
             )
+
+
+def check_shard(shard: Path, target_id: str, cfg: RegenerateConfig) -> None:
+    check_made_alike(shard, read_rows(shard), target_id, cfg, "move it away, or regenerate it with these settings")
 
 
 def conversation(row: dict) -> Conversation:
