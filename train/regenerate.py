@@ -74,14 +74,13 @@ class Regenerated:
         rate = self.tokens / max(self.seconds, 1e-9)
         start = f" (+{self.start_s:.0f} s to start it)" if self.start_s >= 1 else ""
         rejected = f", {self.rejected} stopped at a turn the chat template rejects" if self.rejected else ""
-        if self.ended_at_cut:
-            rejected += f", {self.ended_at_cut} ended at a cut answer before their last user turn"
+        cut = f", {self.ended_at_cut} ended at a cut answer before their last user turn" if self.ended_at_cut else ""
         return (
             f"regenerated {rows} ({self.tokens} new tokens) in {self.seconds:.0f} s, "
             f"{rate:.0f} tok/s, by {describe(self.generator)}{start}; of {self.answers} answers "
             f"{self.truncated} ({share(self.truncated, self.answers)}) hit the token limit and {self.looped} "
             f"({share(self.looped, self.answers)}) loop (fewer than half their 6-grams unique); {self.cut_short} "
-            f"conversations filled max_length before their last user turn{rejected} (all kept)"
+            f"conversations filled max_length before their last user turn{rejected}{cut} (all kept)"
         )
 
 
