@@ -38,7 +38,7 @@ class CurveConfig:
     head: str = "eagle3"
     recipe: str = "quick"  # train=
     sizes: list[int] = field(
-        default_factory=lambda: [150, 300, 600]
+        default_factory=lambda: [300, 600, 1200]
     )  # conversations per point (data.max_conversations)
     train_args: list[str] = field(default_factory=list)  # more draftsmith-train overrides, the same at every point
     suites: list[str] = field(default_factory=lambda: list(SUITES))
