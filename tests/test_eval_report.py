@@ -92,7 +92,8 @@ def sweep_copy(src, dst, params: int, speedup: float, cpu: str | None = None, **
     shutil.copytree(src, dst)
     r = json.loads((dst / "results.json").read_text()) | settings
     m = r["methods"]["layerskip"]
-    m |= {"drafter_params": params, "speedup": speedup}
+    # its significance follows the interval set here, not the timed eval's it copies (which load can make either)
+    m |= {"drafter_params": params, "speedup": speedup, "significant": not speedup - 0.05 <= 1 <= speedup + 0.05}
     m["intervals"]["speedup"] = [speedup - 0.05, speedup + 0.05]
     if cpu:
         r["environment"]["cpu"] = cpu
