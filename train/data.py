@@ -60,13 +60,13 @@ class RegenerateConfig:
 
 OWN_ENGINE_ARGS = frozenset({"model", "dtype", "seed", "max_model_len", "generation_config"})  # the worker sets them
 ANSWER_FIELDS = ("max_new_tokens", "temperature", "top_p", "seed")  # what changes the answers (not how fast)
+# answer settings added later: keys and rows record them only where on, so those made before they existed still match
+RECORDED_WHEN_ON = ("end_at_cut",)
 
 
 def answer_settings(cfg: RegenerateConfig) -> dict:
-    """What changes the answers (not how fast they come), as keys record it: end_at_cut only where it is on, so the
-    keys of answers made before it existed still match."""
-    ending = {"end_at_cut": True} if cfg.end_at_cut else {}
-    return {k: getattr(cfg, k) for k in ANSWER_FIELDS} | ending
+    """What changes the answers (not how fast they come), as cache keys and each row's generator record it."""
+    return {k: getattr(cfg, k) for k in ANSWER_FIELDS} | {k: True for k in RECORDED_WHEN_ON if getattr(cfg, k)}
 
 
 @dataclass

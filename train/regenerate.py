@@ -26,7 +26,7 @@ from tqdm import tqdm
 from draftsmith.serve.models.target import LoadedTarget, TargetConfig, keyed_cache_path
 from draftsmith.serve.shared.conversations import Conversation, Skipped, provenance
 
-from .data import ANSWER_FIELDS, DataConfig, RegenerateConfig, answer_settings
+from .data import ANSWER_FIELDS, RECORDED_WHEN_ON, DataConfig, RegenerateConfig, answer_settings
 from .features import source_stamp
 from .fidelity import FidelityCheck
 from .regenerate_backends import describe, open_backend, uses_own
@@ -219,9 +219,9 @@ def vllm_found(cfg: RegenerateConfig, cache_dir: str | None) -> bool:
 def check_made_alike(path: Path, rows: dict[str, dict], target_id: str, cfg: RegenerateConfig, fix: str) -> None:
     """Rows are used only if written by this target with these answer settings (a setting a row does not record,
     written before it existed, is not judged)."""
-    wanted = {k: getattr(cfg, k) for k in (*ANSWER_FIELDS, "end_at_cut")} | {"target": target_id}
+    wanted = {k: getattr(cfg, k) for k in (*ANSWER_FIELDS, *RECORDED_WHEN_ON)} | {"target": target_id}
     for row in rows.values():
-        generator = {"end_at_cut": False} | (row.get("generator") or {})  # rows record it only where it is on
+        generator = dict.fromkeys(RECORDED_WHEN_ON, False) | (row.get("generator") or {})
         differ = {k: generator[k] for k, v in wanted.items() if k in generator and generator[k] != v}
         if differ:
             raise ValueError(

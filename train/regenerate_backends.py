@@ -18,7 +18,7 @@ from draftsmith.serve.models.target import LoadedTarget, eos_ids, native_bf16, o
 from draftsmith.serve.spec import SpecConfig
 
 from .batch_decode import Todo, Turns, answer_in_slots
-from .data import RegenerateConfig
+from .data import RegenerateConfig, answer_settings
 from .regenerate_vllm import VllmJob, VllmUnavailable, VllmWorker, find_vllm_python
 from .turns import Chat, finish_turn, turn_seed
 
@@ -39,9 +39,7 @@ class Backend:
 
 
 def generator_record(engine: str, engine_version: str, dtype: str, cfg: RegenerateConfig, target_id: str) -> dict:
-    sampling = {k: getattr(cfg, k) for k in ("temperature", "top_p", "seed", "max_new_tokens")}
-    ending = {"end_at_cut": True} if cfg.end_at_cut else {}
-    return {"engine": engine, "version": engine_version, "dtype": dtype, **sampling, **ending, "target": target_id}
+    return {"engine": engine, "version": engine_version, "dtype": dtype, **answer_settings(cfg), "target": target_id}
 
 
 def describe(generator: dict) -> str:

@@ -133,7 +133,7 @@ class Engine:
             benched = self.policy.start(parts) if self.policy is not None else benched
             for i, part in enumerate(parts):
                 part.benched = i in benched
-        self.sitting_out = self.proposer is not None and len(benched) == len(self.proposer.parts())
+            self.sitting_out = len(benched) == len(parts)
         if self.estimates is not None:
             self.estimates.start()
         m = Metrics(prompt_tokens=len(prompt_ids), drafters_benched=len(benched))
