@@ -471,6 +471,20 @@ def test_a_drafter_idle_for_two_requests_sits_requests_out_and_is_attached_every
     assert all(m.plain_steps == m.target_forward_passes for m, b in zip(metrics, benched, strict=True) if b)
 
 
+def test_a_drafter_attached_again_for_a_request_with_no_step_stays_attached_for_the_next(target, future):
+    """The request that was to probe it ended at its first token: it said nothing, so the next one probes it."""
+    drafter = Benchable(future, lambda n: False)
+    engine, _ = requests_run(target, drafter, future, 4)
+    assert drafter.requests[-1][0]  # sitting out by now
+    for _ in range(8):  # one-token requests, none running a step, until its attach_every-th attaches it
+        engine.generate(PROMPTS[0], 1, GREEDY)
+        if not drafter.requests[-1][0]:
+            break
+    assert not drafter.requests[-1][0]
+    engine.generate(PROMPTS[0], 24, GREEDY)
+    assert not drafter.requests[-1][0]  # attached again, and probed there
+
+
 def test_a_drafter_that_pays_never_sits_a_request_out(target, future):
     drafter = Benchable(future, lambda n: True)
     requests_run(target, drafter, future, 6)

@@ -208,6 +208,15 @@ def test_a_file_made_with_other_answer_settings_is_refused_naming_them(target, t
         assert path.read_bytes() == before
     out = regenerate(CONVS, target, cfg(batch_size=1), path, 512, Skipped())
     assert len(out) == len(CONVS) and path.read_bytes().startswith(before)
+    sharded = tmp_path / "sharded.jsonl"
+    regenerate(CONVS, target, cfg(shard="0/2"), sharded, 512, Skipped())  # a machine's own shard, resumed
+    shard = tmp_path / "sharded.shard0-of-2.jsonl"
+    with pytest.raises(ValueError, match=r"sharded.shard0-of-2.jsonl holds answers made with \{'max_new_tokens'"):
+        regenerate(CONVS, target, cfg(shard="0/2", max_new_tokens=NEW + 1), sharded, 512, Skipped())
+    unrecorded = tmp_path / "unrecorded.jsonl"  # rows that record no generator: nothing to judge them by
+    unrecorded.write_text(json.dumps({"id": "a", "messages": [user("Hi"), said("Hello!")]}) + "\n")
+    assert [c.id for c in regenerate(CONVS[:1], target, cfg(end_at_cut=True), unrecorded, 512, Skipped())] == ["a"]
+    assert shard.is_file()
 
 
 def test_a_last_row_without_its_newline_is_kept(target, tmp_path):

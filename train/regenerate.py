@@ -184,8 +184,11 @@ def regenerate(
         mine = [t for i, t in enumerate(todo) if i % world == rank] if split else (todo if rank == 0 else [])
         own = part_path(path, rank, world) if split else path
     there = read_rows(path)
-    # a file keyed by these settings holds them; one named by data.regenerate.out may not
+    # a file keyed by these settings holds them; one named by data.regenerate.out (or a shard or part beside it,
+    # whose rows a resumed run keeps) may not
     check_made_alike(path, there, target.target_id, cfg, FOREIGN_FILE)
+    if own != path:
+        check_made_alike(own, read_rows(own), target.target_id, cfg, FOREIGN_FILE)
     mine = [t for t in mine if t[0].id not in there]
     if mine:
         quiet = say if rank == 0 else lambda _: None
@@ -221,7 +224,9 @@ def check_made_alike(path: Path, rows: dict[str, dict], target_id: str, cfg: Reg
     written before it existed, is not judged)."""
     wanted = {k: getattr(cfg, k) for k in (*ANSWER_FIELDS, *RECORDED_WHEN_ON)} | {"target": target_id}
     for row in rows.values():
-        generator = dict.fromkeys(RECORDED_WHEN_ON, False) | (row.get("generator") or {})
+        if not isinstance(made := row.get("generator"), dict):
+            continue  # nothing recorded to judge
+        generator = dict.fromkeys(RECORDED_WHEN_ON, False) | made
         differ = {k: generator[k] for k, v in wanted.items() if k in generator and generator[k] != v}
         if differ:
             raise ValueError(

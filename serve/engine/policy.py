@@ -140,8 +140,10 @@ class DraftPolicy:
 
     def bench(self, drafters: list[int], stepped: bool) -> None:
         """Which drafters sit the new request out, from the requests before it. stepped: whether the last request ran
-        a step (one that ended at its first token says nothing of its drafters)."""
-        for i in self.attached if stepped else ():
+        a step (one that ended at its first token says nothing of its drafters, so those it attached stay attached)."""
+        if self.attached and not stepped:
+            return
+        for i in self.attached:
             self.idle[i] = 0 if i in self.drafted else self.idle.get(i, 0) + 1
         after, every = self.cfg.bench_after, self.cfg.attach_every
         self.benched = {
