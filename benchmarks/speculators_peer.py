@@ -43,8 +43,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.eval.journal import RECORDS, intact_lines, parse_unit
-from draftsmith.eval.stats import Bootstrap, interval, ratio
+from draftsmith.eval.paired_tau import method_records
+from draftsmith.eval.paired_tau import paired_tau as shared_paired_tau
 from draftsmith.files import write_file_atomic
 
 VENV = os.path.expanduser("~/.cache/draftsmith/speculators-venv")
@@ -245,40 +245,15 @@ def evaluate(head: Path, peer: Path, shape: str, out: Path, extra: list[str]) ->
 
 def head_records(folder: Path) -> dict[str, list]:
     """Each head's answered turns in one eval folder (its journal), by method name."""
-    units = [parse_unit(json.loads(line)) for line in intact_lines(folder / RECORDS)]
-    return {name: [r for u in units for r in u.records if r.method == name] for name in HEADS}
+    return method_records(folder, HEADS)
 
 
 def paired_tau(records: dict[str, list]) -> dict:
-    """τ and acceptance by position of each head, and the paired ratio of their τ (draftsmith / speculators): all
-    pooled over the same resampled prompts (eval/stats.py's bootstrap)."""
-    ids = [{r.id for r in rs} for rs in records.values()]
-    if ids[0] != ids[1]:
-        raise SystemExit(
-            f"the heads were evaluated on other prompts ({len(ids[0] ^ ids[1])} not shared): delete the "
-            "eval-* folders and rerun with the same eval overrides"
-        )
-    boot = Bootstrap.over(sorted(ids[0]), seed=0)
-    report: dict = {}
-    taus = {}
-    for name, rs in records.items():
-        depth = max(len(r.metrics.accepted_per_position) for r in rs)  # the depth this head drafted
-        s = boot.sums(rs, depth)
-        taus[name] = 1 + ratio(s["accepted_tokens"], s["drafts"])
-        drafts = sum(r.metrics.drafts for r in rs)
-        accepted = [
-            sum(r.metrics.accepted_per_position[i] for r in rs if i < len(r.metrics.accepted_per_position))
-            for i in range(depth)
-        ]
-        report[name] = {
-            "tau": 1 + sum(r.metrics.accepted_tokens for r in rs) / max(drafts, 1),
-            "tau_interval": interval(taus[name]),
-            "acceptance_by_position": [a / max(drafts, 1) for a in accepted],
-            "acceptance_intervals": [interval(ratio(s[f"pos{i + 1}"], s["drafts"])) for i in range(depth)],
-        }
-    report["tau_ratio"] = report["draftsmith"]["tau"] / report["speculators"]["tau"]
-    report["tau_ratio_interval"] = interval(ratio(taus["draftsmith"], taus["speculators"]))
-    return report
+    """draftsmith's and speculators' heads over the same resampled prompts: the ratio is draftsmith / speculators."""
+    try:
+        return shared_paired_tau(records)
+    except ValueError as e:
+        raise SystemExit(f"{e} (delete the eval-* folders and rerun with the same eval overrides)") from e
 
 
 def markdown(report: dict) -> str:

@@ -1,0 +1,50 @@
+"""Two drafters of one eval run, paired: each one's τ and acceptance by position, and the ratio of their τ, all pooled
+over the same resampled prompts (stats.py's bootstrap). What a recipe arm is judged by: both heads drafted the
+same prompts in one interleaved run, so the prompts' difficulty cancels out of the ratio."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftsmith.eval.journal import RECORDS, intact_lines, parse_unit
+from draftsmith.eval.stats import Bootstrap, interval, ratio
+
+
+def method_records(folder: Path, names: tuple[str, str]) -> dict[str, list]:
+    """Each named method's answered turns in one eval folder (its journal)."""
+    units = [parse_unit(json.loads(line)) for line in intact_lines(Path(folder) / RECORDS)]
+    found = {r.method for u in units for r in u.records}
+    if missing := [n for n in names if n not in found]:
+        raise ValueError(f"{folder} has no records of {missing}; its methods are {sorted(found)}")
+    return {name: [r for u in units for r in u.records if r.method == name] for name in names}
+
+
+def paired_tau(records: dict[str, list]) -> dict:
+    """τ (point and interval) and acceptance by position of each of the two methods in `records`, and the ratio of
+    the first one's τ to the second's with its paired interval."""
+    (a, ra), (b, rb) = records.items()
+    ids = {r.id for r in ra}, {r.id for r in rb}
+    if ids[0] != ids[1]:
+        raise ValueError(
+            f"{a} and {b} ran other prompts ({len(ids[0] ^ ids[1])} not shared): evaluate both in one run, "
+            "with the same suite and limit"
+        )
+    boot = Bootstrap.over(sorted(ids[0]), seed=0)
+    report: dict = {}
+    taus = {}
+    for name, rs in records.items():
+        depth = max(len(r.metrics.accepted_per_position) for r in rs)  # the depth this method drafted
+        s = boot.sums(rs, depth)
+        taus[name] = 1 + ratio(s["accepted_tokens"], s["drafts"])
+        drafts = max(sum(r.metrics.drafts for r in rs), 1)
+        accepted = [sum(sum(r.metrics.accepted_per_position[i : i + 1]) for r in rs) for i in range(depth)]
+        report[name] = {
+            "tau": 1 + sum(r.metrics.accepted_tokens for r in rs) / drafts,
+            "tau_interval": interval(taus[name]),
+            "acceptance_by_position": [n / drafts for n in accepted],
+            "acceptance_intervals": [interval(ratio(s[f"pos{i + 1}"], s["drafts"])) for i in range(depth)],
+        }
+    report["tau_ratio"] = report[a]["tau"] / report[b]["tau"]
+    report["tau_ratio_interval"] = interval(ratio(taus[a], taus[b]))
+    return report
