@@ -561,7 +561,7 @@ def test_quick_and_full_presets_for_peagle():
         quick = typed(compose("train", overrides=["out=x", "head=peagle"]), RunConfig)
         full = typed(compose("train", overrides=["out=x", "head=peagle", "train=full", "head.num_layers=2"]), RunConfig)
     chain = DraftShape(num_tokens=4, topk=1, total_tokens=0)
-    assert quick.train.epochs == 4 and quick.head.draft == chain == full.head.draft and full.train.epochs == 2
+    assert quick.train.epochs == 4 and quick.head.draft == chain == full.head.draft and full.train.epochs == 4
     assert quick.head.args["num_depths"] == 4
     assert full.head.kwargs()["num_layers"] == 2 and quick.head.loss_options() == {}  # the loss function's defaults
     check_loss_options(loss_for("peagle"), quick.head.loss_options(), "peagle")

@@ -411,7 +411,7 @@ def test_quick_preset_shortens_eagle3_training_time_test_only():
             return dict(compose("train", overrides=["out=x", *overrides]).head.loss)
 
     assert loss_options("head=eagle3")["ttt_steps"] == 1  # conf/tuning/eagle3-quick.yaml: depth-1 drafts
-    assert loss_options("head=eagle3", "train=full")["ttt_steps"] == 4  # conf/tuning/eagle3-full.yaml
+    assert loss_options("head=eagle3", "train=full")["ttt_steps"] == 2  # conf/tuning/eagle3-full.yaml
     assert loss_options("head=eagle3", "head.loss.ttt_steps=5")["ttt_steps"] == 5
     assert "ttt_steps" not in loss_options("head=eagle")
 
@@ -434,7 +434,7 @@ def test_presets_set_the_draft_shape_the_head_is_made_for():
             return asdict(typed(compose("train", overrides=["out=x", *overrides]), RunConfig).head.draft)
 
     assert draft("head=eagle3") == {"num_tokens": 1, "topk": 3, "total_tokens": 0, "choices": None}
-    assert draft("head=eagle3", "train=full")["num_tokens"] == 4 and draft("head=eagle3", "train=full")["topk"] is None
+    assert draft("head=eagle3", "train=full") == {"num_tokens": 2, "topk": 3, "total_tokens": 6, "choices": None}
     assert draft("head=medusa") == {"num_tokens": 1, "topk": None, "total_tokens": None, "choices": [[0], [1], [2]]}
     assert draft("head=eagle") == asdict(DraftShape()) == draft("head=draft_model")  # the kinds' defaults
     assert draft("head=eagle3", "head.draft.num_tokens=2")["num_tokens"] == 2
