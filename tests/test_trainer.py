@@ -513,3 +513,27 @@ def test_two_process_cpu_ddp_through_accelerate_launch(target, data, tmp_path):
     single.data.max_conversations, single.data.max_length, single.data.heldout_fraction = 16, 48, 0.02
     train(single)
     assert [r[1] for r in losses(out)] == pytest.approx([r[1] for r in losses(tmp_path / "single")], rel=1e-3)
+
+
+def test_loss_on_all_weighs_every_token_of_an_example_and_no_padding():
+    """loss_on=all: the prompts' positions join the answers' in the loss (the target's distribution is known at every
+    position), padding past an example's length stays out; the EAGLE-3 recipes train so, other kinds on answers."""
+    answers = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 0, 0, 0]], dtype=torch.float)
+    batch = {
+        "input_ids": torch.arange(10).view(2, 5),
+        "loss_mask": answers,
+        "lengths": torch.tensor([5, 3]),
+        "hidden": torch.zeros(2, 5, 4, dtype=torch.bfloat16),
+    }
+    kept = trainer_mod.feature_batch(batch, None, (), "cpu", "answers")
+    assert torch.equal(kept.loss_mask, answers) and kept.hidden.dtype == torch.float32
+    every = trainer_mod.feature_batch(batch, None, (), "cpu", "all")
+    assert every.loss_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+
+    def loss_on(*overrides: str) -> str:
+        with initialize_config_module("draftsmith.conf", version_base=None):
+            return compose("train", overrides=["out=x", *overrides]).train.loss_on
+
+    assert loss_on("head=eagle3") == loss_on("head=eagle3", "train=full") == "all"  # conf/tuning/eagle3-*.yaml
+    assert loss_on("head=peagle") == loss_on("head=medusa", "train=full") == "answers"
+    assert loss_on("head=eagle3", "train.loss_on=answers") == "answers"
