@@ -26,7 +26,10 @@ def main() -> None:
     p.add_argument("b", help="another method name (the denominator)")
     p.add_argument("--json", type=Path, help="write the report here as JSON")
     args = p.parse_args()
-    report = paired_tau(method_records(args.folder, (args.a, args.b)))
+    try:
+        report = paired_tau(method_records(args.folder, (args.a, args.b)))
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     for name in (args.a, args.b):
         r = report[name]
         pairs = zip(r["acceptance_by_position"], r["acceptance_intervals"], strict=True)

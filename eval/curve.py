@@ -128,6 +128,23 @@ def suite_point(out: Path) -> SuitePoint:
     )
 
 
+def check_trained_alike(recipes: dict[int, dict]) -> None:
+    """Every point's head trained with the same settings (train/trainer.py head_settings, recorded in its folder):
+    a recipe default that changed between two runs of a curve would otherwise bend its line unseen. A head
+    folder from before the record existed counts as its own setting."""
+    seen = {size: r.get("extra", {}).get("training") for size, r in recipes.items()}
+    first = min(seen)
+    differ = [size for size in sorted(seen) if seen[size] != seen[first]]
+    if differ:
+        a, b = seen[first] or {}, seen[differ[0]] or {}
+        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)) or ["(not recorded)"]
+        raise ValueError(
+            f"the heads of points {first} and {differ[0]} were trained with other settings ({', '.join(keys)}: "
+            f"{ {k: a.get(k) for k in keys} } against { {k: b.get(k) for k in keys} }): their tau would not lie "
+            f"on one curve; delete points/c{differ[0]} (or the older points) to retrain it, or pick another out"
+        )
+
+
 def point_of(size: int, recipe: dict, suites: dict[str, SuitePoint]) -> Point:
     extra = recipe.get("extra", {})
     examples, answers, stages = extra.get("examples", 0), extra.get("answer_tokens", 0), extra.get("stages", {})
@@ -153,13 +170,15 @@ def run_curve(cfg: CurveConfig) -> Path:
     check_settings(out, cfg.settings())
     out.mkdir(parents=True, exist_ok=True)
     points = {size: point for size in finished_sizes(out, cfg) if (point := read_point(cfg, size, out))}
+    recipes = {size: head_recipe(out, size) for size in points}
     began = time.perf_counter()
     for i, size in enumerate(cfg.sizes):
         folder = out / "points" / f"c{size}"
         folder.mkdir(parents=True, exist_ok=True)
         eta = eta_text(began, cfg.sizes[:i], cfg.sizes[i:])
         print(f"[curve {i + 1}/{len(cfg.sizes)}] {size} conversations -> {folder}{eta}", flush=True)
-        recipe = train_point(cfg, size, folder)
+        recipe = recipes[size] = train_point(cfg, size, folder)
+        check_trained_alike(recipes)
         evals = {s: eval_point(cfg, s, folder / "head" / "final", folder / f"eval-{s}") for s in cfg.suites}
         points[size] = point_of(size, recipe, {s: suite_point(e) for s, e in evals.items()})
         write_curve(out, [points[n] for n in sorted(points)], cfg.settings(), cfg.predict, os.cpu_count() or 1)
@@ -180,8 +199,11 @@ def read_point(cfg: CurveConfig, size: int, out: Path) -> Point | None:
     evals = [folder / f"eval-{s}" for s in cfg.suites]
     if not final.is_file() or not all((e / "results.json").is_file() and not unfinished(e) for e in evals):
         return None
-    recipe = json.loads(final.read_text())["recipe"]
-    return point_of(size, recipe, {s: suite_point(e) for s, e in zip(cfg.suites, evals, strict=True)})
+    return point_of(size, head_recipe(out, size), {s: suite_point(e) for s, e in zip(cfg.suites, evals, strict=True)})
+
+
+def head_recipe(out: Path, size: int) -> dict:
+    return json.loads((out / "points" / f"c{size}" / "head" / "final" / "config.json").read_text())["recipe"]
 
 
 def eta_text(began: float, done: list[int], left: list[int]) -> str:

@@ -7,17 +7,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftsmith.eval.journal import RECORDS, intact_lines, parse_unit
+from draftsmith.eval.journal import RECORDS, RUN, parse_unit, whole
 from draftsmith.eval.stats import Bootstrap, interval, ratio
 
 
 def method_records(folder: Path, names: tuple[str, str]) -> dict[str, list]:
-    """Each named method's answered turns in one eval folder (its journal)."""
-    units = [parse_unit(json.loads(line)) for line in intact_lines(Path(folder) / RECORDS)]
-    found = {r.method for u in units for r in u.records}
+    """Each named method's answered turns in one eval folder, read without touching it (a run still writing may end
+    in a torn line, which is left out); in a study run, the cells the run's results are of (its prefix_cache)."""
+    folder = Path(folder)
+    if names[0] == names[1]:
+        raise ValueError(f"name two different methods, got {names[0]!r} twice")
+    if not (folder / RECORDS).is_file():
+        raise ValueError(f"{folder} holds no {RECORDS}: give a draftsmith-eval out= folder")
+    lines = (folder / RECORDS).read_text().splitlines(keepends=True)
+    units = [parse_unit(json.loads(line)) for line in lines if whole(line)]
+    run = json.loads((folder / RUN).read_text()) if (folder / RUN).is_file() else {}
+    cache = run.get("prefix_cache")
+    records = [r for u in units for r in u.records if cache is None or r.prefix_cache == cache]
+    found = {r.method for r in records}
     if missing := [n for n in names if n not in found]:
         raise ValueError(f"{folder} has no records of {missing}; its methods are {sorted(found)}")
-    return {name: [r for u in units for r in u.records if r.method == name] for name in names}
+    return {name: [r for r in records if r.method == name] for name in names}
 
 
 def paired_tau(records: dict[str, list]) -> dict:
@@ -27,10 +37,13 @@ def paired_tau(records: dict[str, list]) -> dict:
     ids = {r.id for r in ra}, {r.id for r in rb}
     if ids[0] != ids[1]:
         raise ValueError(
-            f"{a} and {b} ran other prompts ({len(ids[0] ^ ids[1])} not shared): evaluate both in one run, "
-            "with the same suite and limit"
+            f"{a} and {b} ran other prompts ({len(ids[0] ^ ids[1])} not shared): the ratio pairs each prompt's "
+            "turns, so evaluate both in one run over the same prompts"
         )
+    if not ids[0]:
+        raise ValueError(f"{a} and {b} answered no prompt")
     boot = Bootstrap.over(sorted(ids[0]), seed=0)
+    paired = boot.enough  # one prompt gives no interval
     report: dict = {}
     taus = {}
     for name, rs in records.items():
@@ -41,10 +54,12 @@ def paired_tau(records: dict[str, list]) -> dict:
         accepted = [sum(sum(r.metrics.accepted_per_position[i : i + 1]) for r in rs) for i in range(depth)]
         report[name] = {
             "tau": 1 + sum(r.metrics.accepted_tokens for r in rs) / drafts,
-            "tau_interval": interval(taus[name]),
+            "tau_interval": interval(taus[name]) if paired else None,
             "acceptance_by_position": [n / drafts for n in accepted],
-            "acceptance_intervals": [interval(ratio(s[f"pos{i + 1}"], s["drafts"])) for i in range(depth)],
+            "acceptance_intervals": [
+                interval(ratio(s[f"pos{i + 1}"], s["drafts"])) if paired else None for i in range(depth)
+            ],
         }
     report["tau_ratio"] = report[a]["tau"] / report[b]["tau"]
-    report["tau_ratio_interval"] = interval(ratio(taus[a], taus[b]))
+    report["tau_ratio_interval"] = interval(ratio(taus[a], taus[b])) if paired else None
     return report

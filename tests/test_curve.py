@@ -84,6 +84,23 @@ def test_a_rerun_with_other_settings_is_refused_naming_both(made):
         run_curve(other)
 
 
+def test_points_whose_heads_trained_with_other_settings_are_refused_naming_them(made):
+    """A recipe default that changed between two runs of a curve (here the loss's positions) would bend its line:
+    each head folder records the settings that shaped it, and the curve refuses to join unlike ones."""
+    cfg, out = made
+    config = out / "points" / "c8" / "head" / "final" / "config.json"
+    before = config.read_text()
+    recorded = json.loads(before)
+    assert recorded["recipe"]["extra"]["training"]["loss_on"] == "all"  # train=quick with head=eagle3
+    recorded["recipe"]["extra"]["training"]["loss_on"] = "answers"
+    config.write_text(json.dumps(recorded))
+    try:
+        with pytest.raises(ValueError, match=r"points 4 and 8 .*loss_on.*'all'.*'answers'.*delete points/c8"):
+            run_curve(cfg)
+    finally:
+        config.write_text(before)
+
+
 def test_bad_settings_are_refused_by_name():
     with pytest.raises(ValueError, match="sizes"):
         CurveConfig(out="x", sizes=[4, 4])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from draftsmith.eval.aggregate import Record
-from draftsmith.eval.journal import RECORDS, Unit, unit_line
+from draftsmith.eval.journal import RECORDS, RUN, Unit, unit_line
 from draftsmith.eval.paired_tau import method_records, paired_tau
 from draftsmith.serve.engine.metrics import Metrics
 
@@ -52,3 +52,27 @@ def test_a_method_the_run_lacks_is_named_with_the_ones_it_has(tmp_path):
     assert [r.id for r in method_records(tmp_path, ("main", "ar"))["main"]] == ["p0", "p1"]
     with pytest.raises(ValueError, match=r"no records of \['arm'\]; its methods are \['ar', 'main'\]"):
         method_records(tmp_path, ("main", "arm"))
+
+
+def test_one_prompt_gives_the_ratio_without_an_interval():
+    r = paired_tau({"a": [turn("p0", "a", 10, [6])], "b": [turn("p0", "b", 10, [3])]})
+    assert r["tau_ratio"] == pytest.approx(1.6 / 1.3)
+    assert r["tau_ratio_interval"] is None and r["a"]["tau_interval"] is None
+
+
+def test_a_run_still_writing_is_read_without_touching_it_and_a_study_gives_its_reported_cells(tmp_path):
+    """A torn last line is left out, not cut from the journal; in a prefix_x_spec study the cells of the run's own
+    prefix_cache setting are the ones its results report, so the other cells stay out."""
+    cells = [turn("p0", "a", 10, [5]), turn("p0", "b", 10, [5]), turn("p0", "a", 10, [9])]
+    cells[2].prefix_cache = True
+    units = [Unit("p0", 0, cells, []), Unit("p1", 0, [turn("p1", "a", 10, [5]), turn("p1", "b", 10, [5])], [])]
+    journal = "".join(unit_line(u) for u in units) + '{"id": "p2", "rep'
+    (tmp_path / RECORDS).write_text(journal)
+    (tmp_path / RUN).write_text('{"prefix_cache": false, "study": "prefix_x_spec"}')
+    got = method_records(tmp_path, ("a", "b"))
+    assert [r.id for r in got["a"]] == ["p0", "p1"] and all(not r.prefix_cache for r in got["a"])
+    assert (tmp_path / RECORDS).read_text() == journal
+    with pytest.raises(ValueError, match="two different methods"):
+        method_records(tmp_path, ("a", "a"))
+    with pytest.raises(ValueError, match="holds no records.jsonl"):
+        method_records(tmp_path / "nothing", ("a", "b"))

@@ -238,6 +238,13 @@ def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples:
     )
 
 
+def head_settings(fingerprint: dict) -> dict:
+    """The settings of a run that shape its head, whatever its data and launch (the resume fingerprint without
+    the data, its size and the processes): a drafter folder records them, and heads of one curve must share them."""
+    drop = ("target", "data", "examples", "processes", "features", "deepspeed_zero_stage")
+    return {k: v for k, v in fingerprint.items() if k not in drop}
+
+
 def stages_line(stages: dict) -> str:
     """`stages: regenerate 300 rows in 312 s (0.96/s); features 151000 tokens in 98 s (1540.82/s); steps 525 steps
     in 410 s (1.28/s)`: where the run's time went, over its pieces (a stage it found cached is left out)."""
@@ -351,6 +358,7 @@ class Loop:
                 "examples": len(self.dataset),
                 "answer_tokens": int(self.token_counts.sum()),
                 "stages": {**state.stages, "steps": {"steps": state.step, "seconds": round(state.seconds, 3)}},
+                "training": head_settings(self.fingerprint),
             },
             acceptance=measured,
         )
