@@ -199,7 +199,8 @@ def read_point(cfg: CurveConfig, size: int, out: Path) -> Point | None:
     evals = [folder / f"eval-{s}" for s in cfg.suites]
     if not final.is_file() or not all((e / "results.json").is_file() and not unfinished(e) for e in evals):
         return None
-    return point_of(size, head_recipe(out, size), {s: suite_point(e) for s, e in zip(cfg.suites, evals, strict=True)})
+    recipe = json.loads(final.read_text())["recipe"]
+    return point_of(size, recipe, {s: suite_point(e) for s, e in zip(cfg.suites, evals, strict=True)})
 
 
 def head_recipe(out: Path, size: int) -> dict:

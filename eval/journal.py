@@ -103,9 +103,9 @@ class Journal:
         self.units.append(unit)
 
 
-def intact_lines(path: Path) -> list[str]:
-    """The file's JSON lines; a torn last line (a kill mid-write) is cut from the file, a bad line before it is an
-    error naming it."""
+def intact_lines(path: Path, mend: bool = True) -> list[str]:
+    """The file's JSON lines; a torn last line (a kill mid-write) is left out, and cut from the file where `mend`
+    (a reader of a run that may still be writing passes False); a bad line before it is an error naming it."""
     if not path.is_file():
         return []
     lines = path.read_text().splitlines(keepends=True)
@@ -113,7 +113,8 @@ def intact_lines(path: Path) -> list[str]:
         if not whole(line):
             if n < len(lines):
                 raise ValueError(f"{path}:{n} is not a record line: delete {path.parent} or give another out=DIR")
-            path.write_text("".join(lines[:-1]))
+            if mend:
+                path.write_text("".join(lines[:-1]))
             return lines[:-1]
     return lines
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from draftsmith.eval.journal import RECORDS, RUN, parse_unit, whole
+from draftsmith.eval.journal import RECORDS, RUN, intact_lines, parse_unit
 from draftsmith.eval.stats import Bootstrap, interval, ratio
 
 
@@ -19,8 +19,7 @@ def method_records(folder: Path, names: tuple[str, str]) -> dict[str, list]:
         raise ValueError(f"name two different methods, got {names[0]!r} twice")
     if not (folder / RECORDS).is_file():
         raise ValueError(f"{folder} holds no {RECORDS}: give a draftsmith-eval out= folder")
-    lines = (folder / RECORDS).read_text().splitlines(keepends=True)
-    units = [parse_unit(json.loads(line)) for line in lines if whole(line)]
+    units = [parse_unit(json.loads(line)) for line in intact_lines(folder / RECORDS, mend=False)]
     run = json.loads((folder / RUN).read_text()) if (folder / RUN).is_file() else {}
     cache = run.get("prefix_cache")
     records = [r for u in units for r in u.records if cache is None or r.prefix_cache == cache]
