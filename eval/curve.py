@@ -135,9 +135,15 @@ def check_trained_alike(recipes: dict[int, dict]) -> None:
     seen = {size: r.get("extra", {}).get("training") for size, r in recipes.items()}
     first = min(seen)
     differ = [size for size in sorted(seen) if seen[size] != seen[first]]
+    if differ and None in (seen[first], seen[differ[0]]):
+        old = first if seen[first] is None else differ[0]
+        raise ValueError(
+            f"the head of point {old} records no training settings (made before they were recorded), unlike the "
+            f"others: delete points/c{old} to retrain it, or pick another out"
+        )
     if differ:
-        a, b = seen[first] or {}, seen[differ[0]] or {}
-        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k)) or ["(not recorded)"]
+        a, b = seen[first], seen[differ[0]]
+        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
         raise ValueError(
             f"the heads of points {first} and {differ[0]} were trained with other settings ({', '.join(keys)}: "
             f"{ {k: a.get(k) for k in keys} } against { {k: b.get(k) for k in keys} }): their tau would not lie "

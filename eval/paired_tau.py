@@ -23,6 +23,8 @@ def method_records(folder: Path, names: tuple[str, str]) -> dict[str, list]:
     run = json.loads((folder / RUN).read_text()) if (folder / RUN).is_file() else {}
     cache = run.get("prefix_cache")
     records = [r for u in units for r in u.records if cache is None or r.prefix_cache == cache]
+    if cache is None and len({r.prefix_cache for r in records}) > 1:
+        raise ValueError(f"{folder} holds cells with and without the prefix cache and no {RUN} naming the reported one")
     found = {r.method for r in records}
     if missing := [n for n in names if n not in found]:
         raise ValueError(f"{folder} has no records of {missing}; its methods are {sorted(found)}")

@@ -239,9 +239,10 @@ def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples:
 
 
 def head_settings(fingerprint: dict) -> dict:
-    """The settings of a run that shape its head, whatever its data and launch (the resume fingerprint without
-    the data, its size and the processes): a drafter folder records them, and heads of one curve must share them."""
-    drop = ("target", "data", "examples", "processes", "features", "deepspeed_zero_stage")
+    """The settings of a run that shape its head, whatever its data (the resume fingerprint without the data and its
+    size; the processes stay, as they multiply the batch): a drafter folder records them, and heads of one curve
+    must share them."""
+    drop = ("target", "data", "examples", "features", "deepspeed_zero_stage")
     return {k: v for k, v in fingerprint.items() if k not in drop}
 
 
