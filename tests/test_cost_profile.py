@@ -25,7 +25,7 @@ from helpers import build_tiny_chat_target, exactly
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-QUICK = ProfileSettings(repeats=1, warmup=0, context=16, busy=float("inf"))  # whatever else loads the test machine
+QUICK = ProfileSettings(repeats=1, warmup=0, context=16, busy=float("inf"), shared=0.0)  # whatever else loads the test machine
 TARGET = "tiny@00000000"
 
 
@@ -146,16 +146,29 @@ def test_spec_verify_takes_fixed_cost_or_policy():
 
 
 def test_a_curve_measured_on_a_busy_machine_is_used_once_then_measured_again(engine, measured, tmp_path, caplog):
-    busy = ProfileSettings(repeats=1, warmup=0, context=16, busy=-1.0)  # any load counts as busy
+    busy = ProfileSettings(repeats=1, warmup=0, context=16, busy=-1.0, shared=0.0)  # any load counts as busy
     with caplog.at_level(logging.WARNING, logger="draftsmith.serve.cost_profile"):
         curve = load_or_measure(engine, TARGET, str(tmp_path), busy)
     assert len(curve.seconds) == 5 and "this run uses it, the next one measures it again" in caplog.text
-    assert "busy_load" in json.loads(path_of(engine, tmp_path).read_text())
+    assert "load average" in json.loads(path_of(engine, tmp_path).read_text())["busy"]
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="draftsmith.serve.cost_profile"):
         load_or_measure(engine, TARGET, str(tmp_path), QUICK)
     assert len(measured) == 2 and "was measured on a busy machine" in caplog.text
-    assert "busy_load" not in json.loads(path_of(engine, tmp_path).read_text())  # an idle measure replaces it
+    assert "busy" not in json.loads(path_of(engine, tmp_path).read_text())  # an idle measure replaces it
+
+
+def test_a_measurement_short_of_its_threads_cpu_time_is_used_once_then_measured_again(engine, measured, tmp_path):
+    """The load average lags a minute behind a neighbour that just started or ended; a forward keeps its threads
+    busy, so a measurement that got less CPU time than its threads x its wall time shared the CPU."""
+    starved = ProfileSettings(repeats=1, warmup=0, context=16, busy=float("inf"), shared=float("inf"))
+    load_or_measure(engine, TARGET, str(tmp_path), starved)
+    assert "threads' CPU time" in json.loads(path_of(engine, tmp_path).read_text())["busy"]
+    load_or_measure(engine, TARGET, str(tmp_path), QUICK)
+    load_or_measure(engine, TARGET, str(tmp_path), QUICK)
+    assert len(measured) == 2  # measured again once, then read back
+    assert cost_profile.shared_cpu(None, 0.62, 0.85).startswith("it got 62% of its")
+    assert cost_profile.shared_cpu(None, 0.97, 0.85) == cost_profile.shared_cpu(None, None, 0.85) == ""
 
 
 def test_an_unwritable_cache_measures_and_uses_the_curve_from_memory(engine, measured, tmp_path, caplog):
@@ -167,7 +180,7 @@ def test_an_unwritable_cache_measures_and_uses_the_curve_from_memory(engine, mea
 
 
 def test_profiles_of_different_contexts_live_side_by_side(engine, measured, tmp_path):
-    short = ProfileSettings(repeats=1, warmup=0, context=8, busy=float("inf"))
+    short = ProfileSettings(repeats=1, warmup=0, context=8, busy=float("inf"), shared=0.0)
     for settings in (QUICK, short, QUICK, short):
         load_or_measure(engine, TARGET, str(tmp_path), settings)
     assert len(measured) == 2

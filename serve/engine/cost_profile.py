@@ -2,11 +2,14 @@
 
 What a verify row costs depends on the CPU, its thread count, the target and its dtype, so the curve is measured
 where the engine runs, through the engine's own forward (the static step when it uses one), at a representative
-context length: after a warm-up pass, a few interleaved repeats of every row count, the median of each, made
-non-decreasing. The JSON file records a fingerprint of what it was measured on; a file whose fingerprint differs, or
-that is not a whole curve, is measured again and rewritten, never trusted. A curve measured while other processes
-loaded the CPU (the load average past `busy` per CPU) is used by the run that measured it, saying so, and measured
-again by the next one.
+context length: after a warm-up pass, interleaved repeats of every row count, the fastest of each, made
+non-decreasing. Another process only ever adds time to a forward, so the fastest repeat is the one it disturbed
+least; a median of a few repeats follows a neighbour's bursts, and the policy's choices hinge on the small difference
+between one row and two. The JSON file records a fingerprint of what it was measured on; a file whose fingerprint
+differs, or that is not a whole curve, is measured again and rewritten, never trusted. A curve measured while other
+processes shared the CPU is used by the run that measured it, saying so, and measured again by the next one. Shared
+means: the load average past `busy` per CPU, or, on a CPU device, the measurement getting less than `shared` of its
+threads' CPU time (the load average lags a minute behind a process that just started or ended).
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from itertools import accumulate
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("draftsmith.serve.cost_profile")
 
-SCHEMA = 1  # bump when the file's shape or the way it is measured changes
+SCHEMA = 2  # bump when the file's shape or the way it is measured changes
 MAX_ROWS = 64  # rows past this are extrapolated from the last step (CostCurve)
 CONTEXT = 512  # the cached prefix a measured step attends to, at most
 ABSENT = "is absent"
@@ -57,10 +59,11 @@ class CostCurve:
 
 @dataclass
 class ProfileSettings:
-    repeats: int = 3
+    repeats: int = 7
     warmup: int = 1
     context: int = CONTEXT
     busy: float = 1.5  # a 1-minute load average past this many per usable CPU: others shared the CPU
+    shared: float = 0.85  # on a CPU device, process CPU time below this share of threads x wall time: shared
 
 
 def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict[str, Any]:
@@ -125,17 +128,19 @@ def load_or_measure(
     say = log.info if why == ABSENT else log.warning  # a file that cannot be trusted is worth a look
     say("verify cost profile %s %s: measuring %d row counts", path, why, rows)
     load = busy_load(settings.busy)
+    wall, cpu = time.perf_counter(), time.process_time()
     curve = CostCurve(measure(engine, rows, context, settings))
+    share = cpu_share(time.process_time() - cpu, time.perf_counter() - wall)
+    busy = shared_cpu(load, share if engine.model.device.type == "cpu" else None, settings.shared)
     record = {"fingerprint": expected, **asdict(curve)}
-    if load is not None:
+    if busy:
         log.warning(
-            "verify cost profile %s measured while other processes loaded the CPU (load average %.2f on %d CPUs): "
-            "this run uses it, the next one measures it again",
+            "verify cost profile %s measured while other processes shared the CPU (%s): this run uses it, the next "
+            "one measures it again",
             path,
-            load,
-            usable_cpus(),
+            busy,
         )
-        record["busy_load"] = load
+        record["busy"] = busy
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(record, indent=1) + "\n")
@@ -156,8 +161,8 @@ def read_profile(path: Path, expected: dict[str, Any]) -> tuple[CostCurve | None
         return None, "lacks its fingerprint or seconds"
     if data["fingerprint"] != expected:
         return None, f"is stale (measured for {data['fingerprint']})"
-    if "busy_load" in data:
-        return None, f"was measured on a busy machine (load average {data['busy_load']})"
+    if "busy" in data:
+        return None, f"was measured on a busy machine ({data['busy']})"
     seconds = data["seconds"]
     if not valid_seconds(seconds, expected["rows"]):
         return None, "holds no valid curve (needs one positive, finite, non-decreasing time per row count)"
@@ -176,6 +181,19 @@ def busy_load(per_cpu: float) -> float | None:
     return round(load, 2) if load > per_cpu * usable_cpus() else None
 
 
+def cpu_share(cpu_s: float, wall_s: float) -> float:
+    """The share of its threads' CPU time a stretch of work got: near 1 alone (a forward keeps every thread busy)."""
+    return cpu_s / max(wall_s * torch.get_num_threads(), 1e-9)
+
+
+def shared_cpu(load: float | None, share: float | None, least: float) -> str:
+    """Why a measurement shared the CPU with other processes, or "" where nothing says it did."""
+    why = [f"load average {load:.2f} on {usable_cpus()} CPUs"] if load is not None else []
+    if share is not None and share < least:
+        why.append(f"it got {share:.0%} of its {torch.get_num_threads()} threads' CPU time")
+    return "; ".join(why)
+
+
 def valid_seconds(seconds: Any, rows: int) -> bool:
     if not isinstance(seconds, list) or len(seconds) != rows:
         return False
@@ -185,7 +203,7 @@ def valid_seconds(seconds: Any, rows: int) -> bool:
 
 
 def measure(engine: Engine, rows: int, context: int, settings: ProfileSettings) -> list[float]:
-    """Median seconds per row count over interleaved repeats, after a warm-up; non-decreasing (more rows never
+    """The fastest seconds per row count over interleaved repeats, after a warm-up; non-decreasing (more rows never
     cost less, whatever the noise said)."""
     for _ in range(settings.warmup):
         for r in range(1, rows + 1):
@@ -194,7 +212,7 @@ def measure(engine: Engine, rows: int, context: int, settings: ProfileSettings) 
     for _ in range(settings.repeats):
         for r in range(1, rows + 1):
             times[r - 1].append(time_forward(engine, r, context))
-    return list(accumulate((statistics.median(t) for t in times), max))
+    return list(accumulate((min(t) for t in times), max))
 
 
 @torch.inference_mode()
