@@ -7,9 +7,12 @@ non-decreasing. Another process only ever adds time to a forward, so the fastest
 least; a median of a few repeats follows a neighbour's bursts, and the policy's choices hinge on the small difference
 between one row and two. The JSON file records a fingerprint of what it was measured on; a file whose fingerprint
 differs, or that is not a whole curve, is measured again and rewritten, never trusted. A curve measured while other
-processes shared the CPU is used by the run that measured it, saying so, and measured again by the next one. Shared
-means: the load average past `busy` per CPU, or, on a CPU device, the measurement getting less than `shared` of its
-threads' CPU time (the load average lags a minute behind a process that just started or ended).
+processes shared the CPU serves the process that measured it, saying so, and is measured again by the next one.
+Shared means: the load average past `busy` per CPU, or, on a CPU device, one of the process's threads waiting for a
+CPU (runnable, not running: Linux's schedstat) more than `waited` of the timed repeats' wall time. The load average
+lags a minute behind a process that just started or ended; the wait is the measurement's own, and a thread that sleeps
+or spins at a barrier does not wait. Where torch runs more threads than the process may use, its threads wait for each
+other, so only the load average counts.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ SCHEMA = 2  # bump when the file's shape or the way it is measured changes
 MAX_ROWS = 64  # rows past this are extrapolated from the last step (CostCurve)
 CONTEXT = 512  # the cached prefix a measured step attends to, at most
 ABSENT = "is absent"
+# curves measured while the CPU was shared, per file: kept for the process (each engine it builds uses them), measured
+# again by the next process
+BUSY_CURVES: dict[str, tuple[dict[str, Any], CostCurve]] = {}
 
 
 @dataclass
@@ -59,11 +65,11 @@ class CostCurve:
 
 @dataclass
 class ProfileSettings:
-    repeats: int = 7
+    repeats: int = 5
     warmup: int = 1
     context: int = CONTEXT
     busy: float = 1.5  # a 1-minute load average past this many per usable CPU: others shared the CPU
-    shared: float = 0.85  # on a CPU device, process CPU time below this share of threads x wall time: shared
+    waited: float = 0.1  # on a CPU device, a thread waiting for a CPU past this share of the wall time: shared
 
 
 def fingerprint(engine: Engine, target_id: str, rows: int, context: int) -> dict[str, Any]:
@@ -122,25 +128,29 @@ def load_or_measure(
     context = max(0, min(settings.context, engine.max_seq_len - 1))
     expected = fingerprint(engine, target_id, rows, context)
     path = profile_path(cache_dir, expected)
+    kept = BUSY_CURVES.get(str(path))
+    if kept is not None and kept[0] == expected:
+        return kept[1]
     curve, why = read_profile(path, expected)
     if curve is not None:
         return curve
     say = log.info if why == ABSENT else log.warning  # a file that cannot be trusted is worth a look
     say("verify cost profile %s %s: measuring %d row counts", path, why, rows)
     load = busy_load(settings.busy)
-    wall, cpu = time.perf_counter(), time.process_time()
-    curve = CostCurve(measure(engine, rows, context, settings))
-    share = cpu_share(time.process_time() - cpu, time.perf_counter() - wall)
-    busy = shared_cpu(load, share if engine.model.device.type == "cpu" else None, settings.shared)
+    seconds, waited = measure(engine, rows, context, settings)
+    curve = CostCurve(seconds)
+    own_threads_wait = engine.model.device.type != "cpu" or torch.get_num_threads() > usable_cpus()
+    busy = shared_cpu(load, None if own_threads_wait else waited, settings.waited)
     record = {"fingerprint": expected, **asdict(curve)}
     if busy:
         log.warning(
-            "verify cost profile %s measured while other processes shared the CPU (%s): this run uses it, the next "
-            "one measures it again",
+            "verify cost profile %s measured while other processes shared the CPU (%s): this process uses it, the "
+            "next one measures it again",
             path,
             busy,
         )
         record["busy"] = busy
+        BUSY_CURVES[str(path)] = (expected, curve)  # not measured again by each engine this process builds
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, json.dumps(record, indent=1) + "\n")
@@ -170,7 +180,13 @@ def read_profile(path: Path, expected: dict[str, Any]) -> tuple[CostCurve | None
 
 
 def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The CPUs this process may run on: its affinity, bounded by a cgroup v2 CPU quota (a container's --cpus)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return max(1, min(cpus, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
+        return cpus
 
 
 def busy_load(per_cpu: float) -> float | None:
@@ -181,16 +197,27 @@ def busy_load(per_cpu: float) -> float | None:
     return round(load, 2) if load > per_cpu * usable_cpus() else None
 
 
-def cpu_share(cpu_s: float, wall_s: float) -> float:
-    """The share of its threads' CPU time a stretch of work got: near 1 alone (a forward keeps every thread busy)."""
-    return cpu_s / max(wall_s * torch.get_num_threads(), 1e-9)
+def run_queue_waits() -> dict[str, int] | None:
+    """Per thread of this process, the nanoseconds it has spent runnable but waiting for a CPU; None off Linux."""
+    try:
+        return {t.name: int((t / "schedstat").read_text().split()[1]) for t in Path("/proc/self/task").iterdir()}
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-def shared_cpu(load: float | None, share: float | None, least: float) -> str:
+def longest_wait(before: dict[str, int] | None, after: dict[str, int] | None, wall_s: float) -> float | None:
+    """The largest share of wall_s any one thread spent waiting for a CPU between the two readings."""
+    if before is None or after is None:
+        return None
+    waits = [after[t] - before[t] for t in after.keys() & before.keys()]
+    return max(waits, default=0) / 1e9 / max(wall_s, 1e-9)
+
+
+def shared_cpu(load: float | None, waited: float | None, most: float) -> str:
     """Why a measurement shared the CPU with other processes, or "" where nothing says it did."""
     why = [f"load average {load:.2f} on {usable_cpus()} CPUs"] if load is not None else []
-    if share is not None and share < least:
-        why.append(f"it got {share:.0%} of its {torch.get_num_threads()} threads' CPU time")
+    if waited is not None and waited > most:
+        why.append(f"a thread of it waited for a CPU {waited:.0%} of the time")
     return "; ".join(why)
 
 
@@ -202,17 +229,20 @@ def valid_seconds(seconds: Any, rows: int) -> bool:
     return all(math.isfinite(s) and s > 0 for s in seconds) and seconds == sorted(seconds)
 
 
-def measure(engine: Engine, rows: int, context: int, settings: ProfileSettings) -> list[float]:
-    """The fastest seconds per row count over interleaved repeats, after a warm-up; non-decreasing (more rows never
-    cost less, whatever the noise said)."""
+def measure(engine: Engine, rows: int, context: int, settings: ProfileSettings) -> tuple[list[float], float | None]:
+    """The fastest seconds per row count over interleaved repeats, after a warm-up (which holds a compiled forward's
+    first trace); non-decreasing (more rows never cost less, whatever the noise said). With the longest share of the
+    repeats' wall time a thread of this process waited for a CPU (None where unknown)."""
     for _ in range(settings.warmup):
         for r in range(1, rows + 1):
             time_forward(engine, r, context)
     times: list[list[float]] = [[] for _ in range(rows)]
+    before, began = run_queue_waits(), time.perf_counter()
     for _ in range(settings.repeats):
         for r in range(1, rows + 1):
             times[r - 1].append(time_forward(engine, r, context))
-    return list(accumulate((min(t) for t in times), max))
+    waited = longest_wait(before, run_queue_waits(), time.perf_counter() - began)
+    return list(accumulate((min(t) for t in times), max)), waited
 
 
 @torch.inference_mode()
