@@ -39,7 +39,7 @@ class SuitePoint:
 class Point:
     conversations: int  # asked for (data.max_conversations)
     examples: int  # trained on: a draw of a conversation is one; fewer where the data or max_length ran out
-    answer_tokens: int  # the assistant tokens trained on (one epoch)
+    answer_tokens: int  # the assistant tokens of the examples (one epoch); loss_on=all trains the prompts' too
     trained_tokens: int  # tokens through the head over every epoch
     stages: dict  # what its training run measured (train/dataset.py make_dataset, steps)
     suites: dict[str, SuitePoint]
