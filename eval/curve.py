@@ -94,13 +94,12 @@ def run_logged(cmd: list[str], log: Path) -> float:
 def train_point(cfg: CurveConfig, size: int, folder: Path) -> dict:
     """The point's head (trained, resumed or already there) and the recipe its folder records."""
     head = folder / "head"
-    final = head / "final" / "config.json"
-    if not final.is_file():
+    if not head_config(folder).is_file():
         args = [f"target={cfg.target}", *cfg.target_args, f"head={cfg.head}", f"train={cfg.recipe}", *cfg.train_args]
         args += [f"data.max_conversations={size}", f"out={head}", "wandb.enabled=false"]
         args += ["resume=true"] if (head / "checkpoints").is_dir() else []
         run_logged(python_m("draftsmith.train", args), folder / "train.log")
-    return json.loads(final.read_text())["recipe"]
+    return head_recipe(folder)
 
 
 def eval_point(cfg: CurveConfig, suite: str, head: Path, out: Path) -> Path:
@@ -134,21 +133,22 @@ def check_trained_alike(recipes: dict[int, dict]) -> None:
     folder from before the record existed counts as its own setting."""
     seen = {size: r.get("extra", {}).get("training") for size, r in recipes.items()}
     first = min(seen)
-    differ = [size for size in sorted(seen) if seen[size] != seen[first]]
-    if differ and None in (seen[first], seen[differ[0]]):
-        old = first if seen[first] is None else differ[0]
+    other = next((size for size in sorted(seen) if seen[size] != seen[first]), None)
+    if other is None:
+        return
+    a, b = seen[first], seen[other]
+    if a is None or b is None:
+        old = first if a is None else other
         raise ValueError(
             f"the head of point {old} records no training settings (made before they were recorded), unlike the "
             f"others: delete points/c{old} to retrain it, or pick another out"
         )
-    if differ:
-        a, b = seen[first], seen[differ[0]]
-        keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        raise ValueError(
-            f"the heads of points {first} and {differ[0]} were trained with other settings ({', '.join(keys)}: "
-            f"{ {k: a.get(k) for k in keys} } against { {k: b.get(k) for k in keys} }): their tau would not lie "
-            f"on one curve; delete points/c{differ[0]} (or the older points) to retrain it, or pick another out"
-        )
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    raise ValueError(
+        f"the heads of points {first} and {other} were trained with other settings ({', '.join(keys)}: "
+        f"{ {k: a.get(k) for k in keys} } against { {k: b.get(k) for k in keys} }): their tau would not lie "
+        f"on one curve; delete points/c{other} (or the older points) to retrain it, or pick another out"
+    )
 
 
 def point_of(size: int, recipe: dict, suites: dict[str, SuitePoint]) -> Point:
@@ -176,10 +176,10 @@ def run_curve(cfg: CurveConfig) -> Path:
     check_settings(out, cfg.settings())
     out.mkdir(parents=True, exist_ok=True)
     points = {size: point for size in finished_sizes(out, cfg) if (point := read_point(cfg, size, out))}
-    recipes = {size: head_recipe(out, size) for size in points}
+    recipes = {size: head_recipe(point_folder(out, size)) for size in points}
     began = time.perf_counter()
     for i, size in enumerate(cfg.sizes):
-        folder = out / "points" / f"c{size}"
+        folder = point_folder(out, size)
         folder.mkdir(parents=True, exist_ok=True)
         eta = eta_text(began, cfg.sizes[:i], cfg.sizes[i:])
         print(f"[curve {i + 1}/{len(cfg.sizes)}] {size} conversations -> {folder}{eta}", flush=True)
@@ -200,17 +200,25 @@ def finished_sizes(out: Path, cfg: CurveConfig) -> list[int]:
 
 def read_point(cfg: CurveConfig, size: int, out: Path) -> Point | None:
     """A point whose head and every eval are finished, read back; None otherwise."""
-    folder = out / "points" / f"c{size}"
-    final = folder / "head" / "final" / "config.json"
+    folder = point_folder(out, size)
     evals = [folder / f"eval-{s}" for s in cfg.suites]
-    if not final.is_file() or not all((e / "results.json").is_file() and not unfinished(e) for e in evals):
+    finished = all((e / "results.json").is_file() and not unfinished(e) for e in evals)
+    if not head_config(folder).is_file() or not finished:
         return None
-    recipe = json.loads(final.read_text())["recipe"]
-    return point_of(size, recipe, {s: suite_point(e) for s, e in zip(cfg.suites, evals, strict=True)})
+    return point_of(size, head_recipe(folder), {s: suite_point(e) for s, e in zip(cfg.suites, evals, strict=True)})
 
 
-def head_recipe(out: Path, size: int) -> dict:
-    return json.loads((out / "points" / f"c{size}" / "head" / "final" / "config.json").read_text())["recipe"]
+def point_folder(out: Path, size: int) -> Path:
+    return out / "points" / f"c{size}"
+
+
+def head_config(folder: Path) -> Path:
+    """The point's trained head's config (written last: the head is done where it is)."""
+    return folder / "head" / "final" / "config.json"
+
+
+def head_recipe(folder: Path) -> dict:
+    return json.loads(head_config(folder).read_text())["recipe"]
 
 
 def eta_text(began: float, done: list[int], left: list[int]) -> str:

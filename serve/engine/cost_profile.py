@@ -139,8 +139,9 @@ def load_or_measure(
     load = busy_load(settings.busy)
     seconds, waited = measure(engine, rows, context, settings)
     curve = CostCurve(seconds)
-    own_threads_wait = engine.model.device.type != "cpu" or torch.get_num_threads() > usable_cpus()
-    busy = shared_cpu(load, None if own_threads_wait else waited, settings.waited)
+    # off a CPU the forward's time is the device's; past the usable CPUs torch's threads wait for each other
+    unjudged = engine.model.device.type != "cpu" or torch.get_num_threads() > usable_cpus()
+    busy = shared_cpu(load, None if unjudged else waited, settings.waited)
     record = {"fingerprint": expected, **asdict(curve)}
     if busy:
         log.warning(
