@@ -132,6 +132,8 @@ def check_trained_alike(recipes: dict[int, dict]) -> None:
     a recipe default that changed between two runs of a curve would otherwise bend its line unseen. A head
     folder from before the record existed counts as its own setting."""
     seen = {size: r.get("extra", {}).get("training") for size, r in recipes.items()}
+    if not seen:
+        return
     first = min(seen)
     other = next((size for size in sorted(seen) if seen[size] != seen[first]), None)
     if other is None:
@@ -177,6 +179,7 @@ def run_curve(cfg: CurveConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     points = {size: point for size in finished_sizes(out, cfg) if (point := read_point(cfg, size, out))}
     recipes = {size: head_recipe(point_folder(out, size)) for size in points}
+    check_trained_alike(recipes)  # points an earlier run finished, before training another
     began = time.perf_counter()
     for i, size in enumerate(cfg.sizes):
         folder = point_folder(out, size)

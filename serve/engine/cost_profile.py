@@ -186,7 +186,7 @@ def usable_cpus() -> int:
     try:
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
         return max(1, min(cpus, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 file, or "max": no quota
+    except (OSError, ValueError, ZeroDivisionError):  # no cgroup v2 file, or "max": no quota
         return cpus
 
 
@@ -201,9 +201,16 @@ def busy_load(per_cpu: float) -> float | None:
 def run_queue_waits() -> dict[str, int] | None:
     """Per thread of this process, the nanoseconds it has spent runnable but waiting for a CPU; None off Linux."""
     try:
-        return {t.name: int((t / "schedstat").read_text().split()[1]) for t in Path("/proc/self/task").iterdir()}
-    except (OSError, ValueError, IndexError):
+        threads = list(Path("/proc/self/task").iterdir())
+    except OSError:
         return None
+    waits = {}
+    for t in threads:
+        try:
+            waits[t.name] = int((t / "schedstat").read_text().split()[1])
+        except (OSError, ValueError, IndexError):  # a thread that ended since the listing
+            continue
+    return waits or None
 
 
 def longest_wait(before: dict[str, int] | None, after: dict[str, int] | None, wall_s: float) -> float | None:
