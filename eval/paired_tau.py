@@ -43,6 +43,12 @@ def paired_tau(records: dict[str, list]) -> dict:
         )
     if not ids[0]:
         raise ValueError(f"{a} and {b} answered no prompt")
+    if idle := [name for name, rs in records.items() if not sum(r.metrics.drafts for r in rs)]:
+        raise ValueError(
+            f"{' and '.join(idle)} made no draft, so its τ says nothing of its head (every step was plain: a draft "
+            "policy that judged no draft worth its rows); compare heads verifying their whole draft "
+            "(methods.NAME.verify=fixed)"
+        )
     boot = Bootstrap.over(sorted(ids[0]), seed=0)
     paired = boot.enough  # one prompt gives no interval
     report: dict = {}
@@ -51,7 +57,7 @@ def paired_tau(records: dict[str, list]) -> dict:
         depth = max(len(r.metrics.accepted_per_position) for r in rs)  # the depth this method drafted
         s = boot.sums(rs, depth)
         taus[name] = 1 + ratio(s["accepted_tokens"], s["drafts"])
-        drafts = max(sum(r.metrics.drafts for r in rs), 1)
+        drafts = sum(r.metrics.drafts for r in rs)
         accepted = [sum(sum(r.metrics.accepted_per_position[i : i + 1]) for r in rs) for i in range(depth)]
         report[name] = {
             "tau": 1 + sum(r.metrics.accepted_tokens for r in rs) / drafts,

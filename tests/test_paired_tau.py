@@ -54,6 +54,14 @@ def test_a_method_the_run_lacks_is_named_with_the_ones_it_has(tmp_path):
         method_records(tmp_path, ("main", "arm"))
 
 
+def test_a_head_that_made_no_draft_is_refused_not_read_as_tau_one():
+    """A policy that drafted nothing leaves τ undefined: 1.0 would read as a head that accepts nothing."""
+    a = [turn(f"p{i}", "a", 10, [6]) for i in range(2)]
+    b = [turn(f"p{i}", "b", 0, []) for i in range(2)]
+    with pytest.raises(ValueError, match=r"b made no draft.*verify=fixed"):
+        paired_tau({"a": a, "b": b})
+
+
 def test_one_prompt_gives_the_ratio_without_an_interval():
     r = paired_tau({"a": [turn("p0", "a", 10, [6])], "b": [turn("p0", "b", 10, [3])]})
     assert r["tau_ratio"] == pytest.approx(1.6 / 1.3)
