@@ -240,6 +240,50 @@ def test_resume_with_another_head_size_or_betas_is_refused_as_other_settings(tar
     assert json.loads((tmp_path / "final" / "config.json").read_text())["recipe"]["steps"] == 4
 
 
+def record_padding(monkeypatch) -> list[tuple[int, int]]:
+    """Each micro-batch's (padded, real) tokens, in training order."""
+    seen, original = [], trainer_mod.Loop.micro_step
+
+    def micro_step(self, batch):
+        seen.append((batch["input_ids"].numel(), int(batch["lengths"].sum())))
+        return original(self, batch)
+
+    monkeypatch.setattr(trainer_mod.Loop, "micro_step", micro_step)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["online", "cached"])
+def test_group_by_length_pads_less_and_a_resume_across_it_is_refused_naming_it(target, tmp_path, monkeypatch, mode):
+    """Batches of like length from the same examples (online and from a feature cache), recorded in the resume
+    fingerprint: a checkpoint made one way does not resume the other, whichever way round."""
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "home"))
+    rows = [  # answers of 1 to 12 sentences: examples of many lengths
+        {"conversations": [{"from": "human", "value": f"Count to {i}."}, {"from": "gpt", "value": "One more. " * i}]}
+        for i in [1 + (7 * j) % 12 for j in range(48)]
+    ]
+    (tmp_path / "spread.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spread, features = str(tmp_path / "spread.jsonl"), FeatureConfig(mode=mode)
+
+    def run(out: str, **settings):
+        cfg = config(tmp_path / out, target, spread, features=features, max_steps=None, grad_accum=1, **settings)
+        cfg.data.max_length = 128
+        return cfg
+
+    with monkeypatch.context() as mp:
+        shuffled = record_padding(mp)
+        train(run("a", epochs=1, checkpoint_every=4))
+    with monkeypatch.context() as mp:
+        grouped = record_padding(mp)
+        train(run("b", epochs=1, group_by_length=True))
+    assert len(grouped) == len(shuffled) and sum(r for _, r in grouped) == sum(r for _, r in shuffled)
+    assert sum(p for p, _ in grouped) < 0.9 * sum(p for p, _ in shuffled)
+    for out, now in (("a", True), ("b", False)):
+        cfg = run(out, epochs=2, group_by_length=now)
+        cfg.resume = True
+        with pytest.raises(ValueError, match=rf"other settings \(.*group_by_length: {not now} then, {now} now"):
+            train(cfg)
+
+
 def test_a_run_resumed_after_a_kill_in_the_final_write_keeps_its_last_tau(target, data, tmp_path, monkeypatch):
     taus = iter([{"tau": 1.5}, {"tau": 1.75}])
     monkeypatch.setattr(trainer_mod, "make_hook", lambda *a: lambda head, kind, weights=None: next(taus, {}))

@@ -168,7 +168,13 @@ def own_shapes(head: nn.Module) -> dict[str, torch.Size]:
     return {k: getattr(params.get(k), "ds_shape", v.shape) for k, v in own_state(head).items()}
 
 
+# settings a fingerprint leaves out at their default, so that a checkpoint made before they existed still resumes:
+# one without them was made with the default, not by an earlier draftsmith
+OMITTED_AT_DEFAULT: dict[str, Any] = {"optimizer": "adamw", "schedule": "cosine", "group_by_length": False}
+
+
 def check_fingerprint(folder: Path, saved: dict, current: dict) -> None:
+    saved, current = OMITTED_AT_DEFAULT | saved, OMITTED_AT_DEFAULT | current
     unknown = sorted(current.keys() - saved.keys())
     if unknown:  # a setting this version records that the checkpoint's version did not: nothing to restore
         raise Refusal(

@@ -302,6 +302,14 @@ class CachedFeatures(Dataset):
             item["aux"] = aux if self.all_aux else self.pick_layers(aux)
         return item
 
+    def lengths(self) -> list[int]:
+        """Each example's tokens, from the shards' offsets."""
+        out: list[int] = []
+        for s in range(len(self.manifest["shards"])):
+            offsets = self.shard(s).get_tensor("offsets")
+            out += (offsets[1:] - offsets[:-1]).tolist()
+        return out
+
     def pick_layers(self, aux: Tensor) -> Tensor:
         n, width = aux.shape
         stored = len(self.manifest["layers"])
@@ -338,6 +346,9 @@ class ExampleDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         e = self.examples[i]
         return {"input_ids": torch.tensor(e.input_ids), "loss_mask": torch.tensor(e.loss_mask, dtype=torch.float)}
+
+    def lengths(self) -> list[int]:
+        return [len(e.input_ids) for e in self.examples]
 
     def token_counts(self, vocab_size: int) -> Tensor:
         ids = torch.tensor([t for e in self.examples for t, m in zip(e.input_ids, e.loss_mask, strict=True) if m])

@@ -42,6 +42,7 @@ from draftsmith.serve.models.target import (
 from . import checkpoint
 from .acceptance import acceptance_hook, heldout_prompts
 from .batch import FeatureBatch
+from .checkpoint import OMITTED_AT_DEFAULT
 from .config import RunConfig, TrainConfig
 from .data import data_key
 from .dataset import TrainingData, make_dataset, pad_id
@@ -231,8 +232,7 @@ def make_fingerprint(cfg: RunConfig, target: LoadedTarget, world: int, examples:
                 **{k: getattr(tc, k) for k in ("lr", "betas", "warmup_steps", "min_lr_ratio", "weight_decay")},
                 "loss_on": tc.loss_on,
                 "deepspeed_zero_stage": zero,
-                **({"optimizer": tc.optimizer} if tc.optimizer != "adamw" else {}),  # keys older checkpoints lack
-                **({"schedule": tc.schedule} if tc.schedule != "cosine" else {}),
+                **{k: getattr(tc, k) for k, v in OMITTED_AT_DEFAULT.items() if getattr(tc, k) != v},
             }
         )
     )
@@ -381,7 +381,8 @@ class Loop:
         return self.out / "final"
 
     def loader(self, epoch: int, skip: int) -> DataLoader:
-        batches = self.plan.batches(len(self.dataset), epoch, self.acc.process_index, self.acc.num_processes)
+        lengths = self.dataset.lengths() if self.cfg.train.group_by_length else None
+        batches = self.plan.batches(len(self.dataset), epoch, self.acc.process_index, self.acc.num_processes, lengths)
         return DataLoader(
             self.dataset,
             batch_sampler=batches[skip:],
