@@ -253,7 +253,9 @@ def paired_tau(records: dict[str, list]) -> dict:
     try:
         return shared_paired_tau(records)
     except ValueError as e:
-        raise SystemExit(f"{e} (delete the eval-* folders and rerun with the same eval overrides)") from e
+        stale = "other prompts" in str(e)  # an eval folder left from another run
+        rerun = " (delete the eval-* folders and rerun with the same eval overrides)" if stale else ""
+        raise SystemExit(f"{e}{rerun}") from e
 
 
 def markdown(report: dict) -> str:

@@ -146,10 +146,11 @@ def check_trained_alike(recipes: dict[int, dict]) -> None:
             f"others: delete points/c{old} to retrain it, or pick another out"
         )
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    unset = "unset (its default)"  # a setting a fingerprint leaves out at its default (train/checkpoint.py)
     raise ValueError(
         f"the heads of points {first} and {other} were trained with other settings ({', '.join(keys)}: "
-        f"{ {k: a.get(k) for k in keys} } against { {k: b.get(k) for k in keys} }): their tau would not lie "
-        f"on one curve; delete points/c{other} (or the older points) to retrain it, or pick another out"
+        f"{ {k: a.get(k, unset) for k in keys} } against { {k: b.get(k, unset) for k in keys} }): their tau would "
+        f"not lie on one curve; delete points/c{other} (or the older points) to retrain it, or pick another out"
     )
 
 

@@ -45,9 +45,9 @@ def paired_tau(records: dict[str, list]) -> dict:
         raise ValueError(f"{a} and {b} answered no prompt")
     if idle := [name for name, rs in records.items() if not sum(r.metrics.drafts for r in rs)]:
         raise ValueError(
-            f"{' and '.join(idle)} made no draft, so its τ says nothing of its head (every step was plain: a draft "
-            "policy that judged no draft worth its rows); compare heads verifying their whole draft "
-            "(methods.NAME.verify=fixed)"
+            f"{' and '.join(idle)} made no draft, so τ says nothing of {'it' if len(idle) == 1 else 'them'}: plain "
+            "decoding (spec=ar) drafts nothing, and a draft policy may judge no draft worth its rows; compare "
+            "drafters verifying their whole draft (methods.NAME.verify=fixed)"
         )
     boot = Bootstrap.over(sorted(ids[0]), seed=0)
     paired = boot.enough  # one prompt gives no interval

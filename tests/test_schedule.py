@@ -22,8 +22,8 @@ def padded(batches: list[list[int]], lengths: list[int]) -> int:
     return sum(len(b) * max(lengths[i] for i in b) for b in batches)
 
 
-def plan(n: int, batch_size: int = 4, world: int = 1) -> Schedule:
-    return Schedule.make(n, TrainConfig(epochs=2, batch_size=batch_size), world)
+def plan(n: int, batch_size: int = 4, world: int = 1, grad_accum: int = 1) -> Schedule:
+    return Schedule.make(n, TrainConfig(epochs=2, batch_size=batch_size, grad_accum=grad_accum), world)
 
 
 @pytest.mark.parametrize("n", [1040, 1043])
@@ -32,7 +32,7 @@ def test_grouped_batches_hold_the_random_batches_examples_with_a_fraction_of_the
     shuffled, grouped = s.batches(n, 0, 0, 1), s.batches(n, 0, 0, 1, lengths)
     assert len(grouped) == len(shuffled) == s.steps_per_epoch == n // 4
     assert all(len(b) == 4 for b in grouped)
-    assert sorted(i for b in grouped for i in b) == sorted(i for b in shuffled for i in b)  # the same tail dropped
+    assert sorted(i for b in grouped for i in b) == sorted(i for b in shuffled for i in b)
     real = sum(lengths[i] for b in grouped for i in b)
     assert padded(shuffled, lengths) > 1.3 * real
     assert padded(grouped, lengths) < 1.1 * real
@@ -52,10 +52,14 @@ def test_grouped_batches_are_a_shuffle_fixed_by_seed_and_epoch():
     assert len(groups) > 1  # the data spans several groups, so the shuffle between them is tested
 
 
-def test_grouped_batches_are_dealt_to_processes_without_overlap():
-    n, lengths = 1040, lengths_spread(1040)
-    s = plan(n, world=2)
-    ranks = [s.batches(n, 0, r, 2, lengths) for r in range(2)]
-    assert len(ranks[0]) == len(ranks[1]) == s.steps_per_epoch
+@pytest.mark.parametrize(("n", "world", "grad_accum"), [(1040, 2, 1), (100, 1, 3), (1043, 3, 2)])
+def test_grouped_batches_deal_the_random_orders_examples_to_processes_without_overlap(n, world, grad_accum):
+    """Where batches are left over (the epoch's steps x grad_accum x processes take fewer), the grouped epoch leaves
+    out the examples the random one leaves out."""
+    lengths, s = lengths_spread(n), plan(n, world=world, grad_accum=grad_accum)
+    ranks = [s.batches(n, 0, r, world, lengths) for r in range(world)]
+    assert all(len(batches) == s.steps_per_epoch * grad_accum for batches in ranks)
     seen = [i for batches in ranks for b in batches for i in b]
     assert len(seen) == len(set(seen))
+    shuffled = [i for r in range(world) for b in s.batches(n, 0, r, world) for i in b]
+    assert sorted(seen) == sorted(shuffled)

@@ -43,7 +43,9 @@ class TrainConfig:
     num_workers: int = 0
     seed: int = 0
     loss_on: str = "answers"  # answers: the assistant tokens (the loss mask) | all: every token of the example
-    group_by_length: bool = False  # batches of examples of like length (less padding), as transformers' Trainer
+    # batches of examples of like length (less padding), as transformers' Trainer; each batch's loss still counts
+    # alike, so a short example's tokens weigh more than in shuffled batches
+    group_by_length: bool = False
     features: FeatureConfig = field(default_factory=FeatureConfig)
 
     def __post_init__(self) -> None:  # when the config is built: before the target loads or features are made

@@ -303,10 +303,12 @@ class CachedFeatures(Dataset):
         return item
 
     def lengths(self) -> list[int]:
-        """Each example's tokens, from the shards' offsets."""
+        """Each example's tokens, from the shards' offsets (opened and closed here: a dataset holding open shards
+        could not be sent to DataLoader workers that spawn)."""
         out: list[int] = []
-        for s in range(len(self.manifest["shards"])):
-            offsets = self.shard(s).get_tensor("offsets")
+        for shard in self.manifest["shards"]:
+            with safe_open(str(self.folder / shard["file"]), "pt") as f:
+                offsets = f.get_tensor("offsets")
             out += (offsets[1:] - offsets[:-1]).tolist()
         return out
 

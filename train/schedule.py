@@ -31,12 +31,14 @@ class Schedule:
 
     def batches(self, n: int, epoch: int, rank: int, world: int, lengths: list[int] | None = None) -> list[list[int]]:
         """This process's micro-batches of `epoch`: a seeded permutation cut into batches, dealt round-robin. With
-        `lengths` (train.group_by_length), each run of MEGABATCH batches of the permutation is sorted by length
-        before it is cut, and the batches are then shuffled: the same examples per epoch, less padding per batch."""
+        `lengths` (train.group_by_length), the examples the epoch uses are taken from the permutation as without
+        it, each run of MEGABATCH batches of them is sorted by length before it is cut, and the batches are then
+        shuffled: the same examples per epoch, less padding per batch."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
         order = torch.randperm(n, generator=g).tolist()[: n - n % self.batch_size]
         if lengths is not None:
-            order = grouped_by_length(order, lengths, self.batch_size * MEGABATCH)
+            used = self.steps_per_epoch * self.grad_accum * world * self.batch_size
+            order = grouped_by_length(order[:used], lengths, self.batch_size * MEGABATCH)
         batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
         if lengths is not None:
             batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
