@@ -24,6 +24,7 @@ os.environ["WANDB_MODE"] = "disabled"
 import numpy as np  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 
+from draftsmith.eval.cross_engine import fmt  # noqa: E402
 from draftsmith.eval.stats import RESAMPLES, interval  # noqa: E402
 from draftsmith.serve.shared.cli import typed  # noqa: E402
 from draftsmith.train import trainer  # noqa: E402
@@ -69,14 +70,10 @@ def main() -> None:
 
     pace = {name: real[name].sum() / seconds[name].sum() for name in orders}
     for name in orders:
-        padding, spread = padded[name] / real[name].sum(), fmt(interval(rate(name)), ".0f")
-        print(f"{name:9s} {pace[name]:6.0f} real tokens/s {spread}  padded {padding:.2f}x the real")
-    ratio = pace["grouped"] / pace["shuffled"]
-    print(f"grouped / shuffled: {ratio:.2f}x {fmt(interval(rate('grouped') / rate('shuffled')))} (paired over blocks)")
-
-
-def fmt(iv: list[float] | None, spec: str = ".2f") -> str:
-    return f"[{iv[0]:{spec}}, {iv[1]:{spec}}]" if iv else "[–]"
+        padding = padded[name] / real[name].sum()
+        print(f"{name:9s} {fmt(pace[name], interval(rate(name)), 0)} real tokens/s  padded {padding:.2f}x the real")
+    ratio = fmt(pace["grouped"] / pace["shuffled"], interval(rate("grouped") / rate("shuffled")))
+    print(f"grouped / shuffled: {ratio} (paired over blocks)")
 
 
 if __name__ == "__main__":

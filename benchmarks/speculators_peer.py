@@ -253,9 +253,7 @@ def paired_tau(records: dict[str, list]) -> dict:
     try:
         return shared_paired_tau(records)
     except ValueError as e:
-        stale = "other prompts" in str(e)  # an eval folder left from another run
-        rerun = " (delete the eval-* folders and rerun with the same eval overrides)" if stale else ""
-        raise SystemExit(f"{e}{rerun}") from e
+        raise SystemExit(f"{e} (if the eval-* folders were left by another run, delete them and rerun)") from e
 
 
 def markdown(report: dict) -> str:

@@ -29,9 +29,8 @@ from .features import (
 from .regenerate import Regenerated, answers_path, regenerate
 from .regenerate_backends import describe
 
-TrainingData = (
-    ExampleDataset | CachedFeatures
-)  # what make_dataset returns: token_counts() and lengths() beside the examples
+# what make_dataset returns: token_counts() and lengths() beside the examples
+TrainingData = ExampleDataset | CachedFeatures
 
 
 def training_conversations(cfg: RunConfig, target: LoadedTarget, acc: Accelerator, say) -> tuple[list, Skipped, dict]:

@@ -35,14 +35,11 @@ class Schedule:
         it, each run of MEGABATCH batches of them is sorted by length before it is cut, and the batches are then
         shuffled: the same examples per epoch, less padding per batch."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        order = torch.randperm(n, generator=g).tolist()[: n - n % self.batch_size]
-        if lengths is not None:
-            used = self.steps_per_epoch * self.grad_accum * world * self.batch_size
-            order = grouped_by_length(order[:used], lengths, self.batch_size * MEGABATCH)
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
-        if lengths is not None:
-            batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
-        return batches[rank::world][: self.steps_per_epoch * self.grad_accum]
+        used = self.steps_per_epoch * self.grad_accum * world * self.batch_size  # every process's, whole batches
+        order = torch.randperm(n, generator=g).tolist()[:used]
+        if lengths is None:
+            return cut(order, self.batch_size)[rank::world]
+        return grouped_batches(order, lengths, self.batch_size, g)[rank::world]
 
 
 # batches per group sorted by length: the order stays a shuffle at the scale of the group, and a batch of 4 from a
@@ -50,10 +47,15 @@ class Schedule:
 MEGABATCH = 16
 
 
-def grouped_by_length(order: list[int], lengths: list[int], group: int) -> list[int]:
-    """The order with each run of `group` examples sorted by length, longest first."""
-    runs = (order[i : i + group] for i in range(0, len(order), group))
-    return [i for run in runs for i in sorted(run, key=lambda i: -lengths[i])]
+def cut(order: list[int], size: int) -> list[list[int]]:
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def grouped_batches(order: list[int], lengths: list[int], size: int, g: torch.Generator) -> list[list[int]]:
+    """The order's batches with each run of MEGABATCH batches sorted by length before it is cut, then shuffled."""
+    runs = cut(order, size * MEGABATCH)
+    batches = cut([i for run in runs for i in sorted(run, key=lambda i: -lengths[i])], size)
+    return [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
 
 
 def warmup_decay(tc: TrainConfig, total: int):
