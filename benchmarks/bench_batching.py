@@ -39,6 +39,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=10, help="steps per resampled block")
     p.add_argument("overrides", nargs="*", default=DEFAULT)
     args = p.parse_args()
+    if args.steps < 2 * args.block or args.steps % args.block:
+        p.error(f"--steps {args.steps} must be a multiple of --block {args.block}, two blocks or more")
     with tempfile.TemporaryDirectory() as out, initialize_config_module("draftsmith.conf", version_base=None):
         cfg = compose("train", overrides=[f"out={out}", *args.overrides, "train.eval_every=0", "wandb.enabled=false"])
         loop = trainer.setup(typed(cfg, RunConfig))
@@ -65,13 +67,13 @@ def main() -> None:
     picks = rng.integers(0, blocks, size=(RESAMPLES, blocks))
 
     def rate(name: str) -> np.ndarray:
-        per_block = [x[: blocks * args.block].reshape(blocks, -1).sum(1) for x in (real[name], seconds[name])]
+        per_block = [x.reshape(blocks, -1).sum(1) for x in (real[name], seconds[name])]
         return per_block[0][picks].sum(1) / per_block[1][picks].sum(1)
 
     pace = {name: real[name].sum() / seconds[name].sum() for name in orders}
     for name in orders:
-        padding = padded[name] / real[name].sum()
-        print(f"{name:9s} {fmt(pace[name], interval(rate(name)), 0)} real tokens/s  padded {padding:.2f}x the real")
+        padding, rate_text = padded[name] / real[name].sum(), fmt(pace[name], interval(rate(name)), 0)
+        print(f"{name:9s} {rate_text:>20s} real tokens/s  padded {padding:.2f}x the real")
     ratio = fmt(pace["grouped"] / pace["shuffled"], interval(rate("grouped") / rate("shuffled")))
     print(f"grouped / shuffled: {ratio} (paired over blocks)")
 

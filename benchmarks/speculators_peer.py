@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from draftsmith.eval.paired_tau import method_records
+from draftsmith.eval.paired_tau import OtherPrompts, method_records
 from draftsmith.eval.paired_tau import paired_tau as shared_paired_tau
 from draftsmith.files import write_file_atomic
 
@@ -252,8 +252,10 @@ def paired_tau(records: dict[str, list]) -> dict:
     """draftsmith's and speculators' heads over the same resampled prompts: the ratio is draftsmith / speculators."""
     try:
         return shared_paired_tau(records)
+    except OtherPrompts as e:
+        raise SystemExit(f"{e} (delete the eval-* folders and rerun with the same eval overrides)") from e
     except ValueError as e:
-        raise SystemExit(f"{e} (if the eval-* folders were left by another run, delete them and rerun)") from e
+        raise SystemExit(str(e)) from e
 
 
 def markdown(report: dict) -> str:

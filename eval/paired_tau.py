@@ -31,13 +31,17 @@ def method_records(folder: Path, names: tuple[str, str]) -> dict[str, list]:
     return {name: [r for r in records if r.method == name] for name in names}
 
 
+class OtherPrompts(ValueError):
+    """The two methods answered different prompts: nothing pairs them (an eval folder left by another run)."""
+
+
 def paired_tau(records: dict[str, list]) -> dict:
     """τ (point and interval) and acceptance by position of each of the two methods in `records`, and the ratio of
     the first one's τ to the second's with its paired interval."""
     (a, ra), (b, rb) = records.items()
     ids = {r.id for r in ra}, {r.id for r in rb}
     if ids[0] != ids[1]:
-        raise ValueError(
+        raise OtherPrompts(
             f"{a} and {b} ran other prompts ({len(ids[0] ^ ids[1])} not shared): the ratio pairs each prompt's "
             "turns, so evaluate both in one run over the same prompts"
         )
