@@ -372,7 +372,8 @@ def test_the_startup_heap_leaves_the_collectors_sweeps():
 
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 10_000  # torch and the test session's modules at least
+        # torch and the test session's modules at least; a thread an earlier test left may freeze a few more since
+        assert gc.get_freeze_count() >= frozen > 10_000
         assert len(gc.get_objects()) < frozen / 10  # what the collector still tracks
     finally:
         gc.unfreeze()
