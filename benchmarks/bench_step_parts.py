@@ -42,7 +42,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from draftsmith.cpu_kernels import decoder_layer, decoder_stack, native, packed, panel_codes, panels  # noqa: E402
+from draftsmith.cpu_kernels import decoder_layer, decoder_stack, eagle3_draft, native, packed, panel_codes, panels  # noqa: E402
 from draftsmith.cpu_kernels.packed import can_pack  # noqa: E402
 from draftsmith.heads.drafter_folder import read_meta  # noqa: E402
 from draftsmith.runtime import llama  # noqa: E402
@@ -277,37 +277,44 @@ def fp32_peak_gflops(rounds: int) -> float:
     return 2 * 1024**3 / best / 1e9
 
 
-MODULES = "draft (layer module by module)"  # as before cpu_kernels/decoder_layer.py's one call took EAGLE-3's midlayer
-ONE_CALL_LAYER_OFF = [(decoder_layer, "step_plan", lambda *args: None)]
+# the one-call draft (cpu_kernels/eagle3_draft.py) beside the head's kernels called one by one from its modules, and
+# beside its layer run module by module too (as before cpu_kernels/decoder_layer.py's one call took EAGLE-3's midlayer)
+KERNELS, MODULES = "draft (kernels one by one)", "draft (layer module by module)"
+DRAFT_VARIANTS = {
+    "draft": [],
+    KERNELS: [(eagle3_draft, "plan", lambda *args: None)],
+    MODULES: [(eagle3_draft, "plan", lambda *args: None), (decoder_layer, "step_plan", lambda *args: None)],
+}
 
 
 def drafter_section(folder: str, context: int, rounds: int, gbs: float) -> None:
     """The drafter's one-level draft step after each target decode step, interleaved, min and median over steps."""
     target = load_target(TargetConfig(dtype="float32"))
     spec = SpecConfig(name=read_meta(Path(folder))["kind"], drafter=folder)
-    engine = build_engine(target, spec, prefix_cache=False, max_seq_len=context + 64 * (rounds + 1) + 64)
+    engine = build_engine(target, spec, prefix_cache=False, max_seq_len=context + 96 * (rounds + 1) + 64)
     proposer = engine.proposer
     assert proposer is not None, "a drafter spec builds a proposer"
-    tokens = torch.zeros(context + 64 * (rounds + 1) + 1, dtype=torch.long)
+    tokens = torch.zeros(context + 96 * (rounds + 1) + 1, dtype=torch.long)
     tokens[:context] = torch.randint(0, 1000, (context,), generator=torch.Generator().manual_seed(0))
     sp, empty = SamplingParams(temperature=0.0), DraftTree.empty()
-    times: dict[str, list[float]] = {"target": [], "draft": [], MODULES: []}
+    times: dict[str, list[float]] = {"target": [], **{name: [] for name in DRAFT_VARIANTS}}
     with torch.inference_mode():
         n = engine.prefill(tokens, context, sp, None, Metrics())
-        for step in range(64 * (rounds + 1)):  # the first 64 warm up
+        for step in range(3 * 32 * (rounds + 1)):  # the first 96 warm up
             begin = time.perf_counter()
             out = engine.forward(tokens[n - 1 : n], torch.arange(n - 1, n), n - 1, None)
             tokens[n] = out.logits[-1].argmax()
             middle = time.perf_counter()
-            # every other step the drafter's layer runs module by module (the same bits: the engine's state holds)
-            with patched(ONE_CALL_LAYER_OFF if step % 2 else []):
+            # the variants take turns step by step (the same bits: the engine's state holds)
+            variant = list(DRAFT_VARIANTS)[step % len(DRAFT_VARIANTS)]
+            with patched(DRAFT_VARIANTS[variant]):
                 proposer.accept(tokens[: n + 1], empty, [], out)  # a plain step's token, then a draft of one level
                 proposer.propose(tokens[: n + 1], sp, 1)
             end = time.perf_counter()
             n += 1
-            if step >= 64:
+            if step >= 96:
                 times["target"].append(middle - begin)
-                times[MODULES if step % 2 else "draft"].append(end - middle)
+                times[variant].append(end - middle)
     mb, macs = draft_weights(proposer.head) if hasattr(proposer, "head") else (0.0, 0.0)
     bytes_s, flops_s = mb / gbs / 1e3, 2 * macs / fp32_peak_gflops(rounds) / 1e9
     limit, least = max(bytes_s, flops_s), {name: sorted(ts) for name, ts in times.items()}

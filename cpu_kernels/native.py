@@ -40,7 +40,15 @@ from draftsmith.files import cache_root, write_file_atomic, write_text_atomic
 ENV = "DRAFTSMITH_KERNELS"
 SOURCES = tuple(
     Path(__file__).with_name(f"{name}.cpp")
-    for name in ("panels", "panel_codes", "rope_attention", "layer_ops", "decoder_layer", "decoder_stack")
+    for name in (
+        "panels",
+        "panel_codes",
+        "rope_attention",
+        "layer_ops",
+        "decoder_layer",
+        "decoder_stack",
+        "eagle3_draft",
+    )
 )
 HEADERS = tuple(
     Path(__file__).with_name(name)
@@ -58,6 +66,8 @@ EXPORTS = (
     "eagle3_layer_work",
     "stack_work",
     "decoder_stack",
+    "eagle3_draft",
+    "eagle3_draft_work",
 )
 # -ffp-contract=off: g++ would fuse a scalar a * b + c into an FMA on one code path and not another, and a row's
 # bits would then depend on the path (masked or causal) that computed it

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftsmith.cpu_kernels import decoder_layer
+from draftsmith.cpu_kernels import decoder_layer, eagle3_draft
 from draftsmith.runtime.kv_cache import KVCache
 from draftsmith.runtime.llama import MLP, Attention, ModelConfig, RMSNorm, Transformer
 
@@ -114,6 +114,22 @@ class Eagle3Head(DraftVocabHead):
     @property
     def copies_target_rows(self) -> bool:
         return self.config.init == "target"
+
+    def draft_plan(self) -> eagle3_draft.DraftPlan | None:
+        """The plan of the draft forward in one call (cpu_kernels/eagle3_draft.py), which computes target_features,
+        forward and logits as this class does, without the options that change them; None where it does not run."""
+        c, cls = self.config, type(self)
+        methods = (cls.target_features, cls.forward, cls.fed_back, cls.logits, type(self.midlayer).forward)
+        ours = (
+            Eagle3Head.target_features,
+            Eagle3Head.forward,
+            Eagle3Head.fed_back,
+            Eagle3Head.logits,
+            Eagle3Layer.forward,
+        )
+        if c.norm_before_fc or c.norm_output or c.norm_before_residual or methods != ours:
+            return None
+        return eagle3_draft.plan(self)
 
     def target_features(self, hidden: Tensor | None, aux: Tensor | None) -> Tensor:
         """The fused feature: fc over the target's layer inputs [.., k*H] (in target_layers order)."""

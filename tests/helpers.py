@@ -626,13 +626,14 @@ def four_steps(model, cache=None, taps: tuple[int, ...] = ()) -> tuple[list, obj
 
 
 # each one-call road's gate, and what it answers when switched off
-GATES = {"decoder_stack": ("steps", False), "decoder_layer": ("step_plan", None)}
+GATES = {"decoder_stack": ("steps", False), "decoder_layer": ("step_plan", None), "eagle3_draft": ("plan", None)}
 
 
 @contextlib.contextmanager
 def without(*roads) -> Iterator[None]:
     """The given one-call roads switched off: cpu_kernels/decoder_stack.py (a target's step then runs module by module,
-    on the kernels each module takes) and cpu_kernels/decoder_layer.py (each layer's modules one by one)."""
+    on the kernels each module takes), cpu_kernels/decoder_layer.py (each layer's modules one by one) and
+    cpu_kernels/eagle3_draft.py (an EAGLE-3 head's draft forward module by module)."""
     with contextlib.ExitStack() as stack:
         for road in roads:
             gate, answer = GATES[road.__name__.rsplit(".", 1)[-1]]

@@ -23,6 +23,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from draftsmith.cpu_kernels import eagle3_draft
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.runtime.kv_cache import FeatureStore, KVCache, SlotCache
@@ -64,6 +65,8 @@ class EagleProposer(Proposer):
         self.unstored: list[tuple[int, Tensor, list[Tensor]]] = []
         self.feature: Tensor | None = None  # [H] the head's prediction for the pending token's feature
         self.logits: Tensor | None = None  # [1, vocab] its logits: the root's children
+        self.sees = torch.ones(0, dtype=torch.bool)  # per slot: whether the head reads it (prefill sets it)
+        self.roots = torch.full((self.tree.width,), -1, device=head.fc.weight.device)  # a first level's parents (read)
 
     @property
     def slot_caches(self) -> list[SlotCache]:
@@ -77,6 +80,7 @@ class EagleProposer(Proposer):
         self.cache = KVCache.allocate(1, c.num_key_value_heads, c.head_dim, room, w.dtype, w.device)
         self.store = FeatureStore.allocate(room, c.hidden_size, w.dtype, w.device)
         self.filled = FeatureStore.allocate(room, 1, torch.bool, w.device)
+        self.sees = torch.ones(room, dtype=torch.bool, device=w.device)  # the slots a new one sees, up to itself
         if self.head.cos.shape[0] < room:  # drafts reach a few positions past the last verified one
             self.head.rope_cache(room)
 
@@ -88,6 +92,7 @@ class EagleProposer(Proposer):
         assert self.filled is not None, "reserve() comes first"
         self.filled.features[start:] = False  # what an earlier request left past the restored slots is not this one's
         self.first = max(1, prompt - self.window) if self.window else 1
+        self.sees[: self.first], self.sees[self.first :] = False, True
         self.cached, self.known = self.first_unfilled(self.first, max(start, self.first)), tokens.numel()
         if not self.benched:  # benched: the features are kept, the slots stay unfilled for a later draft to run
             self.extend(tokens)
@@ -121,13 +126,55 @@ class EagleProposer(Proposer):
         s, n = self.cached, tokens.numel()
         assert self.store is not None, "reserve() comes first"
         feats = self.store.features[s - 1 : n - 1]
-        mask = torch.ones(n - s, n, dtype=torch.bool, device=tokens.device).tril(s)
-        mask[:, : self.first] = False  # slot 0, and the prompt before the window
+        mask = self.slot_mask(s, n)
         h = self.head(feats[None], tokens[None, s:n], torch.arange(s, n, device=tokens.device), self.cache, s, mask)
-        self.feature, self.logits = h[0, -1], self.head.logits(h[0, -1:]).float()
+        self.filled_up_to(n, h[0, -1], self.head.logits(h[0, -1:]).float())
+
+    def slot_mask(self, s: int, n: int) -> Tensor:
+        """What slots s .. n-1 see: the slots before each and itself, from the first this request's head reads (slot 0,
+        and the prompt before the window, are left out)."""
+        if n - s == 1:
+            return self.sees[None, :n]
+        mask = torch.ones(n - s, n, dtype=torch.bool, device=self.sees.device).tril(s)
+        mask[:, : self.first] = False
+        return mask
+
+    def filled_up_to(self, n: int, feature: Tensor, logits: Tensor) -> None:
+        """Slots [cached, n) hold real pairs now; the last one's output and logits are the next draft's first level."""
         assert self.filled is not None, "reserve() comes first"
-        self.filled.features[s:n] = True
-        self.cached = n
+        self.filled.features[self.cached : n] = True
+        self.feature, self.logits, self.cached = feature, logits, n
+
+    def take_in(self, tokens: Tensor) -> None:
+        """The kept target outputs made features and the new slots run: in one call where the head takes it
+        (cpu_kernels/eagle3_draft.py, the same bits), else module by module."""
+        made = self.head.draft_plan() if isinstance(self.head, Eagle3Head) and self.cached < tokens.numel() else None
+        if made is None or not all(aux for _, _, aux in self.unstored):  # no taps: target_features names the problem
+            if self.unstored:
+                self.store_unstored()
+            if self.cached < tokens.numel():
+                self.extend(tokens)
+            return
+        assert self.store is not None and self.cache is not None, "reserve() comes first"
+        s, n, store = self.cached, tokens.numel(), self.store.features
+        first = self.unstored[0][0] if self.unstored else s - 1
+        taps = self.kept_taps()
+        rope, caches = (self.head.cos[s:n], self.head.sin[s:n]), (self.cache.k[0], self.cache.v[0])
+        projected, features = store[first : first + taps[0].numel() // store.shape[1]], store[s - 1 : n - 1]
+        out, logits = eagle3_draft.run(
+            made, taps, projected, tokens[s:n], features, rope, caches, s, self.slot_mask(s, n)
+        )
+        self.unstored = []
+        self.filled_up_to(n, out[-1], logits[None])
+
+    def kept_taps(self) -> list[Tensor]:
+        """Each tapped target layer's rows kept since the last draft, one run of tokens (none kept: no rows), as the
+        kernel reads them: contiguous fp32 (as target_features casts them for fc)."""
+        assert self.store is not None, "reserve() comes first"
+        if not self.unstored:
+            return [self.store.features[:0]] * len(self.target_layers)
+        taps = self.unstored[0][2] if len(self.unstored) == 1 else base.joined([(h, a) for _, h, a in self.unstored])[1]
+        return [t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous() for t in taps]
 
     def propose(self, tokens: Tensor, sp: SamplingParams, budget: int) -> DraftTree:
         """Level d's nodes sit at position n-1+d; the nodes expanded at level d take slots n+(d-1)*topk onwards
@@ -136,14 +183,14 @@ class EagleProposer(Proposer):
         n, k, dev, depth = tokens.numel(), self.tree.width, tokens.device, min(self.depth, budget)
         if n != self.known:
             raise RuntimeError(f"the drafter holds {self.known} tokens, the engine passed {n}")
-        if self.unstored:
-            self.store_unstored()
-        if self.cached < n:
-            self.extend(tokens)
+        if self.unstored or self.cached < n:
+            self.take_in(tokens)
+        assert self.feature is not None and self.logits is not None, "a draft follows prefill()"
+        if depth == 1:
+            return self.first_level(sp)
         sampled = k == 1 and not sp.greedy
         visible = torch.zeros(1, n + (depth - 1) * k, dtype=torch.bool, device=dev)
         visible[:, self.first : n] = True
-        assert self.feature is not None and self.logits is not None, "a draft follows prefill()"
         feats, logits, scores = self.feature[None], self.logits, torch.zeros(1, device=dev)
         frontier = torch.full((1,), -1, device=dev)  # node index of each expanded row (-1: the root)
         toks: list[Tensor] = []
@@ -170,6 +217,15 @@ class EagleProposer(Proposer):
         tree = DraftTree(torch.cat(toks), torch.cat(parents), draft_probs, torch.cat(own).exp())
         return rerank(tree, torch.cat(cum), self.max_tree_size)
 
+    def first_level(self, sp: SamplingParams) -> DraftTree:
+        """A draft of one level, the root's children, from the logits the last slot gave (what propose's levels
+        make of it, without their bookkeeping)."""
+        assert self.logits is not None, "a draft follows prefill()"
+        logp, ids, p = self.children(self.logits, sp, self.tree.width == 1 and not sp.greedy)
+        draft_probs = None if p is None else self.to_target_probs(p)
+        tree = DraftTree(self.to_target(ids).flatten(), self.roots[: ids.numel()], draft_probs, logp.flatten().exp())
+        return rerank(tree, logp.flatten(), self.max_tree_size)
+
     def run_level(self, feats: Tensor, toks: Tensor, visible: Tensor, n: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
         """Run level d's expanded nodes (parent features, own tokens) through the head. visible: per node, the
         slots its parent saw; each node adds its own. Returns their predicted features, logits and visibility."""
@@ -191,7 +247,8 @@ class EagleProposer(Proposer):
         return top.values, top.indices, None
 
     def to_target(self, ids: Tensor) -> Tensor:
-        return ids if self.vocab_ids is None else self.vocab_ids[ids]
+        # index_select, not indexing: the same ids for a fraction of advanced indexing's dispatch
+        return ids if self.vocab_ids is None else self.vocab_ids.index_select(0, ids.flatten()).view(ids.shape)
 
     def to_target_probs(self, p: Tensor) -> Tensor:
         return widen(p, self.vocab_ids, self.head.config.vocab_size)
