@@ -4,6 +4,8 @@ modules where a head's options are not the call's; bad operands refused by name.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -35,9 +37,10 @@ def packed_head(target, **options):
     return head
 
 
-def decode(target, head, steps: int = 14) -> list[torch.Tensor]:
+def decode(target, head, steps: int = 14, around=contextlib.nullcontext, ids=torch.long) -> list[torch.Tensor]:
     """A prompt, then target steps one token at a time; after most the head drafts (one level, or three levels of a
-    two-wide tree), after every third it sits out, so the next draft takes in two steps' outputs. Every draft's
+    two-wide tree), after every third it sits out, so the next draft takes in two steps' outputs (each draft within
+    `around()`, the token ids in `ids`). Every draft's
     tokens, parents and accept probabilities, the head's last feature and logits, and its cache at the end."""
     proposer = EagleProposer(head, "eagle3", 3, TreeConfig(2, 6))
     engine = Engine(target, proposer, max_seq_len=64)
@@ -50,7 +53,8 @@ def decode(target, head, steps: int = 14) -> list[torch.Tensor]:
             proposer.accept(tokens[: n + 1], DraftTree.empty(), [], out)
             n += 1
             if step % 3 != 2:
-                tree = proposer.propose(tokens[:n], GREEDY, 1 if step % 2 else 3)
+                with around():
+                    tree = proposer.propose(tokens[:n].to(ids), GREEDY, 1 if step % 2 else 3)
                 seen += [tree.tokens, tree.parents, tree.accept_probs, proposer.feature, proposer.logits]
     assert proposer.cache is not None
     return [*seen, proposer.cache.k[0].clone(), proposer.cache.v[0].clone()]
@@ -72,6 +76,21 @@ def test_the_one_call_draft_gives_the_modules_bits(target):
     with without(eagle3_draft):
         modules = decode(target, head)
     assert same(one_call, modules)
+
+
+@pytest.mark.parametrize("around", [torch.enable_grad, native.switched_off], ids=["grad", "kernels-off"])
+def test_where_the_modules_keep_torchs_ops_the_draft_does_too(target, around):
+    head = packed_head(target)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(eagle3_draft, "run", lambda *args: pytest.fail("the one call ran"))
+        got = decode(target, head, steps=6, around=around)
+    with without(eagle3_draft):
+        assert same(got, decode(target, head, steps=6, around=around))
+
+
+def test_int32_token_ids_draft_as_int64_ones_do(target):
+    head = packed_head(target)
+    assert same(decode(target, head, steps=6, ids=torch.int32), decode(target, head, steps=6))
 
 
 def test_an_edited_head_weight_is_planned_anew(target):

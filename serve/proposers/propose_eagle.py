@@ -23,7 +23,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from draftsmith.cpu_kernels import eagle3_draft
+from draftsmith.cpu_kernels import eagle3_draft, native
 from draftsmith.heads.eagle import EagleHead
 from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.runtime.kv_cache import FeatureStore, KVCache, SlotCache
@@ -66,7 +66,6 @@ class EagleProposer(Proposer):
         self.feature: Tensor | None = None  # [H] the head's prediction for the pending token's feature
         self.logits: Tensor | None = None  # [1, vocab] its logits: the root's children
         self.sees = torch.ones(0, dtype=torch.bool)  # per slot: whether the head reads it (prefill sets it)
-        self.roots = torch.full((self.tree.width,), -1, device=head.fc.weight.device)  # a first level's parents (read)
 
     @property
     def slot_caches(self) -> list[SlotCache]:
@@ -148,22 +147,25 @@ class EagleProposer(Proposer):
     def take_in(self, tokens: Tensor) -> None:
         """The kept target outputs made features and the new slots run: in one call where the head takes it
         (cpu_kernels/eagle3_draft.py, the same bits), else module by module."""
-        made = self.head.draft_plan() if isinstance(self.head, Eagle3Head) and self.cached < tokens.numel() else None
+        assert self.store is not None and self.cache is not None, "reserve() comes first"
+        # native.handles: no grad, autocast or compile, kernels not switched off (else the modules keep torch's ops)
+        one_call = (
+            isinstance(self.head, Eagle3Head) and self.cached < tokens.numel() and native.handles(self.store.features)
+        )
+        made = self.head.draft_plan() if one_call else None
         if made is None or not all(aux for _, _, aux in self.unstored):  # no taps: target_features names the problem
             if self.unstored:
                 self.store_unstored()
             if self.cached < tokens.numel():
                 self.extend(tokens)
             return
-        assert self.store is not None and self.cache is not None, "reserve() comes first"
         s, n, store = self.cached, tokens.numel(), self.store.features
         first = self.unstored[0][0] if self.unstored else s - 1
         taps = self.kept_taps()
         rope, caches = (self.head.cos[s:n], self.head.sin[s:n]), (self.cache.k[0], self.cache.v[0])
         projected, features = store[first : first + taps[0].numel() // store.shape[1]], store[s - 1 : n - 1]
-        out, logits = eagle3_draft.run(
-            made, taps, projected, tokens[s:n], features, rope, caches, s, self.slot_mask(s, n)
-        )
+        ids = tokens[s:n] if tokens.dtype == torch.long and tokens.is_contiguous() else tokens[s:n].long().contiguous()
+        out, logits = eagle3_draft.run(made, taps, projected, ids, features, rope, caches, s, self.slot_mask(s, n))
         self.unstored = []
         self.filled_up_to(n, out[-1], logits[None])
 
@@ -223,7 +225,8 @@ class EagleProposer(Proposer):
         assert self.logits is not None, "a draft follows prefill()"
         logp, ids, p = self.children(self.logits, sp, self.tree.width == 1 and not sp.greedy)
         draft_probs = None if p is None else self.to_target_probs(p)
-        tree = DraftTree(self.to_target(ids).flatten(), self.roots[: ids.numel()], draft_probs, logp.flatten().exp())
+        roots = torch.full((ids.numel(),), -1, device=ids.device)
+        tree = DraftTree(self.to_target(ids).flatten(), roots, draft_probs, logp.flatten().exp())
         return rerank(tree, logp.flatten(), self.max_tree_size)
 
     def run_level(self, feats: Tensor, toks: Tensor, visible: Tensor, n: int, d: int) -> tuple[Tensor, Tensor, Tensor]:
