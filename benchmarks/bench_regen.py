@@ -7,6 +7,7 @@ machine.
 
     python benchmarks/bench_regen.py --conversations 64 --max-new-tokens 128
     python benchmarks/bench_regen.py --conversations 96 --max-new-tokens 256 --temperature 0.7 --top-p 0.8
+    python benchmarks/bench_regen.py --backends vllm:whole-sort,vllm --temperature 0.7 --top-p 0.8  # the worker's top-p
 """
 
 from __future__ import annotations
@@ -31,16 +32,19 @@ from draftsmith.train.turns import prepare  # noqa: E402
 
 
 def run_backend(name: str, target, convs, args, out: Path) -> dict:
+    """name: a backend, or vllm:whole-sort (vLLM's own top-p, which sorts each row's vocabulary; the worker's)."""
+    backend, _, variant = name.partition(":")
+    os.environ["DRAFTSMITH_VLLM_WHOLE_SORT"] = "1" if variant == "whole-sort" else "0"
     cfg = RegenerateConfig(
         max_new_tokens=args.max_new_tokens,
-        backend=name,
+        backend=backend,
         batch_size=args.batch_size,
         temperature=args.temperature,
         top_p=args.top_p,
     )
     limit = min(args.max_length, target.model.config.max_position_embeddings - TREE_ROOM)
     todo = prepare(convs, target.tokenizer, limit, Skipped())
-    path = out / f"{name}.jsonl"
+    path = out / f"{name.replace(':', '-')}.jsonl"
     path.unlink(missing_ok=True)
     began = time.perf_counter()
     done = generate_into(path, todo, target, cfg, limit, show=True)
@@ -80,7 +84,7 @@ def main() -> None:
     print(f"{'backend':<36} {'convs':>6} {'tokens':>8} {'gen s':>8} {'total s':>8} {'tok/s':>8}")
     for r in rows:
         g = r["generator"]
-        label = f"{g['engine']} {g['version']} {g['dtype']}"
+        label = f"{g['engine']} {g['version']} {g['dtype']}" + (" whole sort" if r["backend"].endswith("sort") else "")
         print(
             f"{label:<36} {r['conversations']:>6} {r['tokens']:>8} {r['generate_s']:>8.1f} {r['total_s']:>8.1f} "
             f"{r['tok_s']:>8.1f}"

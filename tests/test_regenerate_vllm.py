@@ -5,6 +5,7 @@ fidelity check counts agreement. Without vLLM the module is skipped, except wher
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from hydra import compose, initialize_config_module
 from draftsmith.serve.models.target import TargetConfig, load_target
 from draftsmith.serve.shared.cli import typed
 from draftsmith.serve.shared.conversations import Conversation, Skipped
-from draftsmith.train import regenerate_backends
+from draftsmith.train import regenerate_backends, regenerate_vllm
 from draftsmith.train.data import RegenerateConfig
 from draftsmith.train.regenerate import RegenerateRun, regenerate, run
 from draftsmith.train.regenerate_vllm import VllmUnavailable, find_vllm_python
@@ -105,3 +106,43 @@ def test_sampled_answers_survive_a_chunked_prefill(target_dir, tmp_path):
     greedy = regenerate(LONG, target, cfg("vllm"), tmp_path / "g.jsonl", 256, Skipped())
     assert [c.generator["temperature"] for c in first] == [0.9] * 4
     assert [c.messages for c in first] != [c.messages for c in greedy]
+
+
+NUCLEUS_CHECK = """
+import sys, runpy, torch
+from vllm.v1.sample.ops import topk_topp_sampler as sampler
+whole_sort = sampler.apply_top_k_top_p
+runpy.run_path(sys.argv[1])["nucleus_among_candidates"]()
+gen = torch.Generator().manual_seed(0)
+peaked = torch.randn(24, 49152, generator=gen) * 8  # nuclei of a few tokens, far from p's edge: among the candidates
+flat = torch.randn(8, 49152, generator=gen) * 0.01  # nuclei of ~40k tokens: past the candidates, vLLM's sort
+logits, p = torch.cat([peaked, flat])[torch.randperm(32, generator=gen)], torch.full((32,), 0.8)
+ours, theirs = sampler.apply_top_k_top_p(logits.clone(), None, p), whole_sort(logits.clone(), None, p)
+sizes = ours.isfinite().sum(1)
+assert torch.equal(ours.isfinite(), theirs.isfinite()), "another nucleus"
+assert torch.equal(ours[ours.isfinite()], logits[ours.isfinite()])
+assert sizes.min() >= 1 and sizes.max() > 1024, sizes
+print(sorted(sizes.tolist()))
+"""
+
+
+def test_the_workers_top_p_keeps_vllms_nucleus(tmp_path):
+    """The worker's top-p (a row's top tokens, not its whole vocabulary sorted) keeps the tokens vLLM's keeps: rows
+    whose nucleus lies among the candidates, and rows whose nucleus reaches past them (those go to vLLM's sort)."""
+    script = tmp_path / "nucleus.py"
+    script.write_text(NUCLEUS_CHECK)
+    command = [VLLM, str(script), str(regenerate_vllm.WORKER)]
+    done = subprocess.run(command, capture_output=True, text=True, env=regenerate_vllm.worker_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    sizes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(sizes) == 32 and sizes[0] < 10 and sizes[-1] > 1024
+
+
+def test_top_p_answers_are_written_through_the_workers_nucleus(target_dir, tmp_path):
+    target = load_target(TargetConfig(path=str(target_dir), dtype="float32"))
+    nucleus = RegenerateConfig(
+        max_new_tokens=NEW, backend="vllm", dtype="float32", engine_args=EAGER, temperature=0.7, top_p=0.8
+    )
+    rows = regenerate(CONVS, target, nucleus, tmp_path / "p.jsonl", 256, Skipped())
+    assert [(c.generator["temperature"], c.generator["top_p"]) for c in rows] == [(0.7, 0.8)] * 3
+    assert all(m["content"] for c in rows for m in c.messages if m["role"] == "assistant")

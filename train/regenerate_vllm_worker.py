@@ -7,6 +7,11 @@ standard library only, never draftsmith.
     python regenerate_vllm_worker.py JOB.json
     # JOB: {"model", "dtype", "max_model_len", "kv_cache_bytes", "engine_args", "seeded"}
 
+Top-p on a CPU: vLLM sorts every row's whole vocabulary at each step; the worker keeps the top NUCLEUS_CANDIDATES
+tokens of a row instead wherever they hold the nucleus, and runs vLLM's engine in its own process so that its sampler
+takes that. The same tokens are kept, so the seeded draws are the same, but for the rounding of the masses' sums at
+the nucleus's edge. DRAFTSMITH_VLLM_WHOLE_SORT=1 keeps vLLM's own (benchmarks/bench_regen.py compares them).
+
 Its first stdout line says it is ready (vLLM's version, the load time; one token generated); then each stdin line
 is a batch {"prompts": [[ids]], "max_tokens": [n], "seeds": [s], "temperature", "top_p", "stop_token_ids"} and
 each stdout line the reply {"outputs": [[ids]], "finish_reasons": ["stop" | "length"], "seconds"}. vLLM's own
@@ -20,9 +25,18 @@ import os
 import sys
 import time
 
+# a row's top tokens top-p picks among (the rest of its vocabulary is sorted only where they fall short)
+NUCLEUS_CANDIDATES = 1024
+
 
 def make_llm(job: dict):
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # every core for the engine on a CPU
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and os.environ.get("DRAFTSMITH_VLLM_WHOLE_SORT") != "1":
+        # the engine in this process, where its sampler is patched (a spawned engine process imports vLLM afresh)
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        nucleus_among_candidates()
     from vllm import LLM
 
     return LLM(
@@ -34,6 +48,33 @@ def make_llm(job: dict):
         generation_config="vllm",  # the sampling asked for, not defaults from the model's generation_config.json
         **engine_args(job),
     )
+
+
+def nucleus_among_candidates() -> None:
+    """vLLM's top-p on a CPU sorts each row's whole vocabulary at every step: for a 49k vocabulary and a few hundred
+    rows in flight, several times the model's own forward. A token is in the nucleus where the mass of the tokens
+    above it is under p, so a row whose top NUCLEUS_CANDIDATES tokens hold mass p has its nucleus among them, and is
+    masked from a topk; a row whose nucleus reaches past them goes to vLLM's sort."""
+    import torch
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    whole_sort = topk_topp_sampler.apply_top_k_top_p
+
+    def apply(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+        if p is None or k is not None or logits.shape[-1] <= NUCLEUS_CANDIDATES:
+            return whole_sort(logits, k, p)
+        top = logits.softmax(dim=-1).topk(NUCLEUS_CANDIDATES, dim=-1)  # descending
+        above = top.values.cumsum(dim=-1) - top.values
+        keep = above < p.to(above.dtype).unsqueeze(1)
+        keep[:, 0] = True  # the top token always
+        kept = logits.gather(1, top.indices).masked_fill(~keep, float("-inf"))
+        masked = torch.full_like(logits, float("-inf")).scatter_(1, top.indices, kept)
+        short = keep[:, -1].nonzero().squeeze(1)  # every candidate kept: the nucleus may reach past them
+        if short.numel():
+            masked[short] = whole_sort(logits[short], None, p[short])
+        return masked
+
+    topk_topp_sampler.apply_top_k_top_p = apply
 
 
 def engine_args(job: dict) -> dict:
