@@ -149,10 +149,8 @@ class EagleProposer(Proposer):
         (cpu_kernels/eagle3_draft.py, the same bits), else module by module."""
         assert self.store is not None and self.cache is not None, "reserve() comes first"
         # native.handles: no grad, autocast or compile, kernels not switched off (else the modules keep torch's ops)
-        one_call = (
-            isinstance(self.head, Eagle3Head) and self.cached < tokens.numel() and native.handles(self.store.features)
-        )
-        made = self.head.draft_plan() if one_call else None
+        fits = self.cached < tokens.numel() and native.handles(self.store.features)
+        made = self.head.draft_plan() if isinstance(self.head, Eagle3Head) and fits else None
         if made is None or not all(aux for _, _, aux in self.unstored):  # no taps: target_features names the problem
             if self.unstored:
                 self.store_unstored()
