@@ -570,6 +570,8 @@ def test_the_fidelity_check_asks_the_vllm_that_regenerated_where_it_can(
     log.touch()
     python = fake_vllm_python(tmp_path, COUNTING_VLLM.format(log=str(log)))
     (tmp_path / "fake" / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {}\n")
+    platform = "class Platform:\n    def is_cpu(self):\n        return False\n\n\ncurrent_platform = Platform()\n"
+    (tmp_path / "fake" / "vllm" / "platforms.py").write_text(platform)  # not a CPU: vLLM's own top-p
     c = cfg(backend="vllm", vllm_python=python, dtype=dtype, fidelity=3, fidelity_tokens=fidelity_tokens)
     lines = []
     regenerate(CONVS, target, c, tmp_path / "a.jsonl", max_length, Skipped(), say=lines.append)
