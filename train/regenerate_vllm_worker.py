@@ -9,8 +9,11 @@ standard library only, never draftsmith.
 
 Top-p on a CPU: vLLM sorts every row's whole vocabulary at each step; the worker keeps the top NUCLEUS_CANDIDATES
 tokens of a row instead wherever they hold the nucleus, and runs vLLM's engine in its own process so that its sampler
-takes that. The same tokens are kept, so the seeded draws are the same, but for the rounding of the masses' sums at
-the nucleus's edge. DRAFTSMITH_VLLM_WHOLE_SORT=1 keeps vLLM's own (benchmarks/bench_regen.py compares them).
+takes that (where VLLM_ENABLE_V1_MULTIPROCESSING is set to 1 the engine's process keeps vLLM's own). It keeps vLLM's
+tokens except at the nucleus's edge: where tokens tie there (a bf16 target's logits often do) the two keep different
+ones of the tied, equally likely tokens, and where the edge falls within the rounding of the masses' sums they may
+keep one token more or less; a seeded draw can then differ. DRAFTSMITH_VLLM_WHOLE_SORT=1 keeps vLLM's own
+(benchmarks/bench_regen.py compares them).
 
 Its first stdout line says it is ready (vLLM's version, the load time; one token generated); then each stdin line
 is a batch {"prompts": [[ids]], "max_tokens": [n], "seeds": [s], "temperature", "top_p", "stop_token_ids"} and
