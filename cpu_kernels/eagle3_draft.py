@@ -73,21 +73,10 @@ class DraftPlan:
 
 
 PLANS: weakref.WeakKeyDictionary[Any, DraftPlan] = weakref.WeakKeyDictionary()
+# what a plan reads of a head beside its midlayer's plan: fc and lm_head (packed copies too), the norm, the embedding
 READS = (
-    "fc",
-    "fc.weight",
-    "fc.bias",
-    "fc.packed",
-    "lm_head",
-    "lm_head.weight",
-    "lm_head.bias",
-    "lm_head.packed",
-    "norm",
-    "norm.weight",
-    "norm.eps",
-    "embed_tokens",
-    "embed_tokens.weight",
-    "midlayer",
+    *(f"{linear}{part}" for linear in ("fc", "lm_head") for part in ("", ".weight", ".bias", ".packed")),
+    *("norm", "norm.weight", "norm.eps", "embed_tokens", "embed_tokens.weight", "midlayer"),
 )
 
 
