@@ -37,21 +37,9 @@ class HEAD(ctypes.Structure):
 
 @functools.cache
 def kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    args = [
-        ctypes.POINTER(HEAD),
-        ctypes.POINTER(P),
-        I64,
-        P,
-        P,
-        P,
-        I64,
-        ctypes.POINTER(decoder_layer.STEP),
-        P,
-        P,
-        P,
-        P,
-        P,
-    ]
+    # head, taps, m, projected, tokens, features, n, step, k and v caches, work, out, logits
+    step = ctypes.POINTER(decoder_layer.STEP)
+    args = [ctypes.POINTER(HEAD), ctypes.POINTER(P), I64, P, P, P, I64, step, P, P, P, P, P]
     return native.bind("eagle3_draft", args, I64)
 
 

@@ -132,11 +132,7 @@ class EagleProposer(Proposer):
     def slot_mask(self, s: int, n: int) -> Tensor:
         """What slots s .. n-1 see: the slots before each and itself, from the first this request's head reads (slot 0,
         and the prompt before the window, are left out)."""
-        if n - s == 1:
-            return self.sees[None, :n]
-        mask = torch.ones(n - s, n, dtype=torch.bool, device=self.sees.device).tril(s)
-        mask[:, : self.first] = False
-        return mask
+        return self.sees[:n].expand(n - s, n).tril(s)
 
     def filled_up_to(self, n: int, feature: Tensor, logits: Tensor) -> None:
         """Slots [cached, n) hold real pairs now; the last one's output and logits are the next draft's first level."""
@@ -162,7 +158,7 @@ class EagleProposer(Proposer):
         taps = self.kept_taps()
         rope, caches = (self.head.cos[s:n], self.head.sin[s:n]), (self.cache.k[0], self.cache.v[0])
         projected, features = store[first : first + taps[0].numel() // store.shape[1]], store[s - 1 : n - 1]
-        ids = tokens[s:n] if tokens.dtype == torch.long and tokens.is_contiguous() else tokens[s:n].long().contiguous()
+        ids = tokens[s:n].long().contiguous()  # the ids as the kernel reads them (itself where they are)
         out, logits = eagle3_draft.run(made, taps, projected, ids, features, rope, caches, s, self.slot_mask(s, n))
         self.unstored = []
         self.filled_up_to(n, out[-1], logits[None])
