@@ -26,6 +26,8 @@ from .kinds import DraftShape, Kind
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing's from 3.11
 
+# the methods cpu_kernels/eagle3_draft.py computes in one call (a subclass's or an instance's own takes the modules)
+ONE_CALL = ("target_features", "forward", "fed_back", "logits", "rope")
 DRAFT_VOCAB = 8192  # the default draft vocabulary: the training answers' most frequent tokens (at most the target's)
 
 
@@ -117,19 +119,16 @@ class Eagle3Head(DraftVocabHead):
 
     def draft_plan(self) -> eagle3_draft.DraftPlan | None:
         """The plan of the draft forward in one call (cpu_kernels/eagle3_draft.py), which computes target_features,
-        forward and logits as this class does, without the options that change them; None where it does not run."""
-        c, cls = self.config, type(self)
-        methods = (cls.target_features, cls.forward, cls.fed_back, cls.logits, type(self.midlayer).forward)
-        ours = (
-            Eagle3Head.target_features,
-            Eagle3Head.forward,
-            Eagle3Head.fed_back,
-            Eagle3Head.logits,
-            Eagle3Layer.forward,
-        )
-        if c.norm_before_fc or c.norm_output or c.norm_before_residual or methods != ours:
+        forward, rope and logits as this class does, without the options that change them; None where it does not run
+        (an option on, or one of those methods another class's or set on the instance)."""
+        c = self.config
+        if c.norm_before_fc or c.norm_output or c.norm_before_residual or not self.computes_as_the_call():
             return None
         return eagle3_draft.plan(self)
+
+    def computes_as_the_call(self) -> bool:
+        ours = all(getattr(type(self), m) is getattr(Eagle3Head, m) and m not in self.__dict__ for m in ONE_CALL)
+        return ours and type(self.midlayer).forward is Eagle3Layer.forward
 
     def target_features(self, hidden: Tensor | None, aux: Tensor | None) -> Tensor:
         """The fused feature: fc over the target's layer inputs [.., k*H] (in target_layers order)."""

@@ -11,6 +11,7 @@ import torch
 
 from draftsmith.cpu_kernels import eagle3_draft, native
 from draftsmith.cpu_kernels.packed import pack_linears
+from draftsmith.heads.eagle3 import Eagle3Head
 from draftsmith.serve.engine.engine import Engine
 from draftsmith.serve.engine.metrics import Metrics
 from draftsmith.serve.engine.sampling import SamplingParams
@@ -120,6 +121,21 @@ def test_an_unpacked_head_or_a_hooked_module_takes_the_modules(target):
     handle = head.norm.register_forward_hook(lambda *args: None)  # the call would skip the hook
     assert head.draft_plan() is None
     handle.remove()
+    assert head.draft_plan() is not None
+
+
+def test_a_method_of_a_subclass_or_an_instance_takes_the_modules(target):
+    class OwnRope(Eagle3Head):
+        def rope(self, positions, dtype):
+            return super().rope(positions * 0, dtype)
+
+    head = packed_head(target)
+    head.__class__ = OwnRope
+    assert head.draft_plan() is None  # the call reads the rope table itself
+    head.__class__ = Eagle3Head
+    head.logits = lambda hidden: Eagle3Head.logits(head, hidden) * 2
+    assert head.draft_plan() is None
+    del head.logits
     assert head.draft_plan() is not None
 
 
