@@ -28,22 +28,30 @@ if TYPE_CHECKING:
 
 # the methods cpu_kernels/eagle3_draft.py computes in one call (a subclass's or an instance's own takes the modules)
 ONE_CALL = ("target_features", "forward", "fed_back", "logits", "rope")
+INITS = ("scratch", "target", "layer")
 DRAFT_VOCAB = 8192  # the default draft vocabulary: the training answers' most frequent tokens (at most the target's)
+# what init=layer needs of the head's layer to copy the target's into it, and what it copies as it is
+LAYER_SIZES: tuple[str, ...] = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+LAYER_SIZES += ("head_dim", "qk_norm", "attention_bias")
+COPIED = ("self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 @dataclass
 class Eagle3Config(EagleConfig):
     target_layers: tuple[int, ...] = (2, 16, 29)  # inputs of these target layers (L = the last layer's output)
     draft_vocab_size: int = DRAFT_VOCAB
-    init: str = "scratch"  # target: norm and lm_head start as the target's final norm and lm_head rows
+    # target: norm and lm_head start as the target's final norm and lm_head rows; layer: those, and the midlayer as the
+    # target layer that reads the last tapped feature (fc passing that tap on): the head starts as the target's own
+    # computation from there, read out early, and learns the next token from a working part of the target
+    init: str = "scratch"
     norm_before_fc: bool = False  # an RMSNorm (input_norm) over the concatenated target features before fc
     norm_output: bool = False  # EAGLE-3.1: the next depth reads norm(output), what the lm_head reads, not output
     norm_before_residual: bool = False  # the layer's residual is hidden_norm(feature), not the feature (speculators')
     qk_norm: bool = False  # a Qwen3-style layer: per-head RMSNorm on q and k before rope (vLLM's Eagle3Qwen3)
 
     def __post_init__(self) -> None:
-        if self.init not in ("scratch", "target"):
-            raise ValueError(f"eagle3 init must be scratch or target, got {self.init!r}")
+        if self.init not in INITS:
+            raise ValueError(f"eagle3 init must be one of {', '.join(INITS)}, got {self.init!r}")
         self.target_layers = tuple(self.target_layers)  # a list after a JSON round trip
         layers = self.target_layers
         if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
@@ -109,13 +117,43 @@ class Eagle3Head(DraftVocabHead):
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.vocab_buffers()
         self.rope_cache(cfg.max_position_embeddings)
-        if model is not None and cfg.init == "target":
+        if model is not None and cfg.init != "scratch":
             with torch.no_grad():
                 self.norm.weight.copy_(model.model.norm.weight)
+        if model is not None and cfg.init == "layer":
+            self.copy_target_layer(model)
 
     @property
     def copies_target_rows(self) -> bool:
-        return self.config.init == "target"
+        return self.config.init != "scratch"
+
+    @torch.no_grad()
+    def copy_target_layer(self, model: Transformer) -> None:
+        """The midlayer as the target's layer that reads the last tap (the last layer where that tap is the target's
+        output), over that tap alone: fc passes it on, and the embedding's half of q, k and v starts at zero (both
+        learn from there)."""
+        h, layers = self.config.hidden_size, model.model.layers
+        tap = min(self.config.target_layers[-1], len(layers) - 1)  # a tap of the target's output: its last layer
+        ours, theirs = self.config.layer_config(), model.config
+        if any(getattr(ours, k) != getattr(theirs, k) for k in LAYER_SIZES):
+            raise ValueError(
+                "init=layer copies a target layer, so the head's layer must be sized as the target's: leave "
+                "head.hidden_size, intermediate_size and the head counts unset (qk_norm as the target's), or set "
+                "head.init=scratch"
+            )
+        source, layer = layers[tap], self.midlayer
+        self.fc.weight.zero_()
+        self.fc.weight[:, -h:].copy_(torch.eye(h))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            mine, target = getattr(layer.self_attn, name), getattr(source.self_attn, name)
+            mine.weight.zero_()
+            mine.weight[:, h:].copy_(target.weight)
+            if mine.bias is not None:
+                mine.bias.copy_(target.bias)
+        layer.hidden_norm.weight.copy_(source.get_parameter("input_layernorm.weight"))
+        norms = ("self_attn.q_norm", "self_attn.k_norm") if self.config.qk_norm else ()
+        for name in (*COPIED, *norms):
+            layer.get_parameter(f"{name}.weight").copy_(source.get_parameter(f"{name}.weight"))
 
     def draft_plan(self) -> eagle3_draft.DraftPlan | None:
         """The plan of the draft forward in one call (cpu_kernels/eagle3_draft.py), which computes target_features,

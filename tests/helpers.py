@@ -539,6 +539,7 @@ def cli_args(target, data) -> list[str]:
         "data.max_length=48",
         f"head.kind={standin_head.KIND}",
         "~head.loss",
+        "head.init=null",  # eagle3's tuning (composed by default) starts its head from the target's layer
         "train.loss_on=answers",  # eagle3's tuning (composed by default) trains every position; the dataclass does not
         "imports=[standin_head]",
         "train.features.mode=online",

@@ -112,8 +112,8 @@ def single_process(out: Path, target, data, batch_size: int, resume: bool = Fals
     """The launched runs' settings (train=quick where they do not set them) in this process, no DeepSpeed."""
     tc = TrainConfig(max_steps=STEPS, batch_size=batch_size, lr=1e-2, warmup_steps=10, max_grad_norm=MAX_GRAD_NORM)
     tc.log_every, tc.checkpoint_every, tc.mixed_precision, tc.features = 1, 2, "no", FeatureConfig(mode="online")
-    tc.loss_on = "all"  # conf/tuning/eagle3-quick.yaml
-    head = HeadConfig(kind="eagle3", draft_vocab_size=256, loss={"ttt_steps": 2, "decay": 0.8})
+    tc.loss_on = "all"  # conf/tuning/eagle3-quick.yaml, as init="layer" below
+    head = HeadConfig(kind="eagle3", draft_vocab_size=256, init="layer", loss={"ttt_steps": 2, "decay": 0.8})
     data_cfg = DataConfig(source=data, max_conversations=2000, max_length=48, heldout_fraction=0.2)
     target_cfg = TargetConfig(path=str(target), dtype="float32")
     return RunConfig(str(out), target_cfg, head, data_cfg, tc, WandbConfig(enabled=False), resume=resume)

@@ -261,8 +261,31 @@ def test_eagle3_init_from_target(target):
     scratch = eagle_head("eagle3", target, draft_vocab_size=16)
     scratch.set_vocab(counts)
     assert not torch.equal(scratch.lm_head.weight, target.lm_head.weight[40:56])
-    with pytest.raises(ValueError, match="eagle3 init must be scratch or target"):
+    with pytest.raises(ValueError, match="eagle3 init must be one of scratch, target, layer"):
         eagle_head("eagle3", target, init="copy")
+
+
+def test_eagle3_init_from_the_target_layer_computes_it(target):
+    """init=layer: the head starts as the target's layer that reads the last tap, over that tap alone (the other
+    taps and the token are read through weights at zero), then the target's final norm and lm_head rows."""
+    head = eagle_head("eagle3", target, draft_vocab_size=16, init="layer")
+    head.set_vocab(torch.rand(target.config.vocab_size))
+    h, n, tap = target.config.hidden_size, 7, head.config.target_layers[-1]
+    aux = torch.randn(1, n, len(head.config.target_layers) * h)
+    tokens, positions = torch.randint(0, target.config.vocab_size, (1, n)), torch.arange(n)
+    out = head(head.target_features(None, aux), tokens, positions)
+    cos, sin = head.rope(positions, aux.dtype)
+    expected = target.model.layers[tap](aux[..., -h:], cos, sin, None, None, 0, None)
+    torch.testing.assert_close(out, expected)
+    lens = target.lm_head(target.model.norm(expected))[..., head.vocab_ids]
+    torch.testing.assert_close(head.logits(out), lens)
+    other = head(head.target_features(None, aux.roll(1, -1)), tokens.roll(1, -1), positions)
+    assert not torch.allclose(other, out)  # it reads the last tap: a shifted one changes what it computes
+    with pytest.raises(ValueError, match="sized as the target's.*head.init=scratch"):
+        eagle_head("eagle3", target, init="layer", intermediate_size=8)
+    n = target.config.num_hidden_layers  # a last tap of the target's output: its last layer is copied
+    last = eagle_head("eagle3", target, init="layer", target_layers=[0, n])
+    assert torch.equal(last.midlayer.mlp.down_proj.weight, target.model.layers[n - 1].mlp.down_proj.weight)
 
 
 def test_eagle_loss_shifts(target):

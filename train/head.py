@@ -39,7 +39,7 @@ class HeadConfig:
     num_key_value_heads: int | None = None
     draft_vocab_size: int | None = None  # eagle3, peagle, dflash (null = heads/eagle3.py DRAFT_VOCAB, capped)
     target_layers: list[int] | None = None  # eagle3: target layers fused by fc (null = 2, L/2, L-3)
-    init: str | None = None  # draft_model: target | scratch
+    init: str | None = None  # draft_model: target | scratch; eagle3 (and peagle): scratch | target | layer
     args: dict[str, Any] = field(default_factory=dict)
     loss: dict[str, Any] = field(default_factory=dict)
     # the draft the head is made for (null fields: the kind's default): the in-training eval drafts it, the drafter
