@@ -31,8 +31,7 @@ ONE_CALL = ("target_features", "forward", "fed_back", "logits", "rope")
 INITS = ("scratch", "target", "layer")
 DRAFT_VOCAB = 8192  # the default draft vocabulary: the training answers' most frequent tokens (at most the target's)
 # what init=layer needs of the head's layer to copy the target's into it, and what it copies as it is
-LAYER_SIZES: tuple[str, ...] = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-LAYER_SIZES += ("head_dim", "qk_norm", "attention_bias")
+LAYER_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 COPIED = ("self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
@@ -52,6 +51,11 @@ class Eagle3Config(EagleConfig):
     def __post_init__(self) -> None:
         if self.init not in INITS:
             raise ValueError(f"eagle3 init must be one of {', '.join(INITS)}, got {self.init!r}")
+        if self.init == "layer" and (self.norm_before_fc or self.norm_before_residual):
+            raise ValueError(
+                "init=layer starts the head as the target's layer over the last tap, which norm_before_fc and "
+                "norm_before_residual change: drop them, or set head.init=target"
+            )
         self.target_layers = tuple(self.target_layers)  # a list after a JSON round trip
         layers = self.target_layers
         if not layers or list(layers) != sorted(set(layers)) or layers[0] < 0:
@@ -131,15 +135,14 @@ class Eagle3Head(DraftVocabHead):
     def copy_target_layer(self, model: Transformer) -> None:
         """The midlayer as the target's layer that reads the last tap (the last layer where that tap is the target's
         output), over that tap alone: fc passes it on, and the embedding's half of q, k and v starts at zero (both
-        learn from there)."""
+        learn from there). Sizes must match; q/k norms are copied where both layers have them."""
         h, layers = self.config.hidden_size, model.model.layers
         tap = min(self.config.target_layers[-1], len(layers) - 1)  # a tap of the target's output: its last layer
         ours, theirs = self.config.layer_config(), model.config
-        if any(getattr(ours, k) != getattr(theirs, k) for k in LAYER_SIZES):
+        if differ := [k for k in LAYER_SIZES if getattr(ours, k) != getattr(theirs, k)]:
             raise ValueError(
-                "init=layer copies a target layer, so the head's layer must be sized as the target's: leave "
-                "head.hidden_size, intermediate_size and the head counts unset (qk_norm as the target's), or set "
-                "head.init=scratch"
+                f"init=layer copies a target layer, so the head's layer must be sized as the target's "
+                f"({', '.join(differ)} differ): leave those head sizes unset, or set head.init=scratch"
             )
         source, layer = layers[tap], self.midlayer
         self.fc.weight.zero_()
@@ -151,7 +154,9 @@ class Eagle3Head(DraftVocabHead):
             if mine.bias is not None:
                 mine.bias.copy_(target.bias)
         layer.hidden_norm.weight.copy_(source.get_parameter("input_layernorm.weight"))
-        norms = ("self_attn.q_norm", "self_attn.k_norm") if self.config.qk_norm else ()
+        # a Qwen3 target's q and k norms, where the head has them (EAGLE-3's formats draw its layer without: the start
+        # is then the target's layer less those norms)
+        norms = ("self_attn.q_norm", "self_attn.k_norm") if ours.qk_norm and theirs.qk_norm else ()
         for name in (*COPIED, *norms):
             layer.get_parameter(f"{name}.weight").copy_(source.get_parameter(f"{name}.weight"))
 

@@ -265,10 +265,13 @@ def test_eagle3_init_from_target(target):
         eagle_head("eagle3", target, init="copy")
 
 
-def test_eagle3_init_from_the_target_layer_computes_it(target):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])  # qwen2: q/k/v biases; qwen3: q and k norms
+def test_eagle3_init_from_the_target_layer_computes_it(tiny_llama_dir, model_type):
     """init=layer: the head starts as the target's layer that reads the last tap, over that tap alone (the other
     taps and the token are read through weights at zero), then the target's final norm and lm_head rows."""
-    head = eagle_head("eagle3", target, draft_vocab_size=16, init="layer")
+    target = load_model(tiny_llama_dir(model_type), torch.float32, "cpu")
+    qk_norm = target.config.qk_norm
+    head = eagle_head("eagle3", target, draft_vocab_size=16, init="layer", qk_norm=qk_norm)
     head.set_vocab(torch.rand(target.config.vocab_size))
     h, n, tap = target.config.hidden_size, 7, head.config.target_layers[-1]
     aux = torch.randn(1, n, len(head.config.target_layers) * h)
@@ -281,8 +284,13 @@ def test_eagle3_init_from_the_target_layer_computes_it(target):
     torch.testing.assert_close(head.logits(out), lens)
     other = head(head.target_features(None, aux.roll(1, -1)), tokens.roll(1, -1), positions)
     assert not torch.allclose(other, out)  # it reads the last tap: a shifted one changes what it computes
-    with pytest.raises(ValueError, match="sized as the target's.*head.init=scratch"):
+    with pytest.raises(ValueError, match=r"sized as the target's \(intermediate_size differ\).*head.init=scratch"):
         eagle_head("eagle3", target, init="layer", intermediate_size=8)
+    with pytest.raises(ValueError, match="norm_before_fc and norm_before_residual change"):
+        eagle_head("eagle3", target, init="layer", norm_before_fc=True)
+    if qk_norm:  # a head drawn without the target's q and k norms (as EAGLE-3's formats have it) still starts
+        plain = eagle_head("eagle3", target, init="layer")
+        assert torch.equal(plain.midlayer.mlp.up_proj.weight, target.model.layers[tap].mlp.up_proj.weight)
     n = target.config.num_hidden_layers  # a last tap of the target's output: its last layer is copied
     last = eagle_head("eagle3", target, init="layer", target_layers=[0, n])
     assert torch.equal(last.midlayer.mlp.down_proj.weight, target.model.layers[n - 1].mlp.down_proj.weight)
