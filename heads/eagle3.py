@@ -32,7 +32,10 @@ INITS = ("scratch", "target", "layer")
 DRAFT_VOCAB = 8192  # the default draft vocabulary: the training answers' most frequent tokens (at most the target's)
 # what init=layer needs of the head's layer to copy the target's into it, and what it copies as it is
 LAYER_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
-COPIED = ("self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+COPIED = {  # the head's parameter: the target layer's
+    "hidden_norm": "input_layernorm",  # the head's norm of the feature is the target layer's input norm
+    **{m: m for m in ("self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")},
+}
 
 
 @dataclass
@@ -121,7 +124,7 @@ class Eagle3Head(DraftVocabHead):
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
         self.vocab_buffers()
         self.rope_cache(cfg.max_position_embeddings)
-        if model is not None and cfg.init != "scratch":
+        if model is not None and self.copies_target_rows:
             with torch.no_grad():
                 self.norm.weight.copy_(model.model.norm.weight)
         if model is not None and cfg.init == "layer":
@@ -153,12 +156,11 @@ class Eagle3Head(DraftVocabHead):
             mine.weight[:, h:].copy_(target.weight)
             if mine.bias is not None:
                 mine.bias.copy_(target.bias)
-        layer.hidden_norm.weight.copy_(source.get_parameter("input_layernorm.weight"))
         # a Qwen3 target's q and k norms, where the head has them (EAGLE-3's formats draw its layer without: the start
         # is then the target's layer less those norms)
-        norms = ("self_attn.q_norm", "self_attn.k_norm") if ours.qk_norm and theirs.qk_norm else ()
-        for name in (*COPIED, *norms):
-            layer.get_parameter(f"{name}.weight").copy_(source.get_parameter(f"{name}.weight"))
+        norms = {n: n for n in ("self_attn.q_norm", "self_attn.k_norm")} if ours.qk_norm and theirs.qk_norm else {}
+        for mine_name, their_name in (COPIED | norms).items():
+            layer.get_parameter(f"{mine_name}.weight").copy_(source.get_parameter(f"{their_name}.weight"))
 
     def draft_plan(self) -> eagle3_draft.DraftPlan | None:
         """The plan of the draft forward in one call (cpu_kernels/eagle3_draft.py), which computes target_features,
